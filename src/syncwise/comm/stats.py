@@ -1,0 +1,72 @@
+"""Process-wide counters for every collective syncwise issues.
+
+Cheap by design: a record is a few dict updates. Synchronous collectives are timed by wall clock;
+asynchronous ones are timed from issue to completion through a future callback, so nothing adds a
+synchronisation point. The trainer reads bytes and counts per step from here.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class OpTotals:
+    """Running totals for one collective kind."""
+
+    calls: int = 0
+    bytes: int = 0
+    time_s: float = 0.0
+
+
+@dataclass
+class CommStats:
+    """Counters of collectives issued by this process (bytes = this rank's input payload)."""
+
+    by_op: dict[str, OpTotals] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record(self, op: str, nbytes: int, seconds: float = 0.0) -> None:
+        """Count one collective of ``nbytes`` payload; ``seconds`` if already known."""
+        with self._lock:
+            t = self.by_op.setdefault(op, OpTotals())
+            t.calls += 1
+            t.bytes += int(nbytes)
+            t.time_s += seconds
+
+    def add_time(self, op: str, seconds: float) -> None:
+        """Add completion time for an asynchronous collective recorded earlier."""
+        with self._lock:
+            self.by_op.setdefault(op, OpTotals()).time_s += seconds
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.bytes for t in self.by_op.values())
+
+    @property
+    def total_calls(self) -> int:
+        return sum(t.calls for t in self.by_op.values())
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """A plain-dict copy, for logging."""
+        with self._lock:
+            return {k: {"calls": v.calls, "bytes": v.bytes, "time_s": v.time_s} for k, v in self.by_op.items()}
+
+    def reset(self) -> None:
+        with self._lock:
+            self.by_op.clear()
+
+
+STATS = CommStats()
+
+
+class Stopwatch:
+    """``with Stopwatch() as sw: ...`` then ``sw.seconds``."""
+
+    def __enter__(self) -> "Stopwatch":
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self.start

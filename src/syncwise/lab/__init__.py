@@ -1,0 +1,1 @@
+"""syncwise.lab"""

@@ -1,0 +1,69 @@
+"""Run a function on N real gloo processes (no mocks of torch.distributed).
+
+``run_workers(fn, 2, arg)`` spawns 2 processes, initialises a gloo group over loopback, calls
+``fn(rank, world_size, arg)`` in each and returns the per-rank results in rank order. ``fn`` must be a
+module-level function of a test module. ``local_world_size`` sets torchrun's LOCAL_* variables, so
+topology code sees e.g. 2 nodes x 2 workers.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, fn, world_size, local_world_size, port, args, results):
+    local = local_world_size or world_size
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % local),
+                      LOCAL_WORLD_SIZE=str(local), GROUP_RANK=str(rank // local), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        results.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_workers(fn, world_size: int, *args, local_world_size: int | None = None, timeout: float = 180.0):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return results by rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, fn, world_size, local_world_size, port, args, results))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, object] = {}
+    errors = []
+    try:
+        for _ in range(world_size):
+            rank, ok, value = results.get(timeout=timeout)
+            if ok:
+                out[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+                break
+    except queue.Empty:
+        errors.append(f"timed out after {timeout}s waiting for workers")
+    finally:
+        for p in procs:
+            p.join(timeout=10 if not errors else 1)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("worker failed:\n" + "\n".join(errors))
+    return [out[r] for r in range(world_size)]
