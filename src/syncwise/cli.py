@@ -1,0 +1,54 @@
+"""The `syncwise` command line: one subcommand per module under syncwise.commands."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .errors import SyncwiseError
+
+# subcommand -> (module under syncwise.commands, one-line help)
+COMMANDS = {
+    "train": ("train", "train a model on N workers (local, or across the network lab)"),
+    "bench": ("bench", "baseline vs optimized: compressors side by side, parallel efficiency, loss"),
+    "comm-bench": ("comm_bench", "nccl-tests style collective sweep: time, algbw, busbw"),
+    "cluster": ("cluster", "the network lab: emulated multi-node cluster on this machine"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="syncwise", description="Communication-efficient distributed training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        try:
+            mod = importlib.import_module(f"syncwise.commands.{module}")
+        except ModuleNotFoundError as e:
+            if e.name != f"syncwise.commands.{module}":
+                raise
+            continue
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        mod.add_arguments(p)
+        p.set_defaults(func=mod.run, command=name)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    try:
+        if args.command == "train":
+            return args.func(args, extra)
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return args.func(args) or 0
+    except SyncwiseError as e:
+        print(f"syncwise: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("syncwise: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""Per-step metrics: JSONL file, live rich progress bar, TensorBoard events, final summary table."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """All rows of a metrics.jsonl (a torn last line from a crash is ignored)."""
+    rows = []
+    p = Path(path)
+    if not p.exists():
+        return rows
+    for line in p.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
+
+
+def truncate_jsonl(path: str | Path, last_step: int) -> int:
+    """Keep only rows with ``step <= last_step`` (a resumed run re-logs the steps it redoes); returns rows kept."""
+    p = Path(path)
+    rows = [r for r in read_jsonl(p) if r.get("step", 0) <= last_step]
+    tmp = p.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, p)
+    return len(rows)
+
+
+class MetricsLogger:
+    """Writes one JSON object per optimizer step and shows progress; a no-op on ranks other than 0."""
+
+    def __init__(self, run_dir: str | Path | None, total_steps: int, enabled: bool = True, start_step: int = 0,
+                 tensorboard: bool = True, console: Optional[Console] = None):
+        self.enabled = enabled and run_dir is not None
+        self.total_steps = total_steps
+        self.console = console or Console(stderr=False)
+        self._progress: Optional[Progress] = None
+        self._tb = None
+        self._file = None
+        if not self.enabled:
+            return
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
+        if start_step == 0 and self.path.exists():
+            self.path.unlink()  # a fresh run in this directory: the old run's rows do not belong to it
+        elif self.path.exists():
+            truncate_jsonl(self.path, start_step)
+        self._file = open(self.path, "a", buffering=1)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.run_dir / "tb"))
+            except Exception:  # tensorboard not installed: JSONL is the record
+                self._tb = None
+        self._progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=self.console,
+            disable=not self.console.is_terminal and not os.environ.get("SYNCWISE_FORCE_PROGRESS"),
+        )
+        self._task = self._progress.add_task("train", total=total_steps, completed=start_step, info="")
+        self._progress.start()
+        self._plain = not self.console.is_terminal
+
+    def log_step(self, row: dict[str, Any]) -> None:
+        """Record one optimizer step's metrics."""
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and k != "step" and v is not None:
+                    self._tb.add_scalar(k, v, row["step"])
+        info = f"loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s  comm {row['comm_exposed_s'] * 1e3:.0f} ms"
+        if row.get("val_loss") is not None:
+            info += f"  val {row['val_loss']:.4f}"
+        self._progress.update(self._task, completed=row["step"], info=info)
+        if self._plain and (row["step"] % 10 == 0 or row["step"] == self.total_steps or "val_loss" in row):
+            print(f"step {row['step']:>6}/{self.total_steps}  {info}", file=sys.stdout, flush=True)
+
+    def note(self, message: str) -> None:
+        """A line for the user (e.g. 'resumed from step 40')."""
+        if self.enabled:
+            self.console.print(message)
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        """Write summary.json and print the summary table."""
+        if not self.enabled:
+            return
+        self._progress.stop()
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        table = Table(title="syncwise train — summary", show_header=False)
+        table.add_column("metric", style="bold")
+        table.add_column("value", justify="right")
+        for k, v in summary.items():
+            if isinstance(v, float):
+                v = f"{v:,.4g}"
+            table.add_row(k, str(v))
+        self.console.print(table)
+        self.console.print(f"metrics: {self.path}")

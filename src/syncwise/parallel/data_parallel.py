@@ -1,0 +1,83 @@
+"""Data parallelism: DDP with syncwise's gradient-sync hook, timed so exposed communication is measurable.
+
+Every bucket's gradients go through ``syncwise.compress.compression_hook`` (plain averaging all-reduce
+when compression is off), so the bytes are counted by ``syncwise.comm`` and the trainer can tell how long
+the step waited on the network after the last gradient was computed.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ..compress import CompressionHookState, Compressor, compression_hook
+
+
+@dataclass
+class GradSyncTimer:
+    """Wraps a DDP comm hook; remembers when the last bucket of the backward pass became ready.
+
+    DDP calls the hook as each bucket's gradients are complete, so the last call marks the end of
+    gradient computation; whatever time backward() takes after it is communication the step waited on.
+    """
+
+    inner_state: Any
+    inner_hook: Any
+    last_ready: float = 0.0
+    buckets: int = 0
+
+    def exposed_since_last_ready(self, backward_end: float) -> float:
+        return max(0.0, backward_end - self.last_ready) if self.buckets else 0.0
+
+    def reset(self) -> None:
+        self.buckets = 0
+
+
+def _timed_hook(timer: GradSyncTimer, bucket: dist.GradBucket) -> torch.futures.Future:
+    timer.last_ready = time.perf_counter()
+    timer.buckets += 1
+    return timer.inner_hook(timer.inner_state, bucket)
+
+
+@dataclass
+class DataParallel:
+    """The DDP-wrapped model plus what the loop needs to know about its gradient sync."""
+
+    module: nn.Module
+    timer: Optional[GradSyncTimer] = None
+    hook_state: Optional[CompressionHookState] = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def distributed(self) -> bool:
+        return self.timer is not None
+
+
+def apply_data_parallel(model: nn.Module, compressor: Optional[Compressor] = None, bucket_cap_mb: float = 25.0,
+                        min_numel: int = 4096, device: Optional[torch.device] = None,
+                        find_unused_parameters: Optional[bool] = None) -> DataParallel:
+    """Wrap ``model`` in DDP when a multi-rank process group exists; else return it as is.
+
+    ``find_unused_parameters`` defaults to the model's ``has_sparse_params`` (MoE experts that received
+    no token in a step get no gradient).
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return DataParallel(module=model)
+    if find_unused_parameters is None:
+        find_unused_parameters = bool(getattr(model, "has_sparse_params", False))
+    device_ids = [device.index] if device is not None and device.type == "cuda" else None
+    ddp = DDP(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb,
+              find_unused_parameters=find_unused_parameters,
+              # Buffers (e.g. MoE router biases) are kept identical by the model's own update, not re-sent
+              # every forward.
+              broadcast_buffers=False)
+    names = {p: n for n, p in model.named_parameters()}
+    state = CompressionHookState(compressor, param_names=names, min_numel=min_numel)
+    timer = GradSyncTimer(state, compression_hook)
+    ddp.register_comm_hook(timer, _timed_hook)
+    return DataParallel(module=ddp, timer=timer, hook_state=state)

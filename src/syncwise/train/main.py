@@ -1,0 +1,87 @@
+"""The worker side of `syncwise train`: build model, data and optimizer from a RunConfig and train.
+
+Runs in every worker process — started by `syncwise train` through torchrun's elastic API, or by plain
+``torchrun ... -m syncwise.train --config FILE`` on a multi-node cluster.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import random
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..config import RunConfig
+from ..data import SmartPrefetcher, TokenBatchLoader, evaluation_batches, load_corpus
+from ..models import build_model, count_params, flops_per_token
+from .schedule import adamw, warmup_cosine
+from .trainer import OptimizedTrainer
+
+
+def init_distributed(cfg: RunConfig) -> torch.device:
+    """Join the process group torchrun describes in the environment (if any); pick this worker's device."""
+    threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+    if threads > 0:
+        torch.set_num_threads(threads)
+    use_cuda = torch.cuda.is_available() and cfg.dist.backend != "gloo"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if "RANK" in os.environ and not dist.is_initialized():
+        backend = "nccl" if use_cuda else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.dist.timeout_s),
+                                device_id=device if use_cuda else None)
+    return device
+
+
+def seed_everything(seed: int, deterministic: bool = False) -> None:
+    """Same seed on every rank: identical model init; data order differs by rank through the sampler."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def run_worker(cfg: RunConfig) -> dict[str, Any]:
+    """Train as one worker of the job; returns the run summary (on every rank)."""
+    device = init_distributed(cfg)
+    try:
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        seed_everything(cfg.train.seed, cfg.train.deterministic)
+        corpus = load_corpus(cfg.data.corpus, val_fraction=cfg.data.val_fraction)
+        overrides: dict[str, Any] = {"vocab_size": corpus.vocab_size, "seq_len": cfg.data.seq_len}
+        if cfg.model.attention != "default":
+            overrides["attention"] = cfg.model.attention
+        model = build_model(cfg.model.preset, **overrides)
+        optimizer = adamw(model, cfg.train.lr, cfg.train.weight_decay)
+        scheduler = warmup_cosine(optimizer, cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio)
+        loader = TokenBatchLoader(corpus.train, cfg.data.batch_size, cfg.data.seq_len, rank, world,
+                                  seed=cfg.train.seed)
+        batches = SmartPrefetcher(loader, lookahead=cfg.data.prefetch, device=device) if cfg.data.prefetch else loader
+        val = evaluation_batches(corpus.val, cfg.data.batch_size, cfg.data.seq_len, cfg.train.val_batches, rank,
+                                 world)
+        if rank == 0:
+            print(f"syncwise: {world} worker(s), model {cfg.model.preset} ({count_params(model) / 1e6:.2f}M params), "
+                  f"corpus {corpus.name} ({corpus.train.numel():,} train tokens), compress={cfg.compress.method}",
+                  flush=True)
+        trainer = OptimizedTrainer(
+            model, optimizer, compress_gradients=cfg.compress.method, mixed_precision=cfg.train.mixed_precision,
+            grad_accum_steps=cfg.train.grad_accum, clip_grad_norm=cfg.train.clip_grad, lr_scheduler=scheduler,
+            compile=cfg.train.compile, activation_checkpointing=cfg.train.activation_checkpointing,
+            bucket_cap_mb=cfg.dist.bucket_cap_mb, min_numel=cfg.compress.min_numel, device=device,
+            val_loader=val, val_interval=cfg.train.val_interval, run_dir=cfg.run_dir,
+            flops_per_token=flops_per_token(model.config))
+        summary = trainer.train(batches, steps=cfg.train.steps)
+        summary["params"] = count_params(model)
+        if hasattr(batches, "close"):
+            batches.close()
+        return summary
+    finally:
+        # Field notes: DDP processes sometimes abort at interpreter exit unless the group is destroyed first.
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,286 @@
+"""OptimizedTrainer: the training loop for any ``nn.Module``, readable in one sitting.
+
+What one optimizer step does (``_train_step``):
+  1. ``grad_accum`` micro-batches forward/backward; all but the last under DDP's ``no_sync`` so only the
+     last one communicates (and its gradient sync overlaps with its backward, bucket by bucket);
+  2. gradients are unscaled (fp16), clipped, checked for NaN/Inf (a bad step is skipped on every rank);
+  3. optimizer, LR schedule and model-specific updates (MoE router bias) step;
+  4. the time is split into data wait / compute / exposed communication and logged with the bytes sent.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..comm import ops
+from ..comm.stats import STATS, CommStats
+from ..metrics import MetricsLogger, mfu, peak_flops, peak_memory_mb
+from ..parallel import apply_activation_checkpointing, apply_data_parallel
+
+# Collectives that are not gradient sync (loss averaging, validation, router-load sums) are counted here, so
+# the per-step ``comm_bytes`` is exactly the gradient traffic.
+CONTROL_STATS = CommStats()
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy over (B, T, V) logits and (B, T) targets."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _resolve_compressor(spec: Any):
+    """None/False/'none' → plain all-reduce; a spec string, a Compressor or a GradientCompressor otherwise."""
+    from ..compress import parse_compress_spec
+
+    if spec is None or spec is False:
+        return parse_compress_spec("none")
+    if spec is True:
+        return parse_compress_spec("powersgd:rank=4")
+    if isinstance(spec, str):
+        return parse_compress_spec(spec)
+    return getattr(spec, "compressor", spec)
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step measured."""
+
+    loss: float
+    step_time_s: float
+    compute_s: float
+    comm_exposed_s: float
+    data_wait_s: float
+    comm_bytes: int
+    tokens: int
+    grad_norm: float
+    skipped: bool
+
+
+@dataclass
+class TrainerConfig:
+    """Options of OptimizedTrainer that are not objects (kept together so they can be logged)."""
+
+    mixed_precision: str = "none"
+    grad_accum_steps: int = 1
+    clip_grad_norm: float = 1.0
+    bucket_cap_mb: float = 25.0
+    min_numel: int = 4096
+    compile: bool = False
+    activation_checkpointing: bool = False
+    val_interval: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class OptimizedTrainer:
+    """Train any ``nn.Module`` data-parallel, with compressed gradient sync, AMP, accumulation and metrics.
+
+    Seed API: ``OptimizedTrainer(model, optimizer, loss_fn, compress_gradients=..., mixed_precision=...)``
+    then ``.train(loader, epochs=... or steps=..., checkpoint_dir=..., resume=...)``. ``loader`` yields
+    ``(inputs, targets)``; ``loss_fn(model(inputs), targets)`` gives the loss.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 loss_fn: Callable[[Any, Any], torch.Tensor] = lm_loss, *, compress_gradients: Any = None,
+                 mixed_precision: str = "none", grad_accum_steps: int = 1, clip_grad_norm: float = 1.0,
+                 lr_scheduler: Any = None, compile: bool = False, activation_checkpointing: bool = False,
+                 bucket_cap_mb: float = 25.0, min_numel: int = 4096, device: Optional[torch.device] = None,
+                 val_loader: Optional[Iterable] = None, val_interval: int = 0, run_dir: Optional[str] = None,
+                 flops_per_token: Optional[float] = None, show_progress: bool = True):
+        self.rank, self.world_size = _world()
+        self.device = device or next(model.parameters()).device
+        self.cfg = TrainerConfig(mixed_precision, grad_accum_steps, clip_grad_norm, bucket_cap_mb, min_numel,
+                                 compile, activation_checkpointing, val_interval)
+        self.model = model.to(self.device)  # the plain module: evaluation, checkpoints, router updates
+        if activation_checkpointing:
+            apply_activation_checkpointing(self.model)
+        self.compressor = _resolve_compressor(compress_gradients)
+        self.dp = apply_data_parallel(self.model, self.compressor, bucket_cap_mb, min_numel, self.device)
+        self.train_module = torch.compile(self.dp.module) if compile else self.dp.module
+        self.optimizer, self.lr_scheduler, self.loss_fn = optimizer, lr_scheduler, loss_fn
+        self.amp_dtype = self._amp_dtype(mixed_precision)
+        # fp16 needs loss scaling; bf16 and fp32 do not.
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype == torch.float16)
+        self.val_loader, self.run_dir, self.show_progress = val_loader, run_dir, show_progress
+        self.flops_per_token = flops_per_token
+        self.step = 0
+        self.tokens_seen = 0
+        self.skipped_steps: list[int] = []
+
+    # ----------------------------------------------------------------------------------------- public API
+    def train(self, loader: Iterable, epochs: Optional[int] = None, steps: Optional[int] = None,
+              checkpoint_dir: Optional[str] = None, resume: Optional[str] = None,
+              cloud_config: Any = None) -> dict[str, Any]:
+        """Run until ``steps`` optimizer steps (or ``epochs`` passes over ``loader``); return the summary."""
+        total = self._total_steps(loader, epochs, steps)
+        logger = MetricsLogger(self.run_dir, total, enabled=self.rank == 0 and self.show_progress,
+                               start_step=self.step)
+        batches = _forever(loader)
+        history: list[StepResult] = []
+        val_loss = None
+        started = time.perf_counter()
+        while self.step < total:
+            result = self._train_step(batches)
+            self.step += 1
+            history.append(result)
+            row = self._row(result)
+            if self.val_loader is not None and (self.step == total or (
+                    self.cfg.val_interval and self.step % self.cfg.val_interval == 0)):
+                val_loss = row["val_loss"] = self.evaluate()
+            logger.log_step(row)
+        summary = self._summary(history, val_loss, time.perf_counter() - started)
+        logger.finish(summary)
+        return summary
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over ``val_loader``, averaged across ranks."""
+        self.model.eval()
+        total, count = torch.zeros((), device=self.device), 0
+        for inputs, targets in self.val_loader:
+            with self._autocast():
+                total += self.loss_fn(self.model(inputs.to(self.device)), targets.to(self.device)).float()
+            count += 1
+        self.model.train()
+        return self._mean_across_ranks(total / max(count, 1))
+
+    # ----------------------------------------------------------------------------------------- one step
+    def _train_step(self, batches: Iterator) -> StepResult:
+        t_start = time.perf_counter()
+        data_wait = comm_exposed = 0.0
+        bytes_before = STATS.total_bytes
+        loss_sum = torch.zeros((), device=self.device)
+        tokens = 0
+        self.optimizer.zero_grad(set_to_none=True)
+        accum = self.cfg.grad_accum_steps
+        for micro in range(accum):
+            t_data = time.perf_counter()
+            inputs, targets = next(batches)
+            inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+            data_wait += time.perf_counter() - t_data
+            tokens += inputs.numel() if not inputs.is_floating_point() else inputs.size(0)
+            last = micro == accum - 1
+            # Only the last micro-batch syncs gradients; the others accumulate locally.
+            sync = contextlib.nullcontext() if (last or not self.dp.distributed) else self.dp.module.no_sync()
+            with sync:
+                if self.dp.timer is not None:
+                    self.dp.timer.reset()
+                with self._autocast():
+                    loss = self.loss_fn(self.train_module(inputs), targets) / accum
+                self.scaler.scale(loss).backward()
+                if last and self.dp.timer is not None:
+                    self._sync_device()
+                    comm_exposed = self.dp.timer.exposed_since_last_ready(time.perf_counter())
+            loss_sum += loss.detach()
+        comm_bytes = STATS.total_bytes - bytes_before
+
+        # Gradients are identical on every rank after the sync, so every rank takes the same decision.
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), self.cfg.clip_grad_norm if self.cfg.clip_grad_norm > 0 else math.inf)
+        skipped = not torch.isfinite(grad_norm).item()
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_steps.append(self.step + 1)
+            self.scaler.update()
+        else:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            update_bias = getattr(self.model, "update_router_bias", None)
+            if update_bias is not None:
+                update_bias(self._sum_across_ranks if self.world_size > 1 else None)
+        self._sync_device()
+        step_time = time.perf_counter() - t_start
+        self.tokens_seen += tokens * self.world_size
+        return StepResult(loss=self._mean_across_ranks(loss_sum), step_time_s=step_time,
+                          compute_s=max(0.0, step_time - data_wait - comm_exposed), comm_exposed_s=comm_exposed,
+                          data_wait_s=data_wait, comm_bytes=comm_bytes, tokens=tokens * self.world_size,
+                          grad_norm=float(grad_norm), skipped=skipped)
+
+    # ----------------------------------------------------------------------------------------- helpers
+    def _row(self, r: StepResult) -> dict[str, Any]:
+        lr = self.optimizer.param_groups[0]["lr"]
+        tps = r.tokens / r.step_time_s if r.step_time_s > 0 else 0.0
+        row = {"step": self.step, "loss": r.loss, "lr": lr, "tokens_per_s": tps, "step_time_s": r.step_time_s,
+               "compute_s": r.compute_s, "comm_exposed_s": r.comm_exposed_s, "data_wait_s": r.data_wait_s,
+               "comm_bytes": r.comm_bytes, "grad_norm": r.grad_norm, "peak_mem_mb": peak_memory_mb(self.device)}
+        util = mfu(self.flops_per_token, tps / self.world_size, peak_flops(self.device))
+        if util is not None:
+            row["mfu"] = util
+        if r.skipped:
+            row["skipped"] = True
+        return row
+
+    def _summary(self, history: list[StepResult], val_loss: Optional[float], wall: float) -> dict[str, Any]:
+        # The first steps include one-off costs (allocator warm-up, DDP bucket rebuild): leave them out of rates.
+        steady = history[min(len(history) - 1, max(1, len(history) // 10)):] if history else []
+        n = max(len(steady), 1)
+        step_time = sum(r.step_time_s for r in steady) / n
+        parts = {k: sum(getattr(r, k) for r in steady) / n for k in ("compute_s", "comm_exposed_s", "data_wait_s")}
+        return {
+            "steps": self.step, "world_size": self.world_size,
+            "final_loss": history[-1].loss if history else None, "final_val_loss": val_loss,
+            "mean_step_time_s": step_time, "tokens_per_s": (sum(r.tokens for r in steady) / n) / max(step_time, 1e-9),
+            "compute_share": parts["compute_s"] / max(step_time, 1e-9),
+            "comm_exposed_share": parts["comm_exposed_s"] / max(step_time, 1e-9),
+            "data_wait_share": parts["data_wait_s"] / max(step_time, 1e-9),
+            "comm_bytes_per_step": sum(r.comm_bytes for r in steady) / n,
+            "compressor": getattr(self.compressor, "name", str(self.compressor)),
+            "skipped_steps": self.skipped_steps, "peak_mem_mb": peak_memory_mb(self.device), "wall_time_s": wall,
+        }
+
+    def _total_steps(self, loader: Iterable, epochs: Optional[int], steps: Optional[int]) -> int:
+        if (epochs is None) == (steps is None):
+            raise ValueError("give exactly one of epochs= or steps=")
+        if steps is not None:
+            return steps
+        return max(1, epochs * len(loader) // self.cfg.grad_accum_steps)  # type: ignore[arg-type]
+
+    def _amp_dtype(self, mode: str) -> Optional[torch.dtype]:
+        if mode == "auto":
+            cuda_bf16 = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
+            return torch.bfloat16 if cuda_bf16 else None
+        return {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mode]
+
+    def _autocast(self):
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    def _sync_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _mean_across_ranks(self, value: torch.Tensor) -> float:
+        if self.world_size > 1:
+            value = value.detach().float().clone()
+            ops.all_reduce(value, "avg", stats=CONTROL_STATS)
+        return float(value)
+
+    def _sum_across_ranks(self, tensor: torch.Tensor) -> None:
+        ops.all_reduce(tensor, "sum", stats=CONTROL_STATS)
+
+
+def _forever(loader: Iterable) -> Iterator:
+    """Iterate ``loader`` again and again (finite loaders are re-entered each epoch)."""
+    while True:
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:
+            raise ValueError("the training loader yielded no batches")

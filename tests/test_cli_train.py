@@ -1,0 +1,50 @@
+"""`syncwise train` end to end, and its configuration errors (which must come before any worker starts)."""
+import json
+
+import pytest
+
+from syncwise.cli import main
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--train.stpes=3"], "train.stpes"),
+    (["--steps", "-5"], "train.steps"),
+    (["--preset", "gigantic"], "model.preset"),
+    (["--data.corpus=/no/such/corpus"], "data.corpus"),
+    (["--nproc", "1000"], "dist.nproc"),
+    (["--train.lr=fast"], "train.lr"),
+    (["--compress", "zip"], "compress"),
+    (["--ckpt.interval=5m"], "ckpt.interval"),
+    (["--nosuchsection.key=1"], "nosuchsection.key"),
+])
+def test_bad_config_fails_before_any_worker_with_a_clear_message(argv, field, tmp_path, capsys):
+    code = main(["train", "--run-dir", str(tmp_path / "run"), *argv])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert field in err and "accepted" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()  # nothing was started or written
+
+
+def test_bad_toml_file_is_reported(tmp_path, capsys):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text("[train]\nsteps = 'many'\n")
+    assert main(["train", "--config", str(cfg)]) == 2
+    assert "train.steps" in capsys.readouterr().err
+
+
+def test_train_two_workers_end_to_end_and_refuses_to_overwrite(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    args = ["train", "--nproc", "2", "--preset", "tiny", "--steps", "6", "--run-dir", str(run_dir),
+            "--data.seq_len=32", "--train.val_interval=3", "--train.val_batches=1"]
+    assert main(args) == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert all(r["comm_bytes"] > 0 for r in rows)
+    assert [r["step"] for r in rows if "val_loss" in r] == [3, 6]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 6
+    # A second run into the same directory must not silently overwrite the first.
+    before = (run_dir / "metrics.jsonl").read_text()
+    assert main(args) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert (run_dir / "metrics.jsonl").read_text() == before
