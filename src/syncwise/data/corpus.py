@@ -1,0 +1,266 @@
+"""Corpora: the Python stdlib's own sources (default), text files/folders, nanoGPT ``.bin`` token files.
+
+Every corpus becomes two 1-D token tensors (train, val) in a compact dtype (uint8 for bytes, uint16
+for nanoGPT files, which stay memory-mapped); loaders convert to int64 one batch at a time.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import sys
+import sysconfig
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError
+
+DEFAULT_MAX_BYTES = 16 * 1024 * 1024
+"""Default cap on bytes read from text sources: the whole non-test stdlib is ~12 MB, read in < 1 s."""
+
+TEXT_EXTENSIONS = frozenset({
+    ".txt", ".md", ".rst", ".py", ".pyi", ".c", ".h", ".cc", ".cpp", ".hpp", ".rs", ".go", ".java",
+    ".js", ".ts", ".json", ".jsonl", ".toml", ".yaml", ".yml", ".ini", ".cfg", ".csv", ".tsv", ".html",
+    ".htm", ".xml", ".tex", ".sh", ".css", ".sql", ".text",
+})
+"""Extensions picked up when the corpus is a folder of text files."""
+
+# Directories of the stdlib that are not "library source": third-party packages and the (huge,
+# repetitive) test suites.
+_STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test",
+                               "__pycache__"})
+_CACHE_FORMAT = 1  # bump when the tokenization or split rule changes, so stale caches are ignored
+_ACCEPTED = ("'stdlib' (the Python standard library's sources), a text file, a folder of text files "
+             f"({', '.join(sorted(TEXT_EXTENSIONS))}), or nanoGPT-style token files (a folder with "
+             "train.bin [+ val.bin, meta.json/meta.pkl] or a path to a uint16 .bin file)")
+
+
+@dataclass
+class Corpus:
+    """Train/val token streams of one corpus, plus what it is."""
+
+    train: torch.Tensor
+    val: torch.Tensor
+    vocab_size: int
+    name: str
+    description: str
+    byte_level: bool = True
+    files: dict[str, int] = field(default_factory=lambda: {"train": 0, "val": 0})
+
+    def __repr__(self) -> str:
+        return (f"Corpus(name={self.name!r}, train={self.train.numel():,} tokens, "
+                f"val={self.val.numel():,} tokens, vocab_size={self.vocab_size})")
+
+
+def load_corpus(spec: str = "stdlib", val_fraction: float = 0.05,
+                max_bytes: int | None = DEFAULT_MAX_BYTES, cache_dir: str | os.PathLike | None = None) -> Corpus:
+    """Load a corpus by spec: ``"stdlib"``, a text file/folder, or nanoGPT ``train.bin``/``val.bin``.
+
+    Text is byte-tokenized. Files go to val by a hash of their relative path (so the split does not
+    depend on file order or count); with too few files for that, the last ``val_fraction`` of the
+    stream is val. ``max_bytes`` caps bytes read from text sources (``None``: no cap); ``.bin``
+    files are memory-mapped and never capped. The stdlib corpus is cached under ``cache_dir``
+    (default ``$SYNCWISE_CACHE_DIR`` or ``~/.cache/syncwise``).
+    """
+    if not isinstance(val_fraction, (int, float)) or not 0.0 <= val_fraction < 1.0:
+        raise ConfigError("data.val_fraction", val_fraction, "a number in [0, 1)")
+    if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes <= 0):
+        raise ConfigError("data.max_bytes", max_bytes, "a positive number of bytes, or None for no cap")
+    if not isinstance(spec, (str, os.PathLike)) or not str(spec).strip():
+        raise ConfigError("data.corpus", spec, _ACCEPTED)
+    spec = str(spec)
+    if spec == "stdlib":
+        return _load_stdlib(val_fraction, max_bytes, cache_dir)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ConfigError("data.corpus", spec, f"{_ACCEPTED}; no such file or folder: {path}")
+    if path.is_dir() and (path / "train.bin").is_file():
+        return _load_bin(path / "train.bin", spec, val_fraction)
+    if path.is_file() and path.suffix == ".bin":
+        return _load_bin(path, spec, val_fraction)
+    if path.is_file():
+        files = [(path.name, path)]
+    else:
+        files = sorted((p.relative_to(path).as_posix(), p) for p in path.rglob("*")
+                       if p.is_file() and p.suffix.lower() in TEXT_EXTENSIONS)
+        if not files:
+            raise ConfigError("data.corpus", spec, f"{_ACCEPTED}; the folder {path} has no text files")
+    train, val, counts = _tokenize_files(files, val_fraction, max_bytes)
+    if train.size == 0:
+        raise ConfigError("data.corpus", spec, f"{_ACCEPTED}; {path} holds no text (0 bytes)")
+    capped = f", capped at {max_bytes:,} bytes" if max_bytes is not None and train.size + val.size >= max_bytes else ""
+    return Corpus(torch.from_numpy(train), torch.from_numpy(val), 256, path.name or spec,
+                  f"byte-level text from {path} ({len(files)} file(s){capped})", True, counts)
+
+
+def _is_val(rel_path: str, val_fraction: float) -> bool:
+    # A hash of the relative path, not the file's position, so adding or removing files elsewhere
+    # does not move any other file between train and val.
+    h = int.from_bytes(hashlib.sha1(rel_path.encode("utf-8")).digest()[:8], "big")
+    return h / 2.0 ** 64 < val_fraction
+
+
+def _tokenize_files(files: list[tuple[str, Path]], val_fraction: float,
+                    max_bytes: int | None) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
+    """Read files in the given (sorted) order up to ``max_bytes`` and split them train/val by file."""
+    parts: dict[bool, list[bytes]] = {False: [], True: []}
+    total = 0
+    for rel, p in files:
+        if max_bytes is not None and total >= max_bytes:
+            break
+        data = p.read_bytes()
+        if not data:
+            continue
+        if not data.endswith(b"\n"):  # keep files from running into each other mid-line
+            data += b"\n"
+        if max_bytes is not None:
+            data = data[: max_bytes - total]
+        total += len(data)
+        parts[_is_val(rel, val_fraction)].append(data)
+    counts = {"train": len(parts[False]), "val": len(parts[True])}
+    train = np.frombuffer(b"".join(parts[False]), dtype=np.uint8)
+    val = np.frombuffer(b"".join(parts[True]), dtype=np.uint8)
+    if val_fraction > 0 and (val.size == 0 or train.size == 0):
+        # Too few files for a per-file split (e.g. one text file): hold out the tail of the stream,
+        # as nanoGPT's data preparation does.
+        stream = np.frombuffer(b"".join(parts[False] + parts[True]), dtype=np.uint8)
+        cut = int(round(stream.size * (1.0 - val_fraction)))
+        train, val = stream[:cut], stream[cut:]
+        counts = {"train": -1, "val": -1}  # -1: split inside the stream, not by file
+    # np.frombuffer gives read-only views; torch wants writable memory, so copy once here.
+    return train.copy(), val.copy(), counts
+
+
+def stdlib_files() -> tuple[Path, list[tuple[str, Path]]]:
+    """The stdlib root and its library ``.py`` files as sorted (relative path, path) pairs."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files: list[tuple[str, Path]] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _STDLIB_SKIP_DIRS]
+        for fn in filenames:
+            if fn.endswith(".py"):
+                p = Path(dirpath) / fn
+                files.append((p.relative_to(root).as_posix(), p))
+    files.sort()
+    return root, files
+
+
+def default_cache_dir() -> Path:
+    """Where syncwise caches tokenized corpora: ``$SYNCWISE_CACHE_DIR`` or ``$XDG_CACHE_HOME/syncwise``."""
+    env = os.environ.get("SYNCWISE_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "syncwise"
+
+
+def _load_stdlib(val_fraction: float, max_bytes: int | None, cache_dir: str | os.PathLike | None) -> Corpus:
+    root, files = stdlib_files()
+    if not files:
+        raise ConfigError("data.corpus", "stdlib",
+                          f"{_ACCEPTED}; no .py sources found under {root} (this Python ships without "
+                          "them): pass a text file or folder instead")
+    ver = f"{sys.implementation.name}{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}"
+    # The key covers everything that changes the result: interpreter, where its stdlib is, cap, split.
+    key = hashlib.sha1(f"{_CACHE_FORMAT}|{ver}|{root}|{max_bytes}|{val_fraction!r}".encode()).hexdigest()[:12]
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    cache_file = cache / f"stdlib-{ver}-{key}.npz"
+    train = val = None
+    counts = {"train": 0, "val": 0}
+    if cache_file.is_file():
+        try:
+            with np.load(cache_file) as z:
+                train, val = z["train"], z["val"]
+                counts = {"train": int(z["n_train_files"]), "val": int(z["n_val_files"])}
+        except (OSError, ValueError, KeyError, EOFError):  # a corrupt cache is rebuilt, never fatal
+            train = val = None
+    if train is None:
+        train, val, counts = _tokenize_files(files, val_fraction, max_bytes)
+        _atomic_savez(cache_file, train=train, val=val, n_train_files=counts["train"],
+                      n_val_files=counts["val"])
+    capped = max_bytes is not None and train.size + val.size >= max_bytes
+    desc = (f"Python {sys.version_info.major}.{sys.version_info.minor} stdlib sources under {root} "
+            f"({counts['train']} train / {counts['val']} val files, byte-level"
+            + (f", first {max_bytes:,} bytes by sorted path)" if capped else ")"))
+    return Corpus(torch.from_numpy(train), torch.from_numpy(val), 256, "stdlib", desc, True, counts)
+
+
+def _atomic_savez(path: Path, **arrays: np.ndarray | int) -> None:
+    """Write an .npz next to its final name, then rename: readers never see a half-written cache."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, **arrays)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError:
+        pass  # an unwritable cache dir only costs speed next time
+
+
+class _DataOnlyUnpickler(pickle.Unpickler):
+    """Unpickles plain data (dict/list/str/int...) only: nanoGPT's meta.pkl needs nothing more, and
+    refusing every global means a crafted pickle cannot run code."""
+
+    def find_class(self, module: str, name: str):  # noqa: D102
+        raise pickle.UnpicklingError(f"meta.pkl refers to {module}.{name}; only plain data is allowed")
+
+
+def _read_vocab_size(folder: Path) -> int | None:
+    meta_json, meta_pkl = folder / "meta.json", folder / "meta.pkl"
+    try:
+        if meta_json.is_file():
+            meta = json.loads(meta_json.read_text())
+        elif meta_pkl.is_file():
+            with open(meta_pkl, "rb") as f:
+                meta = _DataOnlyUnpickler(f).load()
+        else:
+            return None
+    except (OSError, ValueError, pickle.UnpicklingError, EOFError) as exc:
+        raise ConfigError("data.corpus", str(folder),
+                          f"a readable meta.json/meta.pkl with an integer 'vocab_size' ({exc})") from exc
+    vs = meta.get("vocab_size") if isinstance(meta, dict) else None
+    if not isinstance(vs, int) or vs <= 0:
+        raise ConfigError("data.corpus", str(folder), "meta.json/meta.pkl with a positive integer 'vocab_size'")
+    return vs
+
+
+def _memmap_tokens(path: Path, spec: str) -> np.ndarray:
+    size = path.stat().st_size
+    if size == 0 or size % 2:
+        raise ConfigError("data.corpus", spec, f"{_ACCEPTED}; {path} is {size} bytes, not a non-empty "
+                          "array of uint16 tokens")
+    # mode "c" (copy-on-write) maps lazily like "r" but gives a writable array, which torch.from_numpy
+    # accepts without a warning; nothing is ever written back to the file.
+    return np.memmap(path, dtype=np.uint16, mode="c")
+
+
+def _load_bin(path: Path, spec: str, val_fraction: float) -> Corpus:
+    train = _memmap_tokens(path, spec)
+    val_path = path.with_name("val.bin")
+    if path.name == "train.bin" and val_path.is_file():
+        val = _memmap_tokens(val_path, spec)
+        split = "val.bin"
+    else:
+        # A lone token file: hold out its tail, contiguous, so windows never straddle the cut.
+        cut = int(round(train.size * (1.0 - val_fraction)))
+        train, val = train[:cut], train[cut:]
+        split = f"last {val_fraction:.0%} of the file"
+    if train.size == 0:
+        raise ConfigError("data.corpus", spec, f"{_ACCEPTED}; {path} leaves no training tokens")
+    vocab = _read_vocab_size(path.parent)
+    # Without meta, the largest id seen bounds the vocab (numpy: torch has no max for uint16).
+    vocab_size = vocab if vocab is not None else int(max(train.max(), val.max() if val.size else 0)) + 1
+    return Corpus(torch.from_numpy(train), torch.from_numpy(val), vocab_size,
+                  path.parent.name if path.name == "train.bin" else path.stem,
+                  f"uint16 token file {path} (memory-mapped; val: {split}; vocab_size "
+                  f"{vocab_size} from {'meta' if vocab is not None else 'max token + 1'})", False,
+                  {"train": 1, "val": 1})
