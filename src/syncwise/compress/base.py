@@ -1,0 +1,265 @@
+"""The compressor protocol: pure tensor code, explicit per-tensor state, collectives via comm.ops.
+
+A compressor averages a *bucket* (a list of gradient tensors) across a process group, in place.
+Every collective goes through :mod:`syncwise.comm.ops`, so ``STATS`` counts the compressed payload
+that really crossed the wire. State (error-feedback residuals, PowerSGD Q matrices, per-tensor
+step counters) is keyed by a stable tensor name, so a checkpoint taken on one run resumes on the
+next even if DDP rebuilds its buckets.
+
+Randomness never lives in a hidden generator: every random draw is seeded from
+``(config.seed, tensor name, that tensor's step counter[, rank])``, so resuming from a state dict
+replays the same draws and shared-seed schemes (random-k) pick identical indices on all ranks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..comm import ops
+from ..errors import SyncwiseError
+
+
+def opt(default: Any, doc: str) -> Any:
+    """A config field with a one-line doc (shown by the CLI's compressor list)."""
+    return dataclasses.field(default=default, metadata={"doc": doc})
+
+
+@dataclass
+class CompressorConfig:
+    """Options shared by all compressors (subclasses add their own fields)."""
+
+    seed: int = opt(0, "base seed for random draws (same on all ranks)")
+
+
+class Compressor:
+    """Base class: average a bucket of tensors across a group, with explicit, checkpointable state.
+
+    Subclasses set ``name`` / ``Config`` and implement :meth:`_average` (tensors to compress plus
+    tensors the policy left uncompressed; both are averaged in place).
+    """
+
+    name: ClassVar[str] = "base"
+    Config: ClassVar[type] = CompressorConfig
+    #: nominal bytes per element on the wire (for docs/CLI); None when it depends on options.
+    bytes_per_element: ClassVar[Optional[float]] = None
+
+    def __init__(self, config: Optional[CompressorConfig] = None, **kwargs: Any):
+        if config is None:
+            config = self.Config(**kwargs)
+        elif kwargs:
+            config = dataclasses.replace(config, **kwargs)
+        self.config = config
+        self._validate()
+        # key -> {"count": int, and compressor-specific tensors}
+        self._state: dict[str, dict[str, Any]] = {}
+        #: running totals: elements averaged and payload bytes this rank sent (also in comm.STATS)
+        self.counters: dict[str, int] = {"elements": 0, "bytes_sent": 0, "collectives": 0}
+
+    # ---- subclass interface -------------------------------------------------------------------
+    def _validate(self) -> None:
+        """Raise ConfigError for bad option values (subclasses extend)."""
+
+    def _average(self, comp: list[torch.Tensor], keys: list[str], raw: list[torch.Tensor],
+                 group: Any, world: int) -> None:
+        raise NotImplementedError
+
+    # ---- public API ---------------------------------------------------------------------------
+    def average(self, tensors: Sequence[torch.Tensor], keys: Sequence[str], group: Any = None,
+                compress: Optional[Sequence[bool]] = None) -> Sequence[torch.Tensor]:
+        """Average ``tensors`` across ``group`` in place; ``compress[i]=False`` sends tensor i as fp32.
+
+        Must be called with the same tensor shapes/keys/flags, in the same order, on every rank.
+        """
+        if len(keys) != len(tensors):
+            raise ValueError("average(): one key per tensor is required")
+        flags = [True] * len(tensors) if compress is None else list(compress)
+        comp = [t for t, f in zip(tensors, flags) if f]
+        ckeys = [k for k, f in zip(keys, flags) if f]
+        raw = [t for t, f in zip(tensors, flags) if not f]
+        world = dist.get_world_size(group)
+        self.counters["elements"] += sum(t.numel() for t in tensors)
+        self._average(comp, ckeys, raw, group, world)
+        for k in ckeys:
+            self._slot(k)["count"] += 1
+        return tensors
+
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpointable state: name, config, and per-tensor state keyed by tensor name."""
+        return {
+            "name": self.name,
+            "config": dataclasses.asdict(self.config),
+            "per_tensor": {k: {n: (v.detach().clone() if torch.is_tensor(v) else v) for n, v in s.items()}
+                           for k, s in self._state.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (the compressor name must match)."""
+        if state.get("name") != self.name:
+            raise SyncwiseError(f"compressor state is for {state.get('name')!r}, not {self.name!r}: resume "
+                                f"with the same --compress setting the checkpoint was written with")
+        self._state = {k: {n: (v.detach().clone() if torch.is_tensor(v) else v) for n, v in s.items()}
+                       for k, s in state.get("per_tensor", {}).items()}
+
+    def reset_state(self) -> None:
+        """Forget residuals, Q matrices and counters."""
+        self._state.clear()
+
+    def __repr__(self) -> str:
+        opts = ",".join(f"{f.name}={getattr(self.config, f.name)}" for f in dataclasses.fields(self.config))
+        return f"{type(self).__name__}({self.name}:{opts})"
+
+    # ---- helpers for subclasses ---------------------------------------------------------------
+    def _slot(self, key: str) -> dict[str, Any]:
+        s = self._state.get(key)
+        if s is None:
+            s = self._state[key] = {"count": 0}
+        return s
+
+    def _seed(self, *parts: object) -> int:
+        """A 63-bit seed from the base seed and ``parts`` (stable across processes and runs)."""
+        h = hashlib.blake2b(repr((self.config.seed,) + parts).encode(), digest_size=8).digest()
+        return int.from_bytes(h, "little") & ((1 << 63) - 1)
+
+    def _generator(self, *parts: object) -> torch.Generator:
+        g = torch.Generator()
+        g.manual_seed(self._seed(*parts))
+        return g
+
+    def _residual(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        s = self._slot(key)
+        r = s.get("residual")
+        if r is None or r.shape != like.shape:
+            r = s["residual"] = torch.zeros_like(like, dtype=torch.float32)
+        return r
+
+    def _count(self, key: str) -> int:
+        return self._slot(key)["count"]
+
+    # collectives, counted here as well as in comm.STATS
+    def _all_reduce_sum(self, t: torch.Tensor, group: Any) -> None:
+        self.counters["bytes_sent"] += t.numel() * t.element_size()
+        self.counters["collectives"] += 1
+        ops.all_reduce(t, "sum", group=group)
+
+    def _all_gather(self, payload: torch.Tensor, group: Any, world: int) -> torch.Tensor:
+        out = torch.empty(world * payload.numel(), dtype=payload.dtype, device=payload.device)
+        self.counters["bytes_sent"] += payload.numel() * payload.element_size()
+        self.counters["collectives"] += 1
+        ops.all_gather(out, payload, group=group)
+        return out.view(world, payload.numel())
+
+    def _average_raw(self, raw: list[torch.Tensor], group: Any, world: int,
+                     extra: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """One fp32 all-reduce for the uncompressed tensors (plus an optional fp32 ``extra`` that rides
+        along in the same collective and is returned summed, not averaged)."""
+        if not raw and extra is None:
+            return None
+        flat = flat_view(raw) if extra is None else None
+        if flat is not None and flat.dtype == torch.float32:
+            # the tensors are adjacent views of one buffer (a DDP bucket): reduce it in place, no copy
+            self._all_reduce_sum(flat, group)
+            flat.div_(world)
+            return None
+        parts = [t.reshape(-1).float() for t in raw] + ([extra.reshape(-1).float()] if extra is not None else [])
+        buf = torch.cat(parts) if parts else torch.empty(0)
+        self._all_reduce_sum(buf, group)
+        n_raw = sum(t.numel() for t in raw)
+        if raw:
+            unflatten_into(buf[:n_raw].div_(world), raw)
+        return buf[n_raw:] if extra is not None else None
+
+
+def flat_view(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A 1-D view covering ``tensors`` if they are adjacent contiguous views of one storage, else None."""
+    if not tensors:
+        return None
+    first = tensors[0]
+    if not all(t.is_contiguous() and t.dtype == first.dtype and t.device == first.device for t in tensors):
+        return None
+    try:
+        base_storage = first.untyped_storage().data_ptr()
+        if any(t.untyped_storage().data_ptr() != base_storage for t in tensors):
+            return None
+    except RuntimeError:
+        return None
+    offset = first.storage_offset()
+    for t in tensors:
+        if t.storage_offset() != offset:
+            return None
+        offset += t.numel()
+    total = offset - first.storage_offset()
+    return first.as_strided((total,), (1,), first.storage_offset())
+
+
+def flatten(tensors: Sequence[torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Concatenate tensors into one flat buffer of ``dtype``."""
+    if not tensors:
+        return torch.empty(0, dtype=dtype)
+    return torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+
+
+def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy consecutive slices of ``flat`` back into ``tensors`` (casting to their dtype)."""
+    off = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[off:off + n].view_as(t))
+        off += n
+
+
+def sizes_of(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """Element counts of ``tensors``."""
+    return [t.numel() for t in tensors]
+
+
+class GatherCompressor(Compressor):
+    """Compressors whose payload cannot be summed on the wire (low-bit, sparse).
+
+    Each rank encodes its (error-compensated) bucket into one fixed-size byte payload, the payloads
+    are all-gathered in ONE collective, and every rank decodes and sums all of them locally in fp32
+    in rank order, so the result is bit-identical on all ranks. Uncompressed tensors go in one fp32
+    all-reduce issued first. Error feedback (when ``config.error_feedback``) keeps
+    ``residual = compensated - decode(own payload)`` per tensor name.
+    """
+
+    def _encode(self, x: torch.Tensor, sizes: list[int], keys: list[str], rank: int
+                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Return (uint8 payload of a size every rank agrees on, local decode or None if unneeded)."""
+        raise NotImplementedError
+
+    def _decode_sum(self, gathered: torch.Tensor, sizes: list[int], n: int) -> torch.Tensor:
+        """Sum of the decoded payloads of all ranks (``gathered`` is world x payload bytes)."""
+        raise NotImplementedError
+
+    def _compensate(self, comp: list[torch.Tensor], keys: list[str]) -> torch.Tensor:
+        x = flatten(comp)
+        if getattr(self.config, "error_feedback", False):
+            x.add_(flatten([self._residual(k, t) for k, t in zip(keys, comp)]))
+        return x
+
+    def _average(self, comp, keys, raw, group, world):
+        self._average_raw(raw, group, world)
+        if not comp:
+            return
+        sizes = sizes_of(comp)
+        x = self._compensate(comp, keys)
+        ef = getattr(self.config, "error_feedback", False)
+        payload, local = self._encode(x, sizes, keys, dist.get_rank(group))
+        gathered = self._all_gather(payload, group, world)
+        total = self._decode_sum(gathered, sizes, x.numel())
+        if ef:
+            assert local is not None
+            self._store_residuals(x.sub_(local), comp, keys)
+        unflatten_into(total.div_(world), comp)
+
+    def _store_residuals(self, resid: torch.Tensor, comp: list[torch.Tensor], keys: list[str]) -> None:
+        off = 0
+        for k, t in zip(keys, comp):
+            n = t.numel()
+            self._residual(k, t).copy_(resid[off:off + n].view_as(t))
+            off += n

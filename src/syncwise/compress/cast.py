@@ -1,0 +1,111 @@
+"""Lossless baseline and cast compressors: none (fp32), fp16, bf16, fp8 e4m3 with per-block scales."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional, Sequence
+
+import torch
+
+from ..errors import ConfigError
+from .base import Compressor, CompressorConfig, GatherCompressor, flat_view, flatten, opt, unflatten_into
+
+
+class NoneCompressor(Compressor):
+    """Plain fp32 all-reduce average: the DDP baseline, one collective per bucket, no copy."""
+
+    name: ClassVar[str] = "none"
+    bytes_per_element: ClassVar[Optional[float]] = 4.0
+
+    def average(self, tensors: Sequence[torch.Tensor], keys: Sequence[str], group: Any = None,
+                compress: Optional[Sequence[bool]] = None) -> Sequence[torch.Tensor]:
+        """Average everything uncompressed (the policy flags are irrelevant here)."""
+        return super().average(tensors, keys, group, [False] * len(tensors))
+
+    def _average(self, comp, keys, raw, group, world):
+        self._average_raw(raw, group, world)
+
+
+class _CastCompressor(Compressor):
+    """All-reduce in a 16-bit dtype. Pre-divides by world size (as torch's fp16 hook) so the sum
+    cannot overflow where the average would not. Works on gloo and NCCL alike."""
+
+    dtype: ClassVar[torch.dtype]
+    bytes_per_element: ClassVar[Optional[float]] = 2.0
+
+    def average(self, tensors: Sequence[torch.Tensor], keys: Sequence[str], group: Any = None,
+                compress: Optional[Sequence[bool]] = None) -> Sequence[torch.Tensor]:
+        """Cast every tensor: a 2-byte bias costs nothing and keeps it to one collective per bucket."""
+        return super().average(tensors, keys, group, [True] * len(tensors))
+
+    def _average(self, comp, keys, raw, group, world):
+        if not comp:
+            return
+        flat = flat_view(comp)
+        # .to copies (or aliases when grads already are 16-bit, where working in place is fine too)
+        buf = (flat if flat is not None else flatten(comp)).to(self.dtype)
+        buf.div_(world)
+        self._all_reduce_sum(buf, group)
+        if flat is not None:
+            flat.copy_(buf)
+        else:
+            unflatten_into(buf, comp)
+
+
+class FP16Compressor(_CastCompressor):
+    """fp16 all-reduce (2 bytes/element)."""
+
+    name: ClassVar[str] = "fp16"
+    dtype: ClassVar[torch.dtype] = torch.float16
+
+
+class BF16Compressor(_CastCompressor):
+    """bf16 all-reduce (2 bytes/element); unlike torch's bf16 hook it also runs on gloo."""
+
+    name: ClassVar[str] = "bf16"
+    dtype: ClassVar[torch.dtype] = torch.bfloat16
+
+
+_FP8 = getattr(torch, "float8_e4m3fn", None)
+
+
+@dataclass
+class FP8Config(CompressorConfig):
+    """Options of the fp8 compressor."""
+
+    block: int = opt(128, "elements per fp32 scale (DeepSeek-V3 uses 1x128 tiles)")
+    error_feedback: bool = opt(False, "keep the rounding error and add it to the next step's gradient")
+
+
+class FP8Compressor(GatherCompressor):
+    """fp8 e4m3 with one fp32 scale per block; all-gather of bytes, fp32 sum locally (gloo cannot
+    reduce fp8, and an fp8 running sum would lose the low bits anyway)."""
+
+    name: ClassVar[str] = "fp8"
+    Config: ClassVar[type] = FP8Config
+
+    def _validate(self) -> None:
+        if _FP8 is None:
+            raise ConfigError("compress", "fp8", "a torch build with torch.float8_e4m3fn (torch>=2.1)")
+        if self.config.block < 1:
+            raise ConfigError("compress", f"fp8:block={self.config.block}", "block >= 1")
+
+    def _encode(self, x, sizes, keys, rank):
+        b = self.config.block
+        n = x.numel()
+        nb = -(-n // b)
+        xp = torch.nn.functional.pad(x, (0, nb * b - n)).view(nb, b)
+        scale = xp.abs().amax(1).div_(torch.finfo(_FP8).max).clamp_min_(torch.finfo(torch.float32).tiny)
+        q = (xp / scale[:, None]).to(_FP8)
+        # the zero padding of the last block is not sent
+        payload = torch.cat([q.view(-1)[:n].view(torch.uint8), scale.view(torch.uint8)])
+        local = (q.float() * scale[:, None]).view(-1)[:n] if self.config.error_feedback else None
+        return payload, local
+
+    def _decode_sum(self, gathered, sizes, n):
+        b = self.config.block
+        nb = -(-n // b)
+        world = gathered.shape[0]
+        q = torch.nn.functional.pad(gathered[:, :n].contiguous().view(_FP8).float(), (0, nb * b - n))
+        q = q.view(world, nb, b)
+        scale = gathered[:, n:].contiguous().view(torch.float32).view(world, nb, 1)
+        return (q * scale).sum(0).view(-1)[:n]

@@ -1,0 +1,180 @@
+"""DDP comm-hook adapter: run any compressor bucket by bucket, overlapped with backward.
+
+Why a worker thread: several compressors need more than one collective per bucket, and the second
+depends on the first (PowerSGD's Q after P; the all-gather after compression). torch's PowerSGD
+hook issues those from future callbacks on comm threads, so with many buckets different ranks can
+issue them in different orders and gloo aborts ("Received data size doesn't match"). Here each hook
+state owns ONE FIFO worker thread: the hook (called by DDP in bucket order on every rank) only
+enqueues the bucket and returns a future; the worker runs the compressor bucket after bucket, so
+every collective is issued in the same order on every rank. By default the worker talks on a
+dedicated communicator (a ``new_group`` over the same ranks), so it can never interleave with
+collectives DDP itself issues on the main thread (e.g. the unused-parameter bitmap all-reduce of
+``find_unused_parameters=True``).
+"""
+# no `from __future__ import annotations`: DDP checks the hook's annotations as real objects
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import ConfigError
+from .base import Compressor
+
+
+@dataclass
+class CompressionPolicy:
+    """Which tensors are worth compressing; the rest go in one fp32 all-reduce per bucket.
+
+    Cast compressors (none/fp16/bf16) ignore the policy: they treat every tensor alike.
+    """
+
+    min_numel: int = 4096
+    min_ndim: int = 2
+
+    def __post_init__(self) -> None:
+        if self.min_numel < 0:
+            raise ConfigError("compress.min_numel", self.min_numel, "an integer >= 0")
+        if self.min_ndim < 0:
+            raise ConfigError("compress.min_ndim", self.min_ndim, "an integer >= 0")
+
+    def compress(self, t: torch.Tensor) -> bool:
+        """True if ``t`` should be compressed."""
+        return t.numel() >= self.min_numel and t.dim() >= self.min_ndim
+
+
+_STOP = object()
+
+
+class CompressionHookState:
+    """State for :func:`compression_hook`: the compressor, its group, parameter names and policy.
+
+    Construct it on every rank at the same point (it may create a communicator, a collective call).
+    ``param_names`` maps parameters to stable names (or pass the module: its ``named_parameters``
+    are used); without it, parameters are named ``p0, p1, ...`` in the order the first backward
+    delivers them, which is stable across restarts of the same model and DDP settings.
+    """
+
+    def __init__(self, compressor: Compressor, process_group: Any = None,
+                 param_names: Union[dict[nn.Parameter, str], nn.Module, None] = None,
+                 policy: Optional[CompressionPolicy] = None, dedicated_group: bool = True):
+        self.compressor = compressor
+        self.policy = policy if policy is not None else CompressionPolicy()
+        self.process_group = process_group
+        if dedicated_group and dist.is_initialized():
+            ranks = (dist.get_process_group_ranks(process_group) if process_group is not None
+                     else list(range(dist.get_world_size())))
+            backend = dist.get_backend(process_group)
+            self.comm_group = dist.new_group(ranks=ranks, backend=backend)
+        else:
+            self.comm_group = process_group
+        if isinstance(param_names, nn.Module):
+            param_names = {p: n for n, p in param_names.named_parameters()}
+        self._names: dict[int, str] = {id(p): n for p, n in (param_names or {}).items()}
+        self._keep_alive = list((param_names or {}).keys())  # ids stay valid while we hold the params
+        self.steps = 0  # backward passes completed (last bucket processed)
+        self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._worker: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+
+    # ---- naming ------------------------------------------------------------------------------
+    def name_of(self, p: torch.Tensor) -> str:
+        """The stable key of parameter ``p`` (assigned on first sight if no names were given)."""
+        key = self._names.get(id(p))
+        if key is None:
+            key = self._names[id(p)] = f"p{len(self._names)}"
+            self._keep_alive.append(p)
+        return key
+
+    # ---- checkpointing -----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Compressor state plus the step counter."""
+        self.wait_idle()
+        return {"compressor": self.compressor.state_dict(), "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        self.wait_idle()
+        self.compressor.load_state_dict(state["compressor"])
+        self.steps = int(state.get("steps", 0))
+
+    # ---- worker ------------------------------------------------------------------------------
+    def submit(self, tensors: list[torch.Tensor], keys: list[str], flags: list[bool], result: torch.Tensor,
+               is_last: bool) -> "torch.futures.Future[torch.Tensor]":
+        """Queue one bucket; the future completes with ``result`` once it holds the average."""
+        fut: torch.futures.Future = torch.futures.Future()
+        with self._lock:
+            if self._worker is None or not self._worker.is_alive():
+                self._worker = threading.Thread(target=self._run, name="syncwise-compress", daemon=True)
+                self._worker.start()
+        self._queue.put((tensors, keys, flags, result, is_last, fut))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is _STOP:
+                return
+            if isinstance(job, threading.Event):
+                job.set()
+                continue
+            tensors, keys, flags, result, is_last, fut = job
+            try:
+                self.compressor.average(tensors, keys, self.comm_group, flags)
+                if is_last:
+                    self.steps += 1
+            except BaseException as exc:  # surface on the training thread instead of hanging it
+                fut.set_exception(exc)
+                continue
+            fut.set_result(result)
+
+    def wait_idle(self) -> None:
+        """Block until every queued bucket has been processed."""
+        if self._worker is None or not self._worker.is_alive():
+            return
+        ev = threading.Event()
+        self._queue.put(ev)
+        ev.wait()
+
+    def close(self) -> None:
+        """Stop the worker thread (it is a daemon, so this is optional at exit)."""
+        if self._worker is not None and self._worker.is_alive():
+            self._queue.put(_STOP)
+            self._worker.join()
+        self._worker = None
+
+
+def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: average ``bucket`` with ``state.compressor``; returns a future of the flat bucket."""
+    buffer = bucket.buffer()
+    params = bucket.parameters()
+    grads = bucket.gradients()
+    keys = [state.name_of(p) for p in params]
+    flags = [state.policy.compress(g) for g in grads]
+    # the compressor writes the averages into the gradient views, i.e. into the bucket buffer itself
+    return state.submit(list(grads), keys, flags, buffer, bucket.is_last())
+
+
+def torch_reference_hook(name: str, process_group: Any = None, **powersgd_options: Any) -> tuple[Any, Any]:
+    """PyTorch's own DDP hook ``(state, hook)`` for side-by-side benchmarks: 'allreduce', 'fp16', 'bf16'
+    (the generic cast path, since torch's ``bf16_compress_hook`` refuses gloo) or 'powersgd'.
+
+    These issue torch's collectives directly, so ``syncwise.comm.STATS`` does not count their bytes.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if name == "allreduce":
+        return process_group, default_hooks.allreduce_hook
+    if name == "fp16":
+        return process_group, default_hooks.fp16_compress_hook
+    if name == "bf16":
+        def bf16_hook(pg: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            return default_hooks._compress_hook(torch.bfloat16, pg, bucket)
+        return process_group, bf16_hook
+    if name == "powersgd":
+        opts = {"matrix_approximation_rank": 4, "start_powerSGD_iter": 10, **powersgd_options}
+        return powerSGD_hook.PowerSGDState(process_group=process_group, **opts), powerSGD_hook.powerSGD_hook
+    raise ConfigError("torch_hook", name, "allreduce, fp16, bf16, powersgd")

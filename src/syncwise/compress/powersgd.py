@@ -1,0 +1,126 @@
+"""PowerSGD (Vogels et al. 2019): rank-r power iteration with warm start and error feedback.
+
+Two all-reduces per bucket, whatever the number of tensors: the P factors of every compressed
+tensor (plus every uncompressed tensor of the bucket) travel in the first, the Q factors in the
+second. Same-shape matrices are stacked so the matmuls and QRs run batched.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..errors import ConfigError
+from .base import Compressor, CompressorConfig, opt
+
+
+@dataclass
+class PowerSGDConfig(CompressorConfig):
+    """Options of the PowerSGD compressor."""
+
+    rank: int = opt(4, "rank r of the approximation P @ Q^T")
+    ratio: float = opt(0.0, "if > 0: per-tensor rank r = ratio*n*m/(n+m) (overrides rank)")
+    start_iter: int = opt(10, "steps each tensor is sent uncompressed before PowerSGD starts")
+    min_compression_rate: float = opt(2.0, "compress a tensor only if n*m / ((n+m)*r) exceeds this")
+    warm_start: bool = opt(True, "reuse last step's Q as the starting point of the power iteration")
+    error_feedback: bool = opt(True, "add last step's approximation error to the gradient")
+
+
+def matrix_shape(t: torch.Tensor) -> tuple[int, int]:
+    """The 2-D view PowerSGD compresses: (first dim, product of the rest)."""
+    n = t.shape[0] if t.dim() > 0 else 1
+    return n, t.numel() // max(n, 1)
+
+
+class PowerSGDCompressor(Compressor):
+    """Low-rank compression M ~ P Q^T with one power iteration per step, warm-started Q."""
+
+    name: ClassVar[str] = "powersgd"
+    Config: ClassVar[type] = PowerSGDConfig
+
+    def _validate(self) -> None:
+        c = self.config
+        if c.rank < 1:
+            raise ConfigError("compress", f"powersgd:rank={c.rank}", "rank >= 1")
+        if not 0.0 <= c.ratio <= 1.0:
+            raise ConfigError("compress", f"powersgd:ratio={c.ratio}", "ratio in [0, 1] (0 = use rank)")
+        if c.start_iter < 0:
+            raise ConfigError("compress", f"powersgd:start_iter={c.start_iter}", "start_iter >= 0")
+        if c.min_compression_rate < 0:
+            raise ConfigError("compress", f"powersgd:min_compression_rate={c.min_compression_rate}", ">= 0")
+
+    def rank_for(self, n: int, m: int) -> int:
+        """The approximation rank used for an n x m matrix."""
+        c = self.config
+        r = max(1, int(c.ratio * n * m / (n + m))) if c.ratio > 0 else c.rank
+        return min(r, n, m)
+
+    def compresses(self, t: torch.Tensor) -> bool:
+        """Whether a tensor of this shape is worth compressing (min_compression_rate rule)."""
+        n, m = matrix_shape(t)
+        r = self.rank_for(n, m)
+        return t.dim() >= 2 and (n + m) * r * self.config.min_compression_rate < n * m
+
+    def _average(self, comp, keys, raw, group, world):
+        c = self.config
+        raw = list(raw)
+        groups: dict[tuple[int, int, int], list[int]] = {}
+        for j, (t, k) in enumerate(zip(comp, keys)):
+            if self._count(k) < c.start_iter or not self.compresses(t):
+                raw.append(t)  # warm-up or too small to pay: joins the fp32 part of the first all-reduce
+            else:
+                n, m = matrix_shape(t)
+                groups.setdefault((n, m, self.rank_for(n, m)), []).append(j)
+        if not groups:
+            self._average_raw(raw, group, world)
+            return
+
+        # per shape group: M (B,n,m) with error feedback, Q (B,m,r) warm-started
+        batches = []
+        for (n, m, r), js in groups.items():
+            mats = torch.stack([comp[j].reshape(n, m).float() for j in js])
+            if c.error_feedback:
+                mats.add_(torch.stack([self._residual(keys[j], comp[j]).view(n, m) for j in js]))
+            q = torch.stack([self._initial_q(keys[j], m, r).to(mats.device) for j in js])
+            batches.append((js, n, m, r, mats, q))
+
+        # all-reduce #1: P = M Q of every group, plus the uncompressed tensors
+        ps = [torch.bmm(mats, q) for (_, _, _, _, mats, q) in batches]
+        p_sum = self._average_raw(raw, group, world, extra=torch.cat([p.reshape(-1) for p in ps]))
+        off = 0
+        qs = []
+        for (js, n, m, r, mats, _), p in zip(batches, ps):
+            p = p_sum[off:off + p.numel()].view_as(p)
+            off += p.numel()
+            # identical P on all ranks -> identical orthonormal basis everywhere
+            p_hat = torch.linalg.qr(p, mode="reduced").Q
+            qs.append((p_hat, torch.bmm(mats.transpose(1, 2), p_hat)))
+
+        # all-reduce #2: Q = M^T P_hat (averaged)
+        q_flat = torch.cat([q.reshape(-1) for _, q in qs])
+        self._all_reduce_sum(q_flat, group)
+        q_flat.div_(world)
+        off = 0
+        for (js, n, m, r, mats, _), (p_hat, q) in zip(batches, qs):
+            q = q_flat[off:off + q.numel()].view_as(q)
+            off += q.numel()
+            approx = torch.bmm(p_hat, q.transpose(1, 2))
+            if c.error_feedback:
+                mats.sub_(approx)  # residual = compensated local gradient - what everyone applies
+            for b, j in enumerate(js):
+                key, t = keys[j], comp[j]
+                s = self._slot(key)
+                s["q"] = q[b].clone()
+                if c.error_feedback:
+                    self._residual(key, t).copy_(mats[b].view_as(t))
+                t.copy_(approx[b].view_as(t))
+
+    def _initial_q(self, key: str, m: int, r: int) -> torch.Tensor:
+        s = self._slot(key)
+        q = s.get("q")
+        if self.config.warm_start and q is not None and q.shape == (m, r):
+            return q
+        # same seed on every rank: the P = M Q products must share the same Q to be summable
+        g = self._generator("powersgd-q", key, 0 if self.config.warm_start else self._count(key))
+        return torch.randn(m, r, generator=g)

@@ -1,0 +1,120 @@
+"""Quantizers: int8 QSGD (stochastic rounding, per-chunk scales) and 1-bit sign with error feedback.
+
+Low-bit values cannot be summed on the wire (int8 sums overflow, packed bits do not add), so both
+all-gather one byte payload per rank and reduce locally in fp32 (see :class:`GatherCompressor`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..errors import ConfigError
+from .base import CompressorConfig, GatherCompressor, opt
+
+
+@dataclass
+class Int8Config(CompressorConfig):
+    """Options of the int8 / QSGD compressor."""
+
+    chunk: int = opt(1024, "elements per fp32 scale (max |x| of the chunk)")
+    levels: int = opt(127, "quantization levels per sign, 1..127 (QSGD's s)")
+    stochastic: bool = opt(True, "stochastic rounding (unbiased); false = round to nearest")
+    error_feedback: bool = opt(False, "keep the quantization error for the next step")
+
+
+class Int8Compressor(GatherCompressor):
+    """QSGD int8: q = sign(x) * floor(|x|/scale * s + u), u ~ U[0,1): unbiased, 1 byte/element
+    plus 4 bytes per chunk."""
+
+    name: ClassVar[str] = "int8"
+    Config: ClassVar[type] = Int8Config
+
+    def _validate(self) -> None:
+        c = self.config
+        if c.chunk < 1:
+            raise ConfigError("compress", f"int8:chunk={c.chunk}", "chunk >= 1")
+        if not 1 <= c.levels <= 127:
+            raise ConfigError("compress", f"int8:levels={c.levels}", "levels in 1..127")
+
+    def _encode(self, x, sizes, keys, rank):
+        c = self.config
+        n = x.numel()
+        nc = -(-n // c.chunk)
+        xp = torch.nn.functional.pad(x, (0, nc * c.chunk - n)).view(nc, c.chunk)
+        scale = xp.abs().amax(1).clamp_min_(torch.finfo(torch.float32).tiny)
+        y = xp.abs().div_(scale[:, None]).mul_(c.levels)  # in [0, levels]
+        if c.stochastic:
+            # independent noise per rank, replayable from (seed, rank, first tensor, its step)
+            g = self._generator("int8", rank, keys[0], self._count(keys[0]))
+            y.add_(torch.rand(y.shape, generator=g).to(y.device)).floor_().clamp_max_(c.levels)
+        else:
+            y.round_()
+        q = y.mul_(xp.sign()).to(torch.int8)
+        payload = torch.cat([q.view(-1)[:n].view(torch.uint8), scale.view(torch.uint8)])  # no padding sent
+        local = None
+        if c.error_feedback:
+            local = (q.float() * (scale / c.levels)[:, None]).view(-1)[:n]
+        return payload, local
+
+    def _decode_sum(self, gathered, sizes, n):
+        c = self.config
+        nc = -(-n // c.chunk)
+        world = gathered.shape[0]
+        q = torch.nn.functional.pad(gathered[:, :n].contiguous().view(torch.int8).float(), (0, nc * c.chunk - n))
+        q = q.view(world, nc, c.chunk)
+        scale = gathered[:, n:].contiguous().view(torch.float32).view(world, nc, 1) / c.levels
+        return (q * scale).sum(0).view(-1)[:n]
+
+
+@dataclass
+class SignConfig(CompressorConfig):
+    """Options of the sign compressor."""
+
+    error_feedback: bool = opt(True, "keep what the sign dropped (EF-SignSGD); without it sign is biased")
+
+
+_SHIFTS = torch.arange(7, -1, -1, dtype=torch.uint8)
+# byte -> its 8 signs as +-1.0 (MSB first): decoding is one table lookup instead of shifts and masks
+_SIGN_TABLE = ((torch.arange(256, dtype=torch.uint8).unsqueeze(1) >> _SHIFTS) & 1).float().mul_(2).sub_(1)
+
+
+def _segments(sizes: list[int]) -> list[tuple[int, int]]:
+    out, off = [], 0
+    for n in sizes:
+        out.append((off, off + n))
+        off += n
+    return out
+
+
+class SignCompressor(GatherCompressor):
+    """1-bit sign, 8 signs packed per byte, one fp32 scale (mean |x|) per tensor, error feedback."""
+
+    name: ClassVar[str] = "sign"
+    Config: ClassVar[type] = SignConfig
+    bytes_per_element: ClassVar[float] = 0.125
+
+    def _encode(self, x, sizes, keys, rank):
+        n = x.numel()
+        segs = _segments(sizes)
+        scale = torch.stack([x[a:b].abs().mean() for a, b in segs])
+        bits = torch.nn.functional.pad((x >= 0).to(torch.uint8), (0, -n % 8)).view(-1, 8)
+        packed = (bits << _SHIFTS.to(x.device)).sum(1, dtype=torch.uint8)
+        payload = torch.cat([packed, scale.view(torch.uint8)])
+        local = None
+        if self.config.error_feedback:
+            local = _SIGN_TABLE.to(x.device)[packed.long()].view(-1)[:n]
+            for (a, b), sc in zip(segs, scale):
+                local[a:b].mul_(sc)
+        return payload, local
+
+    def _decode_sum(self, gathered, sizes, n):
+        nbytes = -(-n // 8)
+        signs = _SIGN_TABLE.to(gathered.device)[gathered[:, :nbytes].long()].view(gathered.shape[0], -1)  # world x 8*nbytes
+        scale = gathered[:, nbytes:].contiguous().view(torch.float32)  # world x tensors
+        out = torch.empty(n, device=gathered.device)
+        for t, (a, b) in enumerate(_segments(sizes)):
+            # sum over ranks of scale_r * sign_r, as one matrix-vector product per tensor
+            torch.mv(signs[:, a:b].t(), scale[:, t], out=out[a:b])
+        return out
