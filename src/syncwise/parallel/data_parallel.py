@@ -6,6 +6,7 @@ the step waited on the network after the last gradient was computed.
 """
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -15,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..compress import CompressionHookState, Compressor, compression_hook
+from ..compress import CompressionHookState, CompressionPolicy, Compressor, compression_hook
 
 
 @dataclass
@@ -38,7 +39,7 @@ class GradSyncTimer:
         self.buckets = 0
 
 
-def _timed_hook(timer: GradSyncTimer, bucket: dist.GradBucket) -> torch.futures.Future:
+def _timed_hook(timer, bucket):  # no annotations: DDP rejects string annotations on hooks
     timer.last_ready = time.perf_counter()
     timer.buckets += 1
     return timer.inner_hook(timer.inner_state, bucket)
@@ -58,6 +59,13 @@ class DataParallel:
         return self.timer is not None
 
 
+def _no_forward_buffer_sync() -> dict[str, bool]:
+    # torch renamed broadcast_buffers to forward_sync_buffers; both still sync once at construction.
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
 def apply_data_parallel(model: nn.Module, compressor: Optional[Compressor] = None, bucket_cap_mb: float = 25.0,
                         min_numel: int = 4096, device: Optional[torch.device] = None,
                         find_unused_parameters: Optional[bool] = None) -> DataParallel:
@@ -75,9 +83,9 @@ def apply_data_parallel(model: nn.Module, compressor: Optional[Compressor] = Non
               find_unused_parameters=find_unused_parameters,
               # Buffers (e.g. MoE router biases) are kept identical by the model's own update, not re-sent
               # every forward.
-              broadcast_buffers=False)
+              **_no_forward_buffer_sync())
     names = {p: n for n, p in model.named_parameters()}
-    state = CompressionHookState(compressor, param_names=names, min_numel=min_numel)
+    state = CompressionHookState(compressor, param_names=names, policy=CompressionPolicy(min_numel=min_numel))
     timer = GradSyncTimer(state, compression_hook)
     ddp.register_comm_hook(timer, _timed_hook)
     return DataParallel(module=ddp, timer=timer, hook_state=state)
