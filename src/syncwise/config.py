@@ -75,7 +75,7 @@ class DataSection:
 class TrainSection:
     """[train] the optimisation loop."""
 
-    steps: int = option(300, "optimizer steps to run", "a positive integer", _positive)
+    steps: int = option(200, "optimizer steps to run", "a positive integer", _positive)
     lr: float = option(2e-3, "peak learning rate (AdamW)", "a positive number", _positive)
     min_lr_ratio: float = option(0.1, "final LR of the cosine decay, as a fraction of the peak", "a number in [0, 1]",
                                  lambda v: 0 <= v <= 1)
@@ -118,7 +118,7 @@ class CompressSection:
     """[compress] gradient communication."""
 
     method: str = option("none", "gradient compression NAME[:key=value,...], e.g. fp16, powersgd:rank=4, "
-                         "topk:ratio=0.01 (see `syncwise train --help`)")
+                         "topk:ratio=0.01 (list below); torch-fp16, torch-powersgd:rank=4 ... use PyTorch's own hooks")
     min_numel: int = option(4096, "tensors with fewer elements (norms, biases) are sent uncompressed",
                             "an integer ≥ 0", _non_negative)
 
@@ -272,8 +272,10 @@ def check_references(cfg: RunConfig) -> None:
         raise ConfigError("data.corpus", cfg.data.corpus,
                           "'stdlib' or the path of an existing text file, text folder, or folder with train.bin")
     from .compress import parse_compress_spec
+    from .parallel import TorchHookSpec
 
-    parse_compress_spec(cfg.compress.method)  # raises ConfigError naming the spec
+    # Both raise ConfigError naming the spec.
+    TorchHookSpec.parse(cfg.compress.method) or parse_compress_spec(cfg.compress.method)
     if cfg.resume not in ("none", "auto") and not Path(cfg.resume).expanduser().exists():
         raise ConfigError("resume", cfg.resume, "'auto', 'none', or the path of an existing checkpoint directory")
     if cfg.train.mixed_precision == "fp16":

@@ -16,7 +16,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..compress import CompressionHookState, CompressionPolicy, Compressor, compression_hook
+from ..comm.stats import STATS
+from ..compress import CompressionHookState, CompressionPolicy, Compressor, compression_hook, torch_reference_hook
+from ..errors import ConfigError
 
 
 @dataclass
@@ -45,6 +47,51 @@ def _timed_hook(timer, bucket):  # no annotations: DDP rejects string annotation
     return timer.inner_hook(timer.inner_state, bucket)
 
 
+TORCH_HOOKS = {"allreduce": 4, "fp16": 2, "bf16": 2, "powersgd": None}  # name -> bytes per element sent
+_TORCH_POWERSGD_KEYS = {"rank": ("matrix_approximation_rank", int), "start_iter": ("start_powerSGD_iter", int),
+                        "min_compression_rate": ("min_compression_rate", float)}
+
+
+@dataclass
+class TorchHookSpec:
+    """PyTorch's own DDP comm hook, the peer syncwise's compressors are measured against.
+
+    Spec strings: ``torch-allreduce``, ``torch-fp16``, ``torch-bf16``, ``torch-powersgd[:rank=4,start_iter=10]``.
+    """
+
+    name: str
+    options: dict = field(default_factory=dict)
+
+    @property
+    def spec(self) -> str:
+        opts = ",".join(f"{k}={v}" for k, v in self.options.items())
+        return f"torch-{self.name}" + (f":{opts}" if opts else "")
+
+    @staticmethod
+    def parse(spec: str) -> "Optional[TorchHookSpec]":
+        """The hook a ``torch-...`` spec names, None for any other spec; a bad one raises ConfigError."""
+        if not spec.startswith("torch-"):
+            return None
+        name, _, rest = spec[len("torch-"):].partition(":")
+        accepted = "torch-allreduce, torch-fp16, torch-bf16, torch-powersgd[:rank=R,start_iter=N,min_compression_rate=X]"
+        if name not in TORCH_HOOKS or (rest and name != "powersgd"):
+            raise ConfigError("compress", spec, accepted)
+        options = {}
+        for item in filter(None, rest.split(",")):
+            key, _, value = item.partition("=")
+            if key not in _TORCH_POWERSGD_KEYS:
+                raise ConfigError("compress", spec, accepted)
+            try:
+                options[key] = _TORCH_POWERSGD_KEYS[key][1](value)
+            except ValueError:
+                raise ConfigError("compress", spec, accepted) from None
+        return TorchHookSpec(name, options)
+
+    def state_and_hook(self, process_group=None):
+        opts = {_TORCH_POWERSGD_KEYS[k][0]: v for k, v in self.options.items()}
+        return torch_reference_hook(self.name, process_group, **opts)
+
+
 @dataclass
 class DataParallel:
     """The DDP-wrapped model plus what the loop needs to know about its gradient sync."""
@@ -52,7 +99,7 @@ class DataParallel:
     module: nn.Module
     timer: Optional[GradSyncTimer] = None
     hook_state: Optional[CompressionHookState] = None
-    extra: dict = field(default_factory=dict)
+    bytes_counted: bool = True  # False for torch's PowerSGD hook, whose collectives bypass syncwise.comm
 
     @property
     def distributed(self) -> bool:
@@ -66,7 +113,17 @@ def _no_forward_buffer_sync() -> dict[str, bool]:
     return {"broadcast_buffers": False}
 
 
-def apply_data_parallel(model: nn.Module, compressor: Optional[Compressor] = None, bucket_cap_mb: float = 25.0,
+def _counted(bytes_per_element: int, hook):
+    """Count the bytes of a torch hook that sends the whole bucket in one dtype (it bypasses syncwise.comm)."""
+
+    def counted(state, bucket):
+        STATS.record("all_reduce", bucket.buffer().numel() * bytes_per_element)
+        return hook(state, bucket)
+
+    return counted
+
+
+def apply_data_parallel(model: nn.Module, compressor: "Optional[Compressor | TorchHookSpec]" = None, bucket_cap_mb: float = 25.0,
                         min_numel: int = 4096, device: Optional[torch.device] = None,
                         find_unused_parameters: Optional[bool] = None) -> DataParallel:
     """Wrap ``model`` in DDP when a multi-rank process group exists; else return it as is.
@@ -84,6 +141,12 @@ def apply_data_parallel(model: nn.Module, compressor: Optional[Compressor] = Non
               # Buffers (e.g. MoE router biases) are kept identical by the model's own update, not re-sent
               # every forward.
               **_no_forward_buffer_sync())
+    if isinstance(compressor, TorchHookSpec):
+        state, hook = compressor.state_and_hook()
+        per_element = TORCH_HOOKS[compressor.name]
+        timer = GradSyncTimer(state, _counted(per_element, hook) if per_element else hook)
+        ddp.register_comm_hook(timer, _timed_hook)
+        return DataParallel(module=ddp, timer=timer, bytes_counted=per_element is not None)
     names = {p: n for n, p in model.named_parameters()}
     state = CompressionHookState(compressor, param_names=names, policy=CompressionPolicy(min_numel=min_numel))
     timer = GradSyncTimer(state, compression_hook)

@@ -23,7 +23,7 @@ from torch import nn
 from ..comm import ops
 from ..comm.stats import STATS, CommStats
 from ..metrics import MetricsLogger, mfu, peak_flops, peak_memory_mb
-from ..parallel import apply_activation_checkpointing, apply_data_parallel
+from ..parallel import TorchHookSpec, apply_activation_checkpointing, apply_data_parallel
 
 # Collectives that are not gradient sync (loss averaging, validation, router-load sums) are counted here, so
 # the per-step ``comm_bytes`` is exactly the gradient traffic.
@@ -42,7 +42,10 @@ def _world() -> tuple[int, int]:
 
 
 def _resolve_compressor(spec: Any):
-    """None/False/'none' → plain all-reduce; a spec string, a Compressor or a GradientCompressor otherwise."""
+    """None/False/'none' → plain all-reduce; a spec string, a Compressor or a GradientCompressor otherwise.
+
+    ``torch-fp16`` / ``torch-powersgd:rank=4`` ... select PyTorch's own hooks (for side-by-side benchmarks).
+    """
     from ..compress import parse_compress_spec
 
     if spec is None or spec is False:
@@ -50,7 +53,7 @@ def _resolve_compressor(spec: Any):
     if spec is True:
         return parse_compress_spec("powersgd:rank=4")
     if isinstance(spec, str):
-        return parse_compress_spec(spec)
+        return TorchHookSpec.parse(spec) or parse_compress_spec(spec)
     return getattr(spec, "compressor", spec)
 
 
@@ -63,7 +66,7 @@ class StepResult:
     compute_s: float
     comm_exposed_s: float
     data_wait_s: float
-    comm_bytes: int
+    comm_bytes: Optional[int]  # None when the hook's collectives bypass syncwise.comm (torch's PowerSGD)
     tokens: int
     grad_norm: float
     skipped: bool
@@ -107,6 +110,8 @@ class OptimizedTrainer:
         if activation_checkpointing:
             apply_activation_checkpointing(self.model)
         self.compressor = _resolve_compressor(compress_gradients)
+        self.compress_spec = compress_gradients if isinstance(compress_gradients, str) else (
+            getattr(self.compressor, "spec", None) or getattr(self.compressor, "name", "none"))
         self.dp = apply_data_parallel(self.model, self.compressor, bucket_cap_mb, min_numel, self.device)
         self.train_module = torch.compile(self.dp.module) if compile else self.dp.module
         self.optimizer, self.lr_scheduler, self.loss_fn = optimizer, lr_scheduler, loss_fn
@@ -208,7 +213,7 @@ class OptimizedTrainer:
         self.tokens_seen += tokens * self.world_size
         return StepResult(loss=self._mean_across_ranks(loss_sum), step_time_s=step_time,
                           compute_s=max(0.0, step_time - data_wait - comm_exposed), comm_exposed_s=comm_exposed,
-                          data_wait_s=data_wait, comm_bytes=comm_bytes, tokens=tokens * self.world_size,
+                          data_wait_s=data_wait, comm_bytes=comm_bytes if self.dp.bytes_counted else None, tokens=tokens * self.world_size,
                           grad_norm=float(grad_norm), skipped=skipped)
 
     # ----------------------------------------------------------------------------------------- helpers
@@ -238,8 +243,8 @@ class OptimizedTrainer:
             "compute_share": parts["compute_s"] / max(step_time, 1e-9),
             "comm_exposed_share": parts["comm_exposed_s"] / max(step_time, 1e-9),
             "data_wait_share": parts["data_wait_s"] / max(step_time, 1e-9),
-            "comm_bytes_per_step": sum(r.comm_bytes for r in steady) / n,
-            "compressor": getattr(self.compressor, "name", str(self.compressor)),
+            "comm_bytes_per_step": (sum(r.comm_bytes for r in steady) / n) if self.dp.bytes_counted else None,
+            "compressor": self.compress_spec,
             "skipped_steps": self.skipped_steps, "peak_mem_mb": peak_memory_mb(self.device), "wall_time_s": wall,
         }
 
