@@ -1,0 +1,496 @@
+"""SmartCheckpointer: asynchronous, atomic, self-verifying checkpoints through torch DCP.
+
+Life of one save (``save(step, train_state)``, called by every rank):
+
+1. wait for the previous save (never two in flight);
+2. rank 0 creates ``step_XXXXXXXX.partial/`` (removing leftovers of a crashed save);
+3. every rank writes its per-rank state to ``rank_<r>.pt`` (small, synchronous, fsynced);
+4. the global state goes to ``dcp.async_save``: the *blocking* part stages a CPU copy of the
+   state, then a background thread writes the shards (fsynced by DCP's ``FileSystemWriter``)
+   while training continues. Its collectives run on a separate gloo group so they never
+   interleave with the training's collectives on the default group;
+5. when the shards are written, rank 0 checksums every file into ``manifest.json`` and renames
+   the directory to ``step_XXXXXXXX/`` (the publish), then drops checkpoints beyond
+   ``max_checkpoints``. A checkpoint is only ever deleted after a newer one is published.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import shutil
+import time
+import warnings
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from .. import __version__
+from ..comm import ops
+from ..errors import ConfigError, SyncwiseError
+from . import storage
+from .interval import DEFAULT_MTBF_S, interval_steps, parse_interval
+from .state import TrainState
+
+log = logging.getLogger("syncwise.checkpoint")
+# DCP warns on every single-process save/load, even when no_dist=True is passed explicitly.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                        category=UserWarning)
+
+PER_RANK_FORMAT = "syncwise-rank-state/1"
+
+
+@dataclass
+class SaveStats:
+    """Cost of one save on this rank: blocking seconds (training stopped), total seconds until
+    published (rank 0) or written (other ranks), bytes of the checkpoint (rank 0), its path."""
+
+    step: int
+    blocking_s: float
+    total_s: float = float("nan")
+    bytes: int = 0
+    path: Path | None = None
+
+
+def _dist_on() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if _dist_on() else (0, 1)
+
+
+def _no_dist_kw(fn: Any) -> dict[str, Any]:
+    """``{'no_dist': True}`` for DCP calls outside a process group, if ``fn`` accepts it (torch 2.5's
+    ``async_save`` does not; it then infers single-process mode itself)."""
+    if _dist_on():
+        return {}
+    try:
+        return {"no_dist": True} if "no_dist" in inspect.signature(fn).parameters else {}
+    except (TypeError, ValueError):
+        return {}
+
+
+def _barrier() -> None:
+    if _dist_on():
+        dist.barrier()
+
+
+class SmartCheckpointer:
+    """Saves and restores a ``TrainState`` every ``interval`` with DCP, asynchronously and atomically.
+
+    Args:
+        directory: where ``step_*`` checkpoint directories live (shared by all ranks).
+        interval: an int (every N steps), a duration ('30s', '5m', '2h'), or 'dynamic': the
+            Young/Daly optimum √(2·δ·M), with δ the measured blocking cost of a save and M =
+            ``mtbf_s``. Time-based intervals are converted to steps from the step time agreed by
+            all ranks (max over ranks), so every rank decides identically. 'dynamic' takes its
+            first checkpoint right after ``calibration_steps`` steps to measure δ.
+        max_checkpoints: how many published checkpoints to keep (>= 1).
+        compression: False, True (zstd if `zstandard`/`pyzstd` is installed, else zlib), 'zstd' or
+            'zlib'. Implemented as a DCP stream extension, so compressed checkpoints stay regular,
+            reshardable DCP checkpoints (needs torch>=2.7).
+        async_save: stage and return, writing in a background thread (``dcp.async_save``).
+        mtbf_s: mean time between failures of the whole job, for 'dynamic'; default 4 h
+            (``interval.DEFAULT_MTBF_S``).
+        calibration_steps: steps observed before a time-based interval is fixed.
+
+    ``should_save`` and ``save`` must be called by all ranks at the same steps (they may issue
+    collectives on the default group). Call ``wait()`` (or ``close()``) before exiting.
+    """
+
+    def __init__(self, directory: str | os.PathLike, interval: int | str = "dynamic", max_checkpoints: int = 3,
+                 compression: bool | str = False, async_save: bool = True, mtbf_s: float | None = None,
+                 *, calibration_steps: int = 3):
+        self.directory = Path(directory)
+        self._kind, self._value = parse_interval(interval)
+        if isinstance(max_checkpoints, bool) or not isinstance(max_checkpoints, int) or max_checkpoints < 1:
+            raise ConfigError("max_checkpoints", max_checkpoints, "an int >= 1")
+        if mtbf_s is not None and (isinstance(mtbf_s, bool) or not isinstance(mtbf_s, (int, float)) or mtbf_s <= 0):
+            raise ConfigError("mtbf_s", mtbf_s, "a positive number of seconds, or None for the 4 h default")
+        if not isinstance(calibration_steps, int) or calibration_steps < 1:
+            raise ConfigError("calibration_steps", calibration_steps, "an int >= 1")
+        self.interval = interval
+        self.max_checkpoints = max_checkpoints
+        self.async_save = bool(async_save)
+        self.mtbf_s = float(mtbf_s) if mtbf_s is not None else DEFAULT_MTBF_S
+        self.calibration_steps = calibration_steps
+        self._extension, self.compression = storage.compression_extension(compression)
+        self.rank, self.world_size = _rank_world()
+        # DCP's async collectives run in a background thread: give them their own gloo group so
+        # they cannot interleave with the training's collectives on the default group (gloo
+        # matches collectives by issue order per group; mixing them would mismatch or hang).
+        self._save_pg = dist.new_group(backend="gloo") if _dist_on() and self.async_save else None
+        if self.rank == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._remove_partials()
+        _barrier()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="syncwise-ckpt")
+        self._pending: Future | None = None
+        self._pending_stats: SaveStats | None = None
+        self.history: list[SaveStats] = []
+        self._interval_steps: int | None = int(self._value) if self._kind == "steps" else None
+        self._anchor_step: int | None = None
+        self._step_times: deque[float] = deque(maxlen=32)
+        self._last_tick: float | None = None
+        self._agreed_step_s: float | None = None
+        self._agreed_cost_s: float | None = None
+        self._agreed_total_s: float | None = None
+
+    # ------------------------------------------------------------------ interval policy
+    @property
+    def next_interval_steps(self) -> int | None:
+        """Steps between checkpoints currently in force (None until a time-based policy is calibrated)."""
+        return self._interval_steps
+
+    @property
+    def last_save(self) -> SaveStats | None:
+        """Stats of the most recent finished save on this rank."""
+        return self.history[-1] if self.history else None
+
+    def should_save(self, step: int, step_time_s: float | None = None) -> bool:
+        """True if a checkpoint is due after ``step``; call on every rank after every step.
+
+        ``step_time_s`` is the duration of the step just done; if omitted, the time between
+        calls is used. The first time-based decision (after ``calibration_steps`` steps) agrees
+        the step time across ranks with one small all-reduce.
+        """
+        now = time.perf_counter()
+        if step_time_s is None and self._last_tick is not None:
+            step_time_s = now - self._last_tick
+        self._last_tick = now
+        if step_time_s is not None and step_time_s > 0:
+            self._step_times.append(float(step_time_s))
+        if self._anchor_step is None:
+            self._anchor_step = step - 1  # the run (or resume) started just before this step
+        if self._kind == "steps":
+            return step > 0 and step % self._interval_steps == 0
+        if self._interval_steps is None:
+            if len(self._step_times) < self.calibration_steps:
+                return False
+            self._update_interval()
+            if self._kind == "dynamic" and self._agreed_cost_s is None:
+                return True  # first save: measures δ for the Young/Daly interval
+        return step - self._anchor_step >= self._interval_steps
+
+    def maybe_save(self, step: int, train_state: TrainState, step_time_s: float | None = None) -> SaveStats | None:
+        """``save`` if ``should_save(step, step_time_s)``; the one call a training loop needs per step."""
+        return self.save(step, train_state) if self.should_save(step, step_time_s) else None
+
+    def _local_step_time(self) -> float:
+        if not self._step_times:
+            return 0.0
+        times = sorted(self._step_times)
+        return times[len(times) // 2]  # median: robust to the slow first step and to save stalls
+
+    def _agree(self, values: list[float]) -> list[float]:
+        """Max over ranks (on the default group, from the main thread), so all ranks decide alike."""
+        if not _dist_on():
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        ops.all_reduce(t, "max")
+        return t.tolist()
+
+    def _update_interval(self, cost_s: float | None = None, total_s: float | None = None) -> None:
+        step_s, cost, total = self._agree([self._local_step_time(), cost_s if cost_s is not None else -1.0,
+                                           total_s if total_s is not None else -1.0])
+        self._agreed_step_s = step_s
+        if cost >= 0:
+            self._agreed_cost_s = cost
+        if total >= 0:
+            self._agreed_total_s = total
+        if self._kind != "steps":
+            self._interval_steps = interval_steps(self._kind, self._value, step_s, self._agreed_cost_s,
+                                                  self._agreed_total_s, self.mtbf_s)
+
+    # ------------------------------------------------------------------ saving
+    def save(self, step: int, train_state: TrainState, *, blocking: bool | None = None) -> SaveStats:
+        """Checkpoint ``train_state`` as ``step`` (collective). Returns once the state is staged
+        (async) or published (``blocking=True`` / ``async_save=False``); see ``wait()``."""
+        prev = self.wait()
+        blocking = (not self.async_save) if blocking is None else blocking
+        t0 = time.perf_counter()
+        partial = self.directory / (storage.step_dirname(step) + storage.PARTIAL_SUFFIX)
+        if self.rank == 0:
+            self._remove_partials()
+            partial.mkdir(parents=True)
+        _barrier()  # the .partial directory exists for everyone
+
+        self._write_rank_file(partial, step, train_state)
+        writer_kwargs: dict[str, Any] = {"sync_files": True}
+        if self._extension is not None:
+            writer_kwargs["_extensions"] = [self._extension]
+        writer = dcp.FileSystemWriter(str(partial), **writer_kwargs)
+        state = dict(train_state.global_components)  # DCP calls state_dict() on each Stateful
+        upload: Future | None = None
+        if self.async_save and not blocking:
+            resp = dcp.async_save(state, storage_writer=writer, process_group=self._save_pg,
+                                  **_no_dist_kw(dcp.async_save))
+            # torch>=2.9 may return AsyncSaveResponse(staging_completion, upload_completion)
+            upload = getattr(resp, "upload_completion", resp)
+        else:
+            dcp.save(state, storage_writer=writer, **_no_dist_kw(dcp.save))
+        stats = SaveStats(step=step, blocking_s=time.perf_counter() - t0)
+        self._pending_stats = stats
+        self._pending = self._executor.submit(self._finish, upload, step, partial, t0, stats, train_state)
+        if blocking:
+            self.wait()
+            stats.blocking_s = time.perf_counter() - t0
+        self._anchor_step = step
+        # δ = this save's blocking cost; the total of the previous save bounds the interval below.
+        self._update_interval(stats.blocking_s, prev.total_s if prev is not None else None)
+        self._last_tick = time.perf_counter()  # do not count the save as step time
+        return stats
+
+    def _write_rank_file(self, partial: Path, step: int, train_state: TrainState) -> None:
+        payload = {"format": PER_RANK_FORMAT, "rank": self.rank, "world_size": self.world_size, "step": step,
+                   "components": {n: c.state_dict() for n, c in train_state.per_rank_components.items()}}
+        path = partial / storage.rank_filename(self.rank)
+        with open(path, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _finish(self, upload: Future | None, step: int, partial: Path, t0: float, stats: SaveStats,
+                train_state: TrainState) -> SaveStats:
+        if upload is not None:
+            upload.result()  # DCP's finish on rank 0 runs after every rank has written its shards
+        if self.rank == 0:
+            manifest = storage.write_manifest(partial, {
+                "step": step, "world_size": self.world_size, "time": time.time(),
+                "syncwise_version": __version__, "torch_version": torch.__version__,
+                "compression": self.compression,
+                "global_components": sorted(train_state.global_components),
+                "per_rank_components": sorted(train_state.per_rank_components),
+                "save_blocking_s": round(stats.blocking_s, 6),
+            })
+            final = self.directory / storage.step_dirname(step)
+            old = None
+            if final.exists():  # re-saving a step: replace only once the new copy is complete
+                old = final.with_name(final.name + ".replaced")
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(final, old)
+            os.rename(partial, final)
+            storage.fsync_dir(self.directory)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+            stats.path = final
+            stats.bytes = sum(f["size"] for f in manifest["files"].values())
+            self._retain(step)
+        else:
+            stats.path = self.directory / storage.step_dirname(step)
+        stats.total_s = time.perf_counter() - t0
+        return stats
+
+    def _retain(self, newest_step: int) -> None:
+        for p in storage.published_checkpoints(self.directory):
+            s = storage.step_of(p)
+            if s is not None and s > newest_step:
+                # a later step than the one just published belongs to an abandoned timeline (we
+                # resumed from an older checkpoint): set it aside so 'auto' never resumes from it
+                aside = p.with_name(p.name + ".abandoned")
+                log.warning("checkpoint %s is newer than the run's current step %d (the run resumed "
+                            "from an older checkpoint); moved to %s", p, newest_step, aside)
+                shutil.rmtree(aside, ignore_errors=True)
+                os.rename(p, aside)
+        for old in storage.published_checkpoints(self.directory)[self.max_checkpoints:]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _remove_partials(self) -> None:
+        for p in self.directory.glob("*" + storage.PARTIAL_SUFFIX):
+            log.info("removing unfinished checkpoint %s (left by an interrupted save)", p)
+            shutil.rmtree(p, ignore_errors=True)
+
+    def wait(self) -> SaveStats | None:
+        """Block until the save in flight (if any) is written and published; return its stats."""
+        if self._pending is None:
+            return None
+        pending, stats = self._pending, self._pending_stats
+        self._pending = self._pending_stats = None
+        try:
+            pending.result()
+        except Exception as e:
+            raise SyncwiseError(
+                f"saving the checkpoint of step {stats.step if stats else '?'} in {self.directory} failed: "
+                f"{type(e).__name__}: {e}. The previous checkpoints are untouched; check free disk space "
+                "and write permissions of the checkpoint directory.") from e
+        if stats is not None:
+            self.history.append(stats)
+        return stats
+
+    def close(self) -> None:
+        """Finish the save in flight and stop the background thread."""
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ loading
+    def latest_valid(self) -> Path | None:
+        """Newest verified checkpoint in this checkpointer's directory (see ``latest_valid``)."""
+        return storage.latest_valid(self.directory)
+
+    def load(self, path_or_auto: str | os.PathLike, train_state: TrainState) -> int:
+        """Restore ``train_state`` from a checkpoint path or 'auto' (newest valid); return its step
+        (0 if 'auto' found nothing). Collective when distributed."""
+        self.wait()
+        step = load(path_or_auto, train_state, directory=self.directory)
+        self._anchor_step = step
+        return step
+
+
+# ---------------------------------------------------------------------------------------------
+def _flatten(state: dict[str, Any]) -> dict[str, Any]:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    return flatten_state_dict(state)[0]
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    return tuple(value.size()) if isinstance(value, torch.Tensor) else None
+
+
+def _check_compatible(path: Path, train_state: TrainState, manifest: dict[str, Any]) -> None:
+    """Compare the state to load with the checkpoint's DCP metadata; raise a clear error if they differ."""
+    saved = set(manifest.get("global_components", []))
+    missing_components = [n for n in train_state.global_components if n not in saved]
+    if missing_components:
+        raise SyncwiseError(
+            f"checkpoint {path} has no state for {', '.join(missing_components)} (it holds: "
+            f"{', '.join(sorted(saved)) or 'nothing'}). The run registers components the checkpoint was "
+            "not written with; load it with the same set of components (e.g. the same scheduler/scaler "
+            "options), or start a fresh run in another checkpoint directory.")
+    reader = storage.make_safe_reader(path)
+    try:
+        metadata = reader.read_metadata()
+    except Exception as e:
+        raise SyncwiseError(f"checkpoint {path} has unreadable DCP metadata ({type(e).__name__}: {e}). "
+                            "It is damaged or not a syncwise checkpoint; use another checkpoint.") from e
+    saved_md = metadata.state_dict_metadata
+    ours = _flatten({n: c.state_dict() for n, c in train_state.global_components.items()})
+    missing = [k for k in ours if k not in saved_md]
+    prefixes = tuple(f"{n}." for n in train_state.global_components)
+    unexpected = [k for k in saved_md if k.startswith(prefixes) and k not in ours]
+    mismatched = []
+    for k, v in ours.items():
+        md = saved_md.get(k)
+        shape = _shape(v)
+        if md is not None and shape is not None:
+            saved_size = tuple(getattr(md, "size", ()) or ())
+            if not hasattr(md, "size"):
+                mismatched.append(f"'{k}': checkpoint holds a non-tensor, the run has a tensor {list(shape)}")
+            elif saved_size != shape:
+                mismatched.append(f"'{k}': checkpoint {list(saved_size)}, run {list(shape)}")
+    if missing or unexpected or mismatched:
+        def few(xs: list[str]) -> str:
+            return ", ".join(repr(x) if not x.startswith("'") else x for x in xs[:3]) + (" ..." if len(xs) > 3 else "")
+
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} entries of the run are missing from the checkpoint ({few(missing)})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} entries of the checkpoint do not exist in the run ({few(unexpected)})")
+        if mismatched:
+            parts.append(f"{len(mismatched)} have a different shape ({few(mismatched)})")
+        raise SyncwiseError(
+            f"checkpoint {path} (step {manifest.get('step')}, written by {manifest.get('world_size')} "
+            f"rank(s)) does not match the model being trained: {'; '.join(parts)}. It was saved from a "
+            "different model configuration. Load it with the configuration it was written with, or "
+            "start without resuming (or point the checkpoint directory elsewhere).")
+
+
+def _load_rank_file(path: Path, train_state: TrainState, manifest: dict[str, Any]) -> None:
+    rank, world = _rank_world()
+    names = list(train_state.per_rank_components)
+    if not names:
+        return
+    saved_world = manifest.get("world_size")
+    if saved_world != world:
+        log.warning("checkpoint %s was written by %s ranks, this run has %d: per-rank state (%s) is not "
+                    "restored; RNG streams and data positions are re-derived from the seed", path,
+                    saved_world, world, ", ".join(names))
+        return
+    f = path / storage.rank_filename(rank)
+    try:
+        payload = torch.load(f, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise SyncwiseError(f"checkpoint {path} lacks {f.name}, the per-rank state of rank {rank}; the "
+                            "checkpoint is incomplete, use an earlier one.") from None
+    except Exception as e:
+        # weights_only refuses anything but tensors and plain data: never run code from a checkpoint
+        raise SyncwiseError(
+            f"refused to load {f}: it contains data that is not plain tensors/numbers/strings "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). syncwise loads per-rank state "
+            "with torch.load(weights_only=True) and never unpickles arbitrary objects; the file was not "
+            "written by syncwise or was tampered with. Use another checkpoint.") from e
+    comps = payload.get("components", {}) if isinstance(payload, dict) else {}
+    for name, comp in train_state.per_rank_components.items():
+        if name in comps:
+            comp.load_state_dict(comps[name])
+        else:
+            log.warning("checkpoint %s has no per-rank state %r for rank %d; it keeps its current value",
+                        path, name, rank)
+
+
+def load(path_or_auto: str | os.PathLike, train_state: TrainState, *,
+         directory: str | os.PathLike | None = None) -> int:
+    """Restore ``train_state`` from a checkpoint; return its step.
+
+    ``path_or_auto`` is a checkpoint directory, or 'auto' for the newest valid checkpoint in
+    ``directory`` (returns 0 and changes nothing if there is none). Rank 0 verifies the checkpoint
+    (manifest, sizes, sha256) and all ranks follow its choice. Global state loads through DCP at
+    any world size the sharding allows; per-rank state loads only at the world size it was written
+    with (otherwise a warning, and it is skipped). A missing/damaged explicit checkpoint or one
+    from a different model raises ``SyncwiseError``.
+    """
+    rank, world = _rank_world()
+    auto = isinstance(path_or_auto, str) and path_or_auto == "auto"
+    if auto and directory is None:
+        raise ConfigError("directory", None, "the checkpoint directory to search when loading 'auto'")
+    problem, chosen, step = None, None, 0
+    if rank == 0:
+        if auto:
+            chosen = storage.latest_valid(directory)
+        else:
+            chosen = Path(path_or_auto)
+            problem = storage.verify_checkpoint(chosen)
+        if chosen is not None and problem is None:
+            try:
+                step = int(storage.read_manifest(chosen)["step"])
+            except (KeyError, TypeError, ValueError) as e:
+                problem = f"{chosen / storage.MANIFEST} has no valid step ({e})"
+    # status: 0 load, 1 nothing to load, 2 invalid; rank 0 decides so all ranks act alike
+    status = 2 if problem else (1 if chosen is None else 0)
+    if _dist_on():
+        t = torch.tensor([status, step], dtype=torch.int64)
+        ops.broadcast(t, src=0)
+        status, step = int(t[0]), int(t[1])
+    if status == 1:
+        log.info("no valid checkpoint in %s: starting from scratch", directory)
+        return 0
+    if status == 2:
+        raise SyncwiseError(
+            f"cannot load checkpoint {path_or_auto}: {problem or 'rank 0 found it missing or damaged'}. "
+            "Pass a published step_* directory, or 'auto' to use the newest valid checkpoint.")
+    path = Path(directory) / storage.step_dirname(step) if auto else Path(path_or_auto)
+    manifest = storage.read_manifest(path)
+    _check_compatible(path, train_state, manifest)
+    state = dict(train_state.global_components)
+    try:
+        dcp.load(state, storage_reader=storage.make_safe_reader(path), planner=storage.make_safe_planner(),
+                 **_no_dist_kw(dcp.load))
+    except SyncwiseError:
+        raise
+    except Exception as e:
+        raise SyncwiseError(f"loading checkpoint {path} failed: {type(e).__name__}: {e}. The checkpoint "
+                            "may be damaged or from an incompatible version; try an earlier one.") from e
+    _load_rank_file(path, train_state, manifest)
+    log.info("restored checkpoint %s (step %d, saved by %s ranks, now %d)", path, step,
+             manifest.get("world_size"), world)
+    return step

@@ -1,0 +1,386 @@
+"""syncwise.checkpoint: DCP round trips (2 real gloo ranks), atomic publish, retention, corruption
+fallback, incompatible models, weights_only loading, interval math."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from distributed import run_workers
+
+from syncwise.checkpoint import (Counters, ModelOptimizerState, SmartCheckpointer, TrainState,
+                                 corrupt_checkpoint, latest_valid, load, read_manifest,
+                                 young_daly_interval_s)
+from syncwise.checkpoint import storage
+from syncwise.checkpoint.interval import interval_steps, parse_interval
+from syncwise.errors import ConfigError, SyncwiseError
+
+# DCP warns on every single-process save/load even when no_dist=True is explicit
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+class PerRankResidual:
+    """Stands in for a compressor's error-feedback state: a tensor that differs on every rank."""
+
+    def __init__(self, value: torch.Tensor):
+        self.residual = value
+
+    def state_dict(self):
+        return {"residual": self.residual.clone(), "count": 7}
+
+    def load_state_dict(self, sd):
+        self.residual = sd["residual"].clone()
+
+
+def _model(d_in: int = 16, d_hidden: int = 32) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(d_in, d_hidden), nn.ReLU(), nn.Linear(d_hidden, 4))
+
+
+def _train_state(model, residual=None):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    ts = TrainState.for_training(model, opt, sched)
+    if residual is not None:
+        ts.register("residual", PerRankResidual(residual), per_rank=True)
+    return ts, opt, sched
+
+
+def _step(model, opt, sched, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(8, 16, generator=g)
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    opt.step()
+    sched.step()
+
+
+def _snapshot(model, opt, sched):
+    return ({k: v.detach().clone() for k, v in model.state_dict().items()},
+            {i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()},
+            sched.state_dict())
+
+
+def _same(snap_a, snap_b) -> bool:
+    (ma, oa, sa), (mb, ob, sb) = snap_a, snap_b
+    return (ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
+            and oa.keys() == ob.keys() and all(torch.equal(oa[i][k], ob[i][k]) for i in oa for k in oa[i])
+            and sa == sb)
+
+
+# ------------------------------------------------------------------------- 2 real gloo ranks
+def _ddp_roundtrip(rank, world, directory):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(_model())
+    ts, opt, sched = _train_state(model, residual=torch.full((5,), float(rank + 1)))
+    ck = SmartCheckpointer(directory, interval="dynamic", async_save=True, mtbf_s=60.0, calibration_steps=2)
+    random.seed(100 + rank)
+    np.random.seed(100 + rank)
+    torch.manual_seed(100 + rank)
+    saved = None
+    decisions = []
+    for step in range(1, 4):
+        _step(model, opt, sched, seed=step * 10 + rank)
+        ts["counters"].step = step
+        # ranks report different step times: the agreed (max) value must make them decide alike
+        due = ck.should_save(step, step_time_s=0.05 * (rank + 1))
+        decisions.append(due)
+        if due:
+            saved = (step, _snapshot(model.module, opt, sched), torch.get_rng_state().clone(),
+                     random.getstate(), np.random.get_state()[1].copy())
+            ck.save(step, ts)
+            # training goes on while the background thread writes: in-place updates and more DDP
+            # all-reduces must not leak into the checkpoint being written
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1000.0)
+            _step(model, opt, sched, seed=999)
+    stats = ck.wait()
+    interval = ck.next_interval_steps
+    # scramble everything, then restore
+    _step(model, opt, sched, seed=12345)
+    ts["residual"].residual = torch.zeros(5)
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    step = ck.load("auto", ts)
+    ok = {
+        "step": step == saved[0],
+        "model_opt_sched": _same(_snapshot(model.module, opt, sched), saved[1]),
+        "torch_rng": torch.equal(torch.get_rng_state(), saved[2]),
+        "python_rng": random.getstate() == saved[3],
+        "numpy_rng": np.array_equal(np.random.get_state()[1], saved[4]),
+        "residual": torch.equal(ts["residual"].residual, torch.full((5,), float(rank + 1))),
+        "counters": ts["counters"].step == saved[0],
+    }
+    ck.close()
+    return ok, decisions, interval, stats.blocking_s, stats.total_s, saved[1][0]
+
+
+def test_ddp_async_roundtrip_and_single_process_reload(tmp_path, caplog):
+    directory = tmp_path / "ckpt"
+    results = run_workers(_ddp_roundtrip, 2, str(directory))
+    for ok, *_ in results:
+        assert all(ok.values()), ok
+    # both ranks took the same decisions and agreed on the same dynamic interval
+    assert results[0][1] == results[1][1] and any(results[0][1])
+    assert results[0][2] == results[1][2] and results[0][2] >= 1
+    assert results[0][3] <= results[0][4]  # blocking part <= whole save on rank 0
+    published = storage.published_checkpoints(directory)
+    manifest = read_manifest(published[0])
+    assert manifest["world_size"] == 2
+    assert {"rank_00000.pt", "rank_00001.pt", ".metadata"} <= set(manifest["files"])
+
+    # the 2-rank checkpoint loads in this single process (no process group): model weights equal;
+    # per-rank state is skipped with a warning because the world size differs
+    model = _model()
+    ts, opt, sched = _train_state(model, residual=torch.zeros(5))
+    with caplog.at_level(logging.WARNING, logger="syncwise.checkpoint"):
+        step = load("auto", ts, directory=directory)
+    assert step == manifest["step"]
+    expected = results[0][5]
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+    assert "written by 2 ranks" in caplog.text and "residual" in caplog.text
+    assert torch.equal(ts["residual"].residual, torch.zeros(5))
+
+
+# ------------------------------------------------------------------------- single process
+def _saved_run(directory, steps, **kw):
+    model = _model()
+    ts, opt, sched = _train_state(model, residual=torch.arange(3.0))
+    ck = SmartCheckpointer(directory, **kw)
+    snaps = {}
+    for step in range(1, steps + 1):
+        _step(model, opt, sched, seed=step)
+        if ck.should_save(step):
+            ck.save(step, ts)
+            snaps[step] = _snapshot(model, opt, sched)
+    ck.close()
+    return ck, snaps
+
+
+def test_partial_dir_is_ignored_and_cleaned(tmp_path):
+    crashed = tmp_path / "step_00000500.partial"
+    crashed.mkdir()
+    (crashed / "__0_0.distcp").write_bytes(b"half a shard")
+    ck, snaps = _saved_run(tmp_path, 2, interval=1, async_save=False)
+    assert latest_valid(tmp_path).name == "step_00000002"
+    assert not crashed.exists()
+    # a .partial appearing later (a crash mid-save) is still never picked
+    crashed.mkdir()
+    assert latest_valid(tmp_path).name == "step_00000002"
+
+
+def test_keep_last_n_never_leaves_no_checkpoint(tmp_path):
+    model = _model()
+    ts, opt, sched = _train_state(model)
+    ck = SmartCheckpointer(tmp_path, interval=1, max_checkpoints=1, async_save=True)
+    seen_empty_after_first, stop = [], threading.Event()
+    first_published = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            names = [p.name for p in storage.published_checkpoints(tmp_path)]
+            if names:
+                first_published.set()
+            elif first_published.is_set():
+                seen_empty_after_first.append(True)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        for step in range(1, 7):
+            _step(model, opt, sched, seed=step)
+            ck.save(step, ts)
+        ck.close()
+    finally:
+        stop.set()
+        watcher.join()
+    assert not seen_empty_after_first
+    assert [p.name for p in storage.published_checkpoints(tmp_path)] == ["step_00000006"]
+
+    ck2, _ = _saved_run(tmp_path / "n3", 7, interval=1, max_checkpoints=3)
+    assert [p.name for p in storage.published_checkpoints(tmp_path / "n3")] == [
+        "step_00000007", "step_00000006", "step_00000005"]
+
+
+@pytest.mark.parametrize("mode", ["truncate", "flip"])
+def test_damaged_newest_falls_back_to_previous(tmp_path, caplog, mode):
+    _, snaps = _saved_run(tmp_path, 4, interval=2, async_save=False)
+    damaged = corrupt_checkpoint(tmp_path / "step_00000004", mode=mode)
+    with caplog.at_level(logging.WARNING, logger="syncwise.checkpoint"):
+        assert latest_valid(tmp_path).name == "step_00000002"
+    assert str(damaged) in caplog.text
+    model = _model()
+    ts, opt, sched = _train_state(model, residual=torch.zeros(3))
+    assert load("auto", ts, directory=tmp_path) == 2
+    assert _same(_snapshot(model, opt, sched), snaps[2])
+    assert torch.equal(ts["residual"].residual, torch.arange(3.0))
+    with pytest.raises(SyncwiseError, match="step_00000004"):
+        load(tmp_path / "step_00000004", ts)
+    with pytest.raises(SyncwiseError, match="does-not-exist"):
+        load(tmp_path / "does-not-exist", ts)
+
+
+def test_incompatible_model_raises_clear_error(tmp_path):
+    _saved_run(tmp_path, 1, interval=1, async_save=False)
+    path = tmp_path / "step_00000001"
+    wider = _model(d_hidden=48)
+    ts, *_ = _train_state(wider)
+    with pytest.raises(SyncwiseError, match=r"different shape.*\[32, 16\].*\[48, 16\]") as e:
+        load(path, ts)
+    assert str(path) in str(e.value) and "configuration" in str(e.value)
+    deeper = nn.Sequential(*_model(), nn.ReLU(), nn.Linear(4, 4))
+    ts, *_ = _train_state(deeper)
+    with pytest.raises(SyncwiseError, match="missing from the checkpoint"):
+        load(path, ts)
+    shallower = nn.Sequential(nn.Linear(16, 32))
+    ts, *_ = _train_state(shallower)
+    with pytest.raises(SyncwiseError, match="do not exist in the run"):
+        load(path, ts)
+
+
+class _Payload:
+    """A pickled object whose unpickling would run code (here: create a marker file)."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_per_rank_file_with_pickled_object_is_refused(tmp_path):
+    _saved_run(tmp_path, 1, interval=1, async_save=False)
+    path = tmp_path / "step_00000001"
+    marker = tmp_path / "code-ran"
+    rank_file = path / "rank_00000.pt"
+    torch.save({"format": "syncwise-rank-state/1", "components": {"residual": _Payload(str(marker))}}, rank_file)
+    # keep the manifest consistent so only weights_only stands between the file and the unpickler
+    manifest = read_manifest(path)
+    manifest["files"]["rank_00000.pt"] = {"size": rank_file.stat().st_size, "sha256": storage.sha256_file(rank_file)}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    ts, *_ = _train_state(_model(), residual=torch.zeros(3))
+    with pytest.raises(SyncwiseError, match="refused to load"):
+        load(path, ts)
+    assert not marker.exists()
+
+
+def test_dcp_metadata_with_foreign_class_is_refused(tmp_path):
+    _saved_run(tmp_path, 1, interval=1, async_save=False)
+    path = tmp_path / "step_00000001"
+    import pickle
+
+    marker = tmp_path / "code-ran"
+    (path / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
+    manifest = read_manifest(path)
+    manifest["files"][".metadata"] = {"size": (path / ".metadata").stat().st_size,
+                                      "sha256": storage.sha256_file(path / ".metadata")}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    ts, *_ = _train_state(_model(), residual=torch.zeros(3))
+    with pytest.raises(SyncwiseError, match="metadata"):
+        load(path, ts)
+    assert not marker.exists()
+
+
+def test_compressed_checkpoint_roundtrip(tmp_path):
+    _, snaps = _saved_run(tmp_path, 2, interval=2, compression=True)
+    manifest = read_manifest(tmp_path / "step_00000002")
+    assert manifest["compression"] in ("zlib", "zstd")
+    model = _model()
+    ts, opt, sched = _train_state(model, residual=torch.zeros(3))
+    assert load("auto", ts, directory=tmp_path) == 2
+    assert _same(_snapshot(model, opt, sched), snaps[2])
+
+
+def test_young_daly_interval_math():
+    assert young_daly_interval_s(10.0, 14400.0) == pytest.approx(math.sqrt(2 * 10 * 14400))
+    # Daly's refinement: sqrt(2dM)(1 + sqrt(d/2M)/3 + d/(18M)) - d
+    d, m = 60.0, 3600.0
+    expected = math.sqrt(2 * d * m) * (1 + math.sqrt(d / (2 * m)) / 3 + d / (18 * m)) - d
+    assert young_daly_interval_s(d, m, refined=True) == pytest.approx(expected)
+    assert young_daly_interval_s(3 * m, m, refined=True) == m
+    # 2 s blocking, 1 h MTBF -> 120 s -> 240 steps of 0.5 s
+    assert interval_steps("dynamic", 0, 0.5, 2.0, None, 3600.0) == 240
+    # never shorter than a whole save (no two saves in flight)
+    assert interval_steps("dynamic", 0, 0.5, 2.0, 300.0, 3600.0) == 600
+    assert interval_steps("seconds", 30.0, 0.7, None, None, 1.0) == math.ceil(30 / 0.7)
+    assert parse_interval("5m") == ("seconds", 300.0) and parse_interval(50) == ("steps", 50.0)
+    for bad in (0, -3, True, "soon", "0s"):
+        with pytest.raises(ConfigError, match="interval"):
+            parse_interval(bad)
+    with pytest.raises(ConfigError, match="max_checkpoints"):
+        SmartCheckpointer("/tmp/unused-syncwise", interval=1, max_checkpoints=0)
+    with pytest.raises(ConfigError, match="compression"):
+        SmartCheckpointer("/tmp/unused-syncwise", interval=1, compression="lz4")
+
+
+def test_dynamic_interval_follows_measured_save_cost(tmp_path):
+    model = _model()
+    ts, opt, sched = _train_state(model)
+    ck = SmartCheckpointer(tmp_path, interval="dynamic", mtbf_s=50.0, calibration_steps=3, async_save=False)
+    assert ck.next_interval_steps is None
+    assert [ck.should_save(s, step_time_s=0.01) for s in (1, 2)] == [False, False]
+    assert ck.should_save(3, step_time_s=0.01)  # first save right after calibration measures δ
+    stats = ck.save(3, ts)
+    ck.wait()
+    n = ck.next_interval_steps
+    assert n == max(1, math.ceil(math.sqrt(2 * stats.blocking_s * 50.0) / 0.01))
+    first_due = next(s for s in range(4, 4 + n + 2) if ck.should_save(s, step_time_s=0.01))
+    assert first_due == 3 + n
+    ck.close()
+
+
+def test_train_state_registry_rejects_bad_components():
+    ts = TrainState()
+    ts.register("counters", Counters(step=1))
+    with pytest.raises(ConfigError, match="name"):
+        ts.register("counters", Counters())
+    with pytest.raises(ConfigError, match="state_dict"):
+        ts.register("thing", object())
+    ts.register("mo", ModelOptimizerState(_model()))
+    assert "mo" in ts and "counters" in ts.global_components
+
+
+def _fsdp2_roundtrip(rank, world, directory):
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch 2.5
+        from torch.distributed._composable.fsdp import fully_shard
+    model = _model()
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    ts, opt, sched = _train_state(model)
+    _step(model, opt, sched, seed=rank)
+    ck = SmartCheckpointer(directory, interval=1)
+    ck.save(1, ts)
+    ck.wait()
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    step = ck.load("auto", ts)
+    restored = all(torch.equal(v.full_tensor(), full[k]) for k, v in model.state_dict().items())
+    ck.close()
+    return step, restored, full
+
+
+def test_fsdp2_sharded_checkpoint_roundtrip_and_reshard_to_one_process(tmp_path):
+    results = run_workers(_fsdp2_roundtrip, 2, str(tmp_path))
+    assert [r[:2] for r in results] == [(1, True), (1, True)]
+    model = _model(d_hidden=32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    ts, *_ = _train_state(model)
+    assert load("auto", ts, directory=tmp_path) == 1
+    assert all(torch.equal(v, results[0][2][k]) for k, v in model.state_dict().items())
