@@ -47,6 +47,8 @@ class Compressor:
     Config: ClassVar[type] = CompressorConfig
     #: nominal bytes per element on the wire (for docs/CLI); None when it depends on options.
     bytes_per_element: ClassVar[Optional[float]] = None
+    #: set by single-collective compressors: the DDP hook then sends the bucket in this dtype directly
+    wire_dtype: ClassVar[Optional[torch.dtype]] = None
 
     def __init__(self, config: Optional[CompressorConfig] = None, **kwargs: Any):
         if config is None:

@@ -15,6 +15,8 @@ class NoneCompressor(Compressor):
 
     name: ClassVar[str] = "none"
     bytes_per_element: ClassVar[Optional[float]] = 4.0
+    #: the DDP hook sends the whole bucket in this dtype with one collective, straight from the hook
+    wire_dtype: ClassVar[Optional[torch.dtype]] = torch.float32
 
     def average(self, tensors: Sequence[torch.Tensor], keys: Sequence[str], group: Any = None,
                 compress: Optional[Sequence[bool]] = None) -> Sequence[torch.Tensor]:
@@ -56,6 +58,7 @@ class FP16Compressor(_CastCompressor):
 
     name: ClassVar[str] = "fp16"
     dtype: ClassVar[torch.dtype] = torch.float16
+    wire_dtype: ClassVar[Optional[torch.dtype]] = torch.float16
 
 
 class BF16Compressor(_CastCompressor):
@@ -63,6 +66,7 @@ class BF16Compressor(_CastCompressor):
 
     name: ClassVar[str] = "bf16"
     dtype: ClassVar[torch.dtype] = torch.bfloat16
+    wire_dtype: ClassVar[Optional[torch.dtype]] = torch.bfloat16
 
 
 _FP8 = getattr(torch, "float8_e4m3fn", None)

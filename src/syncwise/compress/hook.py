@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError
+from ..comm import ops
 from .base import Compressor
 
 
@@ -147,9 +148,45 @@ class CompressionHookState:
         self._worker = None
 
 
+def _direct_single_collective(state: CompressionHookState, bucket: dist.GradBucket):
+    """none/fp16/bf16: one collective per bucket, issued straight from the hook (as DDP's own all-reduce).
+
+    DDP calls the hook in bucket order on every rank, so a single collective per bucket is issued in the
+    same order everywhere without the worker thread; skipping the thread hop keeps the baseline path as
+    cheap as DDP's built-in one.
+    """
+    comp, group, buffer = state.compressor, state.comm_group, bucket.buffer()
+    world = dist.get_world_size(group)
+    cast = comp.wire_dtype != buffer.dtype
+    # Pre-divide a cast copy so a 16-bit sum cannot overflow where the average would not.
+    wire = buffer.to(comp.wire_dtype).div_(world) if cast else buffer
+    comp.counters["elements"] += buffer.numel()
+    comp.counters["bytes_sent"] += wire.numel() * wire.element_size()
+    comp.counters["collectives"] += 1
+    if bucket.is_last():
+        state.steps += 1
+    work = ops.all_reduce(wire, "sum", group=group, async_op=True)
+
+    def finish(fut: torch.futures.Future) -> torch.Tensor:
+        return buffer.copy_(wire) if cast else buffer.div_(world)
+
+    return work.get_future().then(finish)
+
+
 def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: average ``bucket`` with ``state.compressor``; returns a future of the flat bucket."""
+    """DDP comm hook: average ``bucket`` with ``state.compressor``; returns a future of the flat bucket.
+
+    A bucket holding NaN/Inf (an overflowing step the trainer will skip) is averaged uncompressed so every
+    rank sees the bad values, and the compressor's error-feedback state is left untouched by it.
+    """
+    if getattr(state.compressor, "wire_dtype", None) is not None:
+        return _direct_single_collective(state, bucket)
     buffer = bucket.buffer()
+    if not bool(torch.isfinite(buffer).all()):
+        state.wait_idle()  # keep the collective order: everything queued before goes first
+        work = ops.all_reduce(buffer, "sum", group=state.comm_group, async_op=True)
+        world = dist.get_world_size(state.comm_group)
+        return work.get_future().then(lambda fut: buffer.div_(world))
     params = bucket.parameters()
     grads = bucket.gradients()
     keys = [state.name_of(p) for p in params]
