@@ -127,7 +127,8 @@ class CompressSection:
 class CheckpointSection:
     """[ckpt] saving and resuming."""
 
-    interval: str = option("0", "save every N steps, every Ns seconds, or 'dynamic' (Young/Daly); 0 = only at end",
+    interval: str = option("dynamic", "save every N steps, every Ns seconds, or 'dynamic' (Young/Daly from the "
+                           "measured save cost and mtbf_s); 0 = only at the end",
                            "an integer ≥ 0, a duration like '300s', or 'dynamic'",
                            lambda v: bool(_INTERVAL_RE.match(str(v))))
     keep: int = option(3, "checkpoints kept (the newest valid one is never deleted)", "a positive integer",
@@ -278,6 +279,12 @@ def check_references(cfg: RunConfig) -> None:
     TorchHookSpec.parse(cfg.compress.method) or parse_compress_spec(cfg.compress.method)
     if cfg.resume not in ("none", "auto") and not Path(cfg.resume).expanduser().exists():
         raise ConfigError("resume", cfg.resume, "'auto', 'none', or the path of an existing checkpoint directory")
+    from .train.faults import Fault
+
+    for spec in cfg.inject_fault:
+        Fault.parse(spec)
+        if spec.startswith("kill") and cfg.dist.max_restarts == 0:
+            raise ConfigError("inject_fault", spec, "a kill only with --max-restarts ≥ 1 (else the run just dies)")
     if cfg.train.mixed_precision == "fp16":
         import torch
 

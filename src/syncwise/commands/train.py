@@ -30,8 +30,20 @@ def prepare_run_dir(cfg: RunConfig) -> Path:
         raise SyncwiseError(
             f"the run directory {run_dir} already holds a run ({', '.join(previous)}). Nothing was started, so "
             "nothing of it is overwritten: pass --resume auto to continue that run, or choose another --run-dir.")
+    saved = run_dir / "config.json"
+    if previous and saved.exists():
+        before = json.loads(saved.read_text())
+        for section in ("model", "data"):
+            for key, old in before.get(section, {}).items():
+                new = getattr(getattr(cfg, section), key, old)
+                if section == "model" or key in ("seq_len", "corpus"):
+                    if new != old:
+                        raise SyncwiseError(
+                            f"--resume: the run in {run_dir} was trained with {section}.{key}={old!r}, not {new!r}; "
+                            "its checkpoints cannot continue under a different model or data layout. Resume with "
+                            "the original setting, or start a new run with another --run-dir.")
     run_dir.mkdir(parents=True, exist_ok=True)
-    cfg.save(run_dir / "config.json")
+    cfg.save(saved)
     return run_dir
 
 
@@ -58,8 +70,10 @@ def launch(cfg: RunConfig) -> dict:
                             log_dir=str(Path(cfg.run_dir) / "logs"))
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        raise SyncwiseError(f"worker rank {rank} failed ({failure.message or 'exit code ' + str(failure.exitcode)})."
-                            f" Its log is under {Path(cfg.run_dir) / 'logs'}.") from None
+        message = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
+        raise SyncwiseError(f"worker rank {rank} failed: {message or 'exit code ' + str(failure.exitcode)}"
+                            f" (worker logs: {Path(cfg.run_dir) / 'logs'}; SYNCWISE_DEBUG=1 shows the agent's "
+                            "tracebacks)") from None
     return results[0]
 
 

@@ -1,6 +1,7 @@
 """Start N local workers through torchrun's elastic launch API (never hand-rolled multiprocessing)."""
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import uuid
@@ -31,6 +32,9 @@ def run_local(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int 
     # Field notes: sharing the rendezvous TCP store makes restarts flaky on gloo; a separate store is reliable.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ["OMP_NUM_THREADS"] = str(threads_per_worker(nproc))
+    if not os.environ.get("SYNCWISE_DEBUG"):
+        # The agent logs every worker failure with a full traceback; syncwise reports failures itself.
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id or uuid.uuid4().hex[:8],
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,

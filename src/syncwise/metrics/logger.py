@@ -82,7 +82,8 @@ class MetricsLogger:
             for k, v in row.items():
                 if isinstance(v, (int, float)) and k != "step" and v is not None:
                     self._tb.add_scalar(k, v, row["step"])
-        info = f"loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s  comm {row['comm_exposed_s'] * 1e3:.0f} ms"
+        loss = "skipped (non-finite)" if row.get("skipped") else f"{row['loss']:.4f}"
+        info = f"loss {loss}  {row['tokens_per_s']:,.0f} tok/s  comm {row['comm_exposed_s'] * 1e3:.0f} ms"
         if row.get("val_loss") is not None:
             info += f"  val {row['val_loss']:.4f}"
         self._progress.update(self._task, completed=row["step"], info=info)

@@ -8,12 +8,14 @@ from __future__ import annotations
 import datetime
 import os
 import random
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..checkpoint import SmartCheckpointer
 from ..config import RunConfig
 from ..data import SmartPrefetcher, TokenBatchLoader, evaluation_batches, load_corpus
 from ..models import build_model, count_params, flops_per_token
@@ -47,6 +49,17 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
+def resume_target(cfg: RunConfig, rank: int) -> str:
+    """What to resume from: the configured value, or — after torchrun's agent restarted the group — 'auto'."""
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restarts > 0 and cfg.resume == "none":
+        if rank == 0:
+            print(f"syncwise: worker group restarted (restart {restarts}); resuming from the newest valid "
+                  "checkpoint", flush=True)
+        return "auto"
+    return cfg.resume
+
+
 def run_worker(cfg: RunConfig) -> dict[str, Any]:
     """Train as one worker of the job; returns the run summary (on every rank)."""
     device = init_distributed(cfg)
@@ -69,14 +82,24 @@ def run_worker(cfg: RunConfig) -> dict[str, Any]:
             print(f"syncwise: {world} worker(s), model {cfg.model.preset} ({count_params(model) / 1e6:.2f}M params), "
                   f"corpus {corpus.name} ({corpus.train.numel():,} train tokens), compress={cfg.compress.method}",
                   flush=True)
+        checkpointer = None
+        if cfg.run_dir:
+            interval = cfg.ckpt.interval
+            checkpointer = SmartCheckpointer(
+                Path(cfg.run_dir) / "checkpoints",
+                # interval 0 = only the final checkpoint: an interval that never comes due
+                interval=str(cfg.train.steps + 1) if interval == "0" else interval,
+                max_checkpoints=cfg.ckpt.keep, compression=cfg.ckpt.compression, async_save=cfg.ckpt.async_save,
+                mtbf_s=cfg.ckpt.mtbf_s)
         trainer = OptimizedTrainer(
             model, optimizer, compress_gradients=cfg.compress.method, mixed_precision=cfg.train.mixed_precision,
             grad_accum_steps=cfg.train.grad_accum, clip_grad_norm=cfg.train.clip_grad, lr_scheduler=scheduler,
             compile=cfg.train.compile, activation_checkpointing=cfg.train.activation_checkpointing,
             bucket_cap_mb=cfg.dist.bucket_cap_mb, min_numel=cfg.compress.min_numel, device=device,
             val_loader=val, val_interval=cfg.train.val_interval, run_dir=cfg.run_dir,
-            flops_per_token=flops_per_token(model.config))
-        summary = trainer.train(batches, steps=cfg.train.steps)
+            flops_per_token=flops_per_token(model.config), checkpointer=checkpointer,
+            inject_faults=cfg.inject_fault, collective_timeout_s=cfg.dist.timeout_s)
+        summary = trainer.train(batches, steps=cfg.train.steps, resume=resume_target(cfg, rank))
         summary["params"] = count_params(model)
         if hasattr(batches, "close"):
             batches.close()

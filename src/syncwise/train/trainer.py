@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -20,10 +21,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..checkpoint import ModelOptimizerState, RNGState, SmartCheckpointer, TrainState
 from ..comm import ops
 from ..comm.stats import STATS, CommStats
-from ..metrics import MetricsLogger, mfu, peak_flops, peak_memory_mb
+from ..errors import SyncwiseError
+from ..metrics import MetricsLogger, mfu, peak_flops, peak_memory_mb, read_jsonl
 from ..parallel import TorchHookSpec, apply_activation_checkpointing, apply_data_parallel
+from .faults import FaultPlan
 
 # Collectives that are not gradient sync (loss averaging, validation, router-load sums) are counted here, so
 # the per-step ``comm_bytes`` is exactly the gradient traffic.
@@ -101,7 +105,9 @@ class OptimizedTrainer:
                  lr_scheduler: Any = None, compile: bool = False, activation_checkpointing: bool = False,
                  bucket_cap_mb: float = 25.0, min_numel: int = 4096, device: Optional[torch.device] = None,
                  val_loader: Optional[Iterable] = None, val_interval: int = 0, run_dir: Optional[str] = None,
-                 flops_per_token: Optional[float] = None, show_progress: bool = True):
+                 flops_per_token: Optional[float] = None, show_progress: bool = True,
+                 checkpointer: Optional[SmartCheckpointer] = None, inject_faults: Optional[list[str]] = None,
+                 collective_timeout_s: Optional[float] = None):
         self.rank, self.world_size = _world()
         self.device = device or next(model.parameters()).device
         self.cfg = TrainerConfig(mixed_precision, grad_accum_steps, clip_grad_norm, bucket_cap_mb, min_numel,
@@ -120,34 +126,112 @@ class OptimizedTrainer:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype == torch.float16)
         self.val_loader, self.run_dir, self.show_progress = val_loader, run_dir, show_progress
         self.flops_per_token = flops_per_token
+        self.checkpointer = checkpointer
+        self.faults = FaultPlan(inject_faults or [], run_dir)
+        self.collective_timeout_s = collective_timeout_s
         self.step = 0
         self.tokens_seen = 0
         self.skipped_steps: list[int] = []
+        self.phase = "start"  # what the step is doing, for the message when a collective hangs
 
     # ----------------------------------------------------------------------------------------- public API
     def train(self, loader: Iterable, epochs: Optional[int] = None, steps: Optional[int] = None,
               checkpoint_dir: Optional[str] = None, resume: Optional[str] = None,
               cloud_config: Any = None) -> dict[str, Any]:
-        """Run until ``steps`` optimizer steps (or ``epochs`` passes over ``loader``); return the summary."""
+        """Run until ``steps`` optimizer steps (or ``epochs`` passes over ``loader``); return the summary.
+
+        ``checkpoint_dir`` (or a ``checkpointer`` given to the constructor) enables checkpoints; ``resume``
+        is 'auto' (newest valid checkpoint there, if any), a checkpoint path, or None. ``cloud_config`` is
+        accepted for the seed API and recorded in the summary.
+        """
         total = self._total_steps(loader, epochs, steps)
+        if checkpoint_dir is not None and self.checkpointer is None:
+            self.checkpointer = SmartCheckpointer(checkpoint_dir)
+        state = self.train_state(loader)
+        redone = self._resume(resume, state)
         logger = MetricsLogger(self.run_dir, total, enabled=self.rank == 0 and self.show_progress,
                                start_step=self.step)
+        if redone is not None:
+            logger.note(f"resumed from step {self.step}; {redone} step(s) after it are redone")
         batches = _forever(loader)
         history: list[StepResult] = []
         val_loss = None
         started = time.perf_counter()
-        while self.step < total:
-            result = self._train_step(batches)
-            self.step += 1
-            history.append(result)
-            row = self._row(result)
-            if self.val_loader is not None and (self.step == total or (
-                    self.cfg.val_interval and self.step % self.cfg.val_interval == 0)):
-                val_loss = row["val_loss"] = self.evaluate()
-            logger.log_step(row)
+        try:
+            while self.step < total:
+                self.faults.maybe_kill(self.step + 1, self.rank)
+                result = self._train_step(batches)
+                self.step += 1
+                history.append(result)
+                row = self._row(result)
+                if self.val_loader is not None and (self.step == total or (
+                        self.cfg.val_interval and self.step % self.cfg.val_interval == 0)):
+                    self.phase = "validation"
+                    val_loss = row["val_loss"] = self.evaluate()
+                logger.log_step(row)
+                if self.checkpointer is not None and self.step < total and \
+                        self.checkpointer.should_save(self.step, result.step_time_s):
+                    self.phase = "checkpoint save"
+                    self.checkpointer.save(self.step, state)
+            if self.checkpointer is not None:
+                self.phase = "final checkpoint save"
+                if self.checkpointer.last_save is None or self.checkpointer.last_save.step != self.step:
+                    self.checkpointer.save(self.step, state)
+                self.checkpointer.close()
+        except RuntimeError as e:
+            raise self._explain_hang(e) from e
         summary = self._summary(history, val_loss, time.perf_counter() - started)
+        if cloud_config is not None:
+            summary["cloud_config"] = repr(cloud_config)
         logger.finish(summary)
         return summary
+
+    def train_state(self, loader: Any = None) -> TrainState:
+        """Everything a checkpoint must hold to resume this run exactly (components register by name)."""
+        state = TrainState()
+        state.register("model", ModelOptimizerState(self.model, self.optimizer))
+        if self.lr_scheduler is not None:
+            state.register("scheduler", self.lr_scheduler)
+        if self.scaler.is_enabled():
+            state.register("scaler", self.scaler)
+        state.register("trainer", self)
+        state.register("rng", RNGState(), per_rank=True)
+        if loader is not None and hasattr(loader, "state_dict"):
+            state.register("data", loader, per_rank=True)
+        if self.dp.hook_state is not None:
+            state.register("compressor", self.dp.hook_state, per_rank=True)
+        return state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters of the loop (the trainer is itself a checkpointed component)."""
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_steps": list(self.skipped_steps)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+        self.skipped_steps = [int(s) for s in state.get("skipped_steps", [])]
+
+    def _resume(self, resume: Optional[str], state: TrainState) -> Optional[int]:
+        """Load the checkpoint ``resume`` names; returns how many logged steps will be redone (None: fresh)."""
+        if resume in (None, "none", ""):
+            return None
+        if self.checkpointer is None:
+            raise SyncwiseError(f"resume={resume!r} needs a checkpoint directory: pass checkpoint_dir= to train() "
+                                "or a SmartCheckpointer to OptimizedTrainer")
+        step = self.checkpointer.load(resume, state)
+        if resume == "auto" and step == 0:
+            return None
+        logged = read_jsonl(Path(self.run_dir) / "metrics.jsonl") if self.run_dir and self.rank == 0 else []
+        return max(0, max((r.get("step", 0) for r in logged), default=step) - step)
+
+    def _explain_hang(self, e: RuntimeError) -> Exception:
+        text = str(e).lower()
+        if "timed out" in text or "timeout" in text:
+            return SyncwiseError(
+                f"rank {self.rank}: a collective during {self.phase} of step {self.step + 1} did not complete "
+                f"within the {self.collective_timeout_s or 'configured'} s timeout — another rank probably died "
+                f"or hangs. Check the other workers' logs; raise --dist.timeout_s if steps are legitimately slow.")
+        return e
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -170,7 +254,9 @@ class OptimizedTrainer:
         tokens = 0
         self.optimizer.zero_grad(set_to_none=True)
         accum = self.cfg.grad_accum_steps
+        poison = self.faults.poison_loss(self.step + 1, self.rank)
         for micro in range(accum):
+            self.phase = "data loading"
             t_data = time.perf_counter()
             inputs, targets = next(batches)
             inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
@@ -182,8 +268,11 @@ class OptimizedTrainer:
             with sync:
                 if self.dp.timer is not None:
                     self.dp.timer.reset()
+                self.phase = "forward/backward (gradient sync)"
                 with self._autocast():
                     loss = self.loss_fn(self.train_module(inputs), targets) / accum
+                if poison:
+                    loss = loss * float("nan")
                 self.scaler.scale(loss).backward()
                 if last and self.dp.timer is not None:
                     self._sync_device()
@@ -191,6 +280,7 @@ class OptimizedTrainer:
             loss_sum += loss.detach()
         comm_bytes = STATS.total_bytes - bytes_before
 
+        self.phase = "optimizer step"
         # Gradients are identical on every rank after the sync, so every rank takes the same decision.
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(
@@ -220,7 +310,7 @@ class OptimizedTrainer:
     def _row(self, r: StepResult) -> dict[str, Any]:
         lr = self.optimizer.param_groups[0]["lr"]
         tps = r.tokens / r.step_time_s if r.step_time_s > 0 else 0.0
-        row = {"step": self.step, "loss": r.loss, "lr": lr, "tokens_per_s": tps, "step_time_s": r.step_time_s,
+        row = {"step": self.step, "loss": r.loss if math.isfinite(r.loss) else None, "lr": lr, "tokens_per_s": tps, "step_time_s": r.step_time_s,
                "compute_s": r.compute_s, "comm_exposed_s": r.comm_exposed_s, "data_wait_s": r.data_wait_s,
                "comm_bytes": r.comm_bytes, "grad_norm": r.grad_norm, "peak_mem_mb": peak_memory_mb(self.device)}
         util = mfu(self.flops_per_token, tps / self.world_size, peak_flops(self.device))

@@ -1,0 +1,509 @@
+"""`syncwise bench`: the seeds' "baseline vs optimized" table, measured for real.
+
+Trains the same model from the same seed for the same number of steps once per configuration —
+fp32 DDP (``none``), PyTorch's own fp16 and PowerSGD hooks, and syncwise's compressors — on local
+workers or across the network lab, plus one compute-only run (1 worker, no communication, same
+per-worker batch and threads) that defines parallel efficiency = compute-only step time / step time.
+Each run is an ordinary `syncwise train` run whose directory is kept under ``--out-dir``; the table
+is built from their ``summary.json`` and the loss-vs-wall-clock PNG from their ``metrics.jsonl``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from ..config import RunConfig, build_config
+from ..errors import ConfigError, SyncwiseError
+
+COMPUTE_ONLY = "compute-only"
+# N independent compute-only workers at once (N = all workers of the distributed runs): the lab's nodes share
+# this host's cores, so this reference shows how much of a step's slowdown is CPU sharing, not communication.
+COMPUTE_SHARED = "compute-only-shared"
+BASELINE = "none"
+#: the default side-by-side set: baseline, PyTorch's hooks, then every syncwise compressor
+DEFAULT_CONFIGS = ("none", "torch-fp16", "torch-powersgd:rank=4", "fp16", "bf16", "fp8", "int8", "sign",
+                   "topk:ratio=0.01", "randomk:ratio=0.01", "powersgd:rank=4")
+DEFAULT_LAB_BANDWIDTH = "200mbit"
+DEFAULT_STEPS = 30
+# Keys the bench sets itself per run; --set may not override them.
+_BENCH_KEYS = ("run_dir", "resume", "compress.method", "dist.nproc", "dist.lab", "model.preset", "train.steps")
+# torch's powerSGD_hook aborts on gloo with more than one DDP bucket (FIELD-NOTES): give it one.
+TORCH_POWERSGD_BUCKET_MB = 1000.0
+# Parallel efficiency of a real (non-compute-only) run is in (0, ~1]; the factor 5,000 is the lab's
+# measured CPU-vs-H100 slowdown (docs/network-lab.md) used to name the equivalent real link.
+LAB_SLOWDOWN = 5000.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register bench's options on ``parser``."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--lab", action="store_true",
+                        help="run across the network lab (uses the running lab, reshaped to --bandwidth, or brings "
+                             "one up with --nodes and takes it down afterwards)")
+    parser.add_argument("--lab-prefix", default=None, help="name prefix of the lab to use (default: the default lab)")
+    parser.add_argument("--nodes", type=int, default=2, help="lab nodes when the bench brings a lab up (default 2)")
+    parser.add_argument("--bandwidth", default=None,
+                        help=f"lab link rate, tc units (e.g. 100mbit, 1gbit); default: the running lab's rate, or "
+                             f"{DEFAULT_LAB_BANDWIDTH} for a new lab")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="workers (per node with --lab; default 1 per node with --lab, 2 locally)")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"optimizer steps per run (default {DEFAULT_STEPS})")
+    parser.add_argument("--preset", default="small", help="model preset (default small)")
+    parser.add_argument("--configs", default=None,
+                        help="comma list of compress specs to compare (default: " + ",".join(DEFAULT_CONFIGS) +
+                             f"); options after a spec's ':' continue it, e.g. topk:ratio=0.01,momentum=0.9. "
+                             f"'{COMPUTE_ONLY}' and '{COMPUTE_SHARED}' always run (they define parallel efficiency)")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every run, e.g. --set train.val_batches=8 --set "
+                             "dist.bucket_cap_mb=4 (repeatable; see `syncwise train --help`)")
+    parser.add_argument("--json", default=None, help="write the rows here (default: OUT_DIR/bench.json)")
+    parser.add_argument("--plot", default=None, help="loss-vs-wall-clock PNG (default: next to the JSON, .png)")
+    parser.add_argument("--out-dir", default=None, help="one run directory per configuration is kept here "
+                                                        "(default: runs/bench-DATE-TIME)")
+    parser.epilog = ("Columns: parallel efficiency = compute-only step time / step time (same per-worker batch and\n"
+                     "threads); ratio = fp32 bytes per step / bytes per step; Δval = final validation loss relative\n"
+                     "to fp32 DDP at equal steps.")
+
+
+# ------------------------------------------------------------------------------------------- planning
+
+
+@dataclass
+class BenchRun:
+    """One configuration of the bench: its name, its validated RunConfig and where it runs."""
+
+    name: str
+    cfg: RunConfig
+    copies: int = 1  # COMPUTE_SHARED: independent single-worker runs started at the same time
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.cfg.run_dir)
+
+
+def split_configs(text: str) -> list[str]:
+    """Split a ``--configs`` list: a comma item of the form ``key=value`` continues the previous spec's options."""
+    if not isinstance(text, str) or not text.strip():
+        raise ConfigError("configs", text, "a comma list of compress specs, e.g. none,torch-fp16,powersgd:rank=4")
+    specs: list[str] = []
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        if "=" in item and ":" not in item and specs and ":" in specs[-1]:
+            specs[-1] += "," + item
+        else:
+            specs.append(item)
+    if not specs:
+        raise ConfigError("configs", text, "at least one compress spec")
+    dupes = sorted({s for s in specs if specs.count(s) > 1})
+    if dupes:
+        raise ConfigError("configs", text, f"each configuration once (repeated: {', '.join(dupes)})")
+    return specs
+
+
+def _parse_sets(items: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        key = key.strip().lstrip("-")
+        if not eq or not key:
+            raise ConfigError("set", item, "KEY=VALUE, e.g. train.val_batches=8")
+        if key in _BENCH_KEYS:
+            raise ConfigError("set", item, "any config key except " + ", ".join(_BENCH_KEYS) +
+                              " (bench sets those; use --steps, --preset, --nproc, --configs)")
+        out[key] = value
+    return out
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._=-]+", "_", name).strip("_") or "run"
+
+
+def plan_runs(args: argparse.Namespace, out_dir: Path) -> list[BenchRun]:
+    """Validate every option and build one RunConfig per configuration; raises ConfigError before anything runs."""
+    if isinstance(args.steps, bool) or not isinstance(args.steps, int) or args.steps < 1:
+        raise ConfigError("steps", args.steps, "a positive integer")
+    if args.nproc is not None and args.nproc < 1:
+        raise ConfigError("nproc", args.nproc, "an integer >= 1")
+    if args.lab:
+        from ..lab.cluster import MAX_NODES, _validate_prefix, parse_rate
+
+        if not 2 <= args.nodes <= MAX_NODES:
+            raise ConfigError("nodes", args.nodes, f"an integer 2..{MAX_NODES} (a bench needs at least 2 nodes)")
+        if args.bandwidth is not None:
+            parse_rate(args.bandwidth, "bandwidth")
+        if args.lab_prefix is not None:
+            _validate_prefix(args.lab_prefix)
+    elif args.bandwidth is not None:
+        raise ConfigError("bandwidth", args.bandwidth, "only together with --lab (local workers talk over loopback)")
+    nproc = args.nproc or (1 if args.lab else 2)
+    if not args.lab and nproc < 2:
+        raise ConfigError("nproc", nproc, "an integer >= 2 for local workers (the bench compares communication)")
+    specs = split_configs(args.configs) if args.configs else list(DEFAULT_CONFIGS)
+    specs = [s for s in specs if s not in (COMPUTE_ONLY, COMPUTE_SHARED)]
+    if not specs:
+        raise ConfigError("configs", args.configs, f"at least one configuration besides {COMPUTE_ONLY}, e.g. none,fp16")
+    common = {"model.preset": args.preset, "train.steps": str(args.steps), **_parse_sets(args.sets)}
+    runs = [BenchRun(name, build_config(None, {**common, "dist.nproc": "1", "dist.lab": "false",
+                                               "compress.method": "none", "run_dir": str(out_dir / name)}))
+            for name in (COMPUTE_ONLY, COMPUTE_SHARED)]
+    workers = nproc * (args.nodes if args.lab else 1)
+    for spec in specs:
+        overrides = {**common, "dist.nproc": str(nproc), "dist.lab": str(bool(args.lab)).lower(),
+                     "compress.method": spec, "run_dir": str(out_dir / _slug(spec))}
+        if spec.startswith("torch-powersgd"):
+            overrides["dist.bucket_cap_mb"] = str(TORCH_POWERSGD_BUCKET_MB)
+        try:
+            cfg = build_config(None, overrides)
+        except ConfigError as e:
+            if e.field == "compress":  # name the --configs item, not the config key
+                raise ConfigError("configs", spec, e.accepted) from None
+            raise
+        runs.append(BenchRun(spec, cfg))
+    runs[1].copies = workers
+    slugs = [r.run_dir.name for r in runs]
+    if len(set(slugs)) != len(slugs):
+        raise ConfigError("configs", ",".join(specs), "configurations with distinct names")
+    busy = [str(r.run_dir) for r in runs if (r.run_dir / "metrics.jsonl").exists() or
+            (r.run_dir / "summary.json").exists()]
+    if busy:
+        raise SyncwiseError(f"{busy[0]} already holds a run; nothing was started. Choose another --out-dir.")
+    return runs
+
+
+# -------------------------------------------------------------------------------------------- running
+
+
+def _launch_lab(cfg: RunConfig, prefix: Optional[str]) -> dict[str, Any]:
+    from ..lab.launch import lab_torchrun
+
+    run_dir = Path(cfg.run_dir)
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    # Node 0's output goes to a file too: the bench prints its own progress and table.
+    with open(logs / "node0.console.log", "wb") as console:
+        code = lab_torchrun(["-m", "syncwise.train", "--config", str(run_dir / "config.json")],
+                            nproc_per_node=cfg.dist.nproc, log_dir=str(logs), console=console,
+                            **({"prefix": prefix} if prefix else {}))
+    if code != 0:
+        raise SyncwiseError(f"the lab job failed (exit code {code}); logs under {logs}")
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def _run_compute_only(cfg: RunConfig, threads: int) -> dict[str, Any]:
+    """Run the 1-worker reference in this process with the distributed workers' thread count."""
+    import torch
+
+    from .train import launch
+
+    old_threads, old_env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # init_distributed applies it
+    torch.set_num_threads(threads)
+    try:
+        return launch(cfg)
+    finally:
+        torch.set_num_threads(old_threads)
+        if old_env is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = old_env
+
+
+def _run_compute_shared(run: BenchRun, threads: int) -> dict[str, Any]:
+    """Start ``run.copies`` independent 1-worker runs at once (no process group: no communication)."""
+    import copy
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = str(threads)
+    procs, dirs = [], []
+    for i in range(run.copies):
+        cfg = copy.deepcopy(run.cfg)
+        cfg.run_dir = str(run.run_dir / f"worker{i}")
+        Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+        cfg.save(Path(cfg.run_dir) / "config.json")
+        dirs.append(Path(cfg.run_dir))
+        with open(Path(cfg.run_dir) / "console.log", "wb") as log:
+            procs.append(subprocess.Popen([sys.executable, "-m", "syncwise.train", "--config",
+                                           str(Path(cfg.run_dir) / "config.json")], env=env, stdout=log,
+                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise SyncwiseError(f"a compute-only worker failed (exit codes {codes}); see {run.run_dir}/worker*/console.log")
+    summaries = [json.loads((d / "summary.json").read_text()) for d in dirs]
+    summary = dict(summaries[0])
+    # Every copy did the same work at the same time: their mean step time is the shared-CPU compute time.
+    summary["mean_step_time_s"] = sum(x["mean_step_time_s"] for x in summaries) / len(summaries)
+    summary["copies"] = run.copies
+    (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    # metrics.jsonl of the first copy, so the plot shows this reference too
+    (run.run_dir / "metrics.jsonl").write_text((dirs[0] / "metrics.jsonl").read_text())
+    return summary
+
+
+def run_one(run: BenchRun, threads: int, lab_prefix: Optional[str]) -> dict[str, Any]:
+    """Train one configuration; return its summary (raises SyncwiseError if the workers failed)."""
+    from .train import launch, prepare_run_dir
+
+    prepare_run_dir(run.cfg)
+    if run.name == COMPUTE_ONLY:
+        return _run_compute_only(run.cfg, threads)
+    if run.name == COMPUTE_SHARED:
+        return _run_compute_shared(run, threads)
+    if run.cfg.dist.lab:
+        return _launch_lab(run.cfg, lab_prefix)
+    launch(run.cfg)
+    return json.loads((run.run_dir / "summary.json").read_text())
+
+
+class _Lab:
+    """Use the running lab (reshaped to the bench's rate, restored afterwards) or bring one up and down."""
+
+    def __init__(self, nodes: int, bandwidth: Optional[str], prefix: Optional[str]):
+        self.nodes, self.bandwidth, self.prefix = nodes, bandwidth, prefix
+        self.created, self.restore_rate = False, None
+        self.state: Any = None
+
+    def __enter__(self) -> "_Lab":
+        from .. import lab
+        from ..lab.cluster import parse_rate
+
+        kw = {"prefix": self.prefix} if self.prefix else {}
+        lab.check_supported()
+        state = lab.status(**kw)
+        if state is None:
+            state = lab.up(self.nodes, self.bandwidth or DEFAULT_LAB_BANDWIDTH, **kw)
+            self.created = True
+        elif self.bandwidth is not None and parse_rate(self.bandwidth) != state.inter_node_bps:
+            self.restore_rate = state.inter_node
+            state = lab.shape(inter_node=self.bandwidth, **kw)
+        self.state = state
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        from .. import lab
+
+        kw = {"prefix": self.prefix} if self.prefix else {}
+        if self.created:
+            lab.down(**kw)
+        elif self.restore_rate is not None:
+            lab.shape(inter_node=self.restore_rate, **kw)
+
+
+# ------------------------------------------------------------------------------------------- results
+
+
+def equivalent_real_link(lab_bps: int, slowdown: float = LAB_SLOWDOWN) -> str:
+    """The GPU-cluster link a lab rate stands for at the lab's compute slowdown (docs/network-lab.md)."""
+    real = lab_bps * slowdown
+    return f"{real / 1e12:g} Tbit/s" if real >= 1e12 else f"{real / 1e9:g} Gbit/s"
+
+
+def build_rows(runs: list[BenchRun], summaries: dict[str, dict], errors: dict[str, str], bandwidth: str,
+               fp32_bytes: Optional[float] = None) -> list[dict[str, Any]]:
+    """One row per configuration, with ratios against the compute-only run and the fp32 DDP baseline."""
+    compute = summaries.get(COMPUTE_ONLY, {}).get("mean_step_time_s")
+    shared = summaries.get(COMPUTE_SHARED, {}).get("mean_step_time_s")
+    base = summaries.get(BASELINE, {})
+    base_bytes = base.get("comm_bytes_per_step") or fp32_bytes
+    rows = []
+    for run in runs:
+        s = summaries.get(run.name)
+        row: dict[str, Any] = {"name": run.name, "compress": run.cfg.compress.method, "preset": run.cfg.model.preset,
+                               "steps": run.cfg.train.steps,
+                               "bandwidth": None if run.name in (COMPUTE_ONLY, COMPUTE_SHARED) else bandwidth,
+                               "world_size": None, "run_dir": str(run.run_dir)}
+        if s is None:
+            row.update({k: None for k in ("steps_per_s", "parallel_efficiency", "comm_bytes_per_step",
+                                          "compression_ratio", "final_loss", "final_val_loss", "peak_mem_mb",
+                                          "mean_step_time_s", "comm_exposed_share",
+                                          "parallel_efficiency_shared_cpu")})
+            row["error"] = errors.get(run.name, "not run")
+            rows.append(row)
+            continue
+        t = s["mean_step_time_s"]
+        reference = run.name in (COMPUTE_ONLY, COMPUTE_SHARED)
+        nbytes = 0.0 if reference else s.get("comm_bytes_per_step")
+        row.update({
+            "world_size": s.get("world_size"),
+            "steps_per_s": 1.0 / t if t else None,
+            "mean_step_time_s": t,
+            "parallel_efficiency": compute / t if compute and t else None,
+            # vs N compute-only workers sharing the host's cores as the lab's nodes do
+            "parallel_efficiency_shared_cpu": shared / t if shared and t else None,
+            "comm_bytes_per_step": nbytes,
+            "compression_ratio": base_bytes / nbytes if base_bytes and nbytes else None,
+            "final_loss": s.get("final_loss"),
+            "final_val_loss": s.get("final_val_loss"),
+            "peak_mem_mb": s.get("peak_mem_mb"),
+            "comm_exposed_share": s.get("comm_exposed_share"),
+            "error": None,
+        })
+        # The compute-only run trains 1 worker on a different data shard: no speed-up or loss parity vs fp32 DDP.
+        if not reference:
+            row.update({
+                "speedup_vs_fp32": (base["mean_step_time_s"] / t) if base.get("mean_step_time_s") and t else None,
+                "val_loss_vs_fp32": ((s["final_val_loss"] / base["final_val_loss"] - 1.0)
+                                     if s.get("final_val_loss") and base.get("final_val_loss") else None),
+            })
+        else:
+            row.update({"speedup_vs_fp32": None, "val_loss_vs_fp32": None})
+        rows.append(row)
+    return rows
+
+
+def _fmt(v: Any, spec: str, none: str = "–") -> str:
+    return none if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def render_table(rows: list[dict[str, Any]], title: str, console: Any = None) -> None:
+    """Print the rows as a rich table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    table = Table(title=title, caption="efficiency = compute-only step (1 worker) / step; eff. shared CPU = the same "
+                                       "with all N workers computing at once, no communication;\nratio = fp32 bytes "
+                                       "/ bytes; Δval = final val loss vs fp32 DDP at equal steps")
+    for col in ("config", "step ms", "steps/s", "efficiency", "eff. shared CPU", "MB/step", "ratio", "vs fp32", "loss", "val loss",
+                "Δval", "exposed comm", "peak MB"):
+        table.add_column(col, justify="left" if col == "config" else "right", no_wrap=True)
+    for r in rows:
+        if r.get("error"):
+            table.add_row(r["name"], f"[red]failed: {r['error'][:60]}[/red]", *[""] * 11)
+            continue
+        mb = r["comm_bytes_per_step"]
+        table.add_row(
+            r["name"], _fmt(r["mean_step_time_s"] and r["mean_step_time_s"] * 1e3, ".0f"), _fmt(r["steps_per_s"], ".2f"),
+            _fmt(r["parallel_efficiency"], ".2f"), _fmt(r.get("parallel_efficiency_shared_cpu"), ".2f"),
+            _fmt(None if mb is None else mb / 1e6, ".2f", "n/c"),
+            _fmt(r["compression_ratio"], ".1f"), _fmt(r.get("speedup_vs_fp32"), ".2f"), _fmt(r["final_loss"], ".4f"),
+            _fmt(r["final_val_loss"], ".4f"),
+            _fmt(None if r.get("val_loss_vs_fp32") is None else 100 * r["val_loss_vs_fp32"], "+.2f") +
+            ("%" if r.get("val_loss_vs_fp32") is not None else ""),
+            _fmt(None if r["comm_exposed_share"] is None else 100 * r["comm_exposed_share"], ".0f") +
+            ("%" if r["comm_exposed_share"] is not None else ""),
+            _fmt(r["peak_mem_mb"], ".0f"))
+    console.print(table)
+    if any(r.get("comm_bytes_per_step") is None and not r.get("error") for r in rows):
+        console.print("n/c: not counted — PyTorch's PowerSGD hook issues its collectives itself, bypassing syncwise.comm")
+
+
+def write_plot(rows: list[dict[str, Any]], path: str | Path, title: str) -> Path:
+    """PNG of loss against wall-clock time (cumulative step time from each run's metrics.jsonl)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..metrics.logger import read_jsonl
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for r in rows:
+        metrics = read_jsonl(Path(r["run_dir"]) / "metrics.jsonl")
+        if r.get("error") or not metrics:
+            continue
+        t, clock, ema, smooth = [], 0.0, None, []
+        for m in metrics:
+            clock += m["step_time_s"]
+            t.append(clock)
+            # The per-step loss is noisy; an EMA keeps the curves readable without shifting them much.
+            ema = m["loss"] if ema is None else 0.9 * ema + 0.1 * m["loss"]
+            smooth.append(ema)
+        style = "--" if r["name"] in (COMPUTE_ONLY, COMPUTE_SHARED) else ":" if r["name"].startswith("torch-") else "-"
+        line, = ax.plot(t, smooth, style, label=r["name"], linewidth=1.4)
+        vt = [(tt, m["val_loss"]) for tt, m in zip(t, metrics) if m.get("val_loss") is not None]
+        if vt:
+            ax.plot([p[0] for p in vt], [p[1] for p in vt], "o", color=line.get_color(), markersize=4)
+    ax.set_xlabel("wall-clock time (s, cumulative step time)")
+    ax.set_ylabel("train loss (EMA 0.9); dots: validation loss")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _fp32_bytes(cfg: RunConfig) -> float:
+    """Bytes per step of an fp32 all-reduce of every parameter (the baseline when `none` is not run)."""
+    from ..data import load_corpus
+    from ..models import build_model, count_params
+
+    corpus = load_corpus(cfg.data.corpus, val_fraction=cfg.data.val_fraction)
+    model = build_model(cfg.model.preset, vocab_size=corpus.vocab_size, seq_len=cfg.data.seq_len)
+    return 4.0 * count_params(model)
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Validate, run every configuration, write JSON and PNG; return the rows."""
+    from rich.console import Console
+
+    # Wide enough for the 12-column table even when the output is a file or a pipe.
+    console = Console(width=max(Console().width, 150))
+    out_dir = Path(args.out_dir or Path("runs") / datetime.datetime.now().strftime("bench-%Y%m%d-%H%M%S"))
+    runs = plan_runs(args, out_dir)  # every ConfigError surfaces here, before a lab or a worker starts
+    json_path = Path(args.json) if args.json else out_dir / "bench.json"
+    plot_path = Path(args.plot) if args.plot else json_path.with_suffix(".png")
+    nproc = runs[-1].cfg.dist.nproc
+    summaries: dict[str, dict] = {}
+    errors: dict[str, str] = {}
+
+    def go(threads: int) -> None:
+        for i, run in enumerate(runs, 1):
+            console.rule(f"[bold]bench {i}/{len(runs)}: {run.name}[/bold]  ({run.run_dir})")
+            try:
+                summaries[run.name] = run_one(run, threads, args.lab_prefix)
+            except SyncwiseError as e:  # one crashing configuration (e.g. torch's PowerSGD) must not sink the rest
+                errors[run.name] = str(e)
+                console.print(f"[red]{run.name} failed:[/red] {e}")
+                if run.name == COMPUTE_ONLY:
+                    raise
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.lab:
+        from ..lab.launch import omp_threads
+
+        with _Lab(args.nodes, args.bandwidth, args.lab_prefix) as lab_ctx:
+            state = lab_ctx.state
+            bandwidth = state.inter_node
+            equiv = equivalent_real_link(state.inter_node_bps)
+            runs[1].copies = state.num_nodes * nproc  # a running lab may have another node count than --nodes
+            where = f"{state.num_nodes} lab nodes × {nproc} at {bandwidth} (≈ {equiv} between GPU nodes at 5,000×)"
+            go(omp_threads(state, nproc))
+    else:
+        from ..launch.local import threads_per_worker
+
+        bandwidth, where = "loopback", f"{nproc} local workers over loopback"
+        go(threads_per_worker(nproc))
+
+    fp32_bytes = None if BASELINE in summaries else _fp32_bytes(runs[0].cfg)
+    rows = build_rows(runs, summaries, errors, bandwidth, fp32_bytes)
+    title = f"syncwise bench: {runs[0].cfg.model.preset}, {args.steps} steps, {where}"
+    render_table(rows, title, console)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(rows, indent=2) + "\n")
+    console.print(f"rows: {json_path}")
+    console.print(f"plot: {write_plot(rows, plot_path, title)}")
+    console.print(f"run directories: {out_dir}")
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    """`syncwise bench` entry point: 0 if every configuration ran, 1 if some failed (their rows say why)."""
+    rows = bench(args)
+    return 1 if any(r.get("error") for r in rows) else 0
