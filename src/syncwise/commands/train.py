@@ -59,7 +59,7 @@ def launch(cfg: RunConfig) -> dict:
         if code != 0:
             raise SyncwiseError(f"the lab job failed (exit code {code}); see the worker output above")
         return json.loads((Path(cfg.run_dir) / "summary.json").read_text())
-    if cfg.dist.nproc == 1 and cfg.dist.max_restarts == 0:
+    if cfg.dist.nproc == 1 and cfg.dist.max_restarts == 0 and cfg.dist.nnodes == "1":
         return run_worker(cfg)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -67,7 +67,7 @@ def launch(cfg: RunConfig) -> dict:
 
     try:
         results = run_local(run_worker, cfg.dist.nproc, cfg, max_restarts=cfg.dist.max_restarts,
-                            log_dir=str(Path(cfg.run_dir) / "logs"))
+                            log_dir=str(Path(cfg.run_dir) / "logs"), nnodes=cfg.dist.nnodes)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         message = failure.message.get("message") if isinstance(failure.message, dict) else failure.message

@@ -22,9 +22,18 @@ def threads_per_worker(nproc: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, nproc))
 
 
+def parse_nnodes(nnodes: str) -> tuple[int, int]:
+    """torchrun's ``--nnodes`` syntax: 'N' or 'MIN:MAX'."""
+    lo, _, hi = str(nnodes).partition(":")
+    return int(lo), int(hi or lo)
+
+
 def run_local(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0,
-              run_id: str | None = None, log_dir: str | None = None) -> dict[int, Any]:
+              run_id: str | None = None, log_dir: str | None = None, nnodes: str = "1") -> dict[int, Any]:
     """Run ``fn(*args)`` in ``nproc`` workers started by torchrun's elastic agent; return {rank: result}.
+
+    ``nnodes='1:2'`` makes this agent one node of an elastic job that may grow to 2 (other nodes join
+    through the same c10d rendezvous); ``max_restarts`` lets the agent restart the group after a failure.
 
     Workers find RANK/WORLD_SIZE/MASTER_ADDR in their environment as under ``torchrun``.
     ``fn`` must be a module-level function (workers are spawned).
@@ -35,8 +44,11 @@ def run_local(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int 
     if not os.environ.get("SYNCWISE_DEBUG"):
         # The agent logs every worker failure with a full traceback; syncwise reports failures itself.
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    min_nodes, max_nodes = parse_nnodes(nnodes)
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id or uuid.uuid4().hex[:8],
+        min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc,
+        # Field notes: with an elastic range each rendezvous otherwise waits 30 s for optional nodes.
+        rdzv_configs={"last_call_timeout": 3} if max_nodes > min_nodes else {}, run_id=run_id or uuid.uuid4().hex[:8],
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
         monitor_interval=0.5, start_method="spawn", **({"logs_specs": _logs(log_dir)} if log_dir else {}),
     )
