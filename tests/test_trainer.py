@@ -2,6 +2,7 @@
 import copy
 import json
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -95,3 +96,25 @@ def test_arbitrary_user_module_trains_under_optimized_trainer(tmp_path):
                 "comm_bytes"):
         assert key in rows[0]
     assert summary["steps"] == 30 and json.loads((tmp_path / "summary.json").read_text())["steps"] == 30
+
+
+def _options(rank, world):
+    from syncwise.models import build_model
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 256, (4000,), generator=torch.Generator().manual_seed(1))
+    batches = [(tokens[i:i + 64].view(2, 32), tokens[i + 1:i + 65].view(2, 32)) for i in range(0, 640, 64)]
+    results = {}
+    for name, kwargs in {"plain": {}, "ckpt": {"activation_checkpointing": True},
+                         "bf16": {"mixed_precision": "bf16"}}.items():
+        torch.manual_seed(0)
+        model = build_model("tiny-moe", seq_len=32)
+        trainer = OptimizedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), show_progress=False, **kwargs)
+        results[name] = trainer.train(batches, steps=3)["final_loss"]
+    return results
+
+
+def test_activation_checkpointing_is_exact_and_bf16_autocast_trains():
+    for r in run_workers(_options, 2):
+        assert r["ckpt"] == pytest.approx(r["plain"], rel=1e-5)  # recomputation changes memory, not math
+        assert r["bf16"] == pytest.approx(r["plain"], rel=0.05)

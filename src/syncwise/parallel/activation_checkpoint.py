@@ -7,16 +7,19 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
-def _blocks(model: nn.Module) -> nn.ModuleList:
-    """The model's repeated blocks: ``model.layers``/``blocks``/``h`` or the largest ModuleList."""
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks: ``model.layers``/``blocks``/``h`` or the largest ModuleList/ModuleDict."""
+    containers = (nn.ModuleList, nn.ModuleDict)
     for name in ("layers", "blocks", "h"):
         mod = getattr(model, name, None)
-        if isinstance(mod, nn.ModuleList):
-            return mod
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    if not lists:
-        raise ValueError("activation checkpointing needs a model with an nn.ModuleList of blocks")
-    return max(lists, key=len)
+        if isinstance(mod, containers):
+            return list(mod.values() if isinstance(mod, nn.ModuleDict) else mod)
+    found = [m for m in model.modules() if isinstance(m, containers)]
+    if not found:
+        raise ValueError("activation checkpointing needs a model whose blocks sit in an nn.ModuleList or "
+                         "nn.ModuleDict")
+    biggest = max(found, key=len)
+    return list(biggest.values() if isinstance(biggest, nn.ModuleDict) else biggest)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> int:
