@@ -44,6 +44,17 @@ def _hier_vs_flat(rank, world):
                 cmp[(str(dtype), str(size), op)] = (x.double().tolist(), ref.double().tolist())
     out["cmp"] = cmp
     out["last"] = hier.last_algorithm
+    # Pipelined chunks (tiny here, so a 1001-element message is 10+ chunks with padded tails).
+    piped = {}
+    for intra in ("reduce_scatter", "all_reduce"):
+        coll = TopoAwareCollective(ctx, algorithm="hierarchical", intra_reduce=intra, pipeline_chunk_bytes=400)
+        for size in (7, 1001):
+            x = _data(rank, torch.float32, size, 99)
+            ref = x.clone()
+            all_reduce(ref, "avg")
+            coll.all_reduce(x, "avg")
+            piped[(intra, size)] = (x - ref).abs().max().item()
+    out["piped"] = piped
 
     # Bytes: 1001 float32 -> padded to 1002 for 2 shards of 501 (reduce-scatter input, then shard sizes).
     STATS.reset()
@@ -126,6 +137,7 @@ def test_hierarchical_all_reduce_matches_flat_on_2_nodes_x_2():
             assert got.shape == ref.shape
             assert torch.allclose(got, ref, rtol=tol[dtype], atol=tol[dtype]), (dtype, size, op, got, ref)
         assert out["last"] == "hierarchical"
+        assert max(out["piped"].values()) < 1e-5, out["piped"]
         # instrumented bytes equal the tensors each step moves
         assert out["bytes"] == {"reduce_scatter": (1, 1002 * 4), "all_reduce": (1, 501 * 4),
                                 "all_gather": (1, 501 * 4)}
