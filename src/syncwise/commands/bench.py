@@ -454,7 +454,7 @@ def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     from rich.console import Console
 
     # Wide enough for the 12-column table even when the output is a file or a pipe.
-    console = Console(width=max(Console().width, 150))
+    console = Console(width=max(Console().width, 190))
     out_dir = Path(args.out_dir or Path("runs") / datetime.datetime.now().strftime("bench-%Y%m%d-%H%M%S"))
     runs = plan_runs(args, out_dir)  # every ConfigError surfaces here, before a lab or a worker starts
     json_path = Path(args.json) if args.json else out_dir / "bench.json"

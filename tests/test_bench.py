@@ -1,0 +1,75 @@
+"""`syncwise bench`: a tiny real run on local gloo workers, and its validation errors."""
+import json
+
+import pytest
+
+from syncwise.cli import main
+from syncwise.commands.bench import split_configs
+
+FIELDS = ("name", "steps_per_s", "parallel_efficiency", "comm_bytes_per_step", "final_loss", "final_val_loss",
+          "compression_ratio", "peak_mem_mb", "mean_step_time_s", "comm_exposed_share", "bandwidth", "world_size")
+
+
+def test_tiny_local_bench_writes_rows_runs_and_plot(tmp_path, capsys):
+    out = tmp_path / "bench"
+    code = main(["bench", "--preset", "tiny", "--steps", "6", "--configs", "compute-only,none,topk:ratio=0.05",
+                 "--out-dir", str(out), "--json", str(tmp_path / "rows.json"),
+                 "--set", "data.seq_len=32", "--set", "train.val_batches=1"])
+    assert code == 0
+    rows = {r["name"]: r for r in json.loads((tmp_path / "rows.json").read_text())}
+    for r in rows.values():
+        assert all(f in r for f in FIELDS), sorted(set(FIELDS) - set(r))
+        assert r["error"] is None
+        assert 0 < r["parallel_efficiency"] <= 1.5
+        assert r["steps_per_s"] > 0 and r["final_loss"] > 0 and r["final_val_loss"] > 0
+        # Each configuration's run directory is kept for inspection.
+        assert len((out / r["run_dir"].split("/")[-1] / "metrics.jsonl").read_text().splitlines()) == 6
+    assert list(rows) == ["compute-only", "compute-only-shared", "none", "topk:ratio=0.05"]
+    co, base, topk = rows["compute-only"], rows["none"], rows["topk:ratio=0.05"]
+    assert co["world_size"] == 1 and co["comm_bytes_per_step"] == 0 and co["parallel_efficiency"] == 1.0
+    # the shared-CPU reference: 2 independent workers at once, each trained alone (world size 1)
+    shared = rows["compute-only-shared"]
+    assert shared["world_size"] == 1 and shared["parallel_efficiency_shared_cpu"] == 1.0
+    assert len(list((out / "compute-only-shared").glob("worker*/summary.json"))) == 2
+    assert 0 < base["parallel_efficiency_shared_cpu"] <= 1.5
+    assert base["world_size"] == topk["world_size"] == 2 and base["bandwidth"] == "loopback"
+    assert base["compression_ratio"] == 1.0
+    assert topk["compression_ratio"] > 1 and topk["comm_bytes_per_step"] < base["comm_bytes_per_step"]
+    assert (tmp_path / "rows.png").stat().st_size > 10_000  # loss vs wall-clock, one curve per configuration
+    assert "compute-only" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--configs", "none,zip"], "configs"),
+    (["--configs", "topk:ratio=2"], "configs"),
+    (["--configs", "torch-powersgd:rnak=4"], "configs"),
+    (["--configs", "none,none"], "configs"),
+    (["--configs", "compute-only"], "configs"),
+    (["--steps", "0"], "steps"),
+    (["--preset", "gigantic"], "model.preset"),
+    (["--lab", "--bandwidth", "100mbps"], "bandwidth"),
+    (["--lab", "--nodes", "1"], "nodes"),
+    (["--bandwidth", "100mbit"], "bandwidth"),
+    (["--nproc", "1"], "nproc"),
+    (["--set", "train.lr"], "set"),
+    (["--set", "compress.method=fp16"], "set"),
+    (["--set", "train.val_batches=lots"], "train.val_batches"),
+])
+def test_bad_input_fails_before_anything_runs(argv, field, tmp_path, capsys):
+    code = main(["bench", "--out-dir", str(tmp_path / "b"), *argv])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"'{field}'" in err and "accepted" in err and "Traceback" not in err
+    assert not (tmp_path / "b").exists()  # no run directory, no lab, no worker
+
+
+def test_refuses_to_overwrite_a_previous_bench(tmp_path, capsys):
+    (tmp_path / "b" / "none").mkdir(parents=True)
+    (tmp_path / "b" / "none" / "summary.json").write_text("{}")
+    assert main(["bench", "--configs", "none", "--out-dir", str(tmp_path / "b")]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+
+
+def test_config_list_keeps_options_with_their_spec():
+    assert split_configs("none,topk:ratio=0.01,momentum=0.9,powersgd:rank=4") == [
+        "none", "topk:ratio=0.01,momentum=0.9", "powersgd:rank=4"]
