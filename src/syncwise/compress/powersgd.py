@@ -94,10 +94,16 @@ class PowerSGDCompressor(Compressor):
         # per shape group: M (B,n,m) with error feedback, Q (B,m,r) warm-started
         batches = []
         for (n, m, r), js in groups.items():
-            mats = torch.cat([comp[j].reshape(sizes[j], n, m).float() for j in js])
+            if len(js) == 1 and comp[js[0]].dtype == torch.float32 and comp[js[0]].is_contiguous():
+                # one tensor: work on the gradient itself (it is overwritten with the result anyway), no copy
+                mats = comp[js[0]].view(sizes[js[0]], n, m)
+            else:
+                mats = torch.cat([comp[j].reshape(sizes[j], n, m).float() for j in js])
             if c.error_feedback:
-                mats.add_(torch.cat([self._residual(keys[j], comp[j]).view(sizes[j], n, m) for j in js]))
-            q = torch.cat([self._initial_q(keys[j], sizes[j], m, r).to(mats.device) for j in js])
+                res = [self._residual(keys[j], comp[j]).view(sizes[j], n, m) for j in js]
+                mats.add_(res[0] if len(res) == 1 else torch.cat(res))
+            qs0 = [self._initial_q(keys[j], sizes[j], m, r).to(mats.device) for j in js]
+            q = qs0[0] if len(qs0) == 1 else torch.cat(qs0)
             batches.append((js, n, m, r, mats, q))
 
         # all-reduce #1: P = M Q of every group, plus the uncompressed tensors
@@ -110,7 +116,8 @@ class PowerSGDCompressor(Compressor):
             off += p.numel()
             # identical P on all ranks -> identical orthonormal basis everywhere
             p_hat = torch.linalg.qr(p, mode="reduced").Q
-            qs.append((p_hat, torch.bmm(mats.transpose(1, 2), p_hat)))
+            # M^T P as (P^T M)^T: a row-major GEMM over M instead of a strided one (~2x faster on CPU)
+            qs.append((p_hat, torch.bmm(p_hat.transpose(1, 2), mats).transpose(1, 2)))
 
         # all-reduce #2: Q = M^T P_hat (averaged)
         q_flat = torch.cat([q.reshape(-1) for _, q in qs])
@@ -121,15 +128,14 @@ class PowerSGDCompressor(Compressor):
             q = q_flat[off:off + q.numel()].view_as(q)
             off += q.numel()
             approx = torch.bmm(p_hat, q.transpose(1, 2))
-            if c.error_feedback:
-                mats.sub_(approx)  # residual = compensated local gradient - what everyone applies
             b = 0
             for j in js:
                 key, t, e = keys[j], comp[j], sizes[j]
                 s = self._slot(key)
                 s["q"] = q[b:b + e].clone()
                 if c.error_feedback:
-                    self._residual(key, t).copy_(mats[b:b + e].view_as(t))
+                    # residual = compensated local gradient - what everyone applies
+                    torch.sub(mats[b:b + e], approx[b:b + e], out=self._residual(key, t).view(e, n, m))
                 t.copy_(approx[b:b + e].view_as(t))
                 b += e
 
