@@ -154,6 +154,11 @@ class SmartCheckpointer:
         """Stats of the most recent finished save on this rank."""
         return self.history[-1] if self.history else None
 
+    @property
+    def save_in_flight(self) -> bool:
+        """True while a started save is still being written/published in the background."""
+        return self._pending is not None and not self._pending.done()
+
     def should_save(self, step: int, step_time_s: float | None = None) -> bool:
         """True if a checkpoint is due after ``step``; call on every rank after every step.
 

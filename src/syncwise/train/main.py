@@ -16,11 +16,12 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import SmartCheckpointer
+from ..comm import ops
 from ..config import RunConfig
 from ..data import SmartPrefetcher, TokenBatchLoader, evaluation_batches, load_corpus
 from ..models import build_model, count_params, flops_per_token
 from .schedule import adamw, warmup_cosine
-from .trainer import OptimizedTrainer
+from .trainer import CONTROL_STATS, OptimizedTrainer
 
 
 def init_distributed(cfg: RunConfig) -> torch.device:
@@ -52,6 +53,14 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
 def resume_target(cfg: RunConfig, rank: int) -> str:
     """What to resume from: the configured value, or — after torchrun's agent restarted the group — 'auto'."""
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # Each torchrun agent counts only its own failures: when a worker on another node dies, this node's
+        # agent often sees the re-rendezvous first and restarts its workers as a "membership change", with the
+        # count unchanged (0). Agree on the max so every rank resumes or none does — a mix pairs one rank's
+        # checkpoint-load collectives with another's training collectives and hangs (seen in the 2-node lab).
+        agreed = torch.tensor([restarts], dtype=torch.int64)
+        ops.all_reduce(agreed, "max", stats=CONTROL_STATS)
+        restarts = int(agreed.item())
     if restarts > 0 and cfg.resume == "none":
         if rank == 0:
             print(f"syncwise: worker group restarted (restart {restarts}); resuming from the newest valid "

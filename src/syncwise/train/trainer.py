@@ -160,10 +160,15 @@ class OptimizedTrainer:
         try:
             while self.step < total:
                 self.faults.maybe_kill(self.step + 1, self.rank)
+                # Whether an async checkpoint write runs in the background during this step: the benchmarks
+                # compare such steps with the others to measure what an in-flight save costs training.
+                in_flight = self.checkpointer is not None and self.checkpointer.save_in_flight
                 result = self._train_step(batches)
                 self.step += 1
                 history.append(result)
                 row = self._row(result)
+                if self.checkpointer is not None:
+                    row["ckpt_in_flight"] = in_flight
                 if self.val_loader is not None and (self.step == total or (
                         self.cfg.val_interval and self.step % self.cfg.val_interval == 0)):
                     self.phase = "validation"
@@ -181,6 +186,11 @@ class OptimizedTrainer:
         except RuntimeError as e:
             raise self._explain_hang(e) from e
         summary = self._summary(history, val_loss, time.perf_counter() - started)
+        if self.checkpointer is not None:
+            # This rank's save costs (rank 0's total_s runs until the checkpoint is published).
+            summary["checkpoint_saves"] = [
+                {"step": s.step, "blocking_s": s.blocking_s, "total_s": s.total_s, "bytes": s.bytes}
+                for s in self.checkpointer.history]
         if cloud_config is not None:
             summary["cloud_config"] = repr(cloud_config)
         logger.finish(summary)

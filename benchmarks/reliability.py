@@ -1,0 +1,280 @@
+"""Reliability benchmark: many random worker kills in a 2-worker run, recovered by torchrun's agent.
+
+One uninterrupted reference run, then ``--runs`` runs in which ``--kills`` kills (random rank, random
+step, seeded) are injected with ``--inject-fault kill:rank=R,step=S``. Every run is deterministic, saves an
+async checkpoint every ``--interval`` steps and may restart ``kills + --spare-restarts`` times. Reported:
+
+- recoveries / injections (kills fired, group restarts seen in the log, run finished with every step);
+- redone steps (from the "resumed from step X; N step(s) after it are redone" lines, and checked against
+  kill step − resume step);
+- whether each final loss curve is bit-identical to the reference (every step's loss, as logged);
+- wall-time overhead per kill, split into recomputed steps and restart cost (spawn, rendezvous, load);
+- save cost from the reference run: blocking vs total seconds per save, and the step time of steps that
+  ran while an async save was in flight (``ckpt_in_flight`` in metrics.jsonl) vs the other steps.
+
+Local (2 workers on this host, `syncwise train` in a subprocess):
+    python benchmarks/reliability.py --runs 2 --kills 5 --steps 60
+Two lab nodes, one worker each (builds its own lab, prefix ``rlab``, and takes it down afterwards):
+    python benchmarks/reliability.py --lab --runs 2 --kills 5 --steps 60
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RESUMED_RE = re.compile(r"resumed from step (\d+); (\d+) step\(s\) after it are redone")
+KILLED_RE = re.compile(r"injected fault: killing rank (\d+) at step (\d+)")
+RESTARTED_RE = re.compile(r"worker group restarted \(restart (\d+)\)")
+WARMUP_STEPS = 3  # first steps of a process: allocator warm-up and DDP bucket rebuild, not save effects
+
+
+def plan_kills(rng: random.Random, kills: int, steps: int, world: int = 2) -> list[tuple[int, int]]:
+    """``kills`` (rank, step) pairs at distinct steps in [2, steps], sorted by step."""
+    if kills > steps - 1:
+        raise SystemExit(f"--kills {kills}: at most steps-1 = {steps - 1} kills fit in {steps} steps")
+    return [(rng.randrange(world), s) for s in sorted(rng.sample(range(2, steps + 1), kills))]
+
+
+def train_args(args: argparse.Namespace) -> list[str]:
+    """The `syncwise train` options every run shares (the reference and the killed runs)."""
+    return ["--preset", args.preset, "--steps", str(args.steps), f"--data.seq_len={args.seq_len}",
+            f"--data.batch_size={args.batch_size}", "--deterministic", f"--ckpt.interval={args.interval}",
+            f"--ckpt.keep={args.keep}", "--train.val_interval=0", "--train.val_batches=1", "--nproc", "2"]
+
+
+def run_local(run_dir: Path, args: argparse.Namespace, kills: list[tuple[int, int]], restarts: int) -> dict:
+    """`syncwise train` in a subprocess (2 local workers under torchrun's agent); returns exit code, wall, log."""
+    cmd = [sys.executable, "-m", "syncwise.cli", "train", "--run-dir", str(run_dir), *train_args(args),
+           "--max-restarts", str(restarts)]
+    for rank, step in kills:
+        cmd += ["--inject-fault", f"kill:rank={rank},step={step}"]
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           timeout=args.timeout)
+        code, out = p.returncode, p.stdout
+    except subprocess.TimeoutExpired as e:
+        code, out = "timeout", (e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or "")
+    wall = time.perf_counter() - t0
+    (run_dir.parent / f"{run_dir.name}.log").write_text(out)
+    return {"command": " ".join(cmd[2:]), "exit_code": code, "wall_s": wall, "log": out}
+
+
+def run_lab(run_dir: Path, args: argparse.Namespace, kills: list[tuple[int, int]], restarts: int) -> dict:
+    """The same run across 2 lab nodes (one worker each): one torchrun agent per network namespace."""
+    from syncwise.commands.train import prepare_run_dir
+    from syncwise.config import build_config
+    from syncwise.errors import SyncwiseError
+    from syncwise.lab.launch import lab_torchrun
+
+    flags = train_args(args)
+    overrides = {"model.preset": args.preset, "train.steps": str(args.steps), "data.seq_len": str(args.seq_len),
+                 "data.batch_size": str(args.batch_size), "train.deterministic": "true",
+                 "ckpt.interval": str(args.interval), "ckpt.keep": str(args.keep), "train.val_interval": "0",
+                 "train.val_batches": "1", "dist.nproc": "1", "dist.lab": "true",
+                 "dist.max_restarts": str(restarts), "run_dir": str(run_dir),
+                 "inject_fault": ";".join(f"kill:rank={r},step={s}" for r, s in kills)}
+    cfg = build_config(None, overrides)
+    prepare_run_dir(cfg)
+    logs = run_dir / "lab-logs"
+    t0 = time.perf_counter()
+    with open(run_dir.parent / f"{run_dir.name}.console.log", "wb") as console:
+        try:
+            code: Any = lab_torchrun(["-m", "syncwise.train", "--config", str(run_dir / "config.json")],
+                                     nproc_per_node=1, max_restarts=restarts, log_dir=logs, timeout=args.timeout,
+                                     prefix=args.prefix, console=console)
+        except SyncwiseError as e:  # the job hung past --timeout: record it, do not hide it
+            code = f"timeout: {e}"
+    wall = time.perf_counter() - t0
+    # Rank 0 may land on either node: read every node's log.
+    out = "".join(f.read_text(errors="replace") for f in sorted(logs.glob("node*.log")))
+    (run_dir.parent / f"{run_dir.name}.log").write_text(out)
+    return {"command": "lab_torchrun(-m syncwise.train --config config.json) with " + " ".join(flags)
+            .replace("--nproc 2", "--nproc 1 (per node)") + f" --max-restarts {restarts} "
+            + " ".join(f"--inject-fault kill:rank={r},step={s}" for r, s in kills),
+            "exit_code": code, "wall_s": wall, "log": out}
+
+
+def read_rows(run_dir: Path) -> list[dict]:
+    p = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
+
+
+def save_costs(run_dir: Path, rows: list[dict]) -> dict:
+    """Blocking vs total save time, and step time with an async save in flight vs without."""
+    summary_path = run_dir / "summary.json"
+    saves = json.loads(summary_path.read_text()).get("checkpoint_saves", []) if summary_path.exists() else []
+    steady = [r for r in rows if r["step"] > WARMUP_STEPS and r.get("loss") is not None]
+    busy = [r["step_time_s"] for r in steady if r.get("ckpt_in_flight")]
+    idle = [r["step_time_s"] for r in steady if r.get("ckpt_in_flight") is False]
+    wall = sum(r["step_time_s"] for r in rows) + sum(s["blocking_s"] for s in saves)
+
+    def med(xs: list[float]) -> float | None:
+        return statistics.median(xs) if xs else None
+
+    out = {
+        "saves": len(saves),
+        "checkpoint_mb": round(statistics.median([s["bytes"] for s in saves]) / 2**20, 2) if saves else None,
+        "blocking_s_median": med([s["blocking_s"] for s in saves]),
+        "total_s_median": med([s["total_s"] for s in saves]),
+        "blocking_share_of_train_time": sum(s["blocking_s"] for s in saves) / wall if wall else None,
+        "steps_in_flight": len(busy), "steps_idle": len(idle),
+        "step_s_in_flight_median": med(busy), "step_s_idle_median": med(idle),
+        "step_s_in_flight_mean": statistics.fmean(busy) if busy else None,
+        "step_s_idle_mean": statistics.fmean(idle) if idle else None,
+        "per_save": saves,
+    }
+    if busy and idle:
+        out["slowdown_in_flight_median"] = med(busy) / med(idle)
+    return out
+
+
+def analyse(run: dict, run_dir: Path, ref_losses: list[float] | None, kills: list[tuple[int, int]],
+            steps: int, ref_wall: float | None, ref_step_s: float | None) -> dict:
+    """Turn one run's log, metrics and fault markers into the reported numbers."""
+    log = run.pop("log")
+    rows = read_rows(run_dir)
+    losses = [r["loss"] for r in rows]
+    fired = sorted(p.name for p in (run_dir / "faults").glob("*.fired")) if (run_dir / "faults").is_dir() else []
+    resumes = [(int(a), int(b)) for a, b in RESUMED_RE.findall(log)]
+    killed = [(int(a), int(b)) for a, b in KILLED_RE.findall(log)]
+    restarts = [int(n) for n in RESTARTED_RE.findall(log)]
+    # Each kill at step S is followed by one resume from checkpoint X: steps X+1 .. S-1 were done twice.
+    expected_redone = [s - 1 - x for (_, s), (x, _) in zip(killed, resumes)]
+    complete = [r["step"] for r in rows] == list(range(1, steps + 1))
+    out = dict(run, kills=[{"rank": r, "step": s} for r, s in kills], injected=len(kills), fired=len(fired),
+               kills_in_log=len(killed), restarts=len(restarts), max_restart_index=max(restarts, default=0),
+               resumes=[{"from_step": x, "redone": n} for x, n in resumes],
+               redone_steps=sum(n for _, n in resumes), redone_steps_check=sum(expected_redone),
+               finished=run["exit_code"] == 0 and (run_dir / "summary.json").exists() and complete,
+               one_row_per_step=complete, final_loss=losses[-1] if losses else None)
+    # A recovery: a kill that fired and was followed by a resume, in a run that then finished every step.
+    out["recoveries"] = min(len(killed), len(resumes)) if out["finished"] else 0
+    out["unplanned_restarts"] = max(0, len(restarts) - len(killed))
+    if ref_losses is not None:
+        out["curve_bit_exact"] = complete and losses == ref_losses
+        out["final_loss_equal"] = bool(losses) and losses[-1] == ref_losses[-1]
+        out["first_differing_step"] = next((i + 1 for i, (a, b) in enumerate(zip(losses, ref_losses)) if a != b),
+                                           None)
+    if ref_wall is not None and kills:
+        over = run["wall_s"] - ref_wall
+        out["wall_overhead_s"] = over
+        out["wall_overhead_s_per_kill"] = over / len(kills)
+        if ref_step_s:
+            out["recompute_s_est"] = out["redone_steps"] * ref_step_s
+            out["restart_s_per_kill_est"] = (over - out["recompute_s_est"]) / len(kills)
+    out["tail_of_log"] = log.strip().splitlines()[-6:]
+    return out
+
+
+def lab_up(args: argparse.Namespace) -> None:
+    from syncwise import lab
+
+    lab.up(2, args.bandwidth, procs_per_node=1, subnet=args.subnet, prefix=args.prefix)
+
+
+def lab_down(args: argparse.Namespace) -> None:
+    from syncwise import lab
+
+    lab.down(prefix=args.prefix)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=2, help="runs with injected kills (each with its own kill plan)")
+    ap.add_argument("--kills", type=int, default=5, help="kills injected per run")
+    ap.add_argument("--steps", type=int, default=60, help="optimizer steps per run")
+    ap.add_argument("--interval", type=int, default=5, help="checkpoint every N steps")
+    ap.add_argument("--keep", type=int, default=3, help="checkpoints kept")
+    ap.add_argument("--spare-restarts", type=int, default=1,
+                    help="restarts allowed beyond one per kill (a flaky restart shows up as 'unplanned')")
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the kill plans")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds before one run is declared hung")
+    ap.add_argument("--lab", action="store_true", help="2 lab nodes with one worker each instead of 2 local workers")
+    ap.add_argument("--bandwidth", default="1gbit", help="lab link rate (with --lab)")
+    ap.add_argument("--prefix", default="rlab", help="lab prefix (never the default 'swlab' others use)")
+    ap.add_argument("--subnet", default="10.79.0.0/24", help="lab subnet (with --lab)")
+    ap.add_argument("--work-dir", default="/tmp/syncwise-reliability", help="run directories (wiped first)")
+    ap.add_argument("--out", default=None, help="JSON results (default benchmarks/results/reliability-<mode>.json)")
+    args = ap.parse_args(argv)
+    mode = "lab" if args.lab else "local"
+    out_path = Path(args.out) if args.out else RESULTS / f"reliability-{mode}.json"
+    work = Path(args.work_dir) / mode
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    runner = run_lab if args.lab else run_local
+    if args.lab:
+        lab_up(args)
+    try:
+        print(f"[{mode}] reference run ({args.steps} steps, no kills)", flush=True)
+        ref_dir = work / "reference"
+        ref = runner(ref_dir, args, [], 0)
+        ref_rows = read_rows(ref_dir)
+        ref_losses = [r["loss"] for r in ref_rows]
+        reference = analyse(ref, ref_dir, None, [], args.steps, None, None)
+        costs = save_costs(ref_dir, ref_rows)
+        steady = [r["step_time_s"] for r in ref_rows if r["step"] > WARMUP_STEPS]
+        ref_step_s = statistics.median(steady) if steady else None
+        print(f"  exit {ref['exit_code']}, wall {ref['wall_s']:.1f} s, final loss {reference['final_loss']}",
+              flush=True)
+        runs = []
+        for i in range(args.runs):
+            kills = plan_kills(random.Random(args.seed * 1000 + i), args.kills, args.steps)
+            print(f"[{mode}] run {i + 1}/{args.runs}: kills {kills}", flush=True)
+            d = work / f"killed-{i}"
+            r = analyse(runner(d, args, kills, args.kills + args.spare_restarts), d, ref_losses, kills, args.steps,
+                        ref["wall_s"], ref_step_s)
+            runs.append(r)
+            print(f"  exit {r['exit_code']}, recoveries {r['recoveries']}/{r['injected']}, redone {r['redone_steps']}"
+                  f", bit-exact {r.get('curve_bit_exact')}, wall {r['wall_s']:.1f} s", flush=True)
+    finally:
+        if args.lab:
+            lab_down(args)
+    injected = sum(r["injected"] for r in runs)
+    result = {
+        "benchmark": "reliability", "mode": mode,
+        "setup": {k: getattr(args, k) for k in ("runs", "kills", "steps", "interval", "keep", "spare_restarts",
+                                                 "preset", "seq_len", "batch_size", "seed")}
+        | ({"bandwidth": args.bandwidth, "nodes": 2, "procs_per_node": 1} if args.lab else {"nproc": 2}),
+        "reference": reference, "reference_step_s_median": ref_step_s, "save_cost": costs, "runs": runs,
+        "totals": {
+            "injected": injected, "fired": sum(r["fired"] for r in runs),
+            "recoveries": sum(r["recoveries"] for r in runs),
+            "runs_finished": sum(r["finished"] for r in runs), "runs": len(runs),
+            "runs_bit_exact": sum(bool(r.get("curve_bit_exact")) for r in runs),
+            "redone_steps": sum(r["redone_steps"] for r in runs),
+            "unplanned_restarts": sum(r["unplanned_restarts"] for r in runs),
+            "wall_overhead_s_per_kill_mean": statistics.fmean(
+                [r["wall_overhead_s_per_kill"] for r in runs if "wall_overhead_s_per_kill" in r] or [float("nan")]),
+        },
+    }
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=2) + "\n")
+    t, c = result["totals"], costs
+    print(f"\n[{mode}] recoveries {t['recoveries']}/{t['injected']}, runs finished {t['runs_finished']}/{t['runs']}, "
+          f"bit-exact curves {t['runs_bit_exact']}/{t['runs']}, redone steps {t['redone_steps']}, "
+          f"unplanned restarts {t['unplanned_restarts']}, overhead {t['wall_overhead_s_per_kill_mean']:.1f} s/kill")
+    if c["saves"]:
+        print(f"[{mode}] save: blocking {c['blocking_s_median'] * 1e3:.0f} ms, total {c['total_s_median'] * 1e3:.0f} ms"
+              f" (median of {c['saves']}); step {c['step_s_in_flight_median'] or float('nan'):.3f} s with a save in "
+              f"flight ({c['steps_in_flight']} steps) vs {c['step_s_idle_median'] or float('nan'):.3f} s without "
+              f"({c['steps_idle']} steps)")
+    print(f"results: {out_path}")
+    return 0 if t["runs_finished"] == t["runs"] and ref["exit_code"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
