@@ -150,7 +150,9 @@ def plan_runs(args: argparse.Namespace, out_dir: Path) -> list[BenchRun]:
     specs = [s for s in specs if s not in (COMPUTE_ONLY, COMPUTE_SHARED)]
     if not specs:
         raise ConfigError("configs", args.configs, f"at least one configuration besides {COMPUTE_ONLY}, e.g. none,fp16")
-    common = {"model.preset": args.preset, "train.steps": str(args.steps), **_parse_sets(args.sets)}
+    # Checkpoints are not what a bench measures: only the final one (after the timed steps) unless --set says so.
+    common = {"model.preset": args.preset, "train.steps": str(args.steps), "ckpt.interval": "0",
+              **_parse_sets(args.sets)}
     runs = [BenchRun(name, build_config(None, {**common, "dist.nproc": "1", "dist.lab": "false",
                                                "compress.method": "none", "run_dir": str(out_dir / name)}))
             for name in (COMPUTE_ONLY, COMPUTE_SHARED)]
