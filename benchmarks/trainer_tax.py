@@ -37,7 +37,8 @@ def _setup(preset: str, seq_len: int, batch: int):
 
 
 def plain_ddp(preset: str, steps: int, seq_len: int, batch: int) -> list[float]:
-    """The loop a user writes by hand: DDP, AdamW, clip, step; timed per step."""
+    """The loop a user writes by hand: DDP, AdamW, clip, step (and the MoE's router-bias update, which this
+    model needs every step); timed per step."""
     model, opt, loader = _setup(preset, seq_len, batch)
     ddp = DDP(model, find_unused_parameters=bool(getattr(model, "has_sparse_params", False)),
               broadcast_buffers=False)
@@ -50,6 +51,8 @@ def plain_ddp(preset: str, steps: int, seq_len: int, batch: int) -> list[float]:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        # DeepSeek-V3's aux-loss-free balancing: sum expert loads over ranks, nudge the router biases.
+        model.update_router_bias(lambda counts: dist.all_reduce(counts))
         loss.item()
         times.append(time.perf_counter() - t)
     return times[WARMUP:]

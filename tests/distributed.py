@@ -9,18 +9,13 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from syncwise.launch import free_port
 
 
 def _entry(rank, fn, world_size, local_world_size, port, args, results):

@@ -110,6 +110,8 @@ class MetricsLogger:
         for k, v in summary.items():
             if isinstance(v, float):
                 v = f"{v:,.4g}"
+            elif isinstance(v, list) and v and isinstance(v[0], dict):
+                v = f"{len(v)} (details in summary.json)"  # e.g. one record per checkpoint save
             table.add_row(k, str(v))
         self.console.print(table)
         self.console.print(f"metrics: {self.path}")

@@ -1,8 +1,11 @@
 """Data parallelism: DDP with syncwise's gradient-sync hook, timed so exposed communication is measurable.
 
-Every bucket's gradients go through ``syncwise.compress.compression_hook`` (plain averaging all-reduce
-when compression is off), so the bytes are counted by ``syncwise.comm`` and the trainer can tell how long
-the step waited on the network after the last gradient was computed.
+With compression on, every bucket goes through ``syncwise.compress.compression_hook``, so the compressed
+bytes are counted by ``syncwise.comm``. With compression off, DDP keeps its built-in C++ all-reduce: any
+Python comm hook (PyTorch's own ``allreduce_hook`` included) costs ~10 % of a step here, measured; the
+bytes of that all-reduce are known exactly (every bucket, once per sync) and recorded in ``STATS``.
+Either way the trainer learns when the last gradient became ready, so it can tell how long the step then
+waited on the network.
 """
 from __future__ import annotations
 
@@ -33,6 +36,30 @@ class GradSyncTimer:
     inner_hook: Any
     last_ready: float = 0.0
     buckets: int = 0
+
+    def exposed_since_last_ready(self, backward_end: float) -> float:
+        return max(0.0, backward_end - self.last_ready) if self.buckets else 0.0
+
+    def reset(self) -> None:
+        self.buckets = 0
+
+
+class GradReadyClock:
+    """When the backward pass produced its last gradient, for DDP's built-in (hook-less) all-reduce.
+
+    A post-accumulate-grad hook on every parameter stamps the time; the last stamp is the end of gradient
+    computation. Same interface as :class:`GradSyncTimer`.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.last_ready = 0.0
+        self.buckets = 0  # here: gradients seen since reset
+        self._handles = [p.register_post_accumulate_grad_hook(self._tick) for p in model.parameters()
+                         if p.requires_grad]
+
+    def _tick(self, _param: torch.Tensor) -> None:
+        self.last_ready = time.perf_counter()
+        self.buckets += 1
 
     def exposed_since_last_ready(self, backward_end: float) -> float:
         return max(0.0, backward_end - self.last_ready) if self.buckets else 0.0
@@ -100,6 +127,12 @@ class DataParallel:
     timer: Optional[GradSyncTimer] = None
     hook_state: Optional[CompressionHookState] = None
     bytes_counted: bool = True  # False for torch's PowerSGD hook, whose collectives bypass syncwise.comm
+    builtin_sync_bytes: int = 0  # DDP's built-in all-reduce: bytes this rank sends per gradient sync
+
+    def record_sync(self) -> None:
+        """Count one gradient sync of DDP's built-in all-reduce (its collective bypasses syncwise.comm)."""
+        if self.builtin_sync_bytes:
+            STATS.record("all_reduce", self.builtin_sync_bytes)
 
     @property
     def distributed(self) -> bool:
@@ -147,6 +180,10 @@ def apply_data_parallel(model: nn.Module, compressor: "Optional[Compressor | Tor
         timer = GradSyncTimer(state, _counted(per_element, hook) if per_element else hook)
         ddp.register_comm_hook(timer, _timed_hook)
         return DataParallel(module=ddp, timer=timer, bytes_counted=per_element is not None)
+    if compressor is None or (getattr(compressor, "name", None) == "none"):
+        # Every bucket, unused parameters' zeros included, is all-reduced once per sync.
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        return DataParallel(module=ddp, timer=GradReadyClock(model), builtin_sync_bytes=nbytes)
     names = {p: n for n, p in model.named_parameters()}
     state = CompressionHookState(compressor, param_names=names, policy=CompressionPolicy(min_numel=min_numel))
     timer = GradSyncTimer(state, compression_hook)

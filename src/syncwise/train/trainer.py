@@ -287,8 +287,12 @@ class OptimizedTrainer:
                 if last and self.dp.timer is not None:
                     self._sync_device()
                     comm_exposed = self.dp.timer.exposed_since_last_ready(time.perf_counter())
+                    self.dp.record_sync()
             loss_sum += loss.detach()
         comm_bytes = STATS.total_bytes - bytes_before
+        # The logged loss is the mean over ranks; its tiny all-reduce runs while the optimizer steps.
+        loss_work = ops.all_reduce(loss_sum, "avg", async_op=True, stats=CONTROL_STATS) if self.world_size > 1 \
+            else None
 
         self.phase = "optimizer step"
         # Gradients are identical on every rank after the sync, so every rank takes the same decision.
@@ -308,12 +312,15 @@ class OptimizedTrainer:
             update_bias = getattr(self.model, "update_router_bias", None)
             if update_bias is not None:
                 update_bias(self._sum_across_ranks if self.world_size > 1 else None)
+        if loss_work is not None:
+            loss_work.wait()
         self._sync_device()
         step_time = time.perf_counter() - t_start
         self.tokens_seen += tokens * self.world_size
-        return StepResult(loss=self._mean_across_ranks(loss_sum), step_time_s=step_time,
+        return StepResult(loss=float(loss_sum), step_time_s=step_time,
                           compute_s=max(0.0, step_time - data_wait - comm_exposed), comm_exposed_s=comm_exposed,
-                          data_wait_s=data_wait, comm_bytes=comm_bytes if self.dp.bytes_counted else None, tokens=tokens * self.world_size,
+                          data_wait_s=data_wait, comm_bytes=comm_bytes if self.dp.bytes_counted else None,
+                          tokens=tokens * self.world_size,
                           grad_norm=float(grad_norm), skipped=skipped)
 
     # ----------------------------------------------------------------------------------------- helpers
