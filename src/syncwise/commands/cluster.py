@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="rate between processes on the same node (shapes the node's loopback; default unshaped)")
     p.add_argument("--procs-per-node", type=int, default=1, help="default workers per node for jobs in the lab")
     p.add_argument("--burst", default=None, help="tbf bucket, e.g. 256kb (default: 4 ms of traffic, >= 128kb)")
-    p.add_argument("--latency", default="50ms", help="tbf queue bound: max time a packet waits (default 50ms)")
+    p.add_argument("--latency", default=None, help="tbf queue bound: max time a packet waits (default: room for "
+                                                   "~2.5 MB of frames, 50 ms at 1gbit, 200 ms at 100mbit)")
     p.add_argument("--subnet", default=lab.DEFAULT_SUBNET, help=f"node addresses (default {lab.DEFAULT_SUBNET})")
 
     sub.add_parser("down", help="remove the lab: every namespace, link and qdisc it made")

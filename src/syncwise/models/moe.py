@@ -35,6 +35,8 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        # Never leave uninitialised memory in a module built on its own (the full model re-inits anyway).
+        self.reset_parameters(0.02, 0.02)
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """``x`` holds token rows sorted by expert, ``counts[e]`` rows for expert e."""
