@@ -316,7 +316,8 @@ def describe_fields() -> str:
 # Named flags of `syncwise train` and the config key each one sets.
 FLAG_KEYS = {"nproc": "dist.nproc", "steps": "train.steps", "preset": "model.preset", "run_dir": "run_dir",
              "compress": "compress.method", "resume": "resume", "max_restarts": "dist.max_restarts",
-             "inject_fault": "inject_fault", "lab": "dist.lab", "nnodes": "dist.nnodes", "deterministic": "train.deterministic"}
+             "inject_fault": "inject_fault", "lab": "dist.lab", "nnodes": "dist.nnodes",
+             "deterministic": "train.deterministic"}
 
 
 def add_train_arguments(parser) -> None:

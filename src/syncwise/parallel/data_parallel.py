@@ -124,7 +124,7 @@ class DataParallel:
     """The DDP-wrapped model plus what the loop needs to know about its gradient sync."""
 
     module: nn.Module
-    timer: Optional[GradSyncTimer] = None
+    timer: "Optional[GradSyncTimer | GradReadyClock]" = None
     hook_state: Optional[CompressionHookState] = None
     bytes_counted: bool = True  # False for torch's PowerSGD hook, whose collectives bypass syncwise.comm
     builtin_sync_bytes: int = 0  # DDP's built-in all-reduce: bytes this rank sends per gradient sync

@@ -327,7 +327,8 @@ class OptimizedTrainer:
     def _row(self, r: StepResult) -> dict[str, Any]:
         lr = self.optimizer.param_groups[0]["lr"]
         tps = r.tokens / r.step_time_s if r.step_time_s > 0 else 0.0
-        row = {"step": self.step, "loss": r.loss if math.isfinite(r.loss) else None, "lr": lr, "tokens_per_s": tps, "step_time_s": r.step_time_s,
+        row = {"step": self.step, "loss": r.loss if math.isfinite(r.loss) else None, "lr": lr, "tokens_per_s": tps,
+               "step_time_s": r.step_time_s,
                "compute_s": r.compute_s, "comm_exposed_s": r.comm_exposed_s, "data_wait_s": r.data_wait_s,
                "comm_bytes": r.comm_bytes, "grad_norm": r.grad_norm, "peak_mem_mb": peak_memory_mb(self.device)}
         util = mfu(self.flops_per_token, tps / self.world_size, peak_flops(self.device))
