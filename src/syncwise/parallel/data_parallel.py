@@ -24,40 +24,13 @@ from ..compress import CompressionHookState, CompressionPolicy, Compressor, comp
 from ..errors import ConfigError
 
 
-@dataclass
-class GradSyncTimer:
-    """Wraps a DDP comm hook; remembers when the last bucket of the backward pass became ready.
+class _LastGradReady:
+    """When the backward pass last made gradients ready; what backward() takes after that is exposed comm."""
 
-    DDP calls the hook as each bucket's gradients are complete, so the last call marks the end of
-    gradient computation; whatever time backward() takes after it is communication the step waited on.
-    """
-
-    inner_state: Any
-    inner_hook: Any
     last_ready: float = 0.0
-    buckets: int = 0
+    buckets: int = 0  # readiness events seen since reset (buckets, or gradients for GradReadyClock)
 
-    def exposed_since_last_ready(self, backward_end: float) -> float:
-        return max(0.0, backward_end - self.last_ready) if self.buckets else 0.0
-
-    def reset(self) -> None:
-        self.buckets = 0
-
-
-class GradReadyClock:
-    """When the backward pass produced its last gradient, for DDP's built-in (hook-less) all-reduce.
-
-    A post-accumulate-grad hook on every parameter stamps the time; the last stamp is the end of gradient
-    computation. Same interface as :class:`GradSyncTimer`.
-    """
-
-    def __init__(self, model: nn.Module):
-        self.last_ready = 0.0
-        self.buckets = 0  # here: gradients seen since reset
-        self._handles = [p.register_post_accumulate_grad_hook(self._tick) for p in model.parameters()
-                         if p.requires_grad]
-
-    def _tick(self, _param: torch.Tensor) -> None:
+    def mark_ready(self) -> None:
         self.last_ready = time.perf_counter()
         self.buckets += 1
 
@@ -68,9 +41,23 @@ class GradReadyClock:
         self.buckets = 0
 
 
+class GradSyncTimer(_LastGradReady):
+    """Wraps a DDP comm hook; DDP calls the hook as each bucket's gradients are complete."""
+
+    def __init__(self, inner_state: Any, inner_hook: Any):
+        self.inner_state, self.inner_hook = inner_state, inner_hook
+
+
+class GradReadyClock(_LastGradReady):
+    """The same for DDP's built-in (hook-less) all-reduce: a post-accumulate-grad hook on every parameter."""
+
+    def __init__(self, model: nn.Module):
+        self._handles = [p.register_post_accumulate_grad_hook(lambda _p: self.mark_ready())
+                         for p in model.parameters() if p.requires_grad]
+
+
 def _timed_hook(timer, bucket):  # no annotations: DDP rejects string annotations on hooks
-    timer.last_ready = time.perf_counter()
-    timer.buckets += 1
+    timer.mark_ready()
     return timer.inner_hook(timer.inner_state, bucket)
 
 

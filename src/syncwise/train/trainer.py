@@ -12,8 +12,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
@@ -76,21 +76,6 @@ class StepResult:
     skipped: bool
 
 
-@dataclass
-class TrainerConfig:
-    """Options of OptimizedTrainer that are not objects (kept together so they can be logged)."""
-
-    mixed_precision: str = "none"
-    grad_accum_steps: int = 1
-    clip_grad_norm: float = 1.0
-    bucket_cap_mb: float = 25.0
-    min_numel: int = 4096
-    compile: bool = False
-    activation_checkpointing: bool = False
-    val_interval: int = 0
-    extra: dict = field(default_factory=dict)
-
-
 class OptimizedTrainer:
     """Train any ``nn.Module`` data-parallel, with compressed gradient sync, AMP, accumulation and metrics.
 
@@ -110,8 +95,7 @@ class OptimizedTrainer:
                  collective_timeout_s: Optional[float] = None):
         self.rank, self.world_size = _world()
         self.device = device or next(model.parameters()).device
-        self.cfg = TrainerConfig(mixed_precision, grad_accum_steps, clip_grad_norm, bucket_cap_mb, min_numel,
-                                 compile, activation_checkpointing, val_interval)
+        self.grad_accum_steps, self.clip_grad_norm, self.val_interval = grad_accum_steps, clip_grad_norm, val_interval
         self.model = model.to(self.device)  # the plain module: evaluation, checkpoints, router updates
         if activation_checkpointing:
             apply_activation_checkpointing(self.model)
@@ -170,7 +154,7 @@ class OptimizedTrainer:
                 if self.checkpointer is not None:
                     row["ckpt_in_flight"] = in_flight
                 if self.val_loader is not None and (self.step == total or (
-                        self.cfg.val_interval and self.step % self.cfg.val_interval == 0)):
+                        self.val_interval and self.step % self.val_interval == 0)):
                     self.phase = "validation"
                     val_loss = row["val_loss"] = self.evaluate()
                 logger.log_step(row)
@@ -263,7 +247,7 @@ class OptimizedTrainer:
         loss_sum = torch.zeros((), device=self.device)
         tokens = 0
         self.optimizer.zero_grad(set_to_none=True)
-        accum = self.cfg.grad_accum_steps
+        accum = self.grad_accum_steps
         poison = self.faults.poison_loss(self.step + 1, self.rank)
         for micro in range(accum):
             self.phase = "data loading"
@@ -298,7 +282,7 @@ class OptimizedTrainer:
         # Gradients are identical on every rank after the sync, so every rank takes the same decision.
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), self.cfg.clip_grad_norm if self.cfg.clip_grad_norm > 0 else math.inf)
+            self.model.parameters(), self.clip_grad_norm if self.clip_grad_norm > 0 else math.inf)
         skipped = not torch.isfinite(grad_norm).item()
         if skipped:
             self.optimizer.zero_grad(set_to_none=True)
@@ -361,7 +345,7 @@ class OptimizedTrainer:
             raise ValueError("give exactly one of epochs= or steps=")
         if steps is not None:
             return steps
-        return max(1, epochs * len(loader) // self.cfg.grad_accum_steps)  # type: ignore[arg-type]
+        return max(1, epochs * len(loader) // self.grad_accum_steps)  # type: ignore[arg-type]
 
     def _amp_dtype(self, mode: str) -> Optional[torch.dtype]:
         if mode == "auto":
