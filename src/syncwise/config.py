@@ -127,6 +127,10 @@ class CompressSection:
                          "topk:ratio=0.01 (list below); torch-fp16, torch-powersgd:rank=4 ... use PyTorch's own hooks")
     min_numel: int = option(4096, "tensors with fewer elements (norms, biases) are sent uncompressed",
                             "an integer ≥ 0", _non_negative)
+    sync: str = option("every-step", "how often replicas synchronise: every-step (gradient all-reduce), or local SGD "
+                       "/ DiLoCo every H steps: localsgd:period=16, diloco:period=16,delay=4,dtype=bf16, "
+                       "torch-localsgd:period=16 (PyTorch's averager), pipesgd[:dtype=fp16] (all-reduce overlapped with the next "
+                       "step); see docs/compression.md")
 
 
 @dataclass
@@ -283,6 +287,15 @@ def check_references(cfg: RunConfig) -> None:
 
     # Both raise ConfigError naming the spec.
     TorchHookSpec.parse(cfg.compress.method) or parse_compress_spec(cfg.compress.method)
+    from .parallel import SyncSpec
+
+    sync = SyncSpec.parse(cfg.compress.sync)
+    if sync is not None and cfg.compress.method != "none":
+        raise ConfigError("compress.sync", cfg.compress.sync, "every-step when compress.method is set (local SGD "
+                          f"sends pseudo-gradients, not gradients; got compress.method={cfg.compress.method})")
+    if sync is not None and sync.method == "pipesgd" and cfg.train.mixed_precision == "fp16":
+        raise ConfigError("compress.sync", cfg.compress.sync, "every-step or localsgd/diloco with fp16 mixed "
+                          "precision (a loss-scaled gradient applied one step late would meet another scale)")
     if cfg.resume not in ("none", "auto") and not Path(cfg.resume).expanduser().exists():
         raise ConfigError("resume", cfg.resume, "'auto', 'none', or the path of an existing checkpoint directory")
     for spec in cfg.inject_fault:
@@ -315,7 +328,7 @@ def describe_fields() -> str:
 
 # Named flags of `syncwise train` and the config key each one sets.
 FLAG_KEYS = {"nproc": "dist.nproc", "steps": "train.steps", "preset": "model.preset", "run_dir": "run_dir",
-             "compress": "compress.method", "resume": "resume", "max_restarts": "dist.max_restarts",
+             "compress": "compress.method", "sync": "compress.sync", "resume": "resume", "max_restarts": "dist.max_restarts",
              "inject_fault": "inject_fault", "lab": "dist.lab", "nnodes": "dist.nnodes",
              "deterministic": "train.deterministic"}
 
@@ -328,6 +341,7 @@ def add_train_arguments(parser) -> None:
     parser.add_argument("--preset", help="model preset (model.preset)")
     parser.add_argument("--run-dir", dest="run_dir", help="run directory (run_dir)")
     parser.add_argument("--compress", help="gradient compression NAME[:key=value,...] (compress.method)")
+    parser.add_argument("--sync", help="every-step | localsgd:period=H | diloco:period=H,delay=D,... (compress.sync)")
     parser.add_argument("--resume", help="auto | PATH | none (resume)")
     parser.add_argument("--max-restarts", dest="max_restarts", help="elastic restarts (dist.max_restarts)")
     parser.add_argument("--nnodes", help="elastic node range N or MIN:MAX (dist.nnodes)")

@@ -89,7 +89,8 @@ def run_worker(cfg: RunConfig) -> dict[str, Any]:
                                  world)
         if rank == 0:
             print(f"syncwise: {world} worker(s), model {cfg.model.preset} ({count_params(model) / 1e6:.2f}M params), "
-                  f"corpus {corpus.name} ({corpus.train.numel():,} train tokens), compress={cfg.compress.method}",
+                  f"corpus {corpus.name} ({corpus.train.numel():,} train tokens), compress={cfg.compress.method}"
+                  + (f", sync={cfg.compress.sync}" if cfg.compress.sync != "every-step" else ""),
                   flush=True)
         checkpointer = None
         if cfg.run_dir:
@@ -107,7 +108,8 @@ def run_worker(cfg: RunConfig) -> dict[str, Any]:
             bucket_cap_mb=cfg.dist.bucket_cap_mb, min_numel=cfg.compress.min_numel, device=device,
             val_loader=val, val_interval=cfg.train.val_interval, run_dir=cfg.run_dir,
             flops_per_token=flops_per_token(model.config), checkpointer=checkpointer,
-            inject_faults=cfg.inject_fault, collective_timeout_s=cfg.dist.timeout_s)
+            inject_faults=cfg.inject_fault, collective_timeout_s=cfg.dist.timeout_s,
+            sync=cfg.compress.sync)
         summary = trainer.train(batches, steps=cfg.train.steps, resume=resume_target(cfg, rank))
         summary["params"] = count_params(model)
         if hasattr(batches, "close"):

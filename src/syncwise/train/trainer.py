@@ -5,7 +5,10 @@ What one optimizer step does (``_train_step``):
      last one communicates (and its gradient sync overlaps with its backward, bucket by bucket);
   2. gradients are unscaled (fp16), clipped, checked for NaN/Inf (a bad step is skipped on every rank);
   3. optimizer, LR schedule and model-specific updates (MoE router bias) step;
-  4. the time is split into data wait / compute / exposed communication and logged with the bytes sent.
+  4. with ``sync=`` other than every-step, the sync strategy moves the parameters instead: local SGD / DiLoCo
+     keep gradients local and average the replicas every H steps; Pipe-SGD applies the previous step's
+     averaged gradient while this step's all-reduce runs;
+  5. the time is split into data wait / compute / exposed communication and logged with the bytes sent.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from ..comm import ops
 from ..comm.stats import STATS, CommStats
 from ..errors import SyncwiseError
 from ..metrics import MetricsLogger, mfu, peak_flops, peak_memory_mb, read_jsonl
-from ..parallel import TorchHookSpec, apply_activation_checkpointing, apply_data_parallel
+from ..parallel import TorchHookSpec, apply_activation_checkpointing, apply_data_parallel, build_sync
 from .faults import FaultPlan
 
 # Collectives that are not gradient sync (loss averaging, validation, router-load sums) are counted here, so
@@ -92,7 +95,7 @@ class OptimizedTrainer:
                  val_loader: Optional[Iterable] = None, val_interval: int = 0, run_dir: Optional[str] = None,
                  flops_per_token: Optional[float] = None, show_progress: bool = True,
                  checkpointer: Optional[SmartCheckpointer] = None, inject_faults: Optional[list[str]] = None,
-                 collective_timeout_s: Optional[float] = None):
+                 collective_timeout_s: Optional[float] = None, sync: Any = None):
         self.rank, self.world_size = _world()
         self.device = device or next(model.parameters()).device
         self.grad_accum_steps, self.clip_grad_norm, self.val_interval = grad_accum_steps, clip_grad_norm, val_interval
@@ -103,6 +106,9 @@ class OptimizedTrainer:
         self.compress_spec = compress_gradients if isinstance(compress_gradients, str) else (
             getattr(self.compressor, "spec", None) or getattr(self.compressor, "name", "none"))
         self.dp = apply_data_parallel(self.model, self.compressor, bucket_cap_mb, min_numel, self.device)
+        # Local SGD / DiLoCo / Pipe-SGD: built after DDP has made the replicas identical (their common start).
+        self.sync = build_sync(sync, self.model)
+        self.sync_spec = self.sync.spec.spec if self.sync is not None else "every-step"
         self.train_module = torch.compile(self.dp.module) if compile else self.dp.module
         self.optimizer, self.lr_scheduler, self.loss_fn = optimizer, lr_scheduler, loss_fn
         self.amp_dtype = self._amp_dtype(mixed_precision)
@@ -114,6 +120,7 @@ class OptimizedTrainer:
         self.faults = FaultPlan(inject_faults or [], run_dir)
         self.collective_timeout_s = collective_timeout_s
         self.step = 0
+        self.total_steps = 0
         self.tokens_seen = 0
         self.skipped_steps: list[int] = []
         self.phase = "start"  # what the step is doing, for the message when a collective hangs
@@ -128,7 +135,7 @@ class OptimizedTrainer:
         is 'auto' (newest valid checkpoint there, if any), a checkpoint path, or None. ``cloud_config`` is
         accepted for the seed API and recorded in the summary.
         """
-        total = self._total_steps(loader, epochs, steps)
+        total = self.total_steps = self._total_steps(loader, epochs, steps)
         if checkpoint_dir is not None and self.checkpointer is None:
             self.checkpointer = SmartCheckpointer(checkpoint_dir)
         state = self.train_state(loader)
@@ -194,6 +201,10 @@ class OptimizedTrainer:
             state.register("data", loader, per_rank=True)
         if self.dp.hook_state is not None:
             state.register("compressor", self.dp.hook_state, per_rank=True)
+        if self.sync is not None:
+            if self.sync.replicas_diverge:  # each rank keeps its own model and inner optimizer state
+                state.register("replica", _ReplicaState(self.model, self.optimizer), per_rank=True)
+            state.register("sync", self.sync, per_rank=True)
         return state
 
     def state_dict(self) -> dict[str, Any]:
@@ -248,6 +259,8 @@ class OptimizedTrainer:
         tokens = 0
         self.optimizer.zero_grad(set_to_none=True)
         accum = self.grad_accum_steps
+        # Local SGD: gradients stay on this replica except during its warm-up.
+        sync_grads = self.dp.distributed and (self.sync is None or self.sync.syncs_gradients(self.step + 1))
         poison = self.faults.poison_loss(self.step + 1, self.rank)
         for micro in range(accum):
             self.phase = "data loading"
@@ -258,7 +271,8 @@ class OptimizedTrainer:
             tokens += inputs.numel() if not inputs.is_floating_point() else inputs.size(0)
             last = micro == accum - 1
             # Only the last micro-batch syncs gradients; the others accumulate locally.
-            sync = contextlib.nullcontext() if (last or not self.dp.distributed) else self.dp.module.no_sync()
+            sync = contextlib.nullcontext() if (last and sync_grads) or not self.dp.distributed \
+                else self.dp.module.no_sync()
             with sync:
                 if self.dp.timer is not None:
                     self.dp.timer.reset()
@@ -268,34 +282,38 @@ class OptimizedTrainer:
                 if poison:
                     loss = loss * float("nan")
                 self.scaler.scale(loss).backward()
-                if last and self.dp.timer is not None:
+                if last and sync_grads:
                     self._sync_device()
                     comm_exposed = self.dp.timer.exposed_since_last_ready(time.perf_counter())
                     self.dp.record_sync()
             loss_sum += loss.detach()
-        comm_bytes = STATS.total_bytes - bytes_before
-        # The logged loss is the mean over ranks; its tiny all-reduce runs while the optimizer steps.
-        loss_work = ops.all_reduce(loss_sum, "avg", async_op=True, stats=CONTROL_STATS) if self.world_size > 1 \
-            else None
+        # The logged loss is the mean over ranks; its tiny all-reduce runs while the optimizer steps. Replicas
+        # that diverge (local SGD) skip every per-step collective: each would hold the ranks in lockstep, and
+        # the step would wait for the slowest one; rank 0's replica's loss is logged instead.
+        in_lockstep = self.world_size > 1 and not (self.sync is not None and self.sync.replicas_diverge)
+        loss_work = ops.all_reduce(loss_sum, "avg", async_op=True, stats=CONTROL_STATS) if in_lockstep else None
 
         self.phase = "optimizer step"
-        # Gradients are identical on every rank after the sync, so every rank takes the same decision.
-        self.scaler.unscale_(self.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), self.clip_grad_norm if self.clip_grad_norm > 0 else math.inf)
-        skipped = not torch.isfinite(grad_norm).item()
-        if skipped:
-            self.optimizer.zero_grad(set_to_none=True)
-            self.skipped_steps.append(self.step + 1)
-            self.scaler.update()
-        else:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
+        step, last = self.step + 1, self.step + 1 >= self.total_steps
+        updates: list = [None]  # None: apply the gradients in .grad (synced by DDP, or local under local SGD)
+        if self.sync is not None:
+            updates, waited = self.sync.exchange(step, last)  # Pipe-SGD: 0 updates on step 1, 2 on the last
+            comm_exposed += waited
+        grad_norm, skipped = torch.zeros(()), False
+        for grads in updates:
+            if grads is not None:
+                for p, g in zip(self.sync.params, grads):
+                    p.grad = g
+            grad_norm, skipped = self._apply_update()
+        if updates and not skipped:
             update_bias = getattr(self.model, "update_router_bias", None)
             if update_bias is not None:
-                update_bias(self._sum_across_ranks if self.world_size > 1 else None)
+                # Under local SGD each replica balances its own experts; the biases are averaged with the rest.
+                update_bias(self._sum_across_ranks if in_lockstep else None)
+        if self.sync is not None:
+            self.phase = f"{self.sync_spec} sync"
+            comm_exposed += self.sync.after_step(step, last)
+        comm_bytes = STATS.total_bytes - bytes_before
         if loss_work is not None:
             loss_work.wait()
         self._sync_device()
@@ -306,6 +324,25 @@ class OptimizedTrainer:
                           data_wait_s=data_wait, comm_bytes=comm_bytes if self.dp.bytes_counted else None,
                           tokens=tokens * self.world_size,
                           grad_norm=float(grad_norm), skipped=skipped)
+
+    def _apply_update(self) -> tuple[torch.Tensor, bool]:
+        """Unscale, clip, skip a non-finite step (on every rank), optimizer and LR step: (grad norm, skipped)."""
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), self.clip_grad_norm if self.clip_grad_norm > 0 else math.inf)
+        # Synced gradients are identical on every rank, so every rank decides alike; under local SGD each
+        # replica skips its own bad step (the others' gradients are fine, and the next average mixes them).
+        skipped = not torch.isfinite(grad_norm).item()
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_steps.append(self.step + 1)
+            self.scaler.update()
+            return grad_norm, True
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        return grad_norm, False
 
     # ----------------------------------------------------------------------------------------- helpers
     def _row(self, r: StepResult) -> dict[str, Any]:
@@ -336,7 +373,8 @@ class OptimizedTrainer:
             "comm_exposed_share": parts["comm_exposed_s"] / max(step_time, 1e-9),
             "data_wait_share": parts["data_wait_s"] / max(step_time, 1e-9),
             "comm_bytes_per_step": (sum(r.comm_bytes for r in steady) / n) if self.dp.bytes_counted else None,
-            "compressor": self.compress_spec,
+            "compressor": self.compress_spec, "sync": self.sync_spec,
+            "sync_rounds": getattr(self.sync, "syncs", None),
             "skipped_steps": self.skipped_steps, "peak_mem_mb": peak_memory_mb(self.device), "wall_time_s": wall,
         }
 
@@ -370,6 +408,20 @@ class OptimizedTrainer:
 
     def _sum_across_ranks(self, tensor: torch.Tensor) -> None:
         ops.all_reduce(tensor, "sum", stats=CONTROL_STATS)
+
+
+class _ReplicaState:
+    """This rank's own model and optimizer state (plain state dicts, saved per rank) under local SGD."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
 
 
 def _forever(loader: Iterable) -> Iterator:

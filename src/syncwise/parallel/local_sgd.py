@@ -1,0 +1,230 @@
+"""Local SGD and DiLoCo: replicas step on their own and synchronise every H steps, overlapped with compute.
+
+Compression shrinks each step's gradient all-reduce; local SGD removes most of them. Every rank runs its
+own inner optimizer (AdamW) on its own data for ``period`` steps without communicating; then the
+*pseudo-gradient* ``anchor - params`` (how far this replica moved since the last sync) is averaged
+across ranks and an outer optimizer steps the shared anchor (DiLoCo, Douillard et al. 2023: SGD with
+Nesterov momentum; plain local SGD = outer lr 1, no momentum = parameter averaging).
+
+What syncwise adds over PyTorch's ``PeriodicModelAverager`` (which ``torch-localsgd`` runs side by side):
+- **overlap** (``delay=D``): the average is started asynchronously at the sync step and applied D steps
+  later, so the all-reduce runs while the replica keeps training; the local progress made meanwhile is
+  kept on top of the new anchor (θ ← anchor' + (θ_now − θ_sync)), so no step's work is lost or counted
+  twice ("eager/overlapped" outer step, as in Streaming DiLoCo);
+- **low-precision pseudo-gradients** (``dtype=bf16|fp16``) with error feedback: what the cast dropped is
+  added to the next sync's pseudo-gradient, so nothing is lost over time;
+- **warm-up** with ordinary per-step gradient all-reduce (post-local SGD, Lin et al. 2020);
+- exact checkpoint/resume of every replica, the anchor, the outer momentum and an in-flight average.
+
+The last step of a run always synchronises without delay, so training ends with identical replicas.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from ..comm import ops
+from ..comm.stats import STATS, CommStats
+from .sync_spec import DTYPES, SyncSpec, SyncStrategy
+
+
+class LocalSGD(SyncStrategy):
+    """The outer loop of local SGD / DiLoCo over one model's replica state.
+
+    The replica state is every trainable parameter plus the floating-point buffers (e.g. the MoE
+    router biases, which each replica balances on its own between syncs). Call ``syncs_gradients(step)``
+    before a step (True during warm-up: the trainer lets DDP all-reduce gradients) and
+    ``after_step(step, last)`` after the inner optimizer stepped; it returns the seconds the step waited
+    on the network. Steps are 1-based optimizer steps.
+
+    The state lives in one flat fp32 buffer that the parameters are views of (when they are all fp32 on
+    one device), and every work buffer is allocated once: an outer step is a handful of passes over
+    memory, with no flatten/unflatten and no fresh allocations (measured: 55 ms → ~20 ms per sync for 5.5 M
+    parameters on one CPU core).
+    """
+
+    def __init__(self, model: nn.Module, spec: SyncSpec, group: Any = None, stats: CommStats = STATS):
+        self.spec, self.group, self.stats = spec, group, stats
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.tensors = self.params + [b for b in model.buffers() if b.is_floating_point()]
+        self.flat, self._views = _flat_storage(self.tensors)
+        self.anchor = self.flat.clone()  # the last agreed replica state
+        self.outer_opt = torch.optim.SGD([self.anchor], lr=spec.outer_lr, momentum=spec.momentum,
+                                         nesterov=spec.nesterov and spec.momentum > 0)
+        self._delta = torch.empty_like(self.flat)  # pseudo-gradient, then the averaged one (fp32)
+        low = DTYPES[spec.dtype] != torch.float32
+        self._send = torch.empty_like(self.flat, dtype=DTYPES[spec.dtype]) if low else self._delta
+        # Error feedback of the low-precision cast: what it dropped goes out with the next sync.
+        self.residual: Optional[torch.Tensor] = torch.zeros_like(self.flat) if low else None
+        self._at_launch = torch.empty_like(self.flat) if spec.delay else None
+        self._pending: Optional[dict[str, Any]] = None  # the in-flight average
+        self.syncs = 0
+
+    # ------------------------------------------------------------------------------------------ schedule
+    def syncs_gradients(self, step: int) -> bool:
+        """Whether step ``step`` uses the ordinary per-step gradient all-reduce (the warm-up)."""
+        return step <= self.spec.warmup
+
+    def is_sync_step(self, step: int, last: bool = False) -> bool:
+        return step > self.spec.warmup and (last or (step - self.spec.warmup) % self.spec.period == 0)
+
+    def after_step(self, step: int, last: bool = False) -> float:
+        """Start, land or skip the outer step after inner step ``step``; return seconds spent waiting."""
+        if step <= self.spec.warmup:
+            if step == self.spec.warmup:  # replicas are identical here: local training starts from them
+                self.anchor.copy_(self._read())
+            return 0.0
+        waited = 0.0
+        if self._pending is not None and (last or step >= self._pending["apply_at"]):
+            waited += self._land()
+        if self.is_sync_step(step, last):
+            self._launch(step, delay=0 if last else self.spec.delay)
+            if self._pending["apply_at"] <= step:
+                waited += self._land()
+        return waited
+
+    # --------------------------------------------------------------------------------------- outer step
+    @torch.no_grad()
+    def _launch(self, step: int, delay: int) -> None:
+        current = self._read()
+        if delay:
+            self._at_launch.copy_(current)  # θ at launch: the local progress after it is kept
+        torch.sub(self.anchor, current, out=self._delta)  # this replica's pseudo-gradient
+        if self.residual is not None:
+            self._delta.add_(self.residual)
+            self._send.copy_(self._delta)
+            torch.sub(self._delta, self._send, out=self.residual)
+        work = ops.all_reduce(self._send, "avg", group=self.group, async_op=True, stats=self.stats)
+        self._pending = {"launched_at": step, "apply_at": step + delay, "work": work}
+
+    @torch.no_grad()
+    def _land(self) -> float:
+        pending, self._pending = self._pending, None
+        t0 = time.perf_counter()
+        if pending["work"] is not None:
+            pending["work"].wait()
+        waited = time.perf_counter() - t0
+        if self._send is not self._delta:
+            self._delta.copy_(self._send)
+        self.anchor.grad = self._delta  # the averaged pseudo-gradient
+        self.outer_opt.step()
+        self.anchor.grad = None
+        if pending["apply_at"] > pending["launched_at"]:
+            # θ ← anchor' + (θ_now − θ_launch): keep what this replica learned while the average travelled.
+            torch.sub(self.anchor, self._at_launch, out=self._delta)
+            self._write(self._read().add_(self._delta))
+        else:
+            self._write(self.anchor)
+        self.syncs += 1
+        return waited
+
+    def _read(self) -> torch.Tensor:
+        """The replica state as one flat fp32 tensor (the live buffer when the parameters are its views)."""
+        if self._views:
+            return self.flat
+        return self.flat.copy_(_flatten_dense_tensors([t.detach().float() for t in self.tensors]))
+
+    def _write(self, flat: torch.Tensor) -> None:
+        if flat is not self.flat:
+            self.flat.copy_(flat)
+        if not self._views:
+            for t, value in zip(self.tensors, _unflatten_dense_tensors(self.flat, self.tensors)):
+                t.detach().copy_(value)
+
+    def finish(self) -> float:
+        """Land an average still in flight (without starting a new one)."""
+        return self._land() if self._pending is not None else 0.0
+
+    # ------------------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Anchor, outer momentum, cast residual and an in-flight average (waited for: its result is saved)."""
+        pending = None
+        if self._pending is not None:
+            if self._pending["work"] is not None:
+                self._pending["work"].wait()
+                self._pending["work"] = None
+            pending = {"launched_at": self._pending["launched_at"], "apply_at": self._pending["apply_at"],
+                       "averaged": self._send.clone(),
+                       "at_launch": None if self._at_launch is None else self._at_launch.clone()}
+        return {"anchor": self.anchor.clone(), "outer_opt": self.outer_opt.state_dict(),
+                "residual": None if self.residual is None else self.residual.clone(), "pending": pending,
+                "syncs": self.syncs}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.anchor.copy_(state["anchor"])
+        self.outer_opt.load_state_dict(state["outer_opt"])
+        if self.residual is not None and state.get("residual") is not None:
+            self.residual.copy_(state["residual"])
+        pending = state.get("pending")
+        self._pending = None
+        if pending is not None:
+            self._send.copy_(pending["averaged"])
+            if pending.get("at_launch") is not None:
+                self._at_launch.copy_(pending["at_launch"])
+            self._pending = {"launched_at": pending["launched_at"], "apply_at": pending["apply_at"], "work": None}
+        self.syncs = int(state.get("syncs", 0))
+
+
+def _flat_storage(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, bool]:
+    """One flat fp32 copy of ``tensors``; when they are all fp32 on one device, re-point them to be views
+    of it (so reading and writing the replica state costs nothing). Returns (flat, are_views)."""
+    flat = _flatten_dense_tensors([t.detach().float() for t in tensors]).clone()
+    if any(t.dtype != torch.float32 or t.device != flat.device for t in tensors):
+        return flat, False
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel()
+            t.data = flat[offset:offset + n].view_as(t)
+            offset += n
+    return flat, True
+
+
+class TorchPeriodicAveraging(SyncStrategy):
+    """PyTorch's own local SGD piece, ``PeriodicModelAverager``, behind the same two calls (the reference).
+
+    It averages the parameters themselves (fp32, blocking) every ``period`` steps after ``warmup``; its
+    all-reduce bypasses syncwise.comm, so its bytes are recorded here (the parameters' fp32 size).
+    """
+
+    def __init__(self, model: nn.Module, spec: SyncSpec, group: Any = None, stats: CommStats = STATS):
+        from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+        self.spec, self.stats = spec, stats
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.averager = PeriodicModelAverager(period=spec.period, warmup_steps=spec.warmup, process_group=group)
+        self.nbytes = sum(p.numel() * p.element_size() for p in self.params)
+        self.syncs = 0
+
+    def syncs_gradients(self, step: int) -> bool:
+        return step <= self.spec.warmup
+
+    def after_step(self, step: int, last: bool = False) -> float:
+        # The averager counts its own steps (it averages when its count ≥ warmup and is a multiple of
+        # period); keep it aligned with the trainer's step so a resumed run averages at the same steps.
+        self.averager.step = step
+        averages = step >= self.spec.warmup and (step - self.spec.warmup) % self.spec.period == 0
+        t0 = time.perf_counter()
+        if last and not averages:
+            from torch.distributed.algorithms.model_averaging.utils import average_parameters
+
+            average_parameters(iter(self.params), self.averager.process_group)
+            averages = True
+        else:
+            self.averager.average_parameters(iter(self.params))
+        if averages:
+            self.stats.record("all_reduce", self.nbytes)
+            self.syncs += 1
+            return time.perf_counter() - t0
+        return 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"syncs": self.syncs}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.syncs = int(state.get("syncs", 0))

@@ -1,0 +1,138 @@
+"""``--sync``: how often and how replicas synchronise, parsed and validated before any worker starts.
+
+every-step: DDP's per-step gradient all-reduce (optionally compressed, ``--compress``);
+localsgd / diloco: replicas train alone and average every H steps (``local_sgd.py``);
+torch-localsgd: the same with PyTorch's ``PeriodicModelAverager`` (the reference);
+pipesgd: every step's gradient all-reduce overlaps the next step's compute (``pipe_sgd.py``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm.stats import STATS, CommStats
+from ..errors import ConfigError
+
+EVERY_STEP = "every-step"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# method -> defaults; DiLoCo's outer optimizer follows the paper (lr 0.7, Nesterov momentum 0.9).
+METHODS = {
+    "localsgd": {"period": 16, "outer_lr": 1.0, "momentum": 0.0, "nesterov": False, "delay": 0,
+                 "dtype": "fp32", "warmup": 0},
+    "diloco": {"period": 16, "outer_lr": 0.7, "momentum": 0.9, "nesterov": True, "delay": 0,
+               "dtype": "fp32", "warmup": 0},
+    "torch-localsgd": {"period": 16, "warmup": 0},
+    "pipesgd": {"dtype": "fp32"},
+}
+ACCEPTED = ("every-step (DDP all-reduce each step); localsgd[:period=H,delay=D,dtype=fp32|bf16|fp16,warmup=W,"
+            "outer_lr=X,momentum=M,nesterov=true|false]; diloco[:...same keys; defaults outer_lr=0.7,momentum=0.9,"
+            "nesterov=true]; torch-localsgd[:period=H,warmup=W] (PyTorch's PeriodicModelAverager); "
+            "pipesgd[:dtype=fp32|bf16|fp16] (gradient all-reduce overlapped with the next step)")
+
+
+@dataclass
+class SyncSpec:
+    """A parsed ``--sync`` spec (keys a method does not use keep their defaults).
+
+    ``delay`` ≤ ``period``: an average lands at the latest just before the next one starts.
+    """
+
+    method: str
+    period: int = 16
+    outer_lr: float = 1.0
+    momentum: float = 0.0
+    nesterov: bool = False
+    delay: int = 0
+    dtype: str = "fp32"
+    warmup: int = 0
+    options: dict = field(default_factory=dict)  # what the user wrote, for the spec string
+
+    @property
+    def spec(self) -> str:
+        opts = ",".join(f"{k}={v}" for k, v in self.options.items())
+        return self.method + (f":{opts}" if opts else "")
+
+    @staticmethod
+    def parse(spec: str, field_name: str = "compress.sync") -> "Optional[SyncSpec]":
+        """None for ``every-step``; a spec otherwise; anything malformed raises ConfigError naming it."""
+        if not isinstance(spec, str) or not spec.strip():
+            raise ConfigError(field_name, spec, ACCEPTED)
+        spec = spec.strip()
+        if spec == EVERY_STEP:
+            return None
+        method, _, rest = spec.partition(":")
+        if method not in METHODS:
+            raise ConfigError(field_name, spec, ACCEPTED)
+        values: dict[str, Any] = dict(METHODS[method])
+        options: dict[str, Any] = {}
+        for item in filter(None, (s.strip() for s in rest.split(","))):
+            key, eq, text = item.partition("=")
+            if not eq or key not in values:
+                raise ConfigError(field_name, spec, f"keys of {method}: {', '.join(values)} ({ACCEPTED})")
+            options[key] = values[key] = _coerce(field_name, spec, key, text, values[key])
+        out = SyncSpec(method, options=options, **values)
+        checks = [(out.period >= 1, "period", "an integer ≥ 1"),
+                  (0 <= out.delay <= out.period, "delay", f"an integer in [0, period] = [0, {out.period}]"),
+                  (out.warmup >= 0, "warmup", "an integer ≥ 0"),
+                  (out.outer_lr > 0, "outer_lr", "a positive number"),
+                  (0 <= out.momentum < 1, "momentum", "a number in [0, 1)"),
+                  (out.dtype in DTYPES, "dtype", "one of " + ", ".join(DTYPES))]
+        for ok, key, accepted in checks:
+            if not ok:
+                raise ConfigError(f"{field_name} ({key})", spec, accepted)
+        return out
+
+
+def _coerce(field_name: str, spec: str, key: str, text: str, default: Any) -> Any:
+    try:
+        if isinstance(default, bool):
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError
+            return text.lower() in ("true", "1")
+        return type(default)(text)
+    except ValueError:
+        kind = {bool: "true or false", int: "an integer", float: "a number"}.get(type(default), "a name")
+        raise ConfigError(f"{field_name} ({key})", spec, kind) from None
+
+
+class SyncStrategy:
+    """What the trainer calls around each optimizer step (steps are 1-based); the defaults do nothing.
+
+    ``syncs_gradients(step)``: let DDP all-reduce this step's gradients; ``exchange(step, last)``: the
+    gradient sets to apply now (``None`` = what is in ``.grad``) and seconds waited; ``after_step(step,
+    last)``: move parameters after the update, return seconds waited. ``replicas_diverge``: ranks hold
+    different parameters between syncs (their model and optimizer state are then checkpointed per rank).
+    """
+
+    replicas_diverge = True
+    spec: SyncSpec
+    params: list
+    syncs = 0
+
+    def syncs_gradients(self, step: int) -> bool:
+        return False
+
+    def exchange(self, step: int, last: bool = False) -> tuple[list, float]:
+        return [None], 0.0
+
+    def after_step(self, step: int, last: bool = False) -> float:
+        return 0.0
+
+
+def build_sync(spec: "str | SyncSpec | None", model: nn.Module, group: Any = None,
+               stats: CommStats = STATS) -> Any:
+    """The object a ``--sync`` spec names (LocalSGD, TorchPeriodicAveraging, PipeSGD); None for every-step
+    sync or a single process."""
+    if isinstance(spec, str):
+        spec = SyncSpec.parse(spec)
+    if spec is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return None
+    from .local_sgd import LocalSGD, TorchPeriodicAveraging
+    from .pipe_sgd import PipeSGD
+
+    cls = {"torch-localsgd": TorchPeriodicAveraging, "pipesgd": PipeSGD}.get(spec.method, LocalSGD)
+    return cls(model, spec, group=group, stats=stats)
