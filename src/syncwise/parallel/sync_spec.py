@@ -11,10 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
-from ..comm.stats import STATS, CommStats
 from ..errors import ConfigError
 
 EVERY_STEP = "every-step"
@@ -121,18 +118,3 @@ class SyncStrategy:
 
     def after_step(self, step: int, last: bool = False) -> float:
         return 0.0
-
-
-def build_sync(spec: "str | SyncSpec | None", model: nn.Module, group: Any = None,
-               stats: CommStats = STATS) -> Any:
-    """The object a ``--sync`` spec names (LocalSGD, TorchPeriodicAveraging, PipeSGD); None for every-step
-    sync or a single process."""
-    if isinstance(spec, str):
-        spec = SyncSpec.parse(spec)
-    if spec is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return None
-    from .local_sgd import LocalSGD, TorchPeriodicAveraging
-    from .pipe_sgd import PipeSGD
-
-    cls = {"torch-localsgd": TorchPeriodicAveraging, "pipesgd": PipeSGD}.get(spec.method, LocalSGD)
-    return cls(model, spec, group=group, stats=stats)

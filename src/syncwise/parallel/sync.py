@@ -1,0 +1,24 @@
+"""Build the sync strategy a ``--sync`` spec names (the parsing lives in ``sync_spec.py``)."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch.distributed as dist
+from torch import nn
+
+from ..comm.stats import STATS, CommStats
+from .local_sgd import LocalSGD, TorchPeriodicAveraging
+from .pipe_sgd import PipeSGD
+from .sync_spec import SyncSpec, SyncStrategy
+
+
+def build_sync(spec: "str | SyncSpec | None", model: nn.Module, group: Any = None,
+               stats: CommStats = STATS) -> Optional[SyncStrategy]:
+    """The object a ``--sync`` spec names (LocalSGD, TorchPeriodicAveraging, PipeSGD); None for every-step
+    sync or a single process."""
+    if isinstance(spec, str):
+        spec = SyncSpec.parse(spec)
+    if spec is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return None
+    cls = {"torch-localsgd": TorchPeriodicAveraging, "pipesgd": PipeSGD}.get(spec.method, LocalSGD)
+    return cls(model, spec, group=group, stats=stats)
