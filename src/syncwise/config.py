@@ -129,8 +129,8 @@ class CompressSection:
                             "an integer ≥ 0", _non_negative)
     sync: str = option("every-step", "how often replicas synchronise: every-step (gradient all-reduce), or local SGD "
                        "/ DiLoCo every H steps: localsgd:period=16, diloco:period=16,delay=4,dtype=bf16, "
-                       "torch-localsgd:period=16 (PyTorch's averager), pipesgd[:dtype=fp16] (all-reduce overlapped with the next "
-                       "step); see docs/compression.md")
+                       "torch-localsgd:period=16 (PyTorch's averager), pipesgd[:dtype=fp16] (all-reduce overlapped "
+                       "with the next step); see docs/compression.md")
 
 
 @dataclass
@@ -328,7 +328,8 @@ def describe_fields() -> str:
 
 # Named flags of `syncwise train` and the config key each one sets.
 FLAG_KEYS = {"nproc": "dist.nproc", "steps": "train.steps", "preset": "model.preset", "run_dir": "run_dir",
-             "compress": "compress.method", "sync": "compress.sync", "resume": "resume", "max_restarts": "dist.max_restarts",
+             "compress": "compress.method", "sync": "compress.sync", "resume": "resume",
+             "max_restarts": "dist.max_restarts",
              "inject_fault": "inject_fault", "lab": "dist.lab", "nnodes": "dist.nnodes",
              "deterministic": "train.deterministic"}
 

@@ -34,7 +34,8 @@ DEFAULT_CONFIGS = ("none", "torch-fp16", "torch-powersgd:rank=4", "fp16", "bf16"
 DEFAULT_LAB_BANDWIDTH = "200mbit"
 DEFAULT_STEPS = 30
 # Keys the bench sets itself per run; --set may not override them.
-_BENCH_KEYS = ("run_dir", "resume", "compress.method", "compress.sync", "dist.nproc", "dist.lab", "model.preset", "train.steps")
+_BENCH_KEYS = ("run_dir", "resume", "compress.method", "compress.sync", "dist.nproc", "dist.lab", "model.preset",
+               "train.steps")
 # torch's powerSGD_hook aborts on gloo with more than one DDP bucket (FIELD-NOTES): give it one.
 TORCH_POWERSGD_BUCKET_MB = 1000.0
 # Parallel efficiency of a real (non-compute-only) run is in (0, ~1]; the factor 5,000 is the lab's
@@ -58,8 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"optimizer steps per run (default {DEFAULT_STEPS})")
     parser.add_argument("--preset", default="small", help="model preset (default small)")
     parser.add_argument("--configs", default=None,
-                        help="comma list of compress specs (or --sync specs: localsgd:..., diloco:..., torch-localsgd:..., "
-                             "pipesgd) to compare (default: " + ",".join(DEFAULT_CONFIGS) +
+                        help="comma list of compress specs (or --sync specs: localsgd:..., diloco:..., "
+                             "torch-localsgd:..., pipesgd) to compare (default: " + ",".join(DEFAULT_CONFIGS) +
                              f"); options after a spec's ':' continue it, e.g. topk:ratio=0.01,momentum=0.9. "
                              f"'{COMPUTE_ONLY}' and '{COMPUTE_SHARED}' always run (they define parallel efficiency)")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
@@ -163,7 +164,8 @@ def plan_runs(args: argparse.Namespace, out_dir: Path) -> list[BenchRun]:
         # A --sync spec (localsgd:..., diloco:..., pipesgd...) runs uncompressed; anything else is a compressor.
         is_sync = spec.partition(":")[0] in SYNC_METHODS
         overrides = {**common, "dist.nproc": str(nproc), "dist.lab": str(bool(args.lab)).lower(),
-                     "compress.method": "none" if is_sync else spec, "compress.sync": spec if is_sync else "every-step",
+                     "compress.method": "none" if is_sync else spec,
+                     "compress.sync": spec if is_sync else "every-step",
                      "run_dir": str(out_dir / _slug(spec))}
         if spec.startswith("torch-powersgd"):
             overrides["dist.bucket_cap_mb"] = str(TORCH_POWERSGD_BUCKET_MB)

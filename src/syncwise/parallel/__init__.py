@@ -1,4 +1,4 @@
-"""Parallelism applied outside the model: data parallel (DDP + hooks), local SGD/DiLoCo, Pipe-SGD, activation checkpointing."""
+"""Parallelism applied outside the model: DDP + hooks, local SGD / DiLoCo / Pipe-SGD, activation checkpointing."""
 from .activation_checkpoint import apply_activation_checkpointing
 from .data_parallel import DataParallel, GradSyncTimer, TorchHookSpec, apply_data_parallel
 from .local_sgd import LocalSGD, TorchPeriodicAveraging

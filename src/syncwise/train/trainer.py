@@ -3,7 +3,8 @@
 What one optimizer step does (``_train_step``):
   1. ``grad_accum`` micro-batches forward/backward; all but the last under DDP's ``no_sync`` so only the
      last one communicates (and its gradient sync overlaps with its backward, bucket by bucket);
-  2. gradients are unscaled (fp16), clipped, checked for NaN/Inf (a bad step is skipped on every rank);
+  2. gradients are unscaled (fp16), clipped, checked for NaN/Inf (a bad step is skipped on every rank; under
+     local SGD by the replica that saw it);
   3. optimizer, LR schedule and model-specific updates (MoE router bias) step;
   4. with ``sync=`` other than every-step, the sync strategy moves the parameters instead: local SGD / DiLoCo
      keep gradients local and average the replicas every H steps; Pipe-SGD applies the previous step's
