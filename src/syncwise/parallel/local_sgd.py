@@ -188,8 +188,11 @@ def _flat_storage(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, bool]:
 class TorchPeriodicAveraging(SyncStrategy):
     """PyTorch's own local SGD piece, ``PeriodicModelAverager``, behind the same two calls (the reference).
 
-    It averages the parameters themselves (fp32, blocking) every ``period`` steps after ``warmup``; its
-    all-reduce bypasses syncwise.comm, so its bytes are recorded here (the parameters' fp32 size).
+    It averages the parameters (fp32, blocking) every ``period`` steps after ``warmup`` — as shipped, it
+    skips parameters without a gradient in that step (unused MoE experts). It does not take buffers, so
+    the floating-point buffers (MoE router biases, which each replica balances on its own) are averaged
+    next to it with PyTorch's ``average_parameters``, as LocalSGD averages them. These all-reduces bypass
+    syncwise.comm, so their bytes are recorded here.
     """
 
     def __init__(self, model: nn.Module, spec: SyncSpec, group: Any = None, stats: CommStats = STATS):
@@ -197,31 +200,35 @@ class TorchPeriodicAveraging(SyncStrategy):
 
         self.spec, self.stats = spec, stats
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.buffers = [b for b in model.buffers() if b.is_floating_point()]
         self.averager = PeriodicModelAverager(period=spec.period, warmup_steps=spec.warmup, process_group=group)
-        self.nbytes = sum(p.numel() * p.element_size() for p in self.params)
         self.syncs = 0
 
     def syncs_gradients(self, step: int) -> bool:
         return step <= self.spec.warmup
 
     def after_step(self, step: int, last: bool = False) -> float:
+        from torch.distributed.algorithms.model_averaging.utils import average_parameters
+
         # The averager counts its own steps (it averages when its count ≥ warmup and is a multiple of
         # period); keep it aligned with the trainer's step so a resumed run averages at the same steps.
         self.averager.step = step
         averages = step >= self.spec.warmup and (step - self.spec.warmup) % self.spec.period == 0
+        group = self.averager.process_group
         t0 = time.perf_counter()
-        if last and not averages:
-            from torch.distributed.algorithms.model_averaging.utils import average_parameters
-
-            average_parameters(iter(self.params), self.averager.process_group)
-            averages = True
+        if last and not averages:  # end on identical replicas: every parameter, with or without a gradient
+            average_parameters(iter(self.params), group)
+            averaged = self.params
         else:
+            averaged = [p for p in self.params if p.grad is not None] if averages else []
             self.averager.average_parameters(iter(self.params))
-        if averages:
-            self.stats.record("all_reduce", self.nbytes)
-            self.syncs += 1
-            return time.perf_counter() - t0
-        return 0.0
+        if not (averages or last):
+            return 0.0
+        if self.buffers:
+            average_parameters(iter(self.buffers), group)
+        self.stats.record("all_reduce", sum(t.numel() * t.element_size() for t in averaged + self.buffers))
+        self.syncs += 1
+        return time.perf_counter() - t0
 
     def state_dict(self) -> dict[str, Any]:
         return {"syncs": self.syncs}
