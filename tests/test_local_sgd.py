@@ -249,3 +249,20 @@ def _warmup(rank, world):
 def test_warmup_steps_use_ddps_gradient_all_reduce():
     for spread, per_step, param_bytes, syncs in run_workers(_warmup, 2):
         assert spread == 0.0 and per_step == param_bytes and syncs == 0
+
+
+def test_resume_without_its_own_state_restarts_the_outer_loop_from_the_loaded_weights():
+    # A resume at another world size skips per-rank state: the anchor must not stay at the initial weights.
+    model = _mlp()
+    outer = LocalSGD(model, SyncSpec.parse("localsgd:period=2,dtype=bf16"))
+    saved = outer.state_dict()
+    with torch.no_grad():  # what loading a checkpoint does: copy the trained weights in place
+        for p in model.parameters():
+            p.add_(1.0)
+    outer.residual.fill_(0.5)
+    outer.resumed()
+    assert torch.equal(outer.anchor, _flat(model)) and outer.residual.abs().max() == 0
+    restored = LocalSGD(_mlp(), SyncSpec.parse("localsgd:period=2,dtype=bf16"))
+    restored.load_state_dict(saved)
+    restored.resumed()  # its own state was in the checkpoint: kept
+    assert torch.equal(restored.anchor, saved["anchor"])

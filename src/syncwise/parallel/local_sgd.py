@@ -135,6 +135,18 @@ class LocalSGD(SyncStrategy):
             for t, value in zip(self.tensors, _unflatten_dense_tensors(self.flat, self.tensors)):
                 t.detach().copy_(value)
 
+    @torch.no_grad()
+    def resumed(self) -> None:
+        """Without its own state (a resume at another world size skips per-rank state), start the outer loop
+        afresh from the loaded parameters: an anchor left at the initial weights would send the whole
+        training so far as one pseudo-gradient."""
+        if not self.restored:
+            self.anchor.copy_(self._read())
+            self.outer_opt.state.clear()
+            if self.residual is not None:
+                self.residual.zero_()
+            self._pending = None
+
     def finish(self) -> float:
         """Land an average still in flight (without starting a new one)."""
         return self._land() if self._pending is not None else 0.0
@@ -168,6 +180,7 @@ class LocalSGD(SyncStrategy):
                 self._at_launch.copy_(pending["at_launch"])
             self._pending = {"launched_at": pending["launched_at"], "apply_at": pending["apply_at"], "work": None}
         self.syncs = int(state.get("syncs", 0))
+        self.restored = True
 
 
 def _flat_storage(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, bool]:
@@ -235,3 +248,4 @@ class TorchPeriodicAveraging(SyncStrategy):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.syncs = int(state.get("syncs", 0))
+        self.restored = True

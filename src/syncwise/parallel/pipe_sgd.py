@@ -77,3 +77,4 @@ class PipeSGD(SyncStrategy):
         pending = state.get("pending")
         self._pending = None if pending is None else {**pending, "work": None}
         self.syncs = int(state.get("syncs", 0))
+        self.restored = True

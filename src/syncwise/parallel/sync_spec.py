@@ -106,6 +106,7 @@ class SyncStrategy:
     """
 
     replicas_diverge = True
+    restored = False  # set by load_state_dict
     spec: SyncSpec
     params: list
     syncs = 0
@@ -118,3 +119,6 @@ class SyncStrategy:
 
     def after_step(self, step: int, last: bool = False) -> float:
         return 0.0
+
+    def resumed(self) -> None:
+        """Called after a checkpoint was loaded (``self.restored``: this strategy's own state was in it)."""

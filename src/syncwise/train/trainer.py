@@ -225,6 +225,9 @@ class OptimizedTrainer:
             raise SyncwiseError(f"resume={resume!r} needs a checkpoint directory: pass checkpoint_dir= to train() "
                                 "or a SmartCheckpointer to OptimizedTrainer")
         step = self.checkpointer.load(resume, state)
+        if self.sync is not None and step:
+            # per-rank state is skipped when the world size changed: the strategy must then start afresh
+            self.sync.resumed()
         if resume == "auto" and step == 0:
             return None
         logged = read_jsonl(Path(self.run_dir) / "metrics.jsonl") if self.run_dir and self.rank == 0 else []
