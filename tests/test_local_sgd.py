@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distributed import run_workers
+from test_resume import _fresh  # the tiny-moe run the resume tests rebuild from scratch
 from syncwise.checkpoint import SmartCheckpointer
 from syncwise.checkpoint.storage import step_dirname
 from syncwise.comm.stats import CommStats
@@ -110,7 +111,7 @@ def _cast_feedback(rank, world):
     conserved = (sent.float() + outer.residual - delta).abs().max().item()
     dropped = outer.residual.abs().max().item()
     dtype = outer._send.dtype
-    outer.finish()
+    outer._land()
     return conserved, dropped, dtype, stats.total_bytes, sent.numel() * 2
 
 
@@ -142,28 +143,13 @@ def test_localsgd_matches_pytorchs_periodic_model_averager():
 STEPS = 9
 
 
-def _trainer(rank, world, sync):
-    from syncwise.data import TokenBatchLoader
-    from syncwise.models import build_model
-    from syncwise.train import adamw, warmup_cosine
-
-    torch.manual_seed(0)
-    tokens = torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(5))
-    model = build_model("tiny-moe", seq_len=32)
-    opt = adamw(model, 3e-3, 0.1)
-    loader = TokenBatchLoader(tokens, 4, 32, rank, world, seed=3)
-    trainer = OptimizedTrainer(model, opt, lr_scheduler=warmup_cosine(opt, 2, STEPS), show_progress=False,
-                               sync=sync)
-    return trainer, loader
-
-
 def _resume_mid_flight(rank, world, ckpt_dir, sync):
     torch.use_deterministic_algorithms(True)
-    straight, loader = _trainer(rank, world, sync)
+    straight, loader, _ = _fresh(rank, world, steps=STEPS, sync=sync)
     straight.checkpointer = SmartCheckpointer(ckpt_dir, interval=5, max_checkpoints=5, async_save=False)
     summary = straight.train(loader, steps=STEPS)
     # Step 5: an average launched at step 4 (period 4, delay 2) is still in flight; resume from there.
-    resumed, loader2 = _trainer(rank, world, sync)
+    resumed, loader2, _ = _fresh(rank, world, steps=STEPS, sync=sync)
     resumed.checkpointer = SmartCheckpointer(ckpt_dir, interval=1000, max_checkpoints=5, async_save=False)
     resumed.train(loader2, steps=STEPS, resume=str(__import__("pathlib").Path(ckpt_dir) / step_dirname(5)))
     same = all(torch.equal(x, y) for x, y in zip(straight.model.state_dict().values(),

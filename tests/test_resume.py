@@ -13,15 +13,15 @@ from syncwise.train import OptimizedTrainer, adamw, warmup_cosine
 STEPS = 8
 
 
-def _fresh(rank, world, compress):
+def _fresh(rank, world, compress=None, steps=STEPS, **trainer_options):
     """Model, optimizer, schedule, data and trainer built from scratch, as a new process would."""
     torch.manual_seed(0)
     tokens = torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(5))
     model = build_model("tiny-moe", seq_len=32)
     opt = adamw(model, 3e-3, 0.1)
     loader = TokenBatchLoader(tokens, 4, 32, rank, world, seed=3)
-    trainer = OptimizedTrainer(model, opt, compress_gradients=compress, lr_scheduler=warmup_cosine(opt, 2, STEPS),
-                               show_progress=False)
+    trainer = OptimizedTrainer(model, opt, compress_gradients=compress, lr_scheduler=warmup_cosine(opt, 2, steps),
+                               show_progress=False, **trainer_options)
     return trainer, loader, []
 
 

@@ -283,12 +283,10 @@ def check_references(cfg: RunConfig) -> None:
         raise ConfigError("data.corpus", cfg.data.corpus,
                           "'stdlib' or the path of an existing text file, text folder, or folder with train.bin")
     from .compress import parse_compress_spec
-    from .parallel import TorchHookSpec
+    from .parallel import SyncSpec, TorchHookSpec
 
-    # Both raise ConfigError naming the spec.
+    # These raise ConfigError naming the spec.
     TorchHookSpec.parse(cfg.compress.method) or parse_compress_spec(cfg.compress.method)
-    from .parallel import SyncSpec
-
     sync = SyncSpec.parse(cfg.compress.sync)
     if sync is not None and cfg.compress.method != "none":
         raise ConfigError("compress.sync", cfg.compress.sync, "every-step when compress.method is set (local SGD "

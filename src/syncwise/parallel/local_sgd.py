@@ -147,10 +147,6 @@ class LocalSGD(SyncStrategy):
                 self.residual.zero_()
             self._pending = None
 
-    def finish(self) -> float:
-        """Land an average still in flight (without starting a new one)."""
-        return self._land() if self._pending is not None else 0.0
-
     # ------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Anchor, outer momentum, cast residual and an in-flight average (waited for: its result is saved)."""

@@ -204,7 +204,7 @@ class OptimizedTrainer:
             state.register("compressor", self.dp.hook_state, per_rank=True)
         if self.sync is not None:
             if self.sync.replicas_diverge:  # each rank keeps its own model and inner optimizer state
-                state.register("replica", _ReplicaState(self.model, self.optimizer), per_rank=True)
+                state.register("replica", ModelOptimizerState(self.model, self.optimizer), per_rank=True)
             state.register("sync", self.sync, per_rank=True)
         return state
 
@@ -412,20 +412,6 @@ class OptimizedTrainer:
 
     def _sum_across_ranks(self, tensor: torch.Tensor) -> None:
         ops.all_reduce(tensor, "sum", stats=CONTROL_STATS)
-
-
-class _ReplicaState:
-    """This rank's own model and optimizer state (plain state dicts, saved per rank) under local SGD."""
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        self.model, self.optimizer = model, optimizer
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optim"])
 
 
 def _forever(loader: Iterable) -> Iterator:
