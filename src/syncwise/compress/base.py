@@ -222,12 +222,16 @@ def sizes_of(tensors: Sequence[torch.Tensor]) -> list[int]:
 class GatherCompressor(Compressor):
     """Compressors whose payload cannot be summed on the wire (low-bit, sparse).
 
-    Each rank encodes its (error-compensated) bucket into one fixed-size byte payload, the payloads
-    are all-gathered in ONE collective, and every rank decodes and sums all of them locally in fp32
-    in rank order, so the result is bit-identical on all ranks. Uncompressed tensors go in one fp32
-    all-reduce issued first. Error feedback (when ``config.error_feedback``) keeps
+    Each rank encodes its (error-compensated) bucket into one fixed-size byte payload, followed by the
+    tensors the policy left uncompressed as raw fp32 bytes; the payloads are all-gathered in ONE
+    collective, and every rank decodes and sums all of them locally in fp32 in rank order, so the
+    result is bit-identical on all ranks. Error feedback (when ``config.error_feedback``) keeps
     ``residual = compensated - decode(own payload)`` per tensor name.
     """
+
+    #: without error feedback a bucket is one all-gather whose result nothing else waits on: the DDP
+    #: hook then issues it straight from the hook and decodes in the future's callback (no worker thread)
+    direct: ClassVar[bool] = False
 
     def _encode(self, x: torch.Tensor, sizes: list[int], keys: list[str], rank: int
                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -244,20 +248,39 @@ class GatherCompressor(Compressor):
             x.add_(flatten([self._residual(k, t) for k, t in zip(keys, comp)]))
         return x
 
+    def pack(self, comp: list[torch.Tensor], keys: list[str], raw: list[torch.Tensor], rank: int
+             ) -> tuple[torch.Tensor, int]:
+        """This rank's payload for one all-gather (the encoded ``comp`` then ``raw`` as fp32 bytes) and the
+        length of the encoded part. Stores the error-feedback residuals."""
+        parts, encoded = [], 0
+        if comp:
+            x = self._compensate(comp, keys)
+            payload, local = self._encode(x, sizes_of(comp), keys, rank)
+            if getattr(self.config, "error_feedback", False):
+                assert local is not None
+                self._store_residuals(x.sub_(local), comp, keys)
+            parts.append(payload)
+            encoded = payload.numel()
+        if raw:
+            parts.append(flatten(raw).view(torch.uint8))
+        return (torch.cat(parts) if len(parts) > 1 else parts[0]), encoded
+
+    def unpack_sum(self, gathered: torch.Tensor, encoded: int, comp: list[torch.Tensor],
+                   raw: list[torch.Tensor], world: int) -> None:
+        """Write the averages of all ranks' payloads (``gathered``: world x payload bytes) into the tensors."""
+        if comp:
+            n = sum(sizes_of(comp))
+            total = self._decode_sum(gathered[:, :encoded], sizes_of(comp), n)
+            unflatten_into(total.div_(world), comp)
+        if raw:
+            values = gathered[:, encoded:].contiguous().view(torch.float32)
+            unflatten_into(values.sum(0).div_(world), raw)
+
     def _average(self, comp, keys, raw, group, world):
-        self._average_raw(raw, group, world)
-        if not comp:
+        if not comp and not raw:
             return
-        sizes = sizes_of(comp)
-        x = self._compensate(comp, keys)
-        ef = getattr(self.config, "error_feedback", False)
-        payload, local = self._encode(x, sizes, keys, dist.get_rank(group))
-        gathered = self._all_gather(payload, group, world)
-        total = self._decode_sum(gathered, sizes, x.numel())
-        if ef:
-            assert local is not None
-            self._store_residuals(x.sub_(local), comp, keys)
-        unflatten_into(total.div_(world), comp)
+        payload, encoded = self.pack(comp, keys, raw, dist.get_rank(group))
+        self.unpack_sum(self._all_gather(payload, group, world), encoded, comp, raw, world)
 
     def _store_residuals(self, resid: torch.Tensor, comp: list[torch.Tensor], keys: list[str]) -> None:
         off = 0

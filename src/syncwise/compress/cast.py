@@ -80,12 +80,24 @@ class FP8Config(CompressorConfig):
     error_feedback: bool = opt(False, "keep the rounding error and add it to the next step's gradient")
 
 
+_FP8_TABLES: dict = {}
+
+
+def _fp8_table(device: torch.device) -> torch.Tensor:
+    """The fp32 value of each of the 256 fp8 e4m3 bit patterns."""
+    table = _FP8_TABLES.get(device)
+    if table is None:
+        table = _FP8_TABLES[device] = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(_FP8).float().to(device)
+    return table
+
+
 class FP8Compressor(GatherCompressor):
     """fp8 e4m3 with one fp32 scale per block; all-gather of bytes, fp32 sum locally (gloo cannot
     reduce fp8, and an fp8 running sum would lose the low bits anyway)."""
 
     name: ClassVar[str] = "fp8"
     Config: ClassVar[type] = FP8Config
+    direct: ClassVar[bool] = True
 
     def _validate(self) -> None:
         if _FP8 is None:
@@ -97,19 +109,26 @@ class FP8Compressor(GatherCompressor):
         b = self.config.block
         n = x.numel()
         nb = -(-n // b)
-        xp = torch.nn.functional.pad(x, (0, nb * b - n)).view(nb, b)
+        xp = (x if n == nb * b else torch.nn.functional.pad(x, (0, nb * b - n))).view(nb, b)
         scale = xp.abs().amax(1).div_(torch.finfo(_FP8).max).clamp_min_(torch.finfo(torch.float32).tiny)
-        q = (xp / scale[:, None]).to(_FP8)
-        # the zero padding of the last block is not sent
-        payload = torch.cat([q.view(-1)[:n].view(torch.uint8), scale.view(torch.uint8)])
-        local = (q.float() * scale[:, None]).view(-1)[:n] if self.config.error_feedback else None
+        # codes of the first n elements, then the scales (the zero padding of the last block is not sent)
+        payload = torch.empty(n + 4 * nb, dtype=torch.uint8, device=x.device)
+        q = torch.div(xp, scale[:, None]).to(_FP8).view(-1)[:n]
+        payload[:n].copy_(q.view(torch.uint8))
+        payload[n:].copy_(scale.view(torch.uint8))
+        local = (q.float() * scale.repeat_interleave(b)[:n]) if self.config.error_feedback else None
         return payload, local
 
     def _decode_sum(self, gathered, sizes, n):
         b = self.config.block
         nb = -(-n // b)
         world = gathered.shape[0]
-        q = torch.nn.functional.pad(gathered[:, :n].contiguous().view(_FP8).float(), (0, nb * b - n))
-        q = q.view(world, nb, b)
-        scale = gathered[:, n:].contiguous().view(torch.float32).view(world, nb, 1)
-        return (q * scale).sum(0).view(-1)[:n]
+        scales = gathered[:, n:].contiguous().view(torch.float32).view(world, nb, 1)
+        table = _fp8_table(gathered.device)
+        total = None
+        for w in range(world):  # rank order: the same fp32 sum on every rank
+            # fp8 -> fp32 through a 256-entry table: ~7x faster than .float() on CPU, bit-identical
+            q = torch.index_select(table, 0, gathered[w, :n].to(torch.int32))
+            q = (q if n == nb * b else torch.nn.functional.pad(q, (0, nb * b - n))).view(nb, b)
+            total = q.mul_(scales[w]) if total is None else total.addcmul_(q, scales[w])
+        return total.view(-1)[:n]

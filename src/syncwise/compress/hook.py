@@ -23,7 +23,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..comm import ops
-from .base import Compressor
+from .base import Compressor, GatherCompressor
 
 
 @dataclass
@@ -173,6 +173,37 @@ def _direct_single_collective(state: CompressionHookState, bucket: dist.GradBuck
     return work.get_future().then(finish)
 
 
+def _direct_gather(state: CompressionHookState, bucket: dist.GradBucket):
+    """fp8: one all-gather per bucket, issued straight from the hook; the payloads are decoded and summed
+    in the future's callback. As with the casts, DDP's bucket order keeps the single collective in the
+    same order on every rank, and skipping the worker thread keeps the encode off the queue. Without
+    error feedback there is no NaN check: a non-finite bucket decodes to non-finite values and the step
+    is skipped; with it, the caller sends a non-finite bucket uncompressed first (residuals stay clean)."""
+    comp, group, buffer = state.compressor, state.comm_group, bucket.buffer()
+    world = dist.get_world_size(group)
+    params, grads = bucket.parameters(), bucket.gradients()
+    flags = [state.policy.compress(g) for g in grads]
+    tensors = [g for g, f in zip(grads, flags) if f]
+    keys = [state.name_of(p) for p, f in zip(params, flags) if f]
+    raw = [g for g, f in zip(grads, flags) if not f]
+    payload, encoded = comp.pack(tensors, keys, raw, dist.get_rank(group))
+    gathered = torch.empty(world * payload.numel(), dtype=payload.dtype, device=payload.device)
+    comp.counters["elements"] += buffer.numel()
+    comp.counters["bytes_sent"] += payload.numel()
+    comp.counters["collectives"] += 1
+    for k in keys:
+        comp._slot(k)["count"] += 1
+    if bucket.is_last():
+        state.steps += 1
+    work = ops.all_gather(gathered, payload, group=group, async_op=True)
+
+    def finish(fut: torch.futures.Future) -> torch.Tensor:
+        comp.unpack_sum(gathered.view(world, -1), encoded, tensors, raw, world)
+        return buffer
+
+    return work.get_future().then(finish)
+
+
 def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: average ``bucket`` with ``state.compressor``; returns a future of the flat bucket.
 
@@ -181,12 +212,18 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
     """
     if getattr(state.compressor, "wire_dtype", None) is not None:
         return _direct_single_collective(state, bucket)
-    buffer = bucket.buffer()
+    comp, buffer = state.compressor, bucket.buffer()
+    feedback = getattr(comp.config, "error_feedback", False)
+    direct = isinstance(comp, GatherCompressor) and comp.direct
+    if direct and not feedback:
+        return _direct_gather(state, bucket)
     if not bool(torch.isfinite(buffer).all()):
         state.wait_idle()  # keep the collective order: everything queued before goes first
         work = ops.all_reduce(buffer, "sum", group=state.comm_group, async_op=True)
         world = dist.get_world_size(state.comm_group)
         return work.get_future().then(lambda fut: buffer.div_(world))
+    if direct:  # finite, so the error-feedback residuals it stores are sound
+        return _direct_gather(state, bucket)
     params = bucket.parameters()
     grads = bucket.gradients()
     keys = [state.name_of(p) for p in params]
