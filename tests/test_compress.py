@@ -58,7 +58,8 @@ def _checks(rank, world):
                      "bytes": nbytes, "equal": all(torch.equal(out[k], ref[k]) for k in keys), "out": out}
 
     # error feedback: what each rank sent (g + old residual - new residual) sums to world * output
-    for spec in ["sign", "topk:ratio=0.05", "randomk:ratio=0.05", "topk:ratio=0.05,momentum=0.0"]:
+    for spec in ["sign", "topk:ratio=0.05", "randomk:ratio=0.05", "topk:ratio=0.05,momentum=0.0",
+                 "fp8:error_feedback=true"]:
         comp = parse_compress_spec(spec)
         _run(comp, rank, 0)
         old = _residuals(comp, keys)
@@ -168,7 +169,7 @@ def test_casts_within_precision_and_bytes(results):
         assert all(torch.equal(results[0][spec]["out"][k], results[1][spec]["out"][k]) for k in SHAPES)
 
 
-@pytest.mark.parametrize("spec", ["sign", "topk:ratio=0.05", "randomk:ratio=0.05"])
+@pytest.mark.parametrize("spec", ["sign", "topk:ratio=0.05", "randomk:ratio=0.05", "fp8:error_feedback=true"])
 def test_error_feedback_conserves_mass(results, spec):
     for k in SHAPES:
         total_sent = sum(r[spec]["sent"][k] for r in results)

@@ -116,7 +116,7 @@ class FP8Compressor(GatherCompressor):
         q = torch.div(xp, scale[:, None]).to(_FP8).view(-1)[:n]
         payload[:n].copy_(q.view(torch.uint8))
         payload[n:].copy_(scale.view(torch.uint8))
-        local = (q.float() * scale.repeat_interleave(b)[:n]) if self.config.error_feedback else None
+        local = self._decode_sum(payload[None], sizes, n) if self.config.error_feedback else None
         return payload, local
 
     def _decode_sum(self, gathered, sizes, n):
