@@ -104,7 +104,7 @@ def _checks(rank, world):
         _, out_b, _ = _run(b, rank, 2)
         res["sd:" + spec] = all(torch.equal(out_a[k], out_b[k]) for k in keys)
 
-    # policy flags: an uncompressed tensor is averaged exactly, in one extra fp32 all-reduce
+    # policy flags: an uncompressed tensor is averaged exactly, as fp32 bytes in the same all-gather
     comp = TopKCompressor(ratio=0.05)
     inp, out, nbytes = _run(comp, rank, 0, flags=[True, True, True, False])
     res["flags"] = {"bias_exact": torch.equal(out["b"], _exact_avg({"b": inp["b"]})["b"]), "bytes": nbytes}

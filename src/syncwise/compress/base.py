@@ -84,11 +84,15 @@ class Compressor:
         ckeys = [k for k, f in zip(keys, flags) if f]
         raw = [t for t, f in zip(tensors, flags) if not f]
         world = dist.get_world_size(group)
-        self.counters["elements"] += sum(t.numel() for t in tensors)
         self._average(comp, ckeys, raw, group, world)
-        for k in ckeys:
-            self._slot(k)["count"] += 1
+        self.count_average(sum(t.numel() for t in tensors), ckeys)
         return tensors
+
+    def count_average(self, elements: int, compressed_keys: Sequence[str]) -> None:
+        """Book one averaged bucket: its element count and each compressed tensor's step counter."""
+        self.counters["elements"] += elements
+        for k in compressed_keys:
+            self._slot(k)["count"] += 1
 
     def state_dict(self) -> dict[str, Any]:
         """Checkpointable state: name, config, and per-tensor state keyed by tensor name."""
@@ -148,12 +152,14 @@ class Compressor:
         self.counters["collectives"] += 1
         ops.all_reduce(t, "sum", group=group)
 
-    def _all_gather(self, payload: torch.Tensor, group: Any, world: int) -> torch.Tensor:
+    def _all_gather(self, payload: torch.Tensor, group: Any, world: int, async_op: bool = False
+                    ) -> "tuple[Any, torch.Tensor]":
+        """(work handle or None, the world x payload result — valid once the work completed)."""
         out = torch.empty(world * payload.numel(), dtype=payload.dtype, device=payload.device)
         self.counters["bytes_sent"] += payload.numel() * payload.element_size()
         self.counters["collectives"] += 1
-        ops.all_gather(out, payload, group=group)
-        return out.view(world, payload.numel())
+        work = ops.all_gather(out, payload, group=group, async_op=async_op)
+        return work, out.view(world, payload.numel())
 
     def _average_raw(self, raw: list[torch.Tensor], group: Any, world: int,
                      extra: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
@@ -229,8 +235,8 @@ class GatherCompressor(Compressor):
     ``residual = compensated - decode(own payload)`` per tensor name.
     """
 
-    #: without error feedback a bucket is one all-gather whose result nothing else waits on: the DDP
-    #: hook then issues it straight from the hook and decodes in the future's callback (no worker thread)
+    #: a bucket is one all-gather and nothing else: the DDP hook issues it straight from the hook and
+    #: decodes in the collective's callback, without the worker thread (fp8)
     direct: ClassVar[bool] = False
 
     def _encode(self, x: torch.Tensor, sizes: list[int], keys: list[str], rank: int
@@ -280,7 +286,7 @@ class GatherCompressor(Compressor):
         if not comp and not raw:
             return
         payload, encoded = self.pack(comp, keys, raw, dist.get_rank(group))
-        self.unpack_sum(self._all_gather(payload, group, world), encoded, comp, raw, world)
+        self.unpack_sum(self._all_gather(payload, group, world)[1], encoded, comp, raw, world)
 
     def _store_residuals(self, resid: torch.Tensor, comp: list[torch.Tensor], keys: list[str]) -> None:
         off = 0

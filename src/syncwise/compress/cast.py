@@ -87,7 +87,8 @@ def _fp8_table(device: torch.device) -> torch.Tensor:
     """The fp32 value of each of the 256 fp8 e4m3 bit patterns."""
     table = _FP8_TABLES.get(device)
     if table is None:
-        table = _FP8_TABLES[device] = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(_FP8).float().to(device)
+        patterns = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        table = _FP8_TABLES[device] = patterns.view(_FP8).float().to(device)
     return table
 
 

@@ -187,18 +187,13 @@ def _direct_gather(state: CompressionHookState, bucket: dist.GradBucket):
     keys = [state.name_of(p) for p, f in zip(params, flags) if f]
     raw = [g for g, f in zip(grads, flags) if not f]
     payload, encoded = comp.pack(tensors, keys, raw, dist.get_rank(group))
-    gathered = torch.empty(world * payload.numel(), dtype=payload.dtype, device=payload.device)
-    comp.counters["elements"] += buffer.numel()
-    comp.counters["bytes_sent"] += payload.numel()
-    comp.counters["collectives"] += 1
-    for k in keys:
-        comp._slot(k)["count"] += 1
+    work, gathered = comp._all_gather(payload, group, world, async_op=True)
+    comp.count_average(buffer.numel(), keys)
     if bucket.is_last():
         state.steps += 1
-    work = ops.all_gather(gathered, payload, group=group, async_op=True)
 
     def finish(fut: torch.futures.Future) -> torch.Tensor:
-        comp.unpack_sum(gathered.view(world, -1), encoded, tensors, raw, world)
+        comp.unpack_sum(gathered, encoded, tensors, raw, world)
         return buffer
 
     return work.get_future().then(finish)
