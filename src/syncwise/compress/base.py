@@ -79,10 +79,7 @@ class Compressor:
         """
         if len(keys) != len(tensors):
             raise ValueError("average(): one key per tensor is required")
-        flags = [True] * len(tensors) if compress is None else list(compress)
-        comp = [t for t, f in zip(tensors, flags) if f]
-        ckeys = [k for k, f in zip(keys, flags) if f]
-        raw = [t for t, f in zip(tensors, flags) if not f]
+        comp, ckeys, raw = split_by_policy(tensors, keys, compress)
         world = dist.get_world_size(group)
         self._average(comp, ckeys, raw, group, world)
         self.count_average(sum(t.numel() for t in tensors), ckeys)
@@ -220,6 +217,16 @@ def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         off += n
 
 
+def split_by_policy(tensors: Sequence[torch.Tensor], keys: Sequence[str], compress: Optional[Sequence[bool]]
+                    ) -> tuple[list[torch.Tensor], list[str], list[torch.Tensor]]:
+    """(tensors to compress, their keys, tensors to send as fp32); ``compress=None`` compresses all."""
+    flags = [True] * len(tensors) if compress is None else list(compress)
+    comp = [t for t, f in zip(tensors, flags) if f]
+    ckeys = [k for k, f in zip(keys, flags) if f]
+    raw = [t for t, f in zip(tensors, flags) if not f]
+    return comp, ckeys, raw
+
+
 def sizes_of(tensors: Sequence[torch.Tensor]) -> list[int]:
     """Element counts of ``tensors``."""
     return [t.numel() for t in tensors]
@@ -275,8 +282,8 @@ class GatherCompressor(Compressor):
                    raw: list[torch.Tensor], world: int) -> None:
         """Write the averages of all ranks' payloads (``gathered``: world x payload bytes) into the tensors."""
         if comp:
-            n = sum(sizes_of(comp))
-            total = self._decode_sum(gathered[:, :encoded], sizes_of(comp), n)
+            sizes = sizes_of(comp)
+            total = self._decode_sum(gathered[:, :encoded], sizes, sum(sizes))
             unflatten_into(total.div_(world), comp)
         if raw:
             values = gathered[:, encoded:].contiguous().view(torch.float32)

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..comm import ops
-from .base import Compressor, GatherCompressor
+from .base import Compressor, GatherCompressor, split_by_policy
 
 
 @dataclass
@@ -181,11 +181,9 @@ def _direct_gather(state: CompressionHookState, bucket: dist.GradBucket):
     is skipped; with it, the caller sends a non-finite bucket uncompressed first (residuals stay clean)."""
     comp, group, buffer = state.compressor, state.comm_group, bucket.buffer()
     world = dist.get_world_size(group)
-    params, grads = bucket.parameters(), bucket.gradients()
-    flags = [state.policy.compress(g) for g in grads]
-    tensors = [g for g, f in zip(grads, flags) if f]
-    keys = [state.name_of(p) for p, f in zip(params, flags) if f]
-    raw = [g for g, f in zip(grads, flags) if not f]
+    grads = bucket.gradients()
+    tensors, keys, raw = split_by_policy(grads, [state.name_of(p) for p in bucket.parameters()],
+                                         [state.policy.compress(g) for g in grads])
     payload, encoded = comp.pack(tensors, keys, raw, dist.get_rank(group))
     work, gathered = comp._all_gather(payload, group, world, async_op=True)
     comp.count_average(buffer.numel(), keys)
@@ -208,16 +206,15 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
     if getattr(state.compressor, "wire_dtype", None) is not None:
         return _direct_single_collective(state, bucket)
     comp, buffer = state.compressor, bucket.buffer()
-    feedback = getattr(comp.config, "error_feedback", False)
     direct = isinstance(comp, GatherCompressor) and comp.direct
-    if direct and not feedback:
-        return _direct_gather(state, bucket)
-    if not bool(torch.isfinite(buffer).all()):
+    # Only state worth protecting needs the extra pass: direct fp8 without error feedback has none.
+    needs_check = not direct or getattr(comp.config, "error_feedback", False)
+    if needs_check and not bool(torch.isfinite(buffer).all()):
         state.wait_idle()  # keep the collective order: everything queued before goes first
         work = ops.all_reduce(buffer, "sum", group=state.comm_group, async_op=True)
         world = dist.get_world_size(state.comm_group)
         return work.get_future().then(lambda fut: buffer.div_(world))
-    if direct:  # finite, so the error-feedback residuals it stores are sound
+    if direct:
         return _direct_gather(state, bucket)
     params = bucket.parameters()
     grads = bucket.gradients()
