@@ -85,6 +85,11 @@ class Compressor:
         self.count_average(sum(t.numel() for t in tensors), ckeys)
         return tensors
 
+    @property
+    def has_error_feedback(self) -> bool:
+        """True if this compressor keeps per-tensor residuals (its config has ``error_feedback`` on)."""
+        return bool(getattr(self.config, "error_feedback", False))
+
     def count_average(self, elements: int, compressed_keys: Sequence[str]) -> None:
         """Book one averaged bucket: its element count and each compressed tensor's step counter."""
         self.counters["elements"] += elements
@@ -257,7 +262,7 @@ class GatherCompressor(Compressor):
 
     def _compensate(self, comp: list[torch.Tensor], keys: list[str]) -> torch.Tensor:
         x = flatten(comp)
-        if getattr(self.config, "error_feedback", False):
+        if self.has_error_feedback:
             x.add_(flatten([self._residual(k, t) for k, t in zip(keys, comp)]))
         return x
 
@@ -269,7 +274,7 @@ class GatherCompressor(Compressor):
         if comp:
             x = self._compensate(comp, keys)
             payload, local = self._encode(x, sizes_of(comp), keys, rank)
-            if getattr(self.config, "error_feedback", False):
+            if self.has_error_feedback:
                 assert local is not None
                 self._store_residuals(x.sub_(local), comp, keys)
             parts.append(payload)

@@ -28,7 +28,8 @@ from .base import Compressor, GatherCompressor, split_by_policy
 
 @dataclass
 class CompressionPolicy:
-    """Which tensors are worth compressing; the rest go in one fp32 all-reduce per bucket.
+    """Which tensors are worth compressing; the rest are sent as fp32 (as raw bytes in the all-gather
+    compressors' single payload, or folded into the compressor's own fp32 all-reduce).
 
     Cast compressors (none/fp16/bf16) ignore the policy: they treat every tensor alike.
     """
@@ -208,7 +209,7 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
     comp, buffer = state.compressor, bucket.buffer()
     direct = isinstance(comp, GatherCompressor) and comp.direct
     # Only state worth protecting needs the extra pass: direct fp8 without error feedback has none.
-    needs_check = not direct or getattr(comp.config, "error_feedback", False)
+    needs_check = not direct or comp.has_error_feedback
     if needs_check and not bool(torch.isfinite(buffer).all()):
         state.wait_idle()  # keep the collective order: everything queued before goes first
         work = ops.all_reduce(buffer, "sum", group=state.comm_group, async_op=True)
