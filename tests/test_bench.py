@@ -39,6 +39,33 @@ def test_tiny_local_bench_writes_rows_runs_and_plot(tmp_path, capsys):
     assert "compute-only" in capsys.readouterr().out
 
 
+def test_repeat_alternates_the_order_and_reports_paired_means(tmp_path):
+    out = tmp_path / "bench"
+    code = main(["bench", "--preset", "tiny", "--steps", "4", "--configs", "none", "--repeat", "2",
+                 "--out-dir", str(out), "--json", str(tmp_path / "rows.json"),
+                 "--set", "data.seq_len=32", "--set", "train.val_batches=1"])
+    assert code == 0
+    rows = {r["name"]: r for r in json.loads((tmp_path / "rows.json").read_text())}
+    assert list(rows) == ["compute-only", "compute-only-shared", "none"]  # still one row per configuration
+    base = rows["none"]
+    assert base["repeats"] == 2 and base["failed_rounds"] == [] and base["error"] is None
+    assert [r["run_dir"] for r in base["rounds"]] == [str(out / "round1" / "none"), str(out / "round2" / "none")]
+    effs = [r["parallel_efficiency"] for r in base["rounds"]]
+    # each round's efficiency is against its own compute-only run; the row holds their mean and range
+    assert base["parallel_efficiency"] == pytest.approx(sum(effs) / 2)
+    assert base["parallel_efficiency_min"] == min(effs) and base["parallel_efficiency_max"] == max(effs)
+    times = [r["mean_step_time_s"] for r in base["rounds"]]
+    assert base["steps_per_s"] == pytest.approx(2 / sum(times))
+    assert rows["compute-only"]["parallel_efficiency"] == 1.0
+
+    def finished(round_, name):
+        return (out / round_ / name / "summary.json").stat().st_mtime
+
+    # round 1 runs the references first, round 2 last: a drift of the machine's speed hits both alike
+    assert finished("round1", "compute-only") < finished("round1", "none")
+    assert finished("round2", "none") < finished("round2", "compute-only")
+
+
 @pytest.mark.parametrize("argv, field", [
     (["--configs", "none,zip"], "configs"),
     (["--configs", "topk:ratio=2"], "configs"),
@@ -46,6 +73,7 @@ def test_tiny_local_bench_writes_rows_runs_and_plot(tmp_path, capsys):
     (["--configs", "none,none"], "configs"),
     (["--configs", "compute-only"], "configs"),
     (["--steps", "0"], "steps"),
+    (["--repeat", "0"], "repeat"),
     (["--preset", "gigantic"], "model.preset"),
     (["--lab", "--bandwidth", "100mbps"], "bandwidth"),
     (["--lab", "--nodes", "1"], "nodes"),

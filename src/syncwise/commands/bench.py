@@ -6,6 +6,8 @@ workers or across the network lab, plus one compute-only run (1 worker, no commu
 per-worker batch and threads) that defines parallel efficiency = compute-only step time / step time.
 Each run is an ordinary `syncwise train` run whose directory is kept under ``--out-dir``; the table
 is built from their ``summary.json`` and the loss-vs-wall-clock PNG from their ``metrics.jsonl``.
+``--repeat N`` runs the whole set N times, alternating forward and reverse order (the machine's speed
+drifts by several per cent over minutes), and reports each configuration's mean with every round's values.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ TORCH_POWERSGD_BUCKET_MB = 1000.0
 # Parallel efficiency of a real (non-compute-only) run is in (0, ~1]; the factor 5,000 is the lab's
 # measured CPU-vs-H100 slowdown (docs/network-lab.md) used to name the equivalent real link.
 LAB_SLOWDOWN = 5000.0
+MAX_REPEAT = 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,10 +69,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every run, e.g. --set train.val_batches=8 --set "
                              "dist.bucket_cap_mb=4 (repeatable; see `syncwise train --help`)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run every configuration N times, in forward then reverse order, alternately, so a "
+                             "slow drift of the machine's speed cancels; each row then holds the mean and every "
+                             "round's values, each round's efficiency against that round's compute-only run "
+                             "(default 1)")
     parser.add_argument("--json", default=None, help="write the rows here (default: OUT_DIR/bench.json)")
     parser.add_argument("--plot", default=None, help="loss-vs-wall-clock PNG (default: next to the JSON, .png)")
-    parser.add_argument("--out-dir", default=None, help="one run directory per configuration is kept here "
-                                                        "(default: runs/bench-DATE-TIME)")
+    parser.add_argument("--out-dir", default=None, help="one run directory per configuration is kept here, under "
+                                                        "roundN/ with --repeat (default: runs/bench-DATE-TIME)")
     parser.epilog = ("Columns: parallel efficiency = compute-only step time / step time (same per-worker batch and\n"
                      "threads); ratio = fp32 bytes per step / bytes per step; Δval = final validation loss relative\n"
                      "to fp32 DDP at equal steps.")
@@ -185,6 +193,23 @@ def plan_runs(args: argparse.Namespace, out_dir: Path) -> list[BenchRun]:
     if busy:
         raise SyncwiseError(f"{busy[0]} already holds a run; nothing was started. Choose another --out-dir.")
     return runs
+
+
+def plan_rounds(args: argparse.Namespace, out_dir: Path) -> list[list[BenchRun]]:
+    """The runs of every round (``--repeat``): one plan, or one per ``out_dir/roundN``; validated up front."""
+    repeat = getattr(args, "repeat", 1)
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or not 1 <= repeat <= MAX_REPEAT:
+        raise ConfigError("repeat", repeat, f"an integer 1..{MAX_REPEAT}")
+    if repeat == 1:
+        return [plan_runs(args, out_dir)]
+    return [plan_runs(args, out_dir / f"round{r}") for r in range(1, repeat + 1)]
+
+
+def round_order(runs: list[BenchRun], round_index: int) -> list[BenchRun]:
+    """Forward order in even-indexed rounds (0, 2, ...), reversed in odd ones: across a pair of rounds every
+    configuration sits on average at the same point in time, so a linear drift of the machine's speed biases
+    none of the ratios."""
+    return list(runs) if round_index % 2 == 0 else list(reversed(runs))
 
 
 # -------------------------------------------------------------------------------------------- running
@@ -370,6 +395,45 @@ def build_rows(runs: list[BenchRun], summaries: dict[str, dict], errors: dict[st
     return rows
 
 
+#: per-round values each combined row lists under "rounds" (besides the run directory and any error)
+ROUND_FIELDS = ("mean_step_time_s", "parallel_efficiency", "parallel_efficiency_shared_cpu", "speedup_vs_fp32",
+                "comm_exposed_share", "final_loss", "final_val_loss", "val_loss_vs_fp32")
+
+
+def combine_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per configuration from the rows of every round (``--repeat``).
+
+    Every ratio was formed within its round (against that round's compute-only run and fp32 DDP run), so the
+    mean of the paired ratios is what is reported, with each round's values under ``rounds`` and the
+    efficiency's range in ``parallel_efficiency_min`` / ``_max``. A configuration that failed in some rounds
+    keeps the others; its ``failed_rounds`` names the failures. ``steps_per_s`` is 1 / mean step time.
+    """
+    if len(rounds) == 1:
+        return rounds[0]
+    combined = []
+    for per_round in zip(*rounds):
+        ok = [r for r in per_round if not r.get("error")]
+        row = dict(ok[0] if ok else per_round[0])
+        row["repeats"] = len(per_round)
+        row["rounds"] = [{"run_dir": r["run_dir"], "error": r.get("error"), **{k: r.get(k) for k in ROUND_FIELDS}}
+                         for r in per_round]
+        row["failed_rounds"] = [i + 1 for i, r in enumerate(per_round) if r.get("error")]
+        if ok:
+            row["error"] = None
+            for key, value in row.items():
+                values = [r.get(key) for r in ok]
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "world_size" \
+                        and all(isinstance(v, (int, float)) for v in values):
+                    row[key] = sum(values) / len(values)
+            t = row.get("mean_step_time_s")
+            row["steps_per_s"] = 1.0 / t if t else None
+            eff = [r["parallel_efficiency"] for r in ok if r.get("parallel_efficiency") is not None]
+            row["parallel_efficiency_min"] = min(eff) if eff else None
+            row["parallel_efficiency_max"] = max(eff) if eff else None
+        combined.append(row)
+    return combined
+
+
 def _fmt(v: Any, spec: str, none: str = "–") -> str:
     return none if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
@@ -391,9 +455,12 @@ def render_table(rows: list[dict[str, Any]], title: str, console: Any = None) ->
             table.add_row(r["name"], f"[red]failed: {r['error'][:60]}[/red]", *[""] * 11)
             continue
         mb = r["comm_bytes_per_step"]
+        efficiency = _fmt(r["parallel_efficiency"], ".2f")
+        if r.get("repeats", 1) > 1 and r.get("parallel_efficiency_min") is not None:
+            efficiency += f" ({r['parallel_efficiency_min']:.2f}–{r['parallel_efficiency_max']:.2f})"
         table.add_row(
             r["name"], _fmt(r["mean_step_time_s"] and r["mean_step_time_s"] * 1e3, ".0f"), _fmt(r["steps_per_s"], ".2f"),
-            _fmt(r["parallel_efficiency"], ".2f"), _fmt(r.get("parallel_efficiency_shared_cpu"), ".2f"),
+            efficiency, _fmt(r.get("parallel_efficiency_shared_cpu"), ".2f"),
             _fmt(None if mb is None else mb / 1e6, ".2f", "n/c"),
             _fmt(r["compression_ratio"], ".1f"), _fmt(r.get("speedup_vs_fp32"), ".2f"), _fmt(r["final_loss"], ".4f"),
             _fmt(r["final_val_loss"], ".4f"),
@@ -466,23 +533,29 @@ def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     # Wide enough for the 12-column table even when the output is a file or a pipe.
     console = Console(width=max(Console().width, 190))
     out_dir = Path(args.out_dir or Path("runs") / datetime.datetime.now().strftime("bench-%Y%m%d-%H%M%S"))
-    runs = plan_runs(args, out_dir)  # every ConfigError surfaces here, before a lab or a worker starts
+    rounds = plan_rounds(args, out_dir)  # every ConfigError surfaces here, before a lab or a worker starts
+    runs = rounds[0]
     json_path = Path(args.json) if args.json else out_dir / "bench.json"
     plot_path = Path(args.plot) if args.plot else json_path.with_suffix(".png")
     nproc = runs[-1].cfg.dist.nproc
-    summaries: dict[str, dict] = {}
-    errors: dict[str, str] = {}
+    summaries: list[dict[str, dict]] = [{} for _ in rounds]
+    errors: list[dict[str, str]] = [{} for _ in rounds]
 
-    def go(threads: int) -> None:
-        for i, run in enumerate(runs, 1):
-            console.rule(f"[bold]bench {i}/{len(runs)}: {run.name}[/bold]  ({run.run_dir})")
-            try:
-                summaries[run.name] = run_one(run, threads, args.lab_prefix)
-            except SyncwiseError as e:  # one crashing configuration (e.g. torch's PowerSGD) must not sink the rest
-                errors[run.name] = str(e)
-                console.print(f"[red]{run.name} failed:[/red] {e}")
-                if run.name == COMPUTE_ONLY:
-                    raise
+    def go(threads: int, shared_copies: Optional[int] = None) -> None:
+        total = len(rounds) * len(runs)
+        for k, round_runs in enumerate(rounds):
+            for i, run in enumerate(round_order(round_runs, k), k * len(runs) + 1):
+                if run.name == COMPUTE_SHARED and shared_copies is not None:
+                    run.copies = shared_copies  # a running lab may have another node count than --nodes
+                where_round = f"round {k + 1}/{len(rounds)}, " if len(rounds) > 1 else ""
+                console.rule(f"[bold]bench {i}/{total}: {run.name}[/bold]  ({where_round}{run.run_dir})")
+                try:
+                    summaries[k][run.name] = run_one(run, threads, args.lab_prefix)
+                except SyncwiseError as e:  # one crashing configuration (e.g. torch's PowerSGD) must not sink the rest
+                    errors[k][run.name] = str(e)
+                    console.print(f"[red]{run.name} failed:[/red] {e}")
+                    if run.name == COMPUTE_ONLY:
+                        raise
 
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.lab:
@@ -492,18 +565,19 @@ def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
             state = lab_ctx.state
             bandwidth = state.inter_node
             equiv = equivalent_real_link(state.inter_node_bps)
-            runs[1].copies = state.num_nodes * nproc  # a running lab may have another node count than --nodes
             where = f"{state.num_nodes} lab nodes × {nproc} at {bandwidth} (≈ {equiv} between GPU nodes at 5,000×)"
-            go(omp_threads(state, nproc))
+            go(omp_threads(state, nproc), shared_copies=state.num_nodes * nproc)
     else:
         from ..launch.local import threads_per_worker
 
         bandwidth, where = "loopback", f"{nproc} local workers over loopback"
         go(threads_per_worker(nproc))
 
-    fp32_bytes = None if BASELINE in summaries else _fp32_bytes(runs[0].cfg)
-    rows = build_rows(runs, summaries, errors, bandwidth, fp32_bytes)
+    fp32_bytes = None if all(BASELINE in s for s in summaries) else _fp32_bytes(runs[0].cfg)
+    rows = combine_rounds([build_rows(r, s, e, bandwidth, fp32_bytes) for r, s, e in zip(rounds, summaries, errors)])
     title = f"syncwise bench: {runs[0].cfg.model.preset}, {args.steps} steps, {where}"
+    if len(rounds) > 1:
+        title += f"; mean of {len(rounds)} rounds (range), curves of round 1"
     render_table(rows, title, console)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(rows, indent=2) + "\n")
