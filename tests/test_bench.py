@@ -4,7 +4,7 @@ import json
 import pytest
 
 from syncwise.cli import main
-from syncwise.commands.bench import split_configs
+from syncwise.commands.bench import combine_rounds, split_configs
 
 FIELDS = ("name", "steps_per_s", "parallel_efficiency", "comm_bytes_per_step", "final_loss", "final_val_loss",
           "compression_ratio", "peak_mem_mb", "mean_step_time_s", "comm_exposed_share", "bandwidth", "world_size")
@@ -101,3 +101,21 @@ def test_refuses_to_overwrite_a_previous_bench(tmp_path, capsys):
 def test_config_list_keeps_options_with_their_spec():
     assert split_configs("none,topk:ratio=0.01,momentum=0.9,powersgd:rank=4") == [
         "none", "topk:ratio=0.01,momentum=0.9", "powersgd:rank=4"]
+
+
+def test_a_round_that_failed_leaves_the_others_mean():
+    def row(name, eff, t, error=None):
+        return {"name": name, "run_dir": f"/r/{name}", "error": error, "steps": 80, "world_size": 2,
+                "parallel_efficiency": eff, "mean_step_time_s": t, "final_val_loss": 2.0 if eff else None}
+
+    rounds = [[row("none", 0.5, 2.0), row("fp8", 0.9, 1.0)],
+              [row("none", 0.4, 2.5), row("fp8", None, None, error="the lab job failed")],
+              [row("none", 0.6, 1.5), row("fp8", 0.8, 1.2)]]
+    none, fp8 = combine_rounds(rounds)
+    assert none["parallel_efficiency"] == pytest.approx(0.5) and none["failed_rounds"] == []
+    assert none["steps"] == 80 and none["world_size"] == 2  # settings are not averaged
+    assert fp8["failed_rounds"] == [2] and fp8["error"] is None
+    assert fp8["parallel_efficiency"] == pytest.approx(0.85)  # the rounds that ran
+    assert (fp8["parallel_efficiency_min"], fp8["parallel_efficiency_max"]) == (0.8, 0.9)
+    assert fp8["steps_per_s"] == pytest.approx(1 / 1.1)
+    assert [r["error"] for r in fp8["rounds"]] == [None, "the lab job failed", None]

@@ -398,6 +398,8 @@ def build_rows(runs: list[BenchRun], summaries: dict[str, dict], errors: dict[st
 #: per-round values each combined row lists under "rounds" (besides the run directory and any error)
 ROUND_FIELDS = ("mean_step_time_s", "parallel_efficiency", "parallel_efficiency_shared_cpu", "speedup_vs_fp32",
                 "comm_exposed_share", "final_loss", "final_val_loss", "val_loss_vs_fp32")
+#: the measurements a combined row averages over the rounds that ran
+MEAN_FIELDS = ROUND_FIELDS + ("comm_bytes_per_step", "compression_ratio", "peak_mem_mb")
 
 
 def combine_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -420,11 +422,9 @@ def combine_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         row["failed_rounds"] = [i + 1 for i, r in enumerate(per_round) if r.get("error")]
         if ok:
             row["error"] = None
-            for key, value in row.items():
+            for key in MEAN_FIELDS:
                 values = [r.get(key) for r in ok]
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "world_size" \
-                        and all(isinstance(v, (int, float)) for v in values):
-                    row[key] = sum(values) / len(values)
+                row[key] = sum(values) / len(values) if all(isinstance(v, (int, float)) for v in values) else None
             t = row.get("mean_step_time_s")
             row["steps_per_s"] = 1.0 / t if t else None
             eff = [r["parallel_efficiency"] for r in ok if r.get("parallel_efficiency") is not None]
