@@ -17,6 +17,7 @@ import json
 import math
 import os
 import re
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -504,7 +505,7 @@ def write_plot(rows: list[dict[str, Any]], path: str | Path, title: str) -> Path
             ax.plot([p[0] for p in vt], [p[1] for p in vt], "o", color=line.get_color(), markersize=4)
     ax.set_xlabel("wall-clock time (s, cumulative step time)")
     ax.set_ylabel("train loss (EMA 0.9); dots: validation loss")
-    ax.set_title(title, fontsize=10)
+    ax.set_title("\n".join(textwrap.wrap(title, 100)), fontsize=10)  # long lab titles would be clipped
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
