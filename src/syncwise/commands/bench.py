@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every run, e.g. --set train.val_batches=8 --set "
                              "dist.bucket_cap_mb=4 (repeatable; see `syncwise train --help`)")
-    parser.add_argument("--repeat", type=int, default=1,
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="run every configuration N times, in forward then reverse order, alternately, so a "
                              "slow drift of the machine's speed cancels; each row then holds the mean and every "
                              "round's values, each round's efficiency against that round's compute-only run "
