@@ -542,12 +542,10 @@ def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     summaries: list[dict[str, dict]] = [{} for _ in rounds]
     errors: list[dict[str, str]] = [{} for _ in rounds]
 
-    def go(threads: int, shared_copies: Optional[int] = None) -> None:
+    def go(threads: int) -> None:
         total = len(rounds) * len(runs)
         for k, round_runs in enumerate(rounds):
             for i, run in enumerate(round_order(round_runs, k), k * len(runs) + 1):
-                if run.name == COMPUTE_SHARED and shared_copies is not None:
-                    run.copies = shared_copies  # a running lab may have another node count than --nodes
                 where_round = f"round {k + 1}/{len(rounds)}, " if len(rounds) > 1 else ""
                 console.rule(f"[bold]bench {i}/{total}: {run.name}[/bold]  ({where_round}{run.run_dir})")
                 try:
@@ -567,7 +565,9 @@ def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
             bandwidth = state.inter_node
             equiv = equivalent_real_link(state.inter_node_bps)
             where = f"{state.num_nodes} lab nodes × {nproc} at {bandwidth} (≈ {equiv} between GPU nodes at 5,000×)"
-            go(omp_threads(state, nproc), shared_copies=state.num_nodes * nproc)
+            for round_runs in rounds:  # a running lab may have another node count than --nodes
+                round_runs[1].copies = state.num_nodes * nproc
+            go(omp_threads(state, nproc))
     else:
         from ..launch.local import threads_per_worker
 
@@ -578,7 +578,7 @@ def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = combine_rounds([build_rows(r, s, e, bandwidth, fp32_bytes) for r, s, e in zip(rounds, summaries, errors)])
     title = f"syncwise bench: {runs[0].cfg.model.preset}, {args.steps} steps, {where}"
     if len(rounds) > 1:
-        title += f"; mean of {len(rounds)} rounds (range), curves of round 1"
+        title += f"; mean of {len(rounds)} rounds (range), curves of each one's first completed round"
     render_table(rows, title, console)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(rows, indent=2) + "\n")
