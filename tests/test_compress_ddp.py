@@ -146,3 +146,63 @@ def test_fp8_sends_raw_tensors_exactly_and_compressed_ones_within_e4m3_precision
                     assert 0 < rel <= 2 ** -4, (spec, name, rel)
                 else:  # small or 1-D: left uncompressed by the policy, sent as fp32 bytes
                     assert rel < 1e-6, (spec, name, rel)
+
+
+NAN_SPECS = SPECS + ["fp8:error_feedback=true", "int8:error_feedback=true", "topk:ratio=0.1",
+                     "powersgd:rank=2,start_iter=0"]
+
+
+def _one_rank_nan(rank, world):
+    """Rank 1's gradients are NaN at step 2 (of 4): every rank must skip that step alike — no hang, no
+    collective mismatch — and the compressor's state after it must equal its state before it."""
+    out = {}
+    for spec in NAN_SPECS:
+        torch.manual_seed(0)
+        model = DDP(Net(), bucket_cap_mb=0.01)
+        names = {p: n for n, p in model.module.named_parameters()}
+        state = CompressionHookState(parse_compress_spec(spec), None, names, CompressionPolicy(min_numel=1024))
+        model.register_comm_hook(state, compression_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(rank)
+        skipped, states = [], []
+        for step in range(1, 5):
+            x = torch.randn(16, 32, generator=g)
+            y = x[:, :8].sum(1, keepdim=True).expand(-1, 8)
+            loss = nn.functional.mse_loss(model(x), y)
+            if step == 2 and rank == 1:
+                loss = loss * float("nan")
+            opt.zero_grad()
+            before = state.state_dict()
+            loss.backward()
+            finite = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+            if finite:
+                opt.step()
+            else:
+                skipped.append(step)
+                states.append((before, state.state_dict()))
+        state.close()
+        unchanged = all(_same_state(a, b) for a, b in states)
+        out[spec] = {"skipped": skipped, "unchanged": unchanged,
+                     "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()}
+    return out
+
+
+def _same_state(a, b):
+    pa, pb = a["compressor"]["per_tensor"], b["compressor"]["per_tensor"]
+    if set(pa) != set(pb):
+        return False
+    for k in pa:
+        for n, v in pa[k].items():
+            w = pb[k].get(n)
+            if torch.is_tensor(v) and not (torch.is_tensor(w) and torch.equal(v, w)) or (
+                    not torch.is_tensor(v) and v != w):
+                return False
+    return True
+
+
+def test_nan_on_one_rank_is_skipped_by_every_rank_with_state_untouched():
+    r0, r1 = run_workers(_one_rank_nan, 2)
+    for spec in NAN_SPECS:
+        assert r0[spec]["skipped"] == r1[spec]["skipped"] == [2], spec
+        assert r0[spec]["unchanged"] and r1[spec]["unchanged"], spec
+        assert (r0[spec]["params"] == r1[spec]["params"]).all(), spec  # replicas stay identical

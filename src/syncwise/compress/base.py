@@ -6,6 +6,12 @@ that really crossed the wire. State (error-feedback residuals, PowerSGD Q matric
 step counters) is keyed by a stable tensor name, so a checkpoint taken on one run resumes on the
 next even if DDP rebuilds its buckets.
 
+A bucket that holds NaN/Inf on ANY rank is skipped on EVERY rank: each compressor carries a
+"non-finite" flag inside the payload it already sends (4 bytes; no extra round trip), every rank
+reads the same gathered/summed flags, and on a bad bucket all ranks fill it with NaN (the trainer
+then skips the step everywhere) and leave their state — residuals, Q matrices, step counters —
+untouched. Deciding locally would make ranks send different payloads and hang the group.
+
 Randomness never lives in a hidden generator: every random draw is seeded from
 ``(config.seed, tensor name, that tensor's step counter[, rank])``, so resuming from a state dict
 replays the same draws and shared-seed schemes (random-k) pick identical indices on all ranks.
@@ -15,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional, Sequence
+from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -67,7 +73,9 @@ class Compressor:
         """Raise ConfigError for bad option values (subclasses extend)."""
 
     def _average(self, comp: list[torch.Tensor], keys: list[str], raw: list[torch.Tensor],
-                 group: Any, world: int) -> None:
+                 group: Any, world: int) -> bool:
+        """Average in place; return False when some rank's bucket was non-finite (every rank returns the
+        same), after filling the tensors with NaN and leaving the state as it was."""
         raise NotImplementedError
 
     # ---- public API ---------------------------------------------------------------------------
@@ -81,8 +89,8 @@ class Compressor:
             raise ValueError("average(): one key per tensor is required")
         comp, ckeys, raw = split_by_policy(tensors, keys, compress)
         world = dist.get_world_size(group)
-        self._average(comp, ckeys, raw, group, world)
-        self.count_average(sum(t.numel() for t in tensors), ckeys)
+        if self._average(comp, ckeys, raw, group, world):
+            self.count_average(sum(t.numel() for t in tensors), ckeys)
         return tensors
 
     @property
@@ -163,6 +171,12 @@ class Compressor:
         work = ops.all_gather(out, payload, group=group, async_op=async_op)
         return work, out.view(world, payload.numel())
 
+    def _average_raw_checked(self, raw: list[torch.Tensor], group: Any, world: int) -> bool:
+        """fp32 average of ``raw`` alone; a NaN/Inf on any rank makes the sum non-finite on every rank,
+        so the sum itself is the agreed flag (True: all finite)."""
+        self._average_raw(raw, group, world)
+        return all_finite(raw)
+
     def _average_raw(self, raw: list[torch.Tensor], group: Any, world: int,
                      extra: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """One fp32 all-reduce for the uncompressed tensors (plus an optional fp32 ``extra`` that rides
@@ -182,6 +196,28 @@ class Compressor:
         if raw:
             unflatten_into(buf[:n_raw].div_(world), raw)
         return buf[n_raw:] if extra is not None else None
+
+
+def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """True if no tensor holds NaN/Inf (one host sync)."""
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def nonfinite_flag(tensors: Sequence[torch.Tensor], device: Any = None) -> torch.Tensor:
+    """0-d float32 tensor: 1.0 if any of ``tensors`` holds NaN/Inf, else 0.0 (no host sync). It rides in
+    a compressor's own collective so every rank learns whether any rank's bucket was bad."""
+    bad = torch.zeros((), dtype=torch.bool, device=device if device is not None else tensors[0].device)
+    for t in tensors:
+        bad |= ~torch.isfinite(t).all()
+    return bad.float()
+
+
+def poison(tensors: Sequence[torch.Tensor]) -> bool:
+    """Fill ``tensors`` with NaN (a bucket some rank could not average): the trainer's non-finite check
+    then skips the step on every rank. Returns False, the ``_average`` verdict for such a bucket."""
+    for t in tensors:
+        t.fill_(float("nan"))
+    return False
 
 
 def flat_view(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -237,14 +273,27 @@ def sizes_of(tensors: Sequence[torch.Tensor]) -> list[int]:
     return [t.numel() for t in tensors]
 
 
+@dataclass
+class Packed:
+    """One rank's all-gather payload for a bucket and what to do once everyone's payload is in."""
+
+    payload: torch.Tensor  # encoded part, raw fp32 bytes, then the 4-byte non-finite flag
+    encoded: int  # bytes of the encoded part
+    commit: Optional[Callable[[], None]] = None  # stores the new error-feedback state (only if all finite)
+
+
+_FLAG_BYTES = 4  # an int32 at the end of every gather payload: 1 if this rank's bucket held NaN/Inf
+
+
 class GatherCompressor(Compressor):
     """Compressors whose payload cannot be summed on the wire (low-bit, sparse).
 
     Each rank encodes its (error-compensated) bucket into one fixed-size byte payload, followed by the
-    tensors the policy left uncompressed as raw fp32 bytes; the payloads are all-gathered in ONE
-    collective, and every rank decodes and sums all of them locally in fp32 in rank order, so the
-    result is bit-identical on all ranks. Error feedback (when ``config.error_feedback``) keeps
-    ``residual = compensated - decode(own payload)`` per tensor name.
+    tensors the policy left uncompressed as raw fp32 bytes and a 4-byte non-finite flag; the payloads
+    are all-gathered in ONE collective, and every rank decodes and sums all of them locally in fp32 in
+    rank order, so the result is bit-identical on all ranks. Error feedback (when
+    ``config.error_feedback``) keeps ``residual = compensated - decode(own payload)`` per tensor name,
+    stored only once every rank's flag says its bucket was finite.
     """
 
     #: a bucket is one all-gather and nothing else: the DDP hook issues it straight from the hook and
@@ -261,44 +310,63 @@ class GatherCompressor(Compressor):
         raise NotImplementedError
 
     def _compensate(self, comp: list[torch.Tensor], keys: list[str]) -> torch.Tensor:
+        """The vector to encode: a fresh copy (gradient + residual); must not change the state."""
         x = flatten(comp)
         if self.has_error_feedback:
             x.add_(flatten([self._residual(k, t) for k, t in zip(keys, comp)]))
         return x
 
-    def pack(self, comp: list[torch.Tensor], keys: list[str], raw: list[torch.Tensor], rank: int
-             ) -> tuple[torch.Tensor, int]:
-        """This rank's payload for one all-gather (the encoded ``comp`` then ``raw`` as fp32 bytes) and the
-        length of the encoded part. Stores the error-feedback residuals."""
-        parts, encoded = [], 0
+    def _staged_state(self, comp: list[torch.Tensor], keys: list[str], x: torch.Tensor,
+                      local: Optional[torch.Tensor]) -> Optional[Callable[[], None]]:
+        """The state update of this bucket, applied by ``unpack_sum`` only if every rank was finite."""
+        if not self.has_error_feedback:
+            return None
+        assert local is not None
+        resid = x.sub_(local)
+        return lambda: self._store_residuals(resid, comp, keys)
+
+    def pack(self, comp: list[torch.Tensor], keys: list[str], raw: list[torch.Tensor], rank: int) -> Packed:
+        """This rank's payload for one all-gather: the encoded ``comp``, ``raw`` as fp32 bytes, the
+        non-finite flag. The state is not touched here (see :class:`Packed`)."""
+        parts, flags, encoded, commit = [], [], 0, None
         if comp:
             x = self._compensate(comp, keys)
+            flags.append(nonfinite_flag([x]))  # before _staged_state reuses x for the residual
             payload, local = self._encode(x, sizes_of(comp), keys, rank)
-            if self.has_error_feedback:
-                assert local is not None
-                self._store_residuals(x.sub_(local), comp, keys)
+            commit = self._staged_state(comp, keys, x, local)
             parts.append(payload)
             encoded = payload.numel()
         if raw:
-            parts.append(flatten(raw).view(torch.uint8))
-        return (torch.cat(parts) if len(parts) > 1 else parts[0]), encoded
+            flat = flatten(raw)
+            flags.append(nonfinite_flag([flat]))
+            parts.append(flat.view(torch.uint8))
+        parts.append(torch.stack(flags).amax().to(torch.int32).reshape(1).view(torch.uint8))
+        return Packed(torch.cat(parts), encoded, commit)
 
-    def unpack_sum(self, gathered: torch.Tensor, encoded: int, comp: list[torch.Tensor],
-                   raw: list[torch.Tensor], world: int) -> None:
-        """Write the averages of all ranks' payloads (``gathered``: world x payload bytes) into the tensors."""
+    def unpack_sum(self, gathered: torch.Tensor, packed: Packed, comp: list[torch.Tensor],
+                   raw: list[torch.Tensor], world: int) -> bool:
+        """Write the averages of all ranks' payloads (``gathered``: world x payload bytes) into the tensors
+        and commit the staged state; if any rank flagged its bucket non-finite, poison it instead (every
+        rank sees the same flags, so every rank decides alike). Returns True if averaged."""
+        if bool(gathered[:, -_FLAG_BYTES:].contiguous().view(torch.int32).any()):
+            return poison(comp + raw)
+        encoded = packed.encoded
         if comp:
             sizes = sizes_of(comp)
             total = self._decode_sum(gathered[:, :encoded], sizes, sum(sizes))
             unflatten_into(total.div_(world), comp)
         if raw:
-            values = gathered[:, encoded:].contiguous().view(torch.float32)
+            values = gathered[:, encoded:-_FLAG_BYTES].contiguous().view(torch.float32)
             unflatten_into(values.sum(0).div_(world), raw)
+        if packed.commit is not None:
+            packed.commit()
+        return True
 
     def _average(self, comp, keys, raw, group, world):
         if not comp and not raw:
-            return
-        payload, encoded = self.pack(comp, keys, raw, dist.get_rank(group))
-        self.unpack_sum(self._all_gather(payload, group, world)[1], encoded, comp, raw, world)
+            return True
+        packed = self.pack(comp, keys, raw, dist.get_rank(group))
+        return self.unpack_sum(self._all_gather(packed.payload, group, world)[1], packed, comp, raw, world)
 
     def _store_residuals(self, resid: torch.Tensor, comp: list[torch.Tensor], keys: list[str]) -> None:
         off = 0

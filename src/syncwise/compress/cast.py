@@ -24,7 +24,9 @@ class NoneCompressor(Compressor):
         return super().average(tensors, keys, group, [False] * len(tensors))
 
     def _average(self, comp, keys, raw, group, world):
+        # no state: a NaN/Inf on any rank reaches every rank through the sum itself
         self._average_raw(raw, group, world)
+        return True
 
 
 class _CastCompressor(Compressor):
@@ -41,7 +43,7 @@ class _CastCompressor(Compressor):
 
     def _average(self, comp, keys, raw, group, world):
         if not comp:
-            return
+            return True
         flat = flat_view(comp)
         # .to copies (or aliases when grads already are 16-bit, where working in place is fine too)
         buf = (flat if flat is not None else flatten(comp)).to(self.dtype)
@@ -51,6 +53,7 @@ class _CastCompressor(Compressor):
             flat.copy_(buf)
         else:
             unflatten_into(buf, comp)
+        return True  # no state: a NaN/Inf on any rank reaches every rank through the sum itself
 
 
 class FP16Compressor(_CastCompressor):

@@ -177,22 +177,21 @@ def _direct_single_collective(state: CompressionHookState, bucket: dist.GradBuck
 def _direct_gather(state: CompressionHookState, bucket: dist.GradBucket):
     """fp8: one all-gather per bucket, issued straight from the hook; the payloads are decoded and summed
     in the future's callback. As with the casts, DDP's bucket order keeps the single collective in the
-    same order on every rank, and skipping the worker thread keeps the encode off the queue. Without
-    error feedback there is no NaN check: a non-finite bucket decodes to non-finite values and the step
-    is skipped; with it, the caller sends a non-finite bucket uncompressed first (residuals stay clean)."""
+    same order on every rank, and skipping the worker thread keeps the encode off the queue. The
+    payload's non-finite flag makes every rank skip a bucket that any rank could not send."""
     comp, group, buffer = state.compressor, state.comm_group, bucket.buffer()
     world = dist.get_world_size(group)
     grads = bucket.gradients()
     tensors, keys, raw = split_by_policy(grads, [state.name_of(p) for p in bucket.parameters()],
                                          [state.policy.compress(g) for g in grads])
-    payload, encoded = comp.pack(tensors, keys, raw, dist.get_rank(group))
-    work, gathered = comp._all_gather(payload, group, world, async_op=True)
-    comp.count_average(buffer.numel(), keys)
+    packed = comp.pack(tensors, keys, raw, dist.get_rank(group))
+    work, gathered = comp._all_gather(packed.payload, group, world, async_op=True)
     if bucket.is_last():
         state.steps += 1
 
     def finish(fut: torch.futures.Future) -> torch.Tensor:
-        comp.unpack_sum(gathered, encoded, tensors, raw, world)
+        if comp.unpack_sum(gathered, packed, tensors, raw, world):
+            comp.count_average(buffer.numel(), keys)
         return buffer
 
     return work.get_future().then(finish)
@@ -201,28 +200,21 @@ def _direct_gather(state: CompressionHookState, bucket: dist.GradBucket):
 def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: average ``bucket`` with ``state.compressor``; returns a future of the flat bucket.
 
-    A bucket holding NaN/Inf (an overflowing step the trainer will skip) is averaged uncompressed so every
-    rank sees the bad values, and the compressor's error-feedback state is left untouched by it.
+    Every rank issues the same collectives whatever its gradients hold: a bucket with NaN/Inf on any
+    rank is flagged inside the compressor's own payload, comes back as NaN on every rank (the trainer
+    skips the step everywhere) and leaves the compressor's state untouched.
     """
     if getattr(state.compressor, "wire_dtype", None) is not None:
         return _direct_single_collective(state, bucket)
-    comp, buffer = state.compressor, bucket.buffer()
-    direct = isinstance(comp, GatherCompressor) and comp.direct
-    # Only state worth protecting needs the extra pass: direct fp8 without error feedback has none.
-    needs_check = not direct or comp.has_error_feedback
-    if needs_check and not bool(torch.isfinite(buffer).all()):
-        state.wait_idle()  # keep the collective order: everything queued before goes first
-        work = ops.all_reduce(buffer, "sum", group=state.comm_group, async_op=True)
-        world = dist.get_world_size(state.comm_group)
-        return work.get_future().then(lambda fut: buffer.div_(world))
-    if direct:
+    comp = state.compressor
+    if isinstance(comp, GatherCompressor) and comp.direct:
         return _direct_gather(state, bucket)
     params = bucket.parameters()
     grads = bucket.gradients()
     keys = [state.name_of(p) for p in params]
     flags = [state.policy.compress(g) for g in grads]
     # the compressor writes the averages into the gradient views, i.e. into the bucket buffer itself
-    return state.submit(list(grads), keys, flags, buffer, bucket.is_last())
+    return state.submit(list(grads), keys, flags, bucket.buffer(), bucket.is_last())
 
 
 def torch_reference_hook(name: str, process_group: Any = None, **powersgd_options: Any) -> tuple[Any, Any]:

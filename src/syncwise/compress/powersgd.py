@@ -12,7 +12,7 @@ from typing import ClassVar
 import torch
 
 from ..errors import ConfigError
-from .base import Compressor, CompressorConfig, opt
+from .base import Compressor, CompressorConfig, nonfinite_flag, opt, poison
 
 
 @dataclass
@@ -88,8 +88,7 @@ class PowerSGDCompressor(Compressor):
                 sizes[j] = b
                 groups.setdefault((n, m, self.rank_for(n, m)), []).append(j)
         if not groups:
-            self._average_raw(raw, group, world)
-            return
+            return self._average_raw_checked(raw, group, world)
 
         # per shape group: M (B,n,m) with error feedback, Q (B,m,r) warm-started
         batches = []
@@ -106,9 +105,13 @@ class PowerSGDCompressor(Compressor):
             q = qs0[0] if len(qs0) == 1 else torch.cat(qs0)
             batches.append((js, n, m, r, mats, q))
 
-        # all-reduce #1: P = M Q of every group, plus the uncompressed tensors
+        # all-reduce #1: P = M Q of every group, plus the uncompressed tensors, plus the non-finite flag (its
+        # sum counts the ranks whose bucket held NaN/Inf: then all skip all-reduce #2 and keep their state)
         ps = [torch.bmm(mats, q) for (_, _, _, _, mats, q) in batches]
-        p_sum = self._average_raw(raw, group, world, extra=torch.cat([p.reshape(-1) for p in ps]))
+        flag = nonfinite_flag([b[4] for b in batches] + raw)
+        p_sum = self._average_raw(raw, group, world, extra=torch.cat([p.reshape(-1) for p in ps] + [flag.reshape(1)]))
+        if p_sum[-1] > 0:
+            return poison(comp + raw)
         off = 0
         qs = []
         for (js, n, m, r, mats, _), p in zip(batches, ps):
@@ -138,6 +141,7 @@ class PowerSGDCompressor(Compressor):
                     torch.sub(mats[b:b + e], approx[b:b + e], out=self._residual(key, t).view(e, n, m))
                 t.copy_(approx[b:b + e].view_as(t))
                 b += e
+        return True
 
     def _initial_q(self, key: str, batch: int, m: int, r: int) -> torch.Tensor:
         """Q of shape (batch, m, r): last step's (warm start) or a seeded random draw, same on all ranks."""

@@ -8,7 +8,8 @@ from typing import ClassVar
 import torch
 
 from ..errors import ConfigError
-from .base import Compressor, CompressorConfig, GatherCompressor, flatten, opt, sizes_of, unflatten_into
+from .base import (Compressor, CompressorConfig, GatherCompressor, flatten, nonfinite_flag, opt, poison, sizes_of,
+                   unflatten_into)
 
 
 def k_for(numel: int, ratio: float) -> int:
@@ -46,14 +47,12 @@ class TopKCompressor(GatherCompressor):
         m = self.config.momentum
         if m == 0.0:
             return super()._compensate(comp, keys)
-        # DGC momentum correction: u = m*u + g; v = residual + u; both masked where sent (in _encode)
-        for k, t in zip(keys, comp):
-            s = self._slot(k)
-            u = s.get("momentum")
-            if u is None or u.shape != t.shape:
-                u = s["momentum"] = torch.zeros_like(t, dtype=torch.float32)
-            u.mul_(m).add_(t)
-        x = flatten([self._slot(k)["momentum"] for k in keys])
+        # DGC momentum correction: u = m*u + g; v = residual + u; both masked where sent (in _encode). The
+        # new momentum is staged (self._momentum) and stored by _staged_state once every rank was finite.
+        olds = [self._slot(k).get("momentum") for k in keys]
+        self._momentum = flatten([u if u is not None and u.shape == t.shape else torch.zeros_like(t)
+                                  for u, t in zip(olds, comp)]).mul_(m).add_(flatten(comp))
+        x = self._momentum.clone()
         if self.config.error_feedback:
             x.add_(flatten([self._residual(k, t) for k, t in zip(keys, comp)]))
         return x
@@ -70,15 +69,28 @@ class TopKCompressor(GatherCompressor):
         i = torch.cat(idx)
         payload = torch.cat([v.view(torch.uint8), i.to(torch.int32).view(torch.uint8)])
         if self.config.momentum > 0.0:
-            # momentum factor masking: stop the momentum of coordinates that were just sent
-            mom = flatten([self._slot(k)["momentum"] for k in keys])
-            mom[i] = 0.0
-            unflatten_into(mom, [self._slot(k)["momentum"] for k in keys])
+            self._momentum[i] = 0.0  # momentum factor masking: stop the momentum of coordinates just sent
         local = None
         if self.config.error_feedback:
             local = torch.zeros_like(x)
             local[i] = v
         return payload, local
+
+    def _staged_state(self, comp, keys, x, local):
+        store_residuals = super()._staged_state(comp, keys, x, local)
+        if self.config.momentum == 0.0:
+            return store_residuals
+        momentum, self._momentum = self._momentum, None
+
+        def commit() -> None:
+            off = 0
+            for k, t in zip(keys, comp):
+                self._slot(k)["momentum"] = momentum[off:off + t.numel()].view_as(t).clone()
+                off += t.numel()
+            if store_residuals is not None:
+                store_residuals()
+
+        return commit
 
     def _decode_sum(self, gathered, sizes, n):
         k = sum(k_for(s, self.config.ratio) for s in sizes)
@@ -108,8 +120,7 @@ class RandomKCompressor(Compressor):
 
     def _average(self, comp, keys, raw, group, world):
         if not comp:
-            self._average_raw(raw, group, world)
-            return
+            return self._average_raw_checked(raw, group, world)
         sizes = sizes_of(comp)
         x = flatten(comp)
         ef = self.config.error_feedback
@@ -122,7 +133,12 @@ class RandomKCompressor(Compressor):
             idx.append(torch.randperm(n, generator=g)[:k_for(n, self.config.ratio)].add_(off).to(x.device))
             off += n
         i = torch.cat(idx)
-        summed = self._average_raw(raw, group, world, extra=x[i])
+        # the non-finite flag rides as the last element of the same all-reduce (its sum counts bad ranks)
+        flag = nonfinite_flag([x] + list(raw))
+        summed = self._average_raw(raw, group, world, extra=torch.cat([x[i], flag.reshape(1)]))
+        if summed[-1] > 0:
+            return poison(comp + list(raw))
+        summed = summed[:-1]
         out = torch.zeros_like(x)
         out[i] = summed.div_(world)
         if ef:
@@ -132,3 +148,4 @@ class RandomKCompressor(Compressor):
                 self._residual(k, t).copy_(x[off:off + t.numel()].view_as(t))
                 off += t.numel()
         unflatten_into(out, comp)
+        return True
