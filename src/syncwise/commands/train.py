@@ -4,10 +4,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import shutil
+import sys
 from pathlib import Path
 
 from ..config import RunConfig, add_train_arguments, build_config, describe_fields, load_file, overrides_from_args
+from .. import rundir
 from ..errors import SyncwiseError
+from ..rundir import RunDirLock
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,19 +24,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      + describe_compressors())
 
 
-def prepare_run_dir(cfg: RunConfig) -> Path:
-    """Choose/create the run directory; refuse to overwrite a previous run unless resuming it."""
+class RunFinished(SyncwiseError):
+    """``--resume auto`` on a run that already reached its ``--steps``: nothing to do (not a failure)."""
+
+
+def prepare_run_dir(cfg: RunConfig) -> RunDirLock:
+    """Choose the run directory, take its lock (held until released or this process exits), refuse to
+    overwrite anything in it unless resuming, and write ``config.json``. Returns the held lock."""
     if not cfg.run_dir:
         cfg.run_dir = str(Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     run_dir = Path(cfg.run_dir)
-    previous = [n for n in ("metrics.jsonl", "summary.json", "checkpoints") if (run_dir / n).exists()]
+    # Lock first, look second: two runs started together cannot both find the directory empty.
+    lock = RunDirLock(run_dir).acquire()
+    try:
+        _check_run_dir(cfg, run_dir)
+        cfg.save(run_dir / "config.json")
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def _check_run_dir(cfg: RunConfig, run_dir: Path) -> None:
+    previous = rundir.contents(run_dir)
     if previous and cfg.resume == "none":
+        # Even config.json + logs/ alone (a run that died at start-up) are someone's: never overwritten.
         raise SyncwiseError(
-            f"the run directory {run_dir} already holds a run ({', '.join(previous)}). Nothing was started, so "
-            "nothing of it is overwritten: pass --resume auto to continue that run, or choose another --run-dir.")
-    saved = run_dir / "config.json"
-    if previous and saved.exists():
-        before = json.loads(saved.read_text())
+            f"the run directory {run_dir} already holds a run ({', '.join(previous[:6])}{' ...' if len(previous) > 6 else ''})"
+            ". Nothing was started, so nothing of it is overwritten: pass --resume auto to continue that run, "
+            "or choose another --run-dir.")
+    summary = _read_json(run_dir / "summary.json")
+    if cfg.resume == "auto" and summary and int(summary.get("steps") or 0) >= cfg.train.steps:
+        raise RunFinished(
+            f"the run in {run_dir} already finished at step {summary['steps']} (its summary.json); nothing to "
+            f"resume. To train it further, pass --resume auto with --steps larger than {summary['steps']}.")
+    before = _read_json(run_dir / "config.json")
+    if previous and before:
         for section in ("model", "data"):
             for key, old in before.get(section, {}).items():
                 new = getattr(getattr(cfg, section), key, old)
@@ -42,14 +69,33 @@ def prepare_run_dir(cfg: RunConfig) -> Path:
                             f"--resume: the run in {run_dir} was trained with {section}.{key}={old!r}, not {new!r}; "
                             "its checkpoints cannot continue under a different model or data layout. Resume with "
                             "the original setting, or start a new run with another --run-dir.")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cfg.save(saved)
-    return run_dir
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def interrupted_message(cfg: RunConfig, signal_name: str = "SIGINT") -> str:
+    """What a user needs after stopping a run: where it was, what is saved, how to continue."""
+    from ..checkpoint.storage import published_checkpoints, step_of
+    from ..metrics import read_jsonl
+
+    run_dir = Path(cfg.run_dir)
+    rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+    step = max((int(r.get("step", 0)) for r in rows), default=0)
+    saved = published_checkpoints(run_dir / "checkpoints")
+    ckpt = f"last checkpoint step {step_of(saved[0])} ({saved[0]})" if saved else "no checkpoint saved yet"
+    return (f"interrupted ({signal_name}) at step {step}; {ckpt}; resume with: syncwise train --run-dir "
+            f"{run_dir} --resume auto" + (" (it restarts from step 0: nothing was saved)" if not saved else ""))
 
 
 def launch(cfg: RunConfig) -> dict:
     """Start the workers for ``cfg`` and return rank 0's summary."""
-    from ..train.main import run_worker
+    from ..train.main import run_worker, train_worker
 
     if cfg.dist.lab:
         from ..lab.launch import lab_torchrun
@@ -60,7 +106,7 @@ def launch(cfg: RunConfig) -> dict:
             raise SyncwiseError(f"the lab job failed (exit code {code}); see the worker output above")
         return json.loads((Path(cfg.run_dir) / "summary.json").read_text())
     if cfg.dist.nproc == 1 and cfg.dist.max_restarts == 0 and cfg.dist.nnodes == "1":
-        return run_worker(cfg)
+        return train_worker(cfg)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from ..launch import run_local
@@ -74,14 +120,45 @@ def launch(cfg: RunConfig) -> dict:
         raise SyncwiseError(f"worker rank {rank} failed: {message or 'exit code ' + str(failure.exitcode)}"
                             f" (worker logs: {Path(cfg.run_dir) / 'logs'}; SYNCWISE_DEBUG=1 shows the agent's "
                             "tracebacks)") from None
+    except ValueError as e:  # e.g. JSONDecodeError: torch-elastic could not read a worker's error file
+        raise SyncwiseError(f"the workers failed and torch-elastic could not read their error reports "
+                            f"({type(e).__name__}: {e}){_disk_hint(Path(cfg.run_dir))}; each worker's own "
+                            "message is printed above") from None
     return results[0]
 
 
+def _disk_hint(path: Path) -> str:
+    """'; the disk holding PATH is full ...' when it is nearly full (error files and logs live there too)."""
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return ""
+    return f"; the disk holding {path} is full ({free / 2**20:.1f} MiB free)" if free < 16 * 2**20 else ""
+
+
 def run(args: argparse.Namespace, extra: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     cfg = build_config(load_file(args.config) if args.config else None, overrides_from_args(args, extra))
-    run_dir = prepare_run_dir(cfg)
-    summary = launch(cfg)
-    print(f"run directory: {run_dir}  (final loss {summary.get('final_loss'):.4f}, "
-          f"val loss {summary.get('final_val_loss') or float('nan'):.4f})")
+    try:
+        lock = prepare_run_dir(cfg)
+    except RunFinished as e:
+        print(f"syncwise: {e}", file=sys.stderr)
+        return 0
+    try:
+        summary = launch(cfg)
+    except KeyboardInterrupt:
+        print(f"syncwise: {interrupted_message(cfg)}", file=sys.stderr)
+        return 130
+    except SignalException as e:  # torchrun's agent turns SIGINT/SIGTERM/... into this
+        print(f"syncwise: {interrupted_message(cfg, e.sigval.name)}", file=sys.stderr)
+        return 128 + int(e.sigval)
+    finally:
+        lock.release()
+    print(f"run directory: {cfg.run_dir}  (final loss {_num(summary.get('final_loss'))}, "
+          f"val loss {_num(summary.get('final_val_loss'))})")
     return 0
 
+
+def _num(value: object) -> str:
+    return f"{value:.4f}" if isinstance(value, (int, float)) else "n/a"

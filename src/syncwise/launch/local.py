@@ -42,8 +42,11 @@ def run_local(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int 
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ["OMP_NUM_THREADS"] = str(threads_per_worker(nproc))
     if not os.environ.get("SYNCWISE_DEBUG"):
-        # The agent logs every worker failure with a full traceback; syncwise reports failures itself.
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        # The agent logs every worker failure with a full traceback; syncwise reports failures itself. Its
+        # modules' loggers carry their own levels, so each is quietened, not just the parent.
+        for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
+            if name.startswith("torch.distributed.elastic"):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
     min_nodes, max_nodes = parse_nnodes(nnodes)
     config = LaunchConfig(
         min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc,

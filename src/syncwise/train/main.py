@@ -8,6 +8,8 @@ from __future__ import annotations
 import datetime
 import os
 import random
+import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ import torch.distributed as dist
 from ..checkpoint import SmartCheckpointer
 from ..comm import ops
 from ..config import RunConfig
+from ..errors import SyncwiseError
 from ..data import SmartPrefetcher, TokenBatchLoader, evaluation_batches, load_corpus
 from ..models import build_model, count_params, flops_per_token
 from .schedule import adamw, warmup_cosine
@@ -70,7 +73,32 @@ def resume_target(cfg: RunConfig, rank: int) -> str:
 
 
 def run_worker(cfg: RunConfig) -> dict[str, Any]:
-    """Train as one worker of the job; returns the run summary (on every rank)."""
+    """Train as one worker of the job; returns the run summary (on every rank).
+
+    A user-facing failure is also printed by the worker itself, at once: torch-elastic relays it only
+    through an error file, which a full disk can leave unreadable. Ctrl-C ends a worker quietly (exit 130);
+    the launcher says where the run stopped and how to resume.
+    """
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # Ctrl-C reaches the agent and every worker; the agent stops the job and the launcher reports. A
+        # KeyboardInterrupt here could land in any thread's callback and print tracebacks: leave at once.
+        signal.signal(signal.SIGINT, _quiet_exit)
+    try:
+        return train_worker(cfg)
+    except SyncwiseError as e:
+        print(f"syncwise: rank {os.environ.get('RANK', 0)}: {e}", file=sys.stderr, flush=True)
+        raise
+
+
+def _quiet_exit(signum: int, frame: Any) -> None:
+    if sys.stdout.isatty():
+        sys.stdout.write("\x1b[?25h\n")  # the progress bar hid the cursor
+        sys.stdout.flush()
+    os._exit(128 + signum)
+
+
+def train_worker(cfg: RunConfig) -> dict[str, Any]:
+    """The worker's work, failures raised to the caller (``syncwise train`` runs a 1-process job so)."""
     device = init_distributed(cfg)
     try:
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)

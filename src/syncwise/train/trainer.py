@@ -14,6 +14,7 @@ What one optimizer step does (``_train_step``):
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -141,6 +142,8 @@ class OptimizedTrainer:
             self.checkpointer = SmartCheckpointer(checkpoint_dir)
         state = self.train_state(loader)
         redone = self._resume(resume, state)
+        if self.step >= total:
+            return self._already_finished(total)
         logger = MetricsLogger(self.run_dir, total, enabled=self.rank == 0 and self.show_progress,
                                start_step=self.step)
         if redone is not None:
@@ -187,6 +190,19 @@ class OptimizedTrainer:
             summary["cloud_config"] = repr(cloud_config)
         logger.finish(summary)
         return summary
+
+    def _already_finished(self, total: int) -> dict[str, Any]:
+        """Resumed at or past ``total``: train nothing and keep the run's files (its summary.json) as they are."""
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        if self.rank == 0 and self.show_progress:
+            print(f"syncwise: the run already finished at step {self.step} (steps={total}); nothing to train. "
+                  "Pass a larger step count to train it further.", flush=True)
+        path = Path(self.run_dir) / "summary.json" if self.run_dir else None
+        try:
+            return json.loads(path.read_text()) if path is not None else {"steps": self.step}
+        except (OSError, ValueError):
+            return {"steps": self.step}
 
     def train_state(self, loader: Any = None) -> TrainState:
         """Everything a checkpoint must hold to resume this run exactly (components register by name)."""

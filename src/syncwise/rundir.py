@@ -1,0 +1,99 @@
+"""One run per run directory: an OS-level lock held for the run's life.
+
+``syncwise train`` takes an exclusive ``flock`` on ``RUN_DIR/.syncwise.lock`` *before* it looks at what the
+directory holds, so two runs started at the same moment cannot both pass the "already holds a run" check:
+the second is refused at once, naming the holder. The kernel drops the lock when the holding process exits
+for any reason (even SIGKILL), so a crashed run never leaves a stale lock behind. Workers started by
+``syncwise train`` find ``SYNCWISE_RUN_DIR_LOCKED`` in their environment and do not lock again; a job
+started with plain ``torchrun -m syncwise.train`` takes the lock in rank 0.
+
+flock is local to one machine (and unreliable on some network filesystems): on a cluster the lock
+protects against a second launch on the same node, which is where the mix-ups were seen.
+"""
+from __future__ import annotations
+
+import datetime
+import fcntl
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Optional
+
+from .errors import SyncwiseError
+
+LOCK_FILE = ".syncwise.lock"
+LOCKED_ENV = "SYNCWISE_RUN_DIR_LOCKED"  # set for workers: the launcher holds the lock of this directory
+
+
+class RunDirLock:
+    """Exclusive ownership of a run directory; ``acquire`` raises SyncwiseError if another run holds it."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_FILE
+        self._fd: Optional[int] = None
+
+    def acquire(self) -> "RunDirLock":
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by child processes
+        except OSError as e:
+            raise SyncwiseError(f"cannot use the run directory {self.run_dir}: {e.strerror or e}. Choose a "
+                                "directory you can write to with --run-dir.") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _describe(os.pread(fd, 4096, 0))
+            os.close(fd)
+            raise SyncwiseError(
+                f"the run directory {self.run_dir} is in use by another syncwise run ({holder}). Nothing was "
+                "started. Wait for that run to end (or stop it), or choose another --run-dir.") from None
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "argv": sys.argv,
+                "since": datetime.datetime.now().isoformat(timespec="seconds")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(info).encode(), 0)
+        self._fd = fd
+        os.environ[LOCKED_ENV] = str(self.run_dir.resolve())
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        if os.environ.get(LOCKED_ENV) == str(self.run_dir.resolve()):
+            del os.environ[LOCKED_ENV]
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def __enter__(self) -> "RunDirLock":
+        return self if self.held else self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def held_by_launcher(run_dir: str | os.PathLike) -> bool:
+    """True in a worker whose launcher (``syncwise train``) holds the lock of ``run_dir``."""
+    return os.environ.get(LOCKED_ENV) == str(Path(run_dir).resolve())
+
+
+def _describe(raw: bytes) -> str:
+    try:
+        info = json.loads(raw.decode() or "{}")
+        return f"pid {info['pid']} on {info['host']}, since {info['since']}"
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return "its process id is not recorded yet"
+
+
+def contents(run_dir: str | os.PathLike) -> list[str]:
+    """What a run directory holds besides its lock file (sorted names)."""
+    p = Path(run_dir)
+    if not p.is_dir():
+        return []
+    return sorted(e.name for e in p.iterdir() if e.name != LOCK_FILE)

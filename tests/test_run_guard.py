@@ -1,0 +1,88 @@
+"""A run directory belongs to one run; finished runs, Ctrl-C and full disks end with a message, not a traceback."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from syncwise.cli import main
+from syncwise.errors import SyncwiseError
+from syncwise.rundir import RunDirLock
+
+TINY = ["--preset", "tiny", "--data.seq_len=32", "--train.val_interval=0", "--train.val_batches=1",
+        "--ckpt.interval=2"]
+
+
+def _syncwise(*args, **popen):
+    return subprocess.Popen([sys.executable, "-m", "syncwise.cli", "train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **popen)
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_lock_refuses_a_second_owner_and_names_the_first(tmp_path):
+    with RunDirLock(tmp_path / "run"):
+        with pytest.raises(SyncwiseError, match=rf"in use by another syncwise run \(pid {os.getpid()} on"):
+            RunDirLock(tmp_path / "run").acquire()
+    RunDirLock(tmp_path / "run").acquire().release()  # released with its owner
+
+
+def test_two_runs_started_together_into_one_directory(tmp_path):
+    run = tmp_path / "run"
+    args = ["--run-dir", str(run), "--nproc", "1", "--steps", "12", *TINY]
+    first = _syncwise(*args)
+    time.sleep(0.3)
+    second = _syncwise(*args)
+    outs = [p.communicate(timeout=240) for p in (first, second)]
+    codes = sorted([first.returncode, second.returncode])
+    assert codes == [0, 2], outs
+    loser_err = outs[[first.returncode, second.returncode].index(2)][1]
+    assert "in use by another syncwise run" in loser_err and "Traceback" not in loser_err
+    assert [r["step"] for r in _rows(run)] == list(range(1, 13))  # the survivor's run, whole
+    assert json.loads((run / "summary.json").read_text())["steps"] == 12
+
+
+def test_directory_of_a_run_that_died_at_start_up_is_not_overwritten(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    (run / "config.json").write_text('{"model": {"preset": "mine"}}\n')
+    assert main(["train", "--run-dir", str(run), "--nproc", "1", "--steps", "2", *TINY]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a run (config.json, logs)" in err and "--resume auto" in err
+    assert (run / "config.json").read_text() == '{"model": {"preset": "mine"}}\n'
+
+
+def test_resume_auto_on_a_finished_run_says_so_and_keeps_its_files(tmp_path, capsys):
+    run = tmp_path / "run"
+    args = ["train", "--run-dir", str(run), "--nproc", "1", *TINY]
+    assert main([*args, "--steps", "4"]) == 0
+    summary = (run / "summary.json").read_text()
+    capsys.readouterr()
+    assert main([*args, "--steps", "4", "--resume", "auto"]) == 0
+    assert "already finished at step 4" in capsys.readouterr().err
+    assert (run / "summary.json").read_text() == summary
+    # A larger --steps continues the same run.
+    assert main([*args, "--steps", "6", "--resume", "auto"]) == 0
+    assert [r["step"] for r in _rows(run)] == list(range(1, 7))
+    assert json.loads((run / "summary.json").read_text())["final_loss"] is not None
+
+
+def test_ctrl_c_ends_with_where_it_stopped_and_how_to_resume(tmp_path):
+    run = tmp_path / "run"
+    proc = _syncwise("--run-dir", str(run), "--nproc", "2", "--steps", "100000", *TINY, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (run / "checkpoints" / "step_00000002").exists():
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends to the whole foreground group
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "SignalException" not in err
+    line = next(x for x in err.splitlines() if "interrupted" in x)
+    assert "interrupted (SIGINT) at step" in line and "last checkpoint step" in line
+    assert f"syncwise train --run-dir {run} --resume auto" in line
