@@ -384,3 +384,54 @@ def test_fsdp2_sharded_checkpoint_roundtrip_and_reshard_to_one_process(tmp_path)
     ts, *_ = _train_state(model)
     assert load("auto", ts, directory=tmp_path) == 1
     assert all(torch.equal(v, results[0][2][k]) for k, v in model.state_dict().items())
+
+
+# ------------------------------------------------------------------------- verification holes (issue 12, item 7)
+def _resign(path: Path, *names: str) -> None:
+    """Re-write the manifest entries of ``names`` to match the files, as someone tampering would."""
+    manifest = read_manifest(path)
+    for name in names:
+        f = path / name
+        manifest["files"][name] = {"size": f.stat().st_size, "sha256": storage.sha256_file(f)}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _edit_manifest(path: Path, edit) -> None:
+    manifest = read_manifest(path)
+    edit(manifest)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_manifest_must_list_every_file_a_load_reads(tmp_path, caplog):
+    import shutil
+
+    pristine = tmp_path / "pristine"
+    _saved_run(pristine, 2, interval=1, async_save=False)
+    cases = {
+        "lists no files": lambda d: _edit_manifest(d, lambda m: m.update(files={})),
+        "rank_00000.pt": lambda d: _edit_manifest(d, lambda m: m["files"].pop("rank_00000.pt")),
+        ".metadata": lambda d: _edit_manifest(d, lambda m: m["files"].pop(".metadata")),
+        "DCP shard": lambda d: _edit_manifest(d, lambda m: [m["files"].pop(n) for n in list(m["files"])
+                                                            if n.endswith(".distcp")]),
+        "rank_00001.pt although": lambda d: (shutil.copy(d / "rank_00000.pt", d / "rank_00001.pt"),
+                                             _resign(d, "rank_00001.pt")),
+        "not for step 2": lambda d: _edit_manifest(d, lambda m: m.update(step=7)),
+        "does not list __0_9.distcp": lambda d: (d / "__0_9.distcp").write_bytes(b"dropped in"),
+        "no list of per rank components": lambda d: _edit_manifest(d, lambda m: m.pop("per_rank_components")),
+    }
+    for i, (reason, damage) in enumerate(cases.items()):
+        directory = tmp_path / f"case{i}"
+        shutil.copytree(pristine, directory)
+        damage(directory / "step_00000002")
+        problem = storage.verify_checkpoint(directory / "step_00000002")
+        assert problem is not None and reason in problem, (reason, problem)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="syncwise.checkpoint"):
+            assert latest_valid(directory).name == "step_00000001"
+        assert "step_00000002" in caplog.text and reason in caplog.text
+    # the load falls back too (here: the manifest that lists nothing)
+    ts, *_ = _train_state(_model(), residual=torch.zeros(3))
+    assert load("auto", ts, directory=tmp_path / "case0") == 1
+    # a file the loader never opens does not make a good checkpoint invalid
+    (pristine / "step_00000002" / "notes.txt").write_text("left by a user")
+    assert storage.verify_checkpoint(pristine / "step_00000002") is None

@@ -11,7 +11,9 @@ A checkpoint is one directory ``step_00000100/`` holding
 
 It is written as ``step_00000100.partial/`` and published by renaming the finished directory, so a
 directory named ``step_*`` without ``.partial`` is complete unless the disk later damaged it, which
-the manifest's checksums detect.
+the manifest's checksums detect. The manifest must list every file a load reads (``.metadata``, the
+DCP shards, one rank file per rank of its world size), so a manifest that lists nothing cannot
+vouch for a checkpoint.
 """
 from __future__ import annotations
 
@@ -31,7 +33,10 @@ log = logging.getLogger("syncwise.checkpoint")
 MANIFEST = "manifest.json"
 FORMAT = "syncwise-checkpoint/1"
 PARTIAL_SUFFIX = ".partial"
+METADATA = ".metadata"
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
+_SHARD_RE = re.compile(r"^__\d+_\d+\.distcp$")
+_RANK_RE = re.compile(r"^rank_(\d{5,})\.pt$")
 _HASH_CHUNK = 8 << 20
 
 
@@ -116,8 +121,11 @@ def verify_checkpoint(path: str | os.PathLike, checksums: bool = True) -> str | 
         return f"{path / MANIFEST} is missing (the save never finished)"
     except (OSError, ValueError) as e:
         return f"{path / MANIFEST} is unreadable: {e}"
-    if manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
         return f"{path / MANIFEST} is not a {FORMAT} manifest"
+    problem = _incomplete_manifest(path, manifest)
+    if problem is not None:
+        return f"{path / MANIFEST} {problem}"
     for name, meta in manifest["files"].items():
         f = path / name
         if not f.is_file():
@@ -127,6 +135,67 @@ def verify_checkpoint(path: str | os.PathLike, checksums: bool = True) -> str | 
             return f"file {f} has {size} bytes, the manifest says {meta['size']} (truncated or overwritten)"
         if checksums and sha256_file(f) != meta["sha256"]:
             return f"file {f} fails its sha256 checksum (corrupted on disk)"
+    return None
+
+
+def _incomplete_manifest(path: Path, manifest: dict[str, Any]) -> str | None:
+    """What makes ``manifest`` unable to vouch for the checkpoint in ``path`` (None if nothing).
+
+    The checksums only prove the files the manifest lists; a manifest listing no files (or not the
+    ones a load reads) would verify vacuously. So it must list ``.metadata``, at least one DCP shard
+    when it has global components, and ``rank_<r>.pt`` for every rank of its ``world_size`` (every
+    rank writes one, even with no per-rank components), and its step must be the directory's.
+    """
+    files = manifest["files"]
+    if not files:
+        return ("lists no files: it cannot vouch for the checkpoint (a manifest lists .metadata, the DCP shards "
+                "and one rank file per rank)")
+    for name, meta in files.items():
+        if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name:
+            return f"lists {name!r}, which is not a file name inside the checkpoint"
+        if (not isinstance(meta, dict) or isinstance(meta.get("size"), bool) or not isinstance(meta.get("size"), int)
+                or not isinstance(meta.get("sha256"), str)):
+            return f"has no size and sha256 for {name}"
+    world = manifest.get("world_size")
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        return f"has no valid world_size ({world!r})"
+    step = manifest.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return f"has no valid step ({step!r})"
+    if step_of(path) is not None and step_of(path) != step:
+        return f"is for step {step}, not for step {step_of(path)} as the directory name says"
+    components = {}
+    for key in ("global_components", "per_rank_components"):
+        names = manifest.get(key)
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            return f"has no list of {key.replace('_', ' ')}"
+        components[key] = names
+    if METADATA not in files:
+        return f"does not list {METADATA}, the DCP metadata every load reads"
+    if components["global_components"] and not any(_SHARD_RE.match(n) for n in files):
+        return (f"lists no DCP shard (__<rank>_<n>.distcp) although it holds global state "
+                f"({', '.join(components['global_components'])})")
+    missing = [rank_filename(r) for r in range(world) if rank_filename(r) not in files]
+    if missing:
+        return (f"does not list {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}: the per-rank state of "
+                f"{len(missing)} of its {world} rank(s)")
+    beyond = sorted(n for n in files if (m := _RANK_RE.match(n)) and int(m.group(1)) >= world)
+    if beyond:
+        return f"lists {', '.join(beyond[:3])} although it was written by {world} rank(s)"
+    # A file in the directory that the manifest does not list: if it is one a load may read (DCP
+    # metadata or shard, a rank file) the manifest does not describe what is there (a file written
+    # after it, or dropped in) and unverified data could be loaded, so the checkpoint is refused.
+    # Any other file (an NFS .nfs* placeholder, a note someone left) is ignored: the loader never
+    # opens it, and refusing would throw away a good checkpoint and fall back to older progress.
+    try:
+        present = [p.name for p in path.iterdir() if p.is_file()]
+    except OSError as e:
+        return f"cannot be compared with the directory ({e})"
+    unlisted = sorted(n for n in present if n not in files and (n == METADATA or _SHARD_RE.match(n)
+                                                                  or _RANK_RE.match(n) or n.endswith(".distcp")))
+    if unlisted:
+        return (f"does not list {', '.join(unlisted[:3])}{' ...' if len(unlisted) > 3 else ''}, present in the "
+                "directory: a checkpoint file not covered by the checksums")
     return None
 
 
