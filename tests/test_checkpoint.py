@@ -402,6 +402,13 @@ def _edit_manifest(path: Path, edit) -> None:
     (path / "manifest.json").write_text(json.dumps(manifest))
 
 
+def _plant_code(path: Path, rank: int, marker: Path) -> None:
+    """Replace a rank file by one whose unpickling would run code; the manifest is made to match."""
+    name = storage.rank_filename(rank)
+    torch.save({"format": "syncwise-rank-state/1", "components": {"residual": _Payload(str(marker))}}, path / name)
+    _resign(path, name)
+
+
 def test_manifest_must_list_every_file_a_load_reads(tmp_path, caplog):
     import shutil
 
@@ -435,3 +442,95 @@ def test_manifest_must_list_every_file_a_load_reads(tmp_path, caplog):
     # a file the loader never opens does not make a good checkpoint invalid
     (pristine / "step_00000002" / "notes.txt").write_text("left by a user")
     assert storage.verify_checkpoint(pristine / "step_00000002") is None
+
+
+@pytest.mark.parametrize("tamper", ["rank_file", "metadata"])
+def test_tampered_newest_checkpoint_falls_back_on_auto_load(tmp_path, caplog, tamper):
+    import pickle
+
+    _, snaps = _saved_run(tmp_path, 4, interval=2, async_save=False)
+    newest, marker = tmp_path / "step_00000004", tmp_path / "code-ran"
+    if tamper == "rank_file":
+        _plant_code(newest, 0, marker)
+    else:
+        (newest / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
+        _resign(newest, ".metadata")
+    assert storage.verify_checkpoint(newest) is None  # checksums match: only loading finds it out
+    model = _model()
+    ts, opt, sched = _train_state(model, residual=torch.zeros(3))
+    with caplog.at_level(logging.WARNING, logger="syncwise.checkpoint"):
+        assert load("auto", ts, directory=tmp_path) == 2
+    assert _same(_snapshot(model, opt, sched), snaps[2])
+    assert torch.equal(ts["residual"].residual, torch.arange(3.0))
+    assert "step_00000004 could not be loaded" in caplog.text and "falling back" in caplog.text
+    assert ("refused to load" if tamper == "rank_file" else "metadata") in caplog.text
+    assert not marker.exists()
+    # named explicitly, it is refused: never silently replaced by another checkpoint
+    with pytest.raises(SyncwiseError, match="refused to load" if tamper == "rank_file" else "metadata"):
+        load(newest, ts)
+    assert not marker.exists()
+
+
+def test_auto_refuses_to_start_over_when_no_checkpoint_loads(tmp_path):
+    _saved_run(tmp_path, 4, interval=2, async_save=False)
+    corrupt_checkpoint(tmp_path / "step_00000004", mode="truncate")
+    _plant_code(tmp_path / "step_00000002", 0, tmp_path / "code-ran")
+    ts, *_ = _train_state(_model(), residual=torch.zeros(3))
+    with pytest.raises(SyncwiseError, match="no checkpoint in") as e:
+        load("auto", ts, directory=tmp_path)
+    text = str(e.value)
+    assert "step_00000004" in text and "step_00000002" in text and "refused to load" in text
+    assert "start afresh" in text
+    assert [p.name for p in storage.published_checkpoints(tmp_path)] == ["step_00000004", "step_00000002"]
+    assert not (tmp_path / "code-ran").exists()
+    # only damaged ones (detected by the checksums): refused as well, not a silent fresh start
+    corrupt_checkpoint(tmp_path / "step_00000002", mode="flip", file=".metadata")
+    with pytest.raises(SyncwiseError, match="no checkpoint in .*step_00000004.*step_00000002"):
+        load("auto", ts, directory=tmp_path)
+    # a directory with no checkpoint at all still starts from scratch
+    assert load("auto", ts, directory=tmp_path / "empty") == 0
+
+
+def _one_rank_file_bad(rank, world, directory):
+    import torch.distributed as dist
+
+    directory = Path(directory)
+    model = _model()  # identical on both ranks (same seed, same batches): a replicated model
+    ts, opt, sched = _train_state(model, residual=torch.full((3,), float(rank)))
+    ck = SmartCheckpointer(directory, interval=1, async_save=False)
+    _step(model, opt, sched, seed=1)
+    ck.save(1, ts)
+    first = _snapshot(model, opt, sched)
+    _step(model, opt, sched, seed=2)
+    ts["residual"].residual = torch.full((3,), 10.0 + rank)
+    ck.save(2, ts)
+    dist.barrier()
+    if rank == 0:  # only rank 1 will see the problem: its own file; rank 0's loads fine
+        _plant_code(directory / "step_00000002", 1, directory / "code-ran")
+    dist.barrier()
+    _step(model, opt, sched, seed=3)
+    ts["residual"].residual = torch.zeros(3)
+    records: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("syncwise.checkpoint").addHandler(handler)
+    step = ck.load("auto", ts)
+    restored = _same(_snapshot(model, opt, sched), first) and torch.equal(ts["residual"].residual,
+                                                                          torch.full((3,), float(rank)))
+    try:
+        ck.load(directory / "step_00000002", ts)
+        explicit = None
+    except SyncwiseError as e:
+        explicit = str(e)
+    ck.close()
+    return step, restored, records, explicit, (directory / "code-ran").exists()
+
+
+def test_two_ranks_fall_back_together_when_only_one_rank_file_is_bad(tmp_path):
+    results = run_workers(_one_rank_file_bad, 2, str(tmp_path))
+    for rank, (step, restored, records, explicit, code_ran) in enumerate(results):
+        assert step == 1 and restored, rank
+        warning = next(r for r in records if "could not be loaded" in r)
+        assert "step_00000002" in warning and "rank 1: refused to load" in warning
+        assert explicit is not None and "refused to load" in explicit and "rank_00001.pt" in explicit
+        assert not code_ran

@@ -12,6 +12,11 @@ Life of one save (``save(step, train_state)``, called by every rank):
 5. when the shards are written, rank 0 checksums every file into ``manifest.json`` and renames
    the directory to ``step_XXXXXXXX/`` (the publish), then drops checkpoints beyond
    ``max_checkpoints``. A checkpoint is only ever deleted after a newer one is published.
+
+Loading (``load``) is collective: rank 0 verifies a candidate against its manifest, then every rank
+reads what it needs and all ranks agree on the outcome before going on, so a failure that only one
+rank sees (its rank file refused, say) makes every rank fall back to the previous checkpoint
+('auto') or raise (an explicit path) together, never half the ranks loading.
 """
 from __future__ import annotations
 
@@ -361,6 +366,14 @@ def _shape(value: Any) -> tuple[int, ...] | None:
     return tuple(value.size()) if isinstance(value, torch.Tensor) else None
 
 
+class _Damaged(SyncwiseError):
+    """This checkpoint cannot be loaded (damaged, tampered with, incomplete); an older one may be tried.
+
+    Any other ``SyncwiseError`` while loading means the checkpoint does not fit the run (another
+    model, other components): older checkpoints of the run would not fit either, so 'auto' stops.
+    """
+
+
 def _check_compatible(path: Path, train_state: TrainState, manifest: dict[str, Any]) -> None:
     """Compare the state to load with the checkpoint's DCP metadata; raise a clear error if they differ."""
     saved = set(manifest.get("global_components", []))
@@ -375,8 +388,8 @@ def _check_compatible(path: Path, train_state: TrainState, manifest: dict[str, A
     try:
         metadata = reader.read_metadata()
     except Exception as e:
-        raise SyncwiseError(f"checkpoint {path} has unreadable DCP metadata ({type(e).__name__}: {e}). "
-                            "It is damaged or not a syncwise checkpoint; use another checkpoint.") from e
+        raise _Damaged(f"checkpoint {path} has unreadable DCP metadata ({type(e).__name__}: {e}). "
+                       "It is damaged or not a syncwise checkpoint; use another checkpoint.") from e
     saved_md = metadata.state_dict_metadata
     ours = _flatten({n: c.state_dict() for n, c in train_state.global_components.items()})
     missing = [k for k in ours if k not in saved_md]
@@ -410,31 +423,42 @@ def _check_compatible(path: Path, train_state: TrainState, manifest: dict[str, A
             "start without resuming (or point the checkpoint directory elsewhere).")
 
 
-def _load_rank_file(path: Path, train_state: TrainState, manifest: dict[str, Any]) -> None:
+def _read_rank_file(path: Path, train_state: TrainState, manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """This rank's per-rank payload of checkpoint ``path``, read and checked but not applied (None when
+    the run has no per-rank state or the checkpoint was written at another world size)."""
     rank, world = _rank_world()
-    names = list(train_state.per_rank_components)
-    if not names:
-        return
-    saved_world = manifest.get("world_size")
-    if saved_world != world:
-        log.warning("checkpoint %s was written by %s ranks, this run has %d: per-rank state (%s) is not "
-                    "restored; RNG streams and data positions are re-derived from the seed", path,
-                    saved_world, world, ", ".join(names))
-        return
+    if not train_state.per_rank_components or manifest.get("world_size") != world:
+        return None
     f = path / storage.rank_filename(rank)
     try:
         payload = torch.load(f, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise SyncwiseError(f"checkpoint {path} lacks {f.name}, the per-rank state of rank {rank}; the "
-                            "checkpoint is incomplete, use an earlier one.") from None
+        raise _Damaged(f"checkpoint {path} lacks {f.name}, the per-rank state of rank {rank}; the "
+                       "checkpoint is incomplete, use an earlier one.") from None
     except Exception as e:
         # weights_only refuses anything but tensors and plain data: never run code from a checkpoint
-        raise SyncwiseError(
+        raise _Damaged(
             f"refused to load {f}: it contains data that is not plain tensors/numbers/strings "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). syncwise loads per-rank state "
             "with torch.load(weights_only=True) and never unpickles arbitrary objects; the file was not "
             "written by syncwise or was tampered with. Use another checkpoint.") from e
-    comps = payload.get("components", {}) if isinstance(payload, dict) else {}
+    if not isinstance(payload, dict) or not isinstance(payload.get("components", {}), dict):
+        raise _Damaged(f"{f} is not a syncwise per-rank state file ({PER_RANK_FORMAT}); use another checkpoint.")
+    return payload
+
+
+def _apply_rank_file(path: Path, train_state: TrainState, manifest: dict[str, Any],
+                     payload: dict[str, Any] | None) -> None:
+    rank, world = _rank_world()
+    names = list(train_state.per_rank_components)
+    if not names:
+        return
+    if payload is None:
+        log.warning("checkpoint %s was written by %s ranks, this run has %d: per-rank state (%s) is not "
+                    "restored; RNG streams and data positions are re-derived from the seed", path,
+                    manifest.get("world_size"), world, ", ".join(names))
+        return
+    comps = payload.get("components", {})
     for name, comp in train_state.per_rank_components.items():
         if name in comps:
             comp.load_state_dict(comps[name])
@@ -443,59 +467,172 @@ def _load_rank_file(path: Path, train_state: TrainState, manifest: dict[str, Any
                         path, name, rank)
 
 
+# Outcome of one step of loading a candidate on one rank; all ranks agree on the worst (max).
+_OK, _DAMAGED, _INCOMPATIBLE = 0, 1, 2
+# What rank 0 tells the others about the candidate (broadcast).
+_TRY, _NOTHING, _INVALID, _EXHAUSTED = 0, 1, 2, 3
+
+
+def _ctl_device() -> torch.device:
+    """Device for small control tensors on the default group (NCCL only takes CUDA tensors)."""
+    if _dist_on() and "gloo" not in str(dist.get_backend()) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _outcome(err: BaseException | None) -> int:
+    if err is None:
+        return _OK
+    return _DAMAGED if isinstance(err, _Damaged) or not isinstance(err, SyncwiseError) else _INCOMPATIBLE
+
+
+def _agree_outcome(err: BaseException | None) -> tuple[int, list[str]]:
+    """The worst outcome over all ranks and, if it is a failure, every failing rank's reason (collective)."""
+    code = _outcome(err)
+    if not _dist_on():
+        return code, ([str(err)] if err is not None else [])
+    t = torch.tensor([code], dtype=torch.int64, device=_ctl_device())
+    ops.all_reduce(t, "max")
+    worst = int(t.item())
+    if worst == _OK:
+        return _OK, []
+    # rare path: share the reasons so every rank can name them (strings made by syncwise, not read from disk)
+    gathered = ops.all_gather_object(str(err) if err is not None else None)
+    return worst, [f"rank {r}: {msg}" for r, msg in enumerate(gathered) if msg is not None]
+
+
+def _try_load(path: Path, train_state: TrainState) -> tuple[int, list[str], BaseException | None]:
+    """Load checkpoint ``path`` into ``train_state`` on every rank (collective).
+
+    Each stage is agreed by all ranks before the next, so a failure on any rank stops all of them at
+    the same point: (1) read the manifest, check the model against the DCP metadata and read this
+    rank's per-rank file (local, nothing changed yet); (2) the DCP load (collective); (3) apply the
+    per-rank state. Returns (outcome, reasons from every failing rank, this rank's own error).
+    """
+    err: BaseException | None = None
+    manifest: dict[str, Any] = {}
+    payload = None
+    try:
+        try:
+            manifest = storage.read_manifest(path)
+        except (OSError, ValueError) as e:
+            raise _Damaged(f"the manifest of checkpoint {path} is unreadable: {e}") from e
+        _check_compatible(path, train_state, manifest)
+        payload = _read_rank_file(path, train_state, manifest)
+    except Exception as e:
+        err = e
+    code, reasons = _agree_outcome(err)
+    if code != _OK:
+        return code, reasons, err
+    try:
+        dcp.load(dict(train_state.global_components), storage_reader=storage.make_safe_reader(path),
+                 planner=storage.make_safe_planner(), **_no_dist_kw(dcp.load))
+    except SyncwiseError as e:  # raised by a component's load_state_dict: the state does not fit the run
+        err = e
+    except Exception as e:
+        err = _Damaged(f"loading checkpoint {path} failed: {type(e).__name__}: {e}. The checkpoint may be damaged "
+                       "or from an incompatible version; try an earlier one.")
+        err.__cause__ = e
+    code, reasons = _agree_outcome(err)
+    if code != _OK:
+        return code, reasons, err
+    try:
+        _apply_rank_file(path, train_state, manifest, payload)
+    except SyncwiseError as e:
+        err = e
+    except Exception as e:
+        err = _Damaged(f"the per-rank state of checkpoint {path} does not load: {type(e).__name__}: {e}")
+        err.__cause__ = e
+    code, reasons = _agree_outcome(err)
+    return code, reasons, err
+
+
+def _broadcast_text(text: str | None) -> str:
+    if not _dist_on():
+        return text or ""
+    box = [text]
+    dist.broadcast_object_list(box, src=0)
+    return box[0] or ""
+
+
 def load(path_or_auto: str | os.PathLike, train_state: TrainState, *,
          directory: str | os.PathLike | None = None) -> int:
-    """Restore ``train_state`` from a checkpoint; return its step.
+    """Restore ``train_state`` from a checkpoint; return its step. Collective when distributed.
 
-    ``path_or_auto`` is a checkpoint directory, or 'auto' for the newest valid checkpoint in
-    ``directory`` (returns 0 and changes nothing if there is none). Rank 0 verifies the checkpoint
-    (manifest, sizes, sha256) and all ranks follow its choice. Global state loads through DCP at
-    any world size the sharding allows; per-rank state loads only at the world size it was written
-    with (otherwise a warning, and it is skipped). A missing/damaged explicit checkpoint or one
-    from a different model raises ``SyncwiseError``.
+    ``path_or_auto`` is a checkpoint directory, or 'auto' for the newest checkpoint in ``directory``
+    that loads. Rank 0 verifies each candidate (a complete manifest, sizes, sha256); then every rank
+    loads it and all ranks agree on the outcome. With 'auto', a checkpoint that fails (damaged,
+    tampered with, refused by ``weights_only`` on any rank) is skipped on every rank with a warning
+    naming it and the reason, and the previous one is tried. 'auto' returns 0 and changes nothing
+    when ``directory`` holds no published checkpoint; when it holds some but none loads, it raises
+    ``SyncwiseError`` listing them (starting from scratch would later prune the user's saved
+    checkpoints). An explicit path that fails raises ``SyncwiseError`` (never a silent substitute),
+    and so does a checkpoint from a different model, also with 'auto'. Global state loads through
+    DCP at any world size the sharding allows; per-rank state loads only at the world size it was
+    written with (otherwise a warning, and it is skipped).
     """
     rank, world = _rank_world()
     auto = isinstance(path_or_auto, str) and path_or_auto == "auto"
     if auto and directory is None:
         raise ConfigError("directory", None, "the checkpoint directory to search when loading 'auto'")
-    problem, chosen, step = None, None, 0
-    if rank == 0:
-        if auto:
-            chosen = storage.latest_valid(directory)
-        else:
-            chosen = Path(path_or_auto)
-            problem = storage.verify_checkpoint(chosen)
-        if chosen is not None and problem is None:
-            try:
-                step = int(storage.read_manifest(chosen)["step"])
-            except (KeyError, TypeError, ValueError) as e:
-                problem = f"{chosen / storage.MANIFEST} has no valid step ({e})"
-    # status: 0 load, 1 nothing to load, 2 invalid; rank 0 decides so all ranks act alike
-    status = 2 if problem else (1 if chosen is None else 0)
-    if _dist_on():
-        t = torch.tensor([status, step], dtype=torch.int64)
-        ops.broadcast(t, src=0)
-        status, step = int(t[0]), int(t[1])
-    if status == 1:
-        log.info("no valid checkpoint in %s: starting from scratch", directory)
-        return 0
-    if status == 2:
-        raise SyncwiseError(
-            f"cannot load checkpoint {path_or_auto}: {problem or 'rank 0 found it missing or damaged'}. "
-            "Pass a published step_* directory, or 'auto' to use the newest valid checkpoint.")
-    path = Path(directory) / storage.step_dirname(step) if auto else Path(path_or_auto)
-    manifest = storage.read_manifest(path)
-    _check_compatible(path, train_state, manifest)
-    state = dict(train_state.global_components)
-    try:
-        dcp.load(state, storage_reader=storage.make_safe_reader(path), planner=storage.make_safe_planner(),
-                 **_no_dist_kw(dcp.load))
-    except SyncwiseError:
-        raise
-    except Exception as e:
-        raise SyncwiseError(f"loading checkpoint {path} failed: {type(e).__name__}: {e}. The checkpoint "
-                            "may be damaged or from an incompatible version; try an earlier one.") from e
-    _load_rank_file(path, train_state, manifest)
-    log.info("restored checkpoint %s (step %d, saved by %s ranks, now %d)", path, step,
-             manifest.get("world_size"), world)
-    return step
+    candidates = storage.published_checkpoints(directory) if auto and rank == 0 else []
+    next_candidate = 0
+    tried: list[str] = []  # rank 0: every candidate that failed, with why
+    while True:
+        # rank 0 picks the next candidate that verifies, so all ranks act alike
+        status, step, problem = _TRY, 0, None
+        if rank == 0:
+            chosen = None
+            if auto:
+                while chosen is None and next_candidate < len(candidates):
+                    path = candidates[next_candidate]
+                    next_candidate += 1
+                    problem = storage.verify_checkpoint(path)
+                    if problem is None:
+                        chosen = path
+                    else:
+                        log.warning("skipping checkpoint %s: %s; falling back to the previous checkpoint",
+                                    path, problem)
+                        tried.append(f"{path.name}: {problem}")
+                if chosen is not None:
+                    step = storage.step_of(chosen)
+                elif not candidates:
+                    status = _NOTHING
+                else:
+                    status = _EXHAUSTED
+                    problem = (
+                        f"no checkpoint in {directory} can be loaded; tried, newest first: {' | '.join(tried)}. "
+                        "They are left as they are. syncwise does not start from scratch over saved checkpoints "
+                        "(the new run's checkpoints would replace them): to start afresh, move them out of "
+                        f"{directory} or use a new run/checkpoint directory; to resume, repair or restore one.")
+            else:
+                problem = storage.verify_checkpoint(path_or_auto)
+                if problem is None:
+                    step = int(storage.read_manifest(path_or_auto)["step"])  # verified: an int
+                else:
+                    status = _INVALID
+                    problem = (f"cannot load checkpoint {path_or_auto}: {problem}. Pass a published step_* "
+                               "directory, or 'auto' to use the newest valid checkpoint.")
+        if _dist_on():
+            t = torch.tensor([status, step], dtype=torch.int64, device=_ctl_device())
+            ops.broadcast(t, src=0)
+            status, step = int(t[0]), int(t[1])
+        if status == _NOTHING:
+            log.info("no checkpoint in %s: starting from scratch", directory)
+            return 0
+        if status in (_INVALID, _EXHAUSTED):
+            raise SyncwiseError(_broadcast_text(problem))
+        path = Path(directory) / storage.step_dirname(step) if auto else Path(path_or_auto)
+        code, reasons, err = _try_load(path, train_state)
+        if code == _OK:
+            manifest = storage.read_manifest(path)
+            log.info("restored checkpoint %s (step %d, saved by %s ranks, now %d)", path, step,
+                     manifest.get("world_size"), world)
+            return step
+        if code == _INCOMPATIBLE or not auto:
+            if err is not None:
+                raise err
+            raise SyncwiseError(f"cannot load checkpoint {path}: {'; '.join(reasons)}")
+        why = "; ".join(reasons)
+        log.warning("checkpoint %s could not be loaded (%s); falling back to the previous checkpoint", path, why)
+        tried.append(f"{path.name}: {why}")
