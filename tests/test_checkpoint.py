@@ -534,3 +534,43 @@ def test_two_ranks_fall_back_together_when_only_one_rank_file_is_bad(tmp_path):
         assert "step_00000002" in warning and "rank 1: refused to load" in warning
         assert explicit is not None and "refused to load" in explicit and "rank_00001.pt" in explicit
         assert not code_ran
+
+
+def test_abandoned_checkpoints_are_pruned_and_never_overwritten(tmp_path, caplog):
+    _saved_run(tmp_path, 4, interval=1, max_checkpoints=3, async_save=False)  # step_2, step_3, step_4
+    # abandoned timelines of earlier resumes, one of them of step 4 again
+    for name in ("step_00000001.abandoned", "step_00000004.abandoned", "step_00000009.abandoned"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "mine.txt").write_text(name)
+    model = _model()
+    ts, *_ = _train_state(model, residual=torch.zeros(3))
+    ck = SmartCheckpointer(tmp_path, interval=1, max_checkpoints=3, async_save=False)
+    assert load(tmp_path / "step_00000002", ts) == 2
+    with caplog.at_level(logging.WARNING, logger="syncwise.checkpoint"):
+        ck.save(3, ts)  # resumed from step 2: step 4 belongs to an abandoned timeline now
+    ck.close()
+    assert [p.name for p in storage.published_checkpoints(tmp_path)] == ["step_00000003", "step_00000002"]
+    # the earlier abandoned step 4 is kept beside the new one; beyond 3, the lowest step is removed
+    assert sorted(p.name for p in tmp_path.glob("*.abandoned")) == [
+        "step_00000004.2.abandoned", "step_00000004.abandoned", "step_00000009.abandoned"]
+    assert (tmp_path / "step_00000004.abandoned" / "mine.txt").read_text() == "step_00000004.abandoned"
+    assert storage.verify_checkpoint(tmp_path / "step_00000004.2.abandoned") is None
+    assert "removing abandoned checkpoint" in caplog.text and "step_00000001.abandoned" in caplog.text
+    assert not (tmp_path / "step_00000001.abandoned").exists()
+
+
+def test_replaced_leftover_of_a_crashed_resave_is_restored_or_removed(tmp_path, caplog):
+    import shutil
+
+    _saved_run(tmp_path, 4, interval=1, max_checkpoints=3, async_save=False)  # step_2, step_3, step_4
+    # a crash between the two renames of a re-save left step 2 only as step_2.replaced ...
+    (tmp_path / "step_00000002").rename(tmp_path / "step_00000002.replaced")
+    # ... and a stale copy of step 4 next to its published checkpoint
+    shutil.copytree(tmp_path / "step_00000004", tmp_path / "step_00000004.replaced")
+    with caplog.at_level(logging.INFO, logger="syncwise.checkpoint"):
+        SmartCheckpointer(tmp_path, interval=1, max_checkpoints=3, async_save=False).close()
+    assert storage.verify_checkpoint(tmp_path / "step_00000002") is None  # restored, not lost
+    assert not list(tmp_path.glob("*.replaced"))
+    assert "restoring" in caplog.text and "stale copy" in caplog.text
+    assert [p.name for p in storage.published_checkpoints(tmp_path)] == [
+        "step_00000004", "step_00000003", "step_00000002"]

@@ -108,6 +108,20 @@ class SmartCheckpointer:
 
     ``should_save`` and ``save`` must be called by all ranks at the same steps (they may issue
     collectives on the default group). Call ``wait()`` (or ``close()``) before exiting.
+
+    What stays on disk (decided by rank 0 each time a checkpoint is published):
+
+    - the newest ``max_checkpoints`` published ``step_*`` checkpoints; older ones are deleted, only
+      ever after a newer one is complete;
+    - checkpoints of steps later than the one just published (the run resumed from an older
+      checkpoint, so they belong to a discarded timeline) are renamed ``step_*.abandoned`` ('auto'
+      never resumes from them; an earlier abandoned copy of the same step is kept, as
+      ``step_*.<n>.abandoned``). The ``max_checkpoints`` abandoned ones with the highest steps — the
+      furthest progress of the discarded timelines — are kept, older ones are deleted with a warning
+      naming them, so they cannot pile up forever;
+    - ``step_*.replaced`` is the previous copy of a step being saved again, normally deleted as soon
+      as the new copy is published. One left by a crash is deleted if the step's checkpoint exists,
+      and renamed back to ``step_*`` if it does not (it is then the only copy of that checkpoint).
     """
 
     def __init__(self, directory: str | os.PathLike, interval: int | str = "dynamic", max_checkpoints: int = 3,
@@ -135,6 +149,7 @@ class SmartCheckpointer:
         if self.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._remove_partials()
+            self._settle_replaced()
         _barrier()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="syncwise-ckpt")
         self._pending: Future | None = None
@@ -283,7 +298,7 @@ class SmartCheckpointer:
             final = self.directory / storage.step_dirname(step)
             old = None
             if final.exists():  # re-saving a step: replace only once the new copy is complete
-                old = final.with_name(final.name + ".replaced")
+                old = final.with_name(final.name + storage.REPLACED_SUFFIX)
                 shutil.rmtree(old, ignore_errors=True)
                 os.rename(final, old)
             os.rename(partial, final)
@@ -299,18 +314,39 @@ class SmartCheckpointer:
         return stats
 
     def _retain(self, newest_step: int) -> None:
+        """Rank 0, after publishing ``newest_step``: apply the retention policy of the class docstring."""
+        self._settle_replaced()
         for p in storage.published_checkpoints(self.directory):
             s = storage.step_of(p)
             if s is not None and s > newest_step:
                 # a later step than the one just published belongs to an abandoned timeline (we
                 # resumed from an older checkpoint): set it aside so 'auto' never resumes from it
-                aside = p.with_name(p.name + ".abandoned")
+                aside = storage.abandoned_name(self.directory, p.name)
                 log.warning("checkpoint %s is newer than the run's current step %d (the run resumed "
                             "from an older checkpoint); moved to %s", p, newest_step, aside)
-                shutil.rmtree(aside, ignore_errors=True)
                 os.rename(p, aside)
         for old in storage.published_checkpoints(self.directory)[self.max_checkpoints:]:
+            log.info("removing checkpoint %s (keeping the newest %d)", old, self.max_checkpoints)
             shutil.rmtree(old, ignore_errors=True)
+        for old in storage.abandoned_checkpoints(self.directory)[self.max_checkpoints:]:
+            log.warning("removing abandoned checkpoint %s (keeping the %d abandoned checkpoints with the highest "
+                        "steps)", old, self.max_checkpoints)
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _settle_replaced(self) -> None:
+        """Rank 0: resolve ``step_*.replaced`` left by a crash while re-saving a step."""
+        for p in sorted(self.directory.glob("step_*" + storage.REPLACED_SUFFIX)):
+            final = p.with_name(p.name[:-len(storage.REPLACED_SUFFIX)])
+            if not p.is_dir() or storage.step_of(final) is None:
+                continue
+            if final.exists():
+                log.info("removing %s, a stale copy of %s (left by an interrupted re-save)", p, final)
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                log.warning("restoring %s from %s: a re-save of that step was interrupted before the new "
+                            "copy was published", final, p)
+                os.rename(p, final)
+                storage.fsync_dir(self.directory)
 
     def _remove_partials(self) -> None:
         for p in self.directory.glob("*" + storage.PARTIAL_SUFFIX):
@@ -325,7 +361,7 @@ class SmartCheckpointer:
         self._pending = self._pending_stats = None
         try:
             pending.result()
-        except Exception as e:
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
             raise SyncwiseError(
                 f"saving the checkpoint of step {stats.step if stats else '?'} in {self.directory} failed: "
                 f"{type(e).__name__}: {e}. The previous checkpoints are untouched; check free disk space "

@@ -13,7 +13,9 @@ It is written as ``step_00000100.partial/`` and published by renaming the finish
 directory named ``step_*`` without ``.partial`` is complete unless the disk later damaged it, which
 the manifest's checksums detect. The manifest must list every file a load reads (``.metadata``, the
 DCP shards, one rank file per rank of its world size), so a manifest that lists nothing cannot
-vouch for a checkpoint.
+vouch for a checkpoint. Beside the published directories live ``step_*.abandoned`` (a later timeline
+set aside after resuming from an older checkpoint, see ``SmartCheckpointer``) and, only after a crash
+while re-saving a step, ``step_*.replaced`` (the previous copy of that step).
 """
 from __future__ import annotations
 
@@ -33,8 +35,12 @@ log = logging.getLogger("syncwise.checkpoint")
 MANIFEST = "manifest.json"
 FORMAT = "syncwise-checkpoint/1"
 PARTIAL_SUFFIX = ".partial"
+ABANDONED_SUFFIX = ".abandoned"
+REPLACED_SUFFIX = ".replaced"
 METADATA = ".metadata"
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
+# step_00000100.abandoned, or step_00000100.2.abandoned when that step was abandoned more than once
+_ABANDONED_RE = re.compile(r"^step_(\d{8,})(?:\.(\d+))?\.abandoned$")
 _SHARD_RE = re.compile(r"^__\d+_\d+\.distcp$")
 _RANK_RE = re.compile(r"^rank_(\d{5,})\.pt$")
 _HASH_CHUNK = 8 << 20
@@ -63,6 +69,30 @@ def published_checkpoints(directory: str | os.PathLike) -> list[Path]:
         return []
     found = [(step_of(p), p) for p in root.iterdir() if p.is_dir() and step_of(p) is not None]
     return [p for _, p in sorted(found, key=lambda sp: sp[0], reverse=True)]
+
+
+def abandoned_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """``step_*.abandoned`` directories, highest step first (the same step abandoned again: latest first)."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _ABANDONED_RE.match(p.name)
+        if m and p.is_dir():
+            found.append(((int(m.group(1)), int(m.group(2) or 1)), p))
+    return [p for _, p in sorted(found, key=lambda kp: kp[0], reverse=True)]
+
+
+def abandoned_name(directory: Path, name: str) -> Path:
+    """A free ``.abandoned`` name for the checkpoint directory ``name``: an earlier abandoned copy of
+    the same step (another timeline) is never overwritten."""
+    aside = directory / (name + ABANDONED_SUFFIX)
+    n = 2
+    while aside.exists():
+        aside = directory / f"{name}.{n}{ABANDONED_SUFFIX}"
+        n += 1
+    return aside
 
 
 def sha256_file(path: Path) -> str:
