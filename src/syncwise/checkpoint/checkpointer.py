@@ -361,7 +361,7 @@ class SmartCheckpointer:
         self._pending = self._pending_stats = None
         try:
             pending.result()
-        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        except Exception as e:
             raise SyncwiseError(
                 f"saving the checkpoint of step {stats.step if stats else '?'} in {self.directory} failed: "
                 f"{type(e).__name__}: {e}. The previous checkpoints are untouched; check free disk space "
