@@ -218,7 +218,7 @@ class SmartCheckpointer:
         """Max over ranks (on the default group, from the main thread), so all ranks decide alike."""
         if not _dist_on():
             return values
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=_ctl_device())
         ops.all_reduce(t, "max")
         return t.tolist()
 
