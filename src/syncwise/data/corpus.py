@@ -5,6 +5,7 @@ for nanoGPT files, which stay memory-mapped); loaders convert to int64 one batch
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -67,7 +68,37 @@ def load_corpus(spec: str = "stdlib", val_fraction: float = 0.05,
     files are memory-mapped and never capped. The stdlib corpus is cached under ``cache_dir``
     (default ``$SYNCWISE_CACHE_DIR`` or ``~/.cache/syncwise``).
     """
-    if not isinstance(val_fraction, (int, float)) or not 0.0 <= val_fraction < 1.0:
+    kind, path, files = _source(spec, val_fraction, max_bytes)
+    if kind == "stdlib":
+        return _load_stdlib(val_fraction, max_bytes, cache_dir)
+    if kind == "bin":
+        return _load_bin(path, str(spec), val_fraction)
+    train, val, counts = _text_tokens(files, str(spec), path, val_fraction, max_bytes)
+    capped = f", capped at {max_bytes:,} bytes" if max_bytes is not None and train.size + val.size >= max_bytes else ""
+    return Corpus(torch.from_numpy(train), torch.from_numpy(val), 256, path.name or str(spec),
+                  f"byte-level text from {path} ({len(files)} file(s){capped})", True, counts)
+
+
+def corpus_sizes(spec: str = "stdlib", val_fraction: float = 0.05, max_bytes: int | None = DEFAULT_MAX_BYTES,
+                 cache_dir: str | os.PathLike | None = None) -> tuple[int, int, int | None]:
+    """(train tokens, val tokens, vocab size or None when only the tokens tell) of the corpus ``load_corpus``
+    would load, after the same checks (the same ConfigError for a bad spec), but cheap and read-only, to
+    validate a configuration before any worker starts: ``.bin`` files are only stat'ed (their meta is read,
+    their tokens are not), text sources are read as ``load_corpus`` reads them (at most ``max_bytes``), the
+    stdlib's counts come from its cache if there is one and nothing is written."""
+    kind, path, files = _source(spec, val_fraction, max_bytes)
+    if kind == "stdlib":
+        return (*_stdlib_sizes(val_fraction, max_bytes, cache_dir), 256)
+    if kind == "bin":
+        train, val, _ = _bin_split(path, str(spec), val_fraction)
+        return train.size, val.size, _read_vocab_size(path.parent)
+    train, val, _ = _text_tokens(files, str(spec), path, val_fraction, max_bytes)
+    return train.size, val.size, 256
+
+
+def _source(spec: str, val_fraction: float, max_bytes: int | None) -> tuple[str, Path | None, list]:
+    """What ``spec`` names: ('stdlib', None, []), ('bin', token file, []) or ('text', path, [(rel, file)])."""
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0.0 <= val_fraction < 1.0:
         raise ConfigError("data.val_fraction", val_fraction, "a number in [0, 1)")
     if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes <= 0):
         raise ConfigError("data.max_bytes", max_bytes, "a positive number of bytes, or None for no cap")
@@ -75,27 +106,35 @@ def load_corpus(spec: str = "stdlib", val_fraction: float = 0.05,
         raise ConfigError("data.corpus", spec, _ACCEPTED)
     spec = str(spec)
     if spec == "stdlib":
-        return _load_stdlib(val_fraction, max_bytes, cache_dir)
-    path = Path(spec).expanduser()
-    if not path.exists():
-        raise ConfigError("data.corpus", spec, f"{_ACCEPTED}; no such file or folder: {path}")
-    if path.is_dir() and (path / "train.bin").is_file():
-        return _load_bin(path / "train.bin", spec, val_fraction)
-    if path.is_file() and path.suffix == ".bin":
-        return _load_bin(path, spec, val_fraction)
-    if path.is_file():
-        files = [(path.name, path)]
-    else:
+        return "stdlib", None, []
+    try:
+        path = Path(spec).expanduser()
+        if not path.exists():
+            raise ConfigError("data.corpus", spec, f"{_ACCEPTED}; no such file or folder: {path}")
+        if path.is_dir() and (path / "train.bin").is_file():
+            return "bin", path / "train.bin", []
+        if path.is_file():
+            return ("bin" if path.suffix == ".bin" else "text"), path, [(path.name, path)]
+        if not path.is_dir():
+            raise ConfigError("data.corpus", spec, f"{_ACCEPTED}; {path} is neither a regular file nor a folder")
         files = sorted((p.relative_to(path).as_posix(), p) for p in path.rglob("*")
                        if p.is_file() and p.suffix.lower() in TEXT_EXTENSIONS)
-        if not files:
-            raise ConfigError("data.corpus", spec, f"{_ACCEPTED}; the folder {path} has no text files")
-    train, val, counts = _tokenize_files(files, val_fraction, max_bytes)
+    except (OSError, RuntimeError) as e:  # a name too long, a loop of links, '~user' of no user
+        raise ConfigError("data.corpus", spec, f"{_ACCEPTED}; {e}") from None
+    if not files:
+        raise ConfigError("data.corpus", spec, f"{_ACCEPTED}; the folder {path} has no text files")
+    return "text", path, files
+
+
+def _text_tokens(files: list[tuple[str, Path]], spec: str, path: Path, val_fraction: float,
+                 max_bytes: int | None) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
+    try:
+        train, val, counts = _tokenize_files(files, val_fraction, max_bytes)
+    except OSError as e:
+        raise ConfigError("data.corpus", spec, f"{_ACCEPTED}; cannot read {e.filename}: {e.strerror}") from None
     if train.size == 0:
         raise ConfigError("data.corpus", spec, f"{_ACCEPTED}; {path} holds no text (0 bytes)")
-    capped = f", capped at {max_bytes:,} bytes" if max_bytes is not None and train.size + val.size >= max_bytes else ""
-    return Corpus(torch.from_numpy(train), torch.from_numpy(val), 256, path.name or spec,
-                  f"byte-level text from {path} ({len(files)} file(s){capped})", True, counts)
+    return train, val, counts
 
 
 def _is_val(rel_path: str, val_fraction: float) -> bool:
@@ -160,6 +199,24 @@ def default_cache_dir() -> Path:
 
 
 def _load_stdlib(val_fraction: float, max_bytes: int | None, cache_dir: str | os.PathLike | None) -> Corpus:
+    root, train, val, counts = _stdlib_tokens(val_fraction, max_bytes, cache_dir, save=True)
+    capped = max_bytes is not None and train.size + val.size >= max_bytes
+    desc = (f"Python {sys.version_info.major}.{sys.version_info.minor} stdlib sources under {root} "
+            f"({counts['train']} train / {counts['val']} val files, byte-level"
+            + (f", first {max_bytes:,} bytes by sorted path)" if capped else ")"))
+    return Corpus(torch.from_numpy(train), torch.from_numpy(val), 256, "stdlib", desc, True, counts)
+
+
+@functools.lru_cache(maxsize=64)
+def _stdlib_sizes(val_fraction: float, max_bytes: int | None, cache_dir: str | os.PathLike | None) -> tuple[int, int]:
+    # The stdlib does not change while this process runs: validating many configurations reads it once.
+    _, train, val, _ = _stdlib_tokens(val_fraction, max_bytes, cache_dir, save=False)
+    return train.size, val.size
+
+
+def _stdlib_tokens(val_fraction: float, max_bytes: int | None, cache_dir: str | os.PathLike | None,
+                   save: bool) -> tuple[Path, np.ndarray, np.ndarray, dict[str, int]]:
+    """The stdlib's train/val bytes from the cache, else tokenized (and cached if ``save``)."""
     root, files = stdlib_files()
     if not files:
         raise ConfigError("data.corpus", "stdlib",
@@ -181,13 +238,10 @@ def _load_stdlib(val_fraction: float, max_bytes: int | None, cache_dir: str | os
             train = val = None
     if train is None:
         train, val, counts = _tokenize_files(files, val_fraction, max_bytes)
-        _atomic_savez(cache_file, train=train, val=val, n_train_files=counts["train"],
-                      n_val_files=counts["val"])
-    capped = max_bytes is not None and train.size + val.size >= max_bytes
-    desc = (f"Python {sys.version_info.major}.{sys.version_info.minor} stdlib sources under {root} "
-            f"({counts['train']} train / {counts['val']} val files, byte-level"
-            + (f", first {max_bytes:,} bytes by sorted path)" if capped else ")"))
-    return Corpus(torch.from_numpy(train), torch.from_numpy(val), 256, "stdlib", desc, True, counts)
+        if save:
+            _atomic_savez(cache_file, train=train, val=val, n_train_files=counts["train"],
+                          n_val_files=counts["val"])
+    return root, train, val, counts
 
 
 def _atomic_savez(path: Path, **arrays: np.ndarray | int) -> None:
@@ -243,19 +297,25 @@ def _memmap_tokens(path: Path, spec: str) -> np.ndarray:
     return np.memmap(path, dtype=np.uint16, mode="c")
 
 
-def _load_bin(path: Path, spec: str, val_fraction: float) -> Corpus:
-    train = _memmap_tokens(path, spec)
-    val_path = path.with_name("val.bin")
-    if path.name == "train.bin" and val_path.is_file():
-        val = _memmap_tokens(val_path, spec)
-        split = "val.bin"
-    else:
-        # A lone token file: hold out its tail, contiguous, so windows never straddle the cut.
-        cut = int(round(train.size * (1.0 - val_fraction)))
-        train, val = train[:cut], train[cut:]
-        split = f"last {val_fraction:.0%} of the file"
+def _bin_split(path: Path, spec: str, val_fraction: float) -> tuple[np.ndarray, np.ndarray, str]:
+    """Train and val tokens of a token file (memory-mapped, nothing read) and where val comes from."""
+    try:
+        train = _memmap_tokens(path, spec)
+        val_path = path.with_name("val.bin")
+        if path.name == "train.bin" and val_path.is_file():
+            return train, _memmap_tokens(val_path, spec), "val.bin"
+    except OSError as e:
+        raise ConfigError("data.corpus", spec, f"{_ACCEPTED}; cannot read {e.filename}: {e.strerror}") from None
+    # A lone token file: hold out its tail, contiguous, so windows never straddle the cut.
+    cut = int(round(train.size * (1.0 - val_fraction)))
+    train, val = train[:cut], train[cut:]
     if train.size == 0:
         raise ConfigError("data.corpus", spec, f"{_ACCEPTED}; {path} leaves no training tokens")
+    return train, val, f"last {val_fraction:.0%} of the file"
+
+
+def _load_bin(path: Path, spec: str, val_fraction: float) -> Corpus:
+    train, val, split = _bin_split(path, spec, val_fraction)
     vocab = _read_vocab_size(path.parent)
     # Without meta, the largest id seen bounds the vocab (numpy: torch has no max for uint16).
     vocab_size = vocab if vocab is not None else int(max(train.max(), val.max() if val.size else 0)) + 1

@@ -36,6 +36,26 @@ def _check_layout(batch_size: int, seq_len: int, rank: int, world_size: int) -> 
         raise ConfigError("rank", rank, f"an integer in [0, {world_size})")
 
 
+def check_fits(train_tokens: int | None, val_tokens: int | None, batch_size: int, seq_len: int,
+               world_size: int) -> None:
+    """ConfigError unless one step's windows fit the train stream (``batch_size * world_size`` windows of
+    ``seq_len + 1`` tokens at stride ``seq_len``) and one validation batch per rank fits the val stream.
+    Token counts suffice, so a configuration is checked before any worker loads the corpus (None: skip)."""
+    per_step = batch_size * world_size
+    if train_tokens is not None and max(0, (train_tokens - 1) // seq_len) < per_step:
+        raise ConfigError(
+            "data.batch_size", batch_size,
+            f"batch_size * world_size * seq_len + 1 <= corpus tokens; the corpus has "
+            f"{train_tokens:,} tokens = {max(0, (train_tokens - 1) // seq_len)} windows of {seq_len} tokens, "
+            f"fewer than batch_size {batch_size} x world_size {world_size} (use a smaller "
+            "batch_size or seq_len, or a larger corpus)")
+    if val_tokens is not None and max(0, (val_tokens - 1) // seq_len) < per_step:
+        raise ConfigError("data.val_fraction", val_tokens,
+                          f"a validation stream of at least {per_step * seq_len + 1} tokens for "
+                          f"batch_size {batch_size} x world_size {world_size} x seq_len {seq_len} "
+                          "(raise data.val_fraction or lower the eval batch size)")
+
+
 def _gather(tokens: torch.Tensor, window_ids: torch.Tensor, seq_len: int) -> Batch:
     # Slice then widen each window: cheap for B windows, and works for uint8/uint16 storage on
     # every supported torch (advanced indexing and stack of uint16 are missing on older versions).
@@ -55,13 +75,7 @@ class TokenBatchLoader:
             batch_size, seq_len, rank, world_size, int(seed))
         self.n_windows = max(0, (self.tokens.numel() - 1) // seq_len)
         self._per_step = batch_size * world_size
-        if self.n_windows < self._per_step:
-            raise ConfigError(
-                "data.batch_size", batch_size,
-                f"batch_size * world_size * seq_len + 1 <= corpus tokens; the corpus has "
-                f"{self.tokens.numel():,} tokens = {self.n_windows} windows of {seq_len} tokens, "
-                f"fewer than batch_size {batch_size} x world_size {world_size} (use a smaller "
-                "batch_size or seq_len, or a larger corpus)")
+        check_fits(self.tokens.numel(), None, batch_size, seq_len, world_size)
         self._epoch = 0
         self._offset = 0  # windows of this epoch's permutation already consumed by all ranks
         self._position = 0  # batches this rank has produced this epoch
@@ -139,12 +153,8 @@ def evaluation_batches(val_tokens: torch.Tensor | np.ndarray, batch_size: int, s
     tokens = _as_tokens(val_tokens, "data.val")
     n_windows = max(0, (tokens.numel() - 1) // seq_len)
     per_step = batch_size * world_size
+    check_fits(None, tokens.numel(), batch_size, seq_len, world_size)
     steps = min(n_batches, n_windows // per_step)
-    if steps == 0:
-        raise ConfigError("data.val_fraction", tokens.numel(),
-                          f"a validation stream of at least {per_step * seq_len + 1} tokens for "
-                          f"batch_size {batch_size} x world_size {world_size} x seq_len {seq_len} "
-                          "(raise data.val_fraction or lower the eval batch size)")
     total = steps * per_step
     # Evenly spaced windows cover the whole val set, not just its start, whatever n_batches is.
     windows = torch.arange(total, dtype=torch.long) * n_windows // total
