@@ -182,6 +182,27 @@ def param_counts(cfg: ModelConfig) -> tuple[int, int]:
     return total, active
 
 
+def train_memory_bytes(cfg: ModelConfig, batch_size: int, activation_bytes: int = 4,
+                       activation_checkpointing: bool = False) -> int:
+    """A lower bound on one worker's memory for a training step with AdamW at context ``cfg.seq_len``.
+
+    16 bytes per parameter (fp32 weights, gradients and AdamW's two moments) plus what backward keeps
+    per token: in each block at least the two norm inputs and outputs, q/k/v, the rotated q/k and the
+    attention output (10 x d_model) and two MLP hidden activations (the SwiGLU gate and up projections,
+    for MoE blocks of the shared + top_k experts), plus the logits and their gradient; with activation
+    checkpointing only each block's input and one block's activations at a time. Attention scores are
+    not counted (SDPA's fused kernels need not store them), nor the framework's own overhead, so a
+    configuration above this bound cannot run; one below it may still not fit.
+    """
+    d = cfg.d_model
+    blocks = [10 * d + 2 * ((cfg.n_shared_experts + cfg.top_k) * cfg.moe_hidden if cfg.layer_is_moe(i)
+                            else cfg.ffn_hidden) for i in range(cfg.n_layers)]
+    per_token = (cfg.n_layers * d + max(blocks)) if activation_checkpointing else sum(blocks)
+    per_token += 2 * cfg.vocab_size
+    total, _ = param_counts(cfg)
+    return 16 * total + activation_bytes * batch_size * cfg.seq_len * per_token
+
+
 def flops_per_token(cfg: ModelConfig | str, seq_len: int | None = None) -> float:
     """Training FLOPs per token (forward + backward), for MFU.
 
