@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -73,13 +74,20 @@ def _convert(spec: str, key: str, raw: str, typ: Any) -> Any:
                 return False
             raise ValueError(raw)
         if typ is int:
-            return int(raw)
+            value = int(raw)
+            if not -2**63 <= value < 2**63:  # what a torch tensor or generator can hold
+                raise ValueError(raw)
+            return value
         if typ is float:
-            return float(raw)
+            value = float(raw)
+            if not math.isfinite(value):
+                raise ValueError(raw)
+            return value
         return typ(raw)
     except ValueError:
         name = getattr(typ, "__name__", str(typ))
-        raise ConfigError("compress", spec, f"{key}= takes a {name} value, got {raw!r}") from None
+        name = {"int": "an int64", "float": "a finite float"}.get(name, f"a {name}")
+        raise ConfigError("compress", spec, f"{key}= takes {name} value, got {raw!r}") from None
 
 
 def parse_compress_spec(spec: str) -> Compressor:

@@ -62,8 +62,11 @@ def _timed_hook(timer, bucket):  # no annotations: DDP rejects string annotation
 
 
 TORCH_HOOKS = {"allreduce": 4, "fp16": 2, "bf16": 2, "powersgd": None}  # name -> bytes per element sent
-_TORCH_POWERSGD_KEYS = {"rank": ("matrix_approximation_rank", int), "start_iter": ("start_powerSGD_iter", int),
-                        "min_compression_rate": ("min_compression_rate", float)}
+# spec key -> (PowerSGDState argument, type, lowest, highest): torch needs start_powerSGD_iter > 1 with error
+# feedback or warm start (both on by default); ranks and iteration counts are kept within int32.
+_TORCH_POWERSGD_KEYS = {"rank": ("matrix_approximation_rank", int, 1, 2**31 - 1),
+                        "start_iter": ("start_powerSGD_iter", int, 2, 2**31 - 1),
+                        "min_compression_rate": ("min_compression_rate", float, 0, 10**9)}
 
 
 @dataclass
@@ -87,7 +90,9 @@ class TorchHookSpec:
         if not spec.startswith("torch-"):
             return None
         name, _, rest = spec[len("torch-"):].partition(":")
-        accepted = "torch-allreduce, torch-fp16, torch-bf16, torch-powersgd[:rank=R,start_iter=N,min_compression_rate=X]"
+        accepted = ("torch-allreduce, torch-fp16, torch-bf16, torch-powersgd[:rank=R,start_iter=N,"
+                    "min_compression_rate=X] with " + ", ".join(f"{k} in [{lo}, {hi}]" for k, (_, _, lo, hi)
+                                                              in _TORCH_POWERSGD_KEYS.items()))
         if name not in TORCH_HOOKS or (rest and name != "powersgd"):
             raise ConfigError("compress", spec, accepted)
         options = {}
@@ -95,10 +100,13 @@ class TorchHookSpec:
             key, _, value = item.partition("=")
             if key not in _TORCH_POWERSGD_KEYS:
                 raise ConfigError("compress", spec, accepted)
+            _, typ, lo, hi = _TORCH_POWERSGD_KEYS[key]
             try:
-                options[key] = _TORCH_POWERSGD_KEYS[key][1](value)
+                options[key] = typ(value)
             except ValueError:
                 raise ConfigError("compress", spec, accepted) from None
+            if not lo <= options[key] <= hi:  # NaN fails this too
+                raise ConfigError("compress", spec, accepted)
         return TorchHookSpec(name, options)
 
     def state_and_hook(self, process_group=None):

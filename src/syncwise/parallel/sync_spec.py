@@ -7,6 +7,7 @@ pipesgd: every step's gradient all-reduce overlaps the next step's compute (``pi
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -16,6 +17,11 @@ from ..errors import ConfigError
 
 EVERY_STEP = "every-step"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Bounds: an average at least every MAX_PERIOD steps, warm-up within train.steps' own bound, and an outer step
+# of at most MAX_OUTER_LR x the averaged pseudo-gradient (DiLoCo uses 0.7; far above 1 every average overshoots).
+MAX_PERIOD = 1_000_000
+MAX_WARMUP = 1_000_000_000
+MAX_OUTER_LR = 10.0
 # method -> defaults; DiLoCo's outer optimizer follows the paper (lr 0.7, Nesterov momentum 0.9).
 METHODS = {
     "localsgd": {"period": 16, "outer_lr": 1.0, "momentum": 0.0, "nesterov": False, "delay": 0,
@@ -72,15 +78,15 @@ class SyncSpec:
                 raise ConfigError(field_name, spec, f"keys of {method}: {', '.join(values)} ({ACCEPTED})")
             options[key] = values[key] = _coerce(field_name, spec, key, text, values[key])
         out = SyncSpec(method, options=options, **values)
-        checks = [(out.period >= 1, "period", "an integer ≥ 1"),
+        checks = [(1 <= out.period <= MAX_PERIOD, "period", f"an integer ≥ 1 and ≤ {MAX_PERIOD:,}"),
                   (0 <= out.delay <= out.period, "delay", f"an integer in [0, period] = [0, {out.period}]"),
-                  (out.warmup >= 0, "warmup", "an integer ≥ 0"),
-                  (out.outer_lr > 0, "outer_lr", "a positive number"),
+                  (0 <= out.warmup <= MAX_WARMUP, "warmup", f"an integer in [0, {MAX_WARMUP:,}]"),
+                  (0 < out.outer_lr <= MAX_OUTER_LR, "outer_lr", f"a number in (0, {MAX_OUTER_LR:g}]"),
                   (0 <= out.momentum < 1, "momentum", "a number in [0, 1)"),
                   (out.dtype in DTYPES, "dtype", "one of " + ", ".join(DTYPES))]
         for ok, key, accepted in checks:
             if not ok:
-                raise ConfigError(f"{field_name} ({key})", spec, accepted)
+                raise ConfigError(field_name, spec, f"{key}: {accepted}")
         return out
 
 
@@ -90,10 +96,13 @@ def _coerce(field_name: str, spec: str, key: str, text: str, default: Any) -> An
             if text.lower() not in ("true", "false", "1", "0"):
                 raise ValueError
             return text.lower() in ("true", "1")
-        return type(default)(text)
+        value = type(default)(text)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError
+        return value
     except ValueError:
-        kind = {bool: "true or false", int: "an integer", float: "a number"}.get(type(default), "a name")
-        raise ConfigError(f"{field_name} ({key})", spec, kind) from None
+        kind = {bool: "true or false", int: "an integer", float: "a finite number"}.get(type(default), "a name")
+        raise ConfigError(field_name, spec, f"{key}: {kind}") from None
 
 
 class SyncStrategy:
