@@ -14,7 +14,7 @@ from syncwise.cli import main
     (["--nproc", "1000"], "dist.nproc"),
     (["--train.lr=fast"], "train.lr"),
     (["--compress", "zip"], "compress"),
-    (["--ckpt.interval=5m"], "ckpt.interval"),
+    (["--ckpt.interval=5 minutes"], "ckpt.interval"),
     (["--nosuchsection.key=1"], "nosuchsection.key"),
 ])
 def test_bad_config_fails_before_any_worker_with_a_clear_message(argv, field, tmp_path, capsys):

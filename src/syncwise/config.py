@@ -2,12 +2,18 @@
 
 Every field carries its documentation and its accepted values in the field metadata, so
 ``syncwise train --help`` lists them and a bad value fails here — before any worker starts — with
-one message naming the field, the value and what is accepted.
+one message naming the field, the value and what is accepted. Every number is finite and bounded:
+a field's own bound is its ``check``; rules between fields and rules that look outside the config
+(presets, specs, the corpus, checkpoints, devices, memory) are in ``check_references``, which asks
+each rule's owner (the spec parsers, the corpus loader, the batch loader, the checkpoint store) and
+reports its answer under the config key, with the value as the user gave it.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import math
 import os
 import re
 import types
@@ -32,29 +38,78 @@ def option(default: Any, doc: str, accepted: str = "", check: Optional[Callable[
     return field(default=default, metadata=meta)
 
 
-def _positive(v: Any) -> bool:
-    return v > 0
-
-
-def _non_negative(v: Any) -> bool:
-    return v >= 0
+def _in(lo: float, hi: float) -> Callable[[Any], bool]:
+    return lambda v: lo <= v <= hi
 
 
 def _one_of(*choices: str) -> tuple[str, Callable[[Any], bool]]:
     return "one of: " + ", ".join(choices), lambda v: v in choices
 
 
-_INTERVAL_RE = re.compile(r"^(0|[1-9]\d*|[1-9]\d*(\.\d+)?s|dynamic)$")
-_FAULT_RE = re.compile(r"^(kill:rank=\d+,step=[1-9]\d*|kill:step=[1-9]\d*,rank=\d+|"
-                       r"nan:step=[1-9]\d*(,rank=\d+)?|nan:rank=\d+,step=[1-9]\d*)$")
+# Bounds (each documented in its field's `accepted` text).
 _MAX_LOCAL_WORKERS = 4 * (os.cpu_count() or 1)
+_MAX_STEPS = 10**9          # steps, warm-up, validation interval, checkpoint interval: beyond any run
+_MAX_SEQ_LEN = 2**20        # a sanity cap; the real limits are the corpus and memory (check_references)
+_MAX_BATCH = 2**20
+_MAX_NODES = 1024           # nodes of a torchrun job
+_MAX_TIMEOUT_S = 7 * 24 * 3600.0  # one week: datetime.timedelta and gloo's millisecond timeouts hold it
+_MAX_SECONDS = 1e9          # checkpoint interval and MTBF: ~32 years
+
+
+def _seconds(v: float) -> str:
+    return f"{v:,.0f} s"
+
+
+def _interval_ok(v: str) -> bool:
+    """'0' (only at the end) or what the checkpointer's own parse_interval accepts, within bounds."""
+    if v == "0":
+        return True
+    if len(v) > 32:
+        return False
+    from .checkpoint.interval import parse_interval  # the owner of the grammar (imported when used)
+
+    try:
+        kind, value = parse_interval(v)
+    except (ConfigError, ValueError):
+        return False
+    return kind == "dynamic" or 0 < value <= (_MAX_STEPS if kind == "steps" else _MAX_SECONDS)
+
+
+_NNODES_RE = re.compile(r"^([1-9][0-9]{0,3})(?::([1-9][0-9]{0,3}))?$")
+
+
+def _nnodes(v: str) -> Optional[tuple[int, int]]:
+    m = _NNODES_RE.match(v)
+    if not m:
+        return None
+    lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+    return (lo, hi) if lo <= hi <= _MAX_NODES else None
+
+
+def _run_dir_ok(v: str) -> bool:
+    """'' or a directory that exists (writable) or can be created: read-only, nothing is made here."""
+    if v == "":
+        return True
+    try:
+        p = Path(v)  # as the run uses it: no '~' expansion (a shell does that)
+        if "\0" in v or any(len(os.fsencode(part)) > 255 for part in p.parts):
+            return False
+        if p.exists():
+            return p.is_dir() and os.access(p, os.W_OK | os.X_OK)
+        for parent in p.absolute().parents:  # the nearest existing ancestor is where it would be made
+            if parent.exists():
+                return parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)
+    except (OSError, ValueError):  # a loop of links, a NUL byte
+        pass
+    return False
 
 
 @dataclass
 class ModelSection:
     """[model] which network to train."""
 
-    preset: str = option("small", "model preset (see `syncwise models`): tiny, tiny-moe, small, medium, large, ...")
+    preset: str = option("small", "model preset (see `syncwise models`): tiny, tiny-moe, small, medium, large, ...",
+                         "a preset name (see `syncwise models`)")
     attention: str = option("default", "attention kind: 'default' (the preset's), 'mha', or 'mla' "
                             "(multi-head latent attention)", *_one_of("default", "mha", "mla"))
 
@@ -64,37 +119,50 @@ class DataSection:
     """[data] what to train on and how it is batched."""
 
     corpus: str = option("stdlib", "'stdlib' (this machine's Python standard library sources, no download), a "
-                         "text file or folder, or a folder with nanoGPT train.bin/val.bin")
-    seq_len: int = option(128, "tokens per sequence", "an integer ≥ 2", lambda v: v >= 2)
-    batch_size: int = option(8, "sequences per micro-batch per worker", "a positive integer", _positive)
+                         "text file or folder, or a folder with nanoGPT train.bin/val.bin",
+                         "'stdlib', a non-empty text file, a folder with text files, or a folder with train.bin")
+    seq_len: int = option(128, "tokens per sequence (the model's context: RoPE, no fixed maximum)",
+                          f"an integer from 2 to {_MAX_SEQ_LEN:,}; one step's batch_size × workers windows of "
+                          "seq_len + 1 tokens must fit the corpus' train and val streams, and the step must fit "
+                          "this machine's memory per worker", _in(2, _MAX_SEQ_LEN))
+    batch_size: int = option(8, "sequences per micro-batch per worker",
+                             f"an integer from 1 to {_MAX_BATCH:,} (and fitting the corpus and memory, as "
+                             "data.seq_len)", _in(1, _MAX_BATCH))
     val_fraction: float = option(0.05, "share of the corpus held out for validation", "a number in (0, 0.5]",
                                  lambda v: 0 < v <= 0.5)
-    prefetch: int = option(2, "batches prefetched by a background thread (0 = off)", "an integer ≥ 0",
-                           _non_negative)
+    prefetch: int = option(2, "batches prefetched by a background thread (0 = off)",
+                           "an integer from 0 to 64 (batches held in memory ahead of the step)", _in(0, 64))
 
 
 @dataclass
 class TrainSection:
     """[train] the optimisation loop."""
 
-    steps: int = option(200, "optimizer steps to run", "a positive integer", _positive)
-    lr: float = option(2e-3, "peak learning rate (AdamW)", "a positive number", _positive)
+    steps: int = option(200, "optimizer steps to run", f"an integer from 1 to {_MAX_STEPS:,}", _in(1, _MAX_STEPS))
+    lr: float = option(2e-3, "peak learning rate (AdamW)",
+                       "a number in (0, 10] (AdamW moves every weight by about lr per step: more always diverges)",
+                       lambda v: 0 < v <= 10)
     min_lr_ratio: float = option(0.1, "final LR of the cosine decay, as a fraction of the peak", "a number in [0, 1]",
-                                 lambda v: 0 <= v <= 1)
-    warmup_steps: int = option(20, "linear LR warm-up steps", "an integer ≥ 0", _non_negative)
-    weight_decay: float = option(0.1, "AdamW weight decay (matrices only)", "a number ≥ 0", _non_negative)
+                                 _in(0, 1))
+    warmup_steps: int = option(20, "linear LR warm-up steps", f"an integer from 0 to {_MAX_STEPS:,}",
+                               _in(0, _MAX_STEPS))
+    weight_decay: float = option(0.1, "AdamW weight decay (matrices only)",
+                                 "a number in [0, 10] with lr × weight_decay < 1 (AdamW scales the weights by "
+                                 "1 − lr × weight_decay every step)", _in(0, 10))
     grad_accum: int = option(1, "micro-batches per optimizer step (only the last one communicates)",
-                             "a positive integer", _positive)
-    clip_grad: float = option(1.0, "gradient-norm clipping threshold (0 = off)", "a number ≥ 0", _non_negative)
+                             "an integer from 1 to 65,536", _in(1, 65536))
+    clip_grad: float = option(1.0, "gradient-norm clipping threshold (0 = off)", "a number in [0, 1e6] (0 = off)",
+                              _in(0, 1e6))
     mixed_precision: str = option("none", "autocast dtype: none, bf16, fp16 (GPU, with GradScaler), auto",
                                   *_one_of("none", "bf16", "fp16", "auto"))
     compile: bool = option(False, "torch.compile the model (kernel fusion)", "true or false")
     activation_checkpointing: bool = option(False, "recompute each block's activations in backward",
                                             "true or false")
-    seed: int = option(1337, "random seed (model init and data order)", "an integer ≥ 0", _non_negative)
-    val_interval: int = option(50, "validate every N steps (0 = only at the end)", "an integer ≥ 0",
-                               _non_negative)
-    val_batches: int = option(4, "batches per validation", "a positive integer", _positive)
+    seed: int = option(1337, "random seed (model init and data order)",
+                       "an integer from 0 to 4,294,967,295 (2³² − 1: numpy's seed range)", _in(0, 2**32 - 1))
+    val_interval: int = option(50, "validate every N steps (0 = only at the end)",
+                               f"an integer from 0 to {_MAX_STEPS:,}", _in(0, _MAX_STEPS))
+    val_batches: int = option(4, "batches per validation", "an integer from 1 to 10,000", _in(1, 10_000))
     deterministic: bool = option(False, "deterministic algorithms (bit-exact resume)", "true or false")
 
 
@@ -104,19 +172,22 @@ class DistSection:
 
     nproc: int = option(2, "local worker processes (started by torchrun's elastic agent)",
                         f"an integer from 1 to {_MAX_LOCAL_WORKERS} (4 × this machine's cores)",
-                        lambda v: 1 <= v <= _MAX_LOCAL_WORKERS)
+                        _in(1, _MAX_LOCAL_WORKERS))
     backend: str = option("auto", "process-group backend: auto (nccl on GPU, else gloo), gloo, nccl",
-                          *_one_of("auto", "gloo", "nccl"))
-    bucket_cap_mb: float = option(25.0, "DDP gradient bucket size in MB", "a positive number", _positive)
-    timeout_s: float = option(300.0, "a collective that takes longer fails with a message", "a positive number",
-                              _positive)
+                          "one of: auto, gloo, nccl (nccl only where CUDA is available)",
+                          lambda v: v in ("auto", "gloo", "nccl"))
+    bucket_cap_mb: float = option(25.0, "DDP gradient bucket size in MB", "a number in (0, 10000]",
+                                  lambda v: 0 < v <= 10_000)
+    timeout_s: float = option(300.0, "a collective that takes longer fails with a message",
+                              f"a number of seconds from 1 to {_seconds(_MAX_TIMEOUT_S)} (one week)",
+                              _in(1, _MAX_TIMEOUT_S))
     lab: bool = option(False, "run across the network lab's nodes (`syncwise cluster up` first)", "true or false")
     max_restarts: int = option(0, "worker-group restarts torchrun's agent may do after a failure (each resumes "
-                               "from the newest valid checkpoint)", "an integer ≥ 0", _non_negative)
+                               "from the newest valid checkpoint)", "an integer from 0 to 1,000", _in(0, 1000))
     nnodes: str = option("1", "nodes of the elastic job, 'N' or 'MIN:MAX' as torchrun's --nnodes",
-                         "'N' or 'MIN:MAX' with 1 ≤ MIN ≤ MAX",
-                         lambda v: bool(re.match(r"^[1-9]\d*(:[1-9]\d*)?$", v)) and
-                         int(v.split(":")[0]) <= int(v.split(":")[-1]))
+                         f"'N' or 'MIN:MAX' with 1 ≤ MIN ≤ MAX ≤ {_MAX_NODES}; MIN = 1 on a local run (no other "
+                         "node can join it) and '1' with --lab (the lab sets its nodes)",
+                         lambda v: _nnodes(v) is not None)
 
 
 @dataclass
@@ -124,40 +195,44 @@ class CompressSection:
     """[compress] gradient communication."""
 
     method: str = option("none", "gradient compression NAME[:key=value,...], e.g. fp16, powersgd:rank=4, "
-                         "topk:ratio=0.01 (list below); torch-fp16, torch-powersgd:rank=4 ... use PyTorch's own hooks")
+                         "topk:ratio=0.01 (list below); torch-fp16, torch-powersgd:rank=4 ... use PyTorch's own hooks",
+                         "a compressor spec (list below)")
     min_numel: int = option(4096, "tensors with fewer elements (norms, biases) are sent uncompressed",
-                            "an integer ≥ 0", _non_negative)
+                            "an integer from 0 to 2,147,483,647", _in(0, 2**31 - 1))
     sync: str = option("every-step", "how often replicas synchronise: every-step (gradient all-reduce), or local SGD "
                        "/ DiLoCo every H steps: localsgd:period=16, diloco:period=16,delay=4,dtype=bf16, "
                        "torch-localsgd:period=16 (PyTorch's averager), pipesgd[:dtype=fp16] (all-reduce overlapped "
-                       "with the next step); see docs/compression.md")
+                       "with the next step); see docs/compression.md", "a sync spec (see docs/compression.md)")
 
 
 @dataclass
 class CheckpointSection:
     """[ckpt] saving and resuming."""
 
-    interval: str = option("dynamic", "save every N steps, every Ns seconds, or 'dynamic' (Young/Daly from the "
-                           "measured save cost and mtbf_s); 0 = only at the end",
-                           "an integer ≥ 0, a duration like '300s', or 'dynamic'",
-                           lambda v: bool(_INTERVAL_RE.match(str(v))))
-    keep: int = option(3, "checkpoints kept (the newest valid one is never deleted)", "a positive integer",
-                       _positive)
+    interval: str = option("dynamic", "save every N steps, every '300s' / '5m' / '2h', or 'dynamic' (Young/Daly "
+                           "from the measured save cost and mtbf_s); 0 = only at the end",
+                           f"0, N steps, a duration like '300s', '5m' or '2h' (at most {_MAX_STEPS:,} steps or "
+                           f"{_seconds(_MAX_SECONDS)}), or 'dynamic'", _interval_ok)
+    keep: int = option(3, "checkpoints kept (the newest valid one is never deleted)", "an integer from 1 to 1,000",
+                       _in(1, 1000))
     async_save: bool = option(True, "write checkpoints in the background while training goes on", "true or false")
     compression: bool = option(False, "compress checkpoint files", "true or false")
-    mtbf_s: float = option(14400.0, "mean time between failures for the 'dynamic' interval", "a positive number",
-                           _positive)
+    mtbf_s: float = option(14400.0, "mean time between failures for the 'dynamic' interval",
+                           f"a number of seconds from 1 to {_seconds(_MAX_SECONDS)}", _in(1, _MAX_SECONDS))
 
 
 @dataclass
 class RunConfig:
     """Everything one `syncwise train` run needs."""
 
-    run_dir: str = option("", "directory for metrics.jsonl, summary.json, checkpoints (default: a new runs/DATE-TIME)")
-    resume: str = option("none", "'auto' (newest valid checkpoint in run_dir, if any), a checkpoint path, or 'none'")
+    run_dir: str = option("", "directory for metrics.jsonl, summary.json, checkpoints (default: a new runs/DATE-TIME)",
+                          "'' (a new runs/DATE-TIME) or a writable directory, existing or creatable (not a file)",
+                          _run_dir_ok)
+    resume: str = option("none", "'auto' (newest valid checkpoint in run_dir, if any), a checkpoint path, or 'none'",
+                         "'auto', 'none', or a published checkpoint directory (RUN_DIR/checkpoints/step_N)")
     inject_fault: list = option([], "fault injections for tests/demos, e.g. kill:rank=1,step=30 or nan:step=5",
-                                "a list of 'kill:rank=R,step=S' or 'nan:step=S[,rank=R]' with S ≥ 1",
-                                lambda v: all(_FAULT_RE.match(s) for s in v))
+                                "a list of 'kill:rank=R,step=S' or 'nan:step=S[,rank=R]' with 1 ≤ S ≤ train.steps and "
+                                "R < the job's workers", lambda v: all(isinstance(s, str) for s in v))
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
@@ -209,7 +284,10 @@ def _coerce(path: str, value: Any, typ: type, from_text: bool) -> Any:
         except ValueError:
             raise ConfigError(path, value, accepted) from None
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer beyond any float
+            raise ConfigError(path, value, "a finite number") from None
     if typ is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
@@ -219,7 +297,8 @@ def _coerce(path: str, value: Any, typ: type, from_text: bool) -> Any:
 
 def _validate(path: str, f: dataclasses.Field, value: Any) -> None:
     check = f.metadata.get("check")
-    if check is not None and not check(value):
+    finite = not isinstance(value, float) or math.isfinite(value)  # no NaN or ±inf, in any float field
+    if not finite or (check is not None and not check(value)):
         raise ConfigError(path, value, f.metadata.get("accepted") or "see `syncwise train --help`")
 
 
@@ -249,12 +328,14 @@ def load_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError("--config", str(path), "an existing .toml or .json file")
+    kind = "JSON" if p.suffix == ".json" else "TOML"
     try:
-        if p.suffix == ".json":
-            return json.loads(p.read_text())
-        return tomllib.loads(p.read_text())
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError("--config", str(path), f"a valid {p.suffix.lstrip('.').upper()} file ({e})") from None
+        values = json.loads(p.read_text()) if kind == "JSON" else tomllib.loads(p.read_text())
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad syntax, bad UTF-8, a 5,000-digit number
+        raise ConfigError("--config", str(path), f"a readable, valid {kind} file ({e})") from None
+    if not isinstance(values, dict):
+        raise ConfigError("--config", str(path), f"a {kind} file of [section] tables (an object at the top)")
+    return values
 
 
 def build_config(file_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
@@ -273,38 +354,188 @@ def build_config(file_values: dict[str, Any] | None = None, overrides: dict[str,
     return cfg
 
 
+@contextlib.contextmanager
+def _as_field(key: str, text: Any):
+    """Report an owner's ConfigError (a spec parser's, the corpus loader's ...) under the config key ``key``,
+    with the value as the user gave it (``text``), keeping the owner's description of what is accepted."""
+    try:
+        yield
+    except ConfigError as e:
+        raise ConfigError(key, text, e.accepted) from None
+
+
+def _get(cfg: RunConfig, key: str) -> Any:
+    obj = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _blame(cfg: RunConfig, *keys: str) -> str:
+    """Of fields that break a rule together, the first one set away from its default (else the first)."""
+    default = RunConfig()
+    return next((k for k in keys if _get(cfg, k) != _get(default, k)), keys[0])
+
+
+def _workers(cfg: RunConfig) -> tuple[int, int, int]:
+    """(workers on this machine, fewest and most workers in the job) of the job ``cfg`` describes."""
+    try:  # a worker of a running torchrun job: it knows the job
+        world = int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
+        if world >= 1 and 1 <= local <= world:
+            return local, world, world
+    except (KeyError, ValueError):
+        pass
+    if cfg.dist.lab:  # the lab's node count is the running lab's, known when the job starts
+        from .lab.cluster import MAX_NODES
+
+        return cfg.dist.nproc, cfg.dist.nproc, cfg.dist.nproc * MAX_NODES
+    return cfg.dist.nproc, cfg.dist.nproc, cfg.dist.nproc
+
+
+def _memory_per_worker(cfg: RunConfig, local_workers: int) -> tuple[int, str]:
+    """Bytes one worker can have: one GPU's memory, or this machine's memory (or cgroup limit) shared."""
+    import torch
+
+    if cfg.dist.backend != "gloo" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory, "GPU memory"
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        total = min(total, int(limit)) if limit.isdigit() else total
+    except OSError:
+        pass
+    return total // local_workers, f"memory ({total / 2**30:.1f} GiB shared by {local_workers} worker(s))"
+
+
 def check_references(cfg: RunConfig) -> None:
-    """Checks that look outside the config itself: presets, compressor specs, data paths, devices."""
+    """Rules between fields and rules that look outside the config: presets, specs (by their own parsers),
+    faults, checkpoints, devices, nodes, the corpus (does a step's batch fit it) and memory (does it fit).
+    Nothing is written and no worker is started; the corpus loader reads at most its byte cap."""
     from .models import PRESETS  # imported here: config must stay importable without torch work at import
 
     if cfg.model.preset not in PRESETS:
         raise ConfigError("model.preset", cfg.model.preset, "one of: " + ", ".join(PRESETS))
-    if cfg.data.corpus != "stdlib" and not Path(cfg.data.corpus).expanduser().exists():
-        raise ConfigError("data.corpus", cfg.data.corpus,
-                          "'stdlib' or the path of an existing text file, text folder, or folder with train.bin")
     from .compress import parse_compress_spec
     from .parallel import SyncSpec, TorchHookSpec
 
-    # These raise ConfigError naming the spec.
-    TorchHookSpec.parse(cfg.compress.method) or parse_compress_spec(cfg.compress.method)
-    sync = SyncSpec.parse(cfg.compress.sync)
+    with _as_field("compress.method", cfg.compress.method):
+        TorchHookSpec.parse(cfg.compress.method) or parse_compress_spec(cfg.compress.method)
+    with _as_field("compress.sync", cfg.compress.sync):
+        sync = SyncSpec.parse(cfg.compress.sync)
     if sync is not None and cfg.compress.method != "none":
         raise ConfigError("compress.sync", cfg.compress.sync, "every-step when compress.method is set (local SGD "
                           f"sends pseudo-gradients, not gradients; got compress.method={cfg.compress.method})")
     if sync is not None and sync.method == "pipesgd" and cfg.train.mixed_precision == "fp16":
         raise ConfigError("compress.sync", cfg.compress.sync, "every-step or localsgd/diloco with fp16 mixed "
                           "precision (a loss-scaled gradient applied one step late would meet another scale)")
-    if cfg.resume not in ("none", "auto") and not Path(cfg.resume).expanduser().exists():
-        raise ConfigError("resume", cfg.resume, "'auto', 'none', or the path of an existing checkpoint directory")
-    for spec in cfg.inject_fault:
-        if spec.startswith("kill") and cfg.dist.max_restarts == 0:
-            raise ConfigError("inject_fault", spec, "a kill only with --max-restarts ≥ 1 (else the run just dies)")
-    if cfg.train.mixed_precision == "fp16":
-        import torch
+    if cfg.train.lr * cfg.train.weight_decay >= 1:
+        key = _blame(cfg, "train.weight_decay", "train.lr")
+        raise ConfigError(key, _get(cfg, key), f"lr × weight_decay < 1 (AdamW scales the weights by 1 − lr × "
+                          f"weight_decay every step; lr={cfg.train.lr:g}, weight_decay={cfg.train.weight_decay:g})")
+    local, fewest, most = _workers(cfg)
+    from .train.faults import Fault
 
-        if not torch.cuda.is_available():
-            raise ConfigError("train.mixed_precision", "fp16", "none, bf16 or auto on a machine without a GPU "
-                              "(fp16 needs CUDA and a GradScaler)")
+    for spec in cfg.inject_fault:
+        with _as_field("inject_fault", spec):
+            fault = Fault.parse(spec)
+        if fault.step > cfg.train.steps:
+            raise ConfigError("inject_fault", spec, f"a step S ≤ train.steps ({cfg.train.steps}): a fault at a "
+                              "later step would never fire")
+        if fault.rank is not None and fault.rank >= most:
+            raise ConfigError("inject_fault", spec, f"a rank R below the job's {most} worker(s) (dist.nproc × "
+                              "nodes): no worker has that rank")
+        if fault.kind == "kill" and cfg.dist.max_restarts == 0:
+            raise ConfigError("inject_fault", spec, "a kill only with --max-restarts ≥ 1 (else the run just dies)")
+    if cfg.resume not in ("none", "auto"):
+        from .checkpoint.storage import verify_checkpoint  # the checkpoint store's own rule (no checksums here)
+
+        try:
+            problem = verify_checkpoint(Path(cfg.resume), checksums=False)  # the path as the loader takes it
+        except (OSError, ValueError) as e:
+            problem = str(e)
+        if problem:
+            raise ConfigError("resume", cfg.resume, "'auto', 'none', or a published checkpoint directory "
+                              f"(RUN_DIR/checkpoints/step_N with its manifest.json): {problem}")
+    min_nodes = _nnodes(cfg.dist.nnodes)[0]
+    if cfg.dist.lab and cfg.dist.nnodes != "1":
+        raise ConfigError("dist.nnodes", cfg.dist.nnodes, "'1' with --lab: the lab's nodes are the ones "
+                          "`syncwise cluster up --nodes N` made")
+    if not cfg.dist.lab and min_nodes > 1 and "WORLD_SIZE" not in os.environ:
+        raise ConfigError("dist.nnodes", cfg.dist.nnodes, "'1' or '1:MAX' on a local run: its rendezvous is on "
+                          "127.0.0.1, so no other node can ever join and it would wait forever for MIN nodes "
+                          "(multi-node: --lab, or torchrun on every node)")
+    import torch
+
+    if cfg.dist.backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("dist.backend", "nccl", "auto or gloo on a machine without CUDA (nccl needs GPUs)")
+    if cfg.train.mixed_precision == "fp16" and not torch.cuda.is_available():
+        raise ConfigError("train.mixed_precision", "fp16", "none, bf16 or auto on a machine without a GPU "
+                          "(fp16 needs CUDA and a GradScaler)")
+    _check_data_and_memory(cfg, local, fewest)
+
+
+def _check_data_and_memory(cfg: RunConfig, local: int, fewest: int) -> None:
+    """Does one step's batch fit the corpus (the batch loader's rule, from token counts) and this machine?"""
+    from .data import check_fits, corpus_sizes
+    from .models import resolve_config, train_memory_bytes
+
+    d = cfg.data
+    with _as_field("data.corpus", d.corpus):
+        train_tokens, val_tokens, vocab = corpus_sizes(d.corpus, d.val_fraction)
+    rules = [((train_tokens, None), ("data.seq_len", "data.batch_size", "dist.nproc", "data.corpus")),
+             ((None, val_tokens), ("data.val_fraction", "data.seq_len", "data.batch_size", "dist.nproc", "data.corpus"))]
+    for (train, val), keys in rules:
+        try:
+            check_fits(train, val, d.batch_size, d.seq_len, fewest)
+        except ConfigError as e:
+            key = _blame(cfg, *keys)
+            raise ConfigError(key, _get(cfg, key), e.accepted) from None
+    overrides: dict[str, Any] = {"seq_len": d.seq_len, "vocab_size": vocab or 256}
+    if cfg.model.attention != "default":
+        overrides["attention"] = cfg.model.attention
+    key = _blame(cfg, "model.attention", "model.preset")
+    with _as_field(key, _get(cfg, key)):  # the model's own validation of this shape
+        model = resolve_config(cfg.model.preset, **overrides)
+    need = train_memory_bytes(model, d.batch_size, 4 if cfg.train.mixed_precision == "none" else 2,
+                              cfg.train.activation_checkpointing)
+    have, what = _memory_per_worker(cfg, local)
+    if need > have:
+        key = _blame(cfg, "data.seq_len", "data.batch_size", "model.preset", "dist.nproc")
+        raise ConfigError(key, _get(cfg, key), f"a step that fits: {cfg.model.preset} at batch_size {d.batch_size} × "
+                          f"seq_len {d.seq_len} needs at least {need / 2**30:,.1f} GiB per worker (weights, AdamW "
+                          f"state, activations), more than the {have / 2**30:,.1f} GiB of {what}; lower "
+                          "batch_size or seq_len, or turn on train.activation_checkpointing")
+
+
+def format_config(cfg: RunConfig) -> str:
+    """The resolved configuration as TOML: what `syncwise train --check` prints, and `--config` reads back."""
+    sections = _sections()
+    lines = ["# syncwise train: resolved configuration (validated; nothing was started or written)"]
+    lines += [f"{f.name} = {_toml(getattr(cfg, f.name))}" for f in dataclasses.fields(cfg) if f.name not in sections]
+    for name in sections:
+        section = getattr(cfg, name)
+        lines += ["", f"[{name}]"] + [f"{f.name} = {_toml(getattr(section, f.name))}"
+                                     for f in dataclasses.fields(section)]
+    return "\n".join(lines)
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)  # floats are finite here: repr is a TOML float
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    out = []
+    for ch in str(value):  # a TOML basic string; control and line-breaking characters escaped
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or 0x7F <= ord(ch) <= 0x9F or ch in "\u2028\u2029" or 0xD800 <= ord(ch) <= 0xDFFF:
+            out.append(f"\\u{ord(ch):04X}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
 
 
 def describe_fields() -> str:
@@ -316,12 +547,17 @@ def describe_fields() -> str:
             lines.append(f"[{f.name}]")
             for sf in dataclasses.fields(section):
                 flag = f"--{f.name}.{sf.name}={getattr(section, sf.name)}"
-                lines.append(f"  {flag:<38} {sf.metadata.get('doc', '')}")
+                lines.append(f"  {flag:<38} {_help(sf)}")
         else:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             flag = f"--{f.name}={default}"
-            lines.append(f"  {flag:<38} {f.metadata.get('doc', '')}")
+            lines.append(f"  {flag:<38} {_help(f)}")
     return "\n".join(lines)
+
+
+def _help(f: dataclasses.Field) -> str:
+    doc, accepted = f.metadata.get("doc", ""), f.metadata.get("accepted", "")
+    return f"{doc} [{accepted}]" if accepted and accepted != "true or false" else doc
 
 
 # Named flags of `syncwise train` and the config key each one sets.

@@ -8,9 +8,10 @@ import shutil
 import sys
 from pathlib import Path
 
-from ..config import RunConfig, add_train_arguments, build_config, describe_fields, load_file, overrides_from_args
+from ..config import (RunConfig, add_train_arguments, build_config, describe_fields, format_config, load_file,
+                      overrides_from_args)
 from .. import rundir
-from ..errors import SyncwiseError
+from ..errors import ConfigError, SyncwiseError
 from ..rundir import RunDirLock
 
 
@@ -18,6 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..compress import describe_compressors
 
     add_train_arguments(parser)
+    parser.add_argument("--check", action="store_true", help="validate everything checked before workers "
+                        "start and print the resolved configuration (TOML); start nothing, write nothing")
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = ("Every configuration field can be set as --section.key=value (or in a TOML file):\n"
                      + describe_fields() + "\n\nGradient compressors (--compress NAME[:key=value,...]):\n"
@@ -140,6 +143,14 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     cfg = build_config(load_file(args.config) if args.config else None, overrides_from_args(args, extra))
+    if args.check:  # the run directory's checks are read-only; it is neither created nor locked
+        try:
+            if cfg.run_dir:
+                _check_run_dir(cfg, Path(cfg.run_dir))
+        except SyncwiseError as e:
+            raise ConfigError("run_dir", cfg.run_dir, f"a directory this run may use ({e})") from None
+        print(format_config(cfg))
+        return 0
     try:
         lock = prepare_run_dir(cfg)
     except RunFinished as e:
