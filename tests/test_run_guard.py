@@ -86,3 +86,29 @@ def test_ctrl_c_ends_with_where_it_stopped_and_how_to_resume(tmp_path):
     line = next(x for x in err.splitlines() if "interrupted" in x)
     assert "interrupted (SIGINT) at step" in line and "last checkpoint step" in line
     assert f"syncwise train --run-dir {run} --resume auto" in line
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MiB tmpfs: a tiny run fills it within a few checkpoints (needs root, as CI and the lab have)."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_full_disk_ends_with_syncwise_message_and_keeps_saved_checkpoints(small_disk):
+    run = small_disk / "run"
+    proc = _syncwise("--run-dir", str(run), "--nproc", "2", "--steps", "60", *TINY)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 2, err
+    assert "Traceback" not in err and "JSONDecodeError: Expecting" not in err.split("could not read")[0]
+    # torch.save may say "No space left on device" or only "unexpected pos ..."; the hint names the cause
+    assert "saving the checkpoint of step" in err and "is full: 0.0 MiB free" in err
+    from syncwise.checkpoint.storage import latest_valid
+    assert latest_valid(run / "checkpoints") is not None  # what was saved before the disk filled is intact

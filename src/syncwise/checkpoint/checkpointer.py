@@ -247,20 +247,23 @@ class SmartCheckpointer:
             partial.mkdir(parents=True)
         _barrier()  # the .partial directory exists for everyone
 
-        self._write_rank_file(partial, step, train_state)
         writer_kwargs: dict[str, Any] = {"sync_files": True}
         if self._extension is not None:
             writer_kwargs["_extensions"] = [self._extension]
         writer = dcp.FileSystemWriter(str(partial), **writer_kwargs)
         state = dict(train_state.global_components)  # DCP calls state_dict() on each Stateful
         upload: Future | None = None
-        if self.async_save and not blocking:
-            resp = dcp.async_save(state, storage_writer=writer, process_group=self._save_pg,
-                                  **_no_dist_kw(dcp.async_save))
-            # torch>=2.9 may return AsyncSaveResponse(staging_completion, upload_completion)
-            upload = getattr(resp, "upload_completion", resp)
-        else:
-            dcp.save(state, storage_writer=writer, **_no_dist_kw(dcp.save))
+        try:
+            self._write_rank_file(partial, step, train_state)
+            if self.async_save and not blocking:
+                resp = dcp.async_save(state, storage_writer=writer, process_group=self._save_pg,
+                                      **_no_dist_kw(dcp.async_save))
+                # torch>=2.9 may return AsyncSaveResponse(staging_completion, upload_completion)
+                upload = getattr(resp, "upload_completion", resp)
+            else:
+                dcp.save(state, storage_writer=writer, **_no_dist_kw(dcp.save))
+        except (Exception, dcp.CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            raise save_failed(step, self.directory, e) from e
         stats = SaveStats(step=step, blocking_s=time.perf_counter() - t0)
         self._pending_stats = stats
         self._pending = self._executor.submit(self._finish, upload, step, partial, t0, stats, train_state)
@@ -361,11 +364,8 @@ class SmartCheckpointer:
         self._pending = self._pending_stats = None
         try:
             pending.result()
-        except Exception as e:
-            raise SyncwiseError(
-                f"saving the checkpoint of step {stats.step if stats else '?'} in {self.directory} failed: "
-                f"{type(e).__name__}: {e}. The previous checkpoints are untouched; check free disk space "
-                "and write permissions of the checkpoint directory.") from e
+        except (Exception, dcp.CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            raise save_failed(stats.step if stats else None, self.directory, e) from e
         if stats is not None:
             self.history.append(stats)
         return stats
@@ -389,6 +389,20 @@ class SmartCheckpointer:
         step = load(path_or_auto, train_state, directory=self.directory)
         self._anchor_step = step
         return step
+
+
+def save_failed(step: int | None, directory: Path, e: BaseException) -> SyncwiseError:
+    """One readable paragraph for a failed save: DCP's exception carries every rank's whole traceback."""
+    cause = e
+    failures = getattr(e, "failures", None)  # CheckpointException: {rank: (exception, stack)}
+    if failures:
+        first = next(iter(failures.values()))
+        cause = first[0] if isinstance(first, tuple) else first
+    text = str(cause).strip().splitlines()
+    return SyncwiseError(
+        f"saving the checkpoint of step {step if step is not None else '?'} in {directory} failed: "
+        f"{type(cause).__name__}: {text[0] if text else ''}{storage.disk_full_hint(directory)}. The previous "
+        "checkpoints are untouched; check free disk space and write permissions of the checkpoint directory.")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import logging
 import os
 import pickle
 import re
+import shutil
 import zlib
 from pathlib import Path
 from typing import IO, Any
@@ -116,6 +117,19 @@ def fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def disk_full_hint(path: str | os.PathLike) -> str:
+    """' (the disk holding PATH is full: N MiB free)' when under 16 MiB are left there, else ''.
+    torch.save on a full disk says only 'unexpected pos 704 vs 598'."""
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        free = shutil.disk_usage(p).free
+    except OSError:
+        return ""
+    return f" (the disk holding {path} is full: {free / 2**20:.1f} MiB free)" if free < 16 * 2**20 else ""
 
 
 def write_manifest(directory: Path, info: dict[str, Any]) -> dict[str, Any]:

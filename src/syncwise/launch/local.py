@@ -45,7 +45,7 @@ def run_local(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int 
         # The agent logs every worker failure with a full traceback; syncwise reports failures itself. Its
         # modules' loggers carry their own levels, so each is quietened, not just the parent.
         for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
-            if name.startswith("torch.distributed.elastic"):
+            if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
                 logging.getLogger(name).setLevel(logging.CRITICAL)
     min_nodes, max_nodes = parse_nnodes(nnodes)
     config = LaunchConfig(
