@@ -90,6 +90,7 @@ def test_truncated_newest_checkpoint_falls_back_to_previous(tmp_path, capfd):
     ckpts = sorted((run / "checkpoints").glob("step_*"))
     assert [c.name for c in ckpts] == ["step_00000006", "step_00000008", "step_00000010"]  # keep-last-3
     corrupt_checkpoint(ckpts[-1], mode="truncate")
+    (run / "summary.json").unlink()  # as if it died after its last save: a finished run is not resumed
     before = _rows(run)
     assert main(["train", "--run-dir", str(run), *COMMON, "--resume", "auto"]) == 0
     assert "resumed from step 8" in capfd.readouterr().out

@@ -145,7 +145,7 @@ class SmartCheckpointer:
         # DCP's async collectives run in a background thread: give them their own gloo group so
         # they cannot interleave with the training's collectives on the default group (gloo
         # matches collectives by issue order per group; mixing them would mismatch or hang).
-        self._save_pg = dist.new_group(backend="gloo") if _dist_on() and self.async_save else None
+        self._save_pg = ops.new_group(backend="gloo", desc="checkpoint") if _dist_on() and self.async_save else None
         if self.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._remove_partials()

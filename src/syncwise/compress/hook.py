@@ -70,7 +70,7 @@ class CompressionHookState:
             ranks = (dist.get_process_group_ranks(process_group) if process_group is not None
                      else list(range(dist.get_world_size())))
             backend = dist.get_backend(process_group)
-            self.comm_group = dist.new_group(ranks=ranks, backend=backend)
+            self.comm_group = ops.new_group(ranks=ranks, backend=backend, desc="compress")
         else:
             self.comm_group = process_group
         if isinstance(param_names, nn.Module):

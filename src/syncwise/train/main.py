@@ -36,6 +36,7 @@ def init_distributed(cfg: RunConfig) -> torch.device:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    ops.set_collective_timeout(cfg.dist.timeout_s)  # every group syncwise creates gets the job's timeout
     if "RANK" in os.environ and not dist.is_initialized():
         backend = "nccl" if use_cuda else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.dist.timeout_s),

@@ -29,6 +29,7 @@ from torch import nn
 from ..checkpoint import ModelOptimizerState, RNGState, SmartCheckpointer, TrainState
 from ..comm import ops
 from ..comm.stats import STATS, CommStats
+from ..comm.watchdog import Watchdog
 from ..errors import SyncwiseError
 from ..metrics import MetricsLogger, mfu, peak_flops, peak_memory_mb, read_jsonl
 from ..parallel import TorchHookSpec, apply_activation_checkpointing, apply_data_parallel, build_sync
@@ -99,6 +100,8 @@ class OptimizedTrainer:
                  checkpointer: Optional[SmartCheckpointer] = None, inject_faults: Optional[list[str]] = None,
                  collective_timeout_s: Optional[float] = None, sync: Any = None):
         self.rank, self.world_size = _world()
+        if collective_timeout_s:
+            ops.set_collective_timeout(collective_timeout_s)  # also for the groups the hook creates below
         self.device = device or next(model.parameters()).device
         self.grad_accum_steps, self.clip_grad_norm, self.val_interval = grad_accum_steps, clip_grad_norm, val_interval
         self.model = model.to(self.device)  # the plain module: evaluation, checkpoints, router updates
@@ -125,6 +128,7 @@ class OptimizedTrainer:
         self.total_steps = 0
         self.tokens_seen = 0
         self.skipped_steps: list[int] = []
+        self.watchdog: Optional[Watchdog] = None  # hang reports; runs during train() when distributed
         self.phase = "start"  # what the step is doing, for the message when a collective hangs
 
     # ----------------------------------------------------------------------------------------- public API
@@ -149,6 +153,9 @@ class OptimizedTrainer:
         if redone is not None:
             logger.note(f"resumed from step {self.step}; {redone} step(s) after it are redone")
         batches = _forever(loader)
+        if self.world_size > 1 and self.collective_timeout_s:
+            self.watchdog = Watchdog(self.collective_timeout_s, self.rank, self.world_size,
+                                     Path(self.run_dir) / "heartbeats" if self.run_dir else None)
         history: list[StepResult] = []
         val_loss = None
         started = time.perf_counter()
@@ -180,6 +187,10 @@ class OptimizedTrainer:
                 self.checkpointer.close()
         except RuntimeError as e:
             raise self._explain_hang(e) from e
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.close()
+                self.watchdog = None
         summary = self._summary(history, val_loss, time.perf_counter() - started)
         if self.checkpointer is not None:
             # This rank's save costs (rank 0's total_s runs until the checkpoint is published).
@@ -249,14 +260,29 @@ class OptimizedTrainer:
         logged = read_jsonl(Path(self.run_dir) / "metrics.jsonl") if self.run_dir and self.rank == 0 else []
         return max(0, max((r.get("step", 0) for r in logged), default=step) - step)
 
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        self._phase = value
+        if self.watchdog is not None:
+            self.watchdog.at(self.step + 1, value)
+
     def _explain_hang(self, e: RuntimeError) -> Exception:
         text = str(e).lower()
-        if "timed out" in text or "timeout" in text:
-            return SyncwiseError(
-                f"rank {self.rank}: a collective during {self.phase} of step {self.step + 1} did not complete "
-                f"within the {self.collective_timeout_s or 'configured'} s timeout — another rank probably died "
-                f"or hangs. Check the other workers' logs; raise --dist.timeout_s if steps are legitimately slow.")
-        return e
+        if "timed out" not in text and "timeout" not in text:
+            return e
+        failed = ops.last_failed()
+        what = failed.describe() if failed is not None else (
+            "DDP's gradient all-reduce on process group 'default'" if "gradient sync" in self.phase else None)
+        if self.watchdog is not None:
+            return SyncwiseError(self.watchdog.report(failed, what))
+        return SyncwiseError(
+            f"{what or 'a collective'} during {self.phase} of step {self.step + 1} did not "
+            f"complete within the {self.collective_timeout_s or 'configured'} s timeout — another rank probably "
+            "died or hangs. Check the other workers' logs; raise --dist.timeout_s if steps are legitimately slow.")
 
     @torch.no_grad()
     def evaluate(self) -> float:
