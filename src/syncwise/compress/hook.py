@@ -169,6 +169,7 @@ def _direct_single_collective(state: CompressionHookState, bucket: dist.GradBuck
     work = ops.all_reduce(wire, "sum", group=group, async_op=True)
 
     def finish(fut: torch.futures.Future) -> torch.Tensor:
+        fut.value()  # re-raises a failed (timed-out) collective: DDP must not apply a half-received bucket
         return buffer.copy_(wire) if cast else buffer.div_(world)
 
     return work.get_future().then(finish)
@@ -190,6 +191,7 @@ def _direct_gather(state: CompressionHookState, bucket: dist.GradBucket):
         state.steps += 1
 
     def finish(fut: torch.futures.Future) -> torch.Tensor:
+        fut.value()  # re-raises a failed (timed-out) collective: DDP must not apply a half-received bucket
         if comp.unpack_sum(gathered, packed, tensors, raw, world):
             comp.count_average(buffer.numel(), keys)
         return buffer
