@@ -25,10 +25,12 @@ def _rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_lock_refuses_a_second_owner_and_names_the_first(tmp_path):
+def test_lock_refuses_a_second_owner_and_names_the_first(tmp_path, capsys):
     with RunDirLock(tmp_path / "run"):
         with pytest.raises(SyncwiseError, match=rf"in use by another syncwise run \(pid {os.getpid()} on"):
             RunDirLock(tmp_path / "run").acquire()
+        assert main(["train", "--check", "--run-dir", str(tmp_path / "run"), "--preset", "tiny"]) == 2
+        assert "in use by another syncwise run" in capsys.readouterr().err
     RunDirLock(tmp_path / "run").acquire().release()  # released with its owner
 
 

@@ -78,6 +78,23 @@ class RunDirLock:
         self.release()
 
 
+def holder(run_dir: str | os.PathLike) -> Optional[str]:
+    """Who holds the lock of ``run_dir`` right now (None if nobody); creates nothing (``--check``)."""
+    path = Path(run_dir) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    except BlockingIOError:
+        return _describe(os.pread(fd, 4096, 0))
+    finally:
+        os.close(fd)
+
+
 def held_by_launcher(run_dir: str | os.PathLike) -> bool:
     """True in a worker whose launcher (``syncwise train``) holds the lock of ``run_dir``."""
     return os.environ.get(LOCKED_ENV) == str(Path(run_dir).resolve())

@@ -40,7 +40,7 @@ def prepare_run_dir(cfg: RunConfig) -> RunDirLock:
     # Lock first, look second: two runs started together cannot both find the directory empty.
     lock = RunDirLock(run_dir).acquire()
     try:
-        _check_run_dir(cfg, run_dir)
+        check_run_dir(cfg, run_dir)
         cfg.save(run_dir / "config.json")
     except BaseException:
         lock.release()
@@ -48,7 +48,7 @@ def prepare_run_dir(cfg: RunConfig) -> RunDirLock:
     return lock
 
 
-def _check_run_dir(cfg: RunConfig, run_dir: Path) -> None:
+def check_run_dir(cfg: RunConfig, run_dir: Path) -> None:
     previous = rundir.contents(run_dir)
     if previous and cfg.resume == "none":
         # Even config.json + logs/ alone (a run that died at start-up) are someone's: never overwritten.
@@ -144,12 +144,18 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
 
     cfg = build_config(load_file(args.config) if args.config else None, overrides_from_args(args, extra))
     if args.check:  # the run directory's checks are read-only; it is neither created nor locked
+        note = ""
         try:
             if cfg.run_dir:
-                _check_run_dir(cfg, Path(cfg.run_dir))
+                busy = rundir.holder(cfg.run_dir)
+                if busy:
+                    raise SyncwiseError(f"it is in use by another syncwise run ({busy})")
+                check_run_dir(cfg, Path(cfg.run_dir))
+        except RunFinished as e:
+            note = f"\n# note: {e}"  # valid; `syncwise train` would say so and exit 0
         except SyncwiseError as e:
             raise ConfigError("run_dir", cfg.run_dir, f"a directory this run may use ({e})") from None
-        print(format_config(cfg))
+        print(format_config(cfg) + note)
         return 0
     try:
         lock = prepare_run_dir(cfg)
