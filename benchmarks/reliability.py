@@ -16,14 +16,24 @@ Local (2 workers on this host, `syncwise train` in a subprocess):
     python benchmarks/reliability.py --runs 2 --kills 5 --steps 60
 Two lab nodes, one worker each (builds its own lab, prefix ``rlab``, and takes it down afterwards):
     python benchmarks/reliability.py --lab --runs 2 --kills 5 --steps 60
+
+Hostile mode (``--hostile``): faults a user meets, across compressors and sync strategies, each counted as
+tried / recovered / bit-exact / reported within the timeout — external SIGKILL of a random worker at a random
+moment (torchrun restarts the group, which resumes), SIGSTOP of a random worker (the other rank must report
+the hang within --dist.timeout_s + 5 s, naming the stopped rank), NaN on one rank (the step is skipped on
+every rank, the run finishes), a disk that fills during a save (a syncwise message, earlier checkpoints
+intact), and two runs started 0.3 s apart in one run directory (exactly one refused, the other whole):
+    python benchmarks/reliability.py --hostile --trials 2
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -208,8 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix", default="rlab", help="lab prefix (never the default 'swlab' others use)")
     ap.add_argument("--subnet", default="10.79.0.0/24", help="lab subnet (with --lab)")
     ap.add_argument("--work-dir", default="/tmp/syncwise-reliability", help="run directories (wiped first)")
+    ap.add_argument("--hostile", action="store_true", help="the hostile suite (see above) instead of kill recovery")
+    ap.add_argument("--trials", type=int, default=2, help="--hostile: trials of each fault per configuration")
     ap.add_argument("--out", default=None, help="JSON results (default benchmarks/results/reliability-<mode>.json)")
     args = ap.parse_args(argv)
+    if args.hostile:
+        return hostile_main(args)
     mode = "lab" if args.lab else "local"
     out_path = Path(args.out) if args.out else RESULTS / f"reliability-{mode}.json"
     work = Path(args.work_dir) / mode
@@ -274,6 +288,198 @@ def main(argv: list[str] | None = None) -> int:
               f"({c['steps_idle']} steps)")
     print(f"results: {out_path}")
     return 0 if t["runs_finished"] == t["runs"] and ref["exit_code"] == 0 else 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Hostile mode
+
+HOSTILE_CONFIGS = [["--compress", "none"], ["--compress", "fp16"], ["--compress", "topk:ratio=0.01"], ["--compress", "powersgd:rank=2"],
+                   ["--compress", "fp8:error_feedback=true"], ["--sync", "localsgd:period=2"]]
+HANG_TIMEOUT_S = 5
+
+
+def _hostile_cmd(run_dir: Path, steps: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "syncwise.cli", "train", "--run-dir", str(run_dir), "--nproc", "2",
+            "--preset", "tiny", "--steps", str(steps), "--data.seq_len=32", "--deterministic",
+            "--train.val_interval=0", "--train.val_batches=1", *extra]
+
+
+class _Job:
+    """A `syncwise train` subprocess whose stderr lines are kept with their arrival times."""
+
+    def __init__(self, cmd: list[str]):
+        import threading
+
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        self.lines: list[tuple[float, str]] = []
+        self._pump = threading.Thread(target=lambda: self.lines.extend(
+            (time.monotonic(), x.rstrip()) for x in self.proc.stderr), daemon=True)
+        self._pump.start()
+
+    def workers(self) -> list[int]:
+        out = subprocess.run(["pgrep", "-s", str(self.proc.pid), "-f", "spawn_main"], capture_output=True, text=True)
+        return sorted(int(p) for p in out.stdout.split())  # spawned in local-rank order
+
+    def wait(self, timeout: float) -> object:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return "timeout"
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        self.proc.wait()
+
+    def err(self) -> str:
+        self._pump.join(timeout=5)
+        return "\n".join(x for _, x in self.lines)
+
+
+def _wait_for_step(run_dir: Path, step: int, job: _Job, limit: float = 120) -> bool:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline and job.proc.poll() is None:
+        if len(read_rows(run_dir)) >= step if (run_dir / "metrics.jsonl").exists() else False:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _losses(run_dir: Path) -> list:
+    return [r.get("loss") for r in read_rows(run_dir)]
+
+
+def hostile_kill(work: Path, config: list[str], trial: int, rng: random.Random, ref: list) -> dict:
+    run = work / f"kill-{trial}-{'-'.join(config)[2:].replace(':', '_')}"
+    job = _Job(_hostile_cmd(run, 40, *config, "--ckpt.interval=4", "--max-restarts", "2"))
+    row: dict[str, Any] = {"fault": "SIGKILL", "config": " ".join(config), "trial": trial}
+    at = rng.randrange(6, 30)
+    if not _wait_for_step(run, at, job):
+        job.kill()
+        return {**row, "tried": False, "err": job.err()[-2000:]}
+    rank = rng.randrange(2)
+    os.kill(job.workers()[rank], signal.SIGKILL)
+    code = job.wait(300)
+    steps = [r["step"] for r in read_rows(run)]
+    return {**row, "tried": True, "rank": rank, "after_step": at, "exit_code": code,
+            "recovered": code == 0 and steps == list(range(1, 41)), "bit_exact": _losses(run) == ref}
+
+
+def hostile_stop(work: Path, config: list[str], trial: int, rng: random.Random) -> dict:
+    run = work / f"stop-{trial}-{'-'.join(config)[2:].replace(':', '_')}"
+    job = _Job(_hostile_cmd(run, 100000, *config, "--ckpt.interval=0", f"--dist.timeout_s={HANG_TIMEOUT_S}"))
+    row: dict[str, Any] = {"fault": "SIGSTOP", "config": " ".join(config), "trial": trial}
+    if not _wait_for_step(run, rng.randrange(5, 40), job):
+        job.kill()
+        return {**row, "tried": False, "err": job.err()[-2000:]}
+    rank = rng.randrange(2)
+    os.kill(job.workers()[rank], signal.SIGSTOP)
+    stopped = time.monotonic()
+    deadline = stopped + HANG_TIMEOUT_S + 60
+    report = None
+    while time.monotonic() < deadline and report is None:
+        report = next(((t, x) for t, x in list(job.lines) if "did not complete" in x), None)
+        time.sleep(0.1)
+    job.kill()
+    after = report[0] - stopped if report else None
+    return {**row, "tried": True, "rank": rank, "reported_after_s": after,
+            "reported_within": after is not None and after <= HANG_TIMEOUT_S + 5,
+            "names_rank": report is not None and f"Did not arrive: rank {rank} " in report[1],
+            "report": report[1] if report else job.err()[-2000:]}
+
+
+def hostile_nan(work: Path, config: list[str], trial: int, rng: random.Random) -> dict:
+    run = work / f"nan-{trial}-{'-'.join(config)[2:].replace(':', '_')}"
+    step, rank = rng.randrange(3, 20), rng.randrange(2)
+    job = _Job(_hostile_cmd(run, 20, *config, "--ckpt.interval=0", f"--dist.timeout_s={HANG_TIMEOUT_S}",
+                            "--inject-fault", f"nan:step={step},rank={rank}"))
+    code = job.wait(300)
+    rows = read_rows(run) if (run / "metrics.jsonl").exists() else []
+    skipped = [r["step"] for r in rows if r.get("skipped")]
+    local = "--sync" in config  # local SGD: only the replica that saw the NaN skips (its own step)
+    return {"fault": "NaN on one rank", "config": " ".join(config), "trial": trial, "tried": True, "rank": rank,
+            "step": step, "exit_code": code, "skipped": skipped,
+            "recovered": code == 0 and len(rows) == 20 and (local or skipped == [step])}
+
+
+def hostile_disk_full(work: Path, trial: int) -> dict:
+    mnt = work / f"disk-{trial}"
+    mnt.mkdir(parents=True)
+    row: dict[str, Any] = {"fault": "disk full during save", "config": "--compress none", "trial": trial}
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)]).returncode != 0:
+        return {**row, "tried": False}
+    try:
+        job = _Job(_hostile_cmd(mnt / "run", 60, "--ckpt.interval=2"))
+        code = job.wait(300)
+        err = job.err()
+        from syncwise.checkpoint.storage import latest_valid
+
+        return {**row, "tried": True, "exit_code": code, "traceback": "Traceback" in err,
+                "message": next((x for x in err.splitlines() if "saving the checkpoint" in x), None),
+                "recovered": code == 2 and "Traceback" not in err and "is full" in err
+                and latest_valid(mnt / "run" / "checkpoints") is not None}
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
+
+
+def hostile_concurrent(work: Path, trial: int) -> dict:
+    run = work / f"concurrent-{trial}"
+    first = _Job(_hostile_cmd(run, 30, "--ckpt.interval=5"))
+    time.sleep(0.3)
+    second = _Job(_hostile_cmd(run, 30, "--ckpt.interval=5"))
+    codes = sorted([first.wait(300), second.wait(300)], key=str)
+    refused = [j for j in (first, second) if j.proc.returncode == 2]
+    steps = [r["step"] for r in read_rows(run)] if (run / "metrics.jsonl").exists() else []
+    return {"fault": "two starts 0.3 s apart", "config": "--compress none", "trial": trial, "tried": True,
+            "exit_codes": codes, "recovered": codes == [0, 2] and steps == list(range(1, 31))
+            and "in use by another syncwise run" in refused[0].err()}
+
+
+def hostile_main(args: argparse.Namespace) -> int:
+    work = Path(args.work_dir)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    rng = random.Random(args.seed)
+    results: list[dict] = []
+    for config in HOSTILE_CONFIGS:
+        ref_job = _Job(_hostile_cmd(work / f"ref-{'-'.join(config)[2:].replace(':', '_')}", 40, *config,
+                                    "--ckpt.interval=4"))
+        ref_job.wait(300)
+        ref = _losses(work / f"ref-{'-'.join(config)[2:].replace(':', '_')}")
+        for trial in range(args.trials):
+            for fn in (lambda: hostile_kill(work, config, trial, rng, ref), lambda: hostile_stop(work, config, trial, rng),
+                       lambda: hostile_nan(work, config, trial, rng)):
+                results.append(fn())
+                print(json.dumps({k: v for k, v in results[-1].items() if k not in ("err", "report")}), flush=True)
+    for trial in range(args.trials):
+        for fn in (lambda: hostile_disk_full(work, trial), lambda: hostile_concurrent(work, trial)):
+            results.append(fn())
+            print(json.dumps({k: v for k, v in results[-1].items() if k != "err"}), flush=True)
+    table: dict[str, dict[str, int]] = {}
+    for r in results:
+        t = table.setdefault(r["fault"], {"tried": 0, "recovered": 0, "bit_exact": 0, "hangs_reported_in_time": 0,
+                                          "names_stopped_rank": 0})
+        t["tried"] += bool(r.get("tried"))
+        t["recovered"] += bool(r.get("recovered"))
+        t["bit_exact"] += bool(r.get("bit_exact"))
+        t["hangs_reported_in_time"] += bool(r.get("reported_within"))
+        t["names_stopped_rank"] += bool(r.get("names_rank"))
+    out = Path(args.out) if args.out else RESULTS / "reliability-hostile.json"
+    out.write_text(json.dumps({"command": "python benchmarks/reliability.py --hostile --trials "
+                                          f"{args.trials} --seed {args.seed}", "hang_timeout_s": HANG_TIMEOUT_S,
+                               "summary": table, "runs": results}, indent=1) + "\n")
+    print("| fault | tried | recovered / finished as specified | bit-exact | hang reported ≤ timeout+5 s | names the stopped rank |")
+    print("|---|---|---|---|---|---|")
+    for fault, t in table.items():
+        print(f"| {fault} | {t['tried']} | {t['recovered']} | {t['bit_exact']} | {t['hangs_reported_in_time']} | "
+              f"{t['names_stopped_rank']} |")
+    print(f"results: {out}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ def test_lock_refuses_a_second_owner_and_names_the_first(tmp_path, capsys):
     RunDirLock(tmp_path / "run").acquire().release()  # released with its owner
 
 
+@pytest.mark.slow
 def test_two_runs_started_together_into_one_directory(tmp_path):
     run = tmp_path / "run"
     args = ["--run-dir", str(run), "--nproc", "1", "--steps", "12", *TINY]

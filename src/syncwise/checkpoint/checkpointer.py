@@ -393,16 +393,21 @@ class SmartCheckpointer:
 
 def save_failed(step: int | None, directory: Path, e: BaseException) -> SyncwiseError:
     """One readable paragraph for a failed save: DCP's exception carries every rank's whole traceback."""
-    cause = e
+    return SyncwiseError(
+        f"saving the checkpoint of step {step if step is not None else '?'} in {directory} failed: "
+        f"{first_cause(e)}{storage.disk_full_hint(directory)}. The previous "
+        "checkpoints are untouched; check free disk space and write permissions of the checkpoint directory.")
+
+
+def first_cause(e: BaseException) -> str:
+    """'Type: first line' of an exception; for DCP's CheckpointException (whose text holds every rank's
+    whole traceback), of the first failing rank's exception."""
     failures = getattr(e, "failures", None)  # CheckpointException: {rank: (exception, stack)}
     if failures:
         first = next(iter(failures.values()))
-        cause = first[0] if isinstance(first, tuple) else first
-    text = str(cause).strip().splitlines()
-    return SyncwiseError(
-        f"saving the checkpoint of step {step if step is not None else '?'} in {directory} failed: "
-        f"{type(cause).__name__}: {text[0] if text else ''}{storage.disk_full_hint(directory)}. The previous "
-        "checkpoints are untouched; check free disk space and write permissions of the checkpoint directory.")
+        e = first[0] if isinstance(first, tuple) else first
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -579,8 +584,8 @@ def _try_load(path: Path, train_state: TrainState) -> tuple[int, list[str], Base
                  planner=storage.make_safe_planner(), **_no_dist_kw(dcp.load))
     except SyncwiseError as e:  # raised by a component's load_state_dict: the state does not fit the run
         err = e
-    except Exception as e:
-        err = _Damaged(f"loading checkpoint {path} failed: {type(e).__name__}: {e}. The checkpoint may be damaged "
+    except (Exception, dcp.CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        err = _Damaged(f"loading checkpoint {path} failed: {first_cause(e)}. The checkpoint may be damaged "
                        "or from an incompatible version; try an earlier one.")
         err.__cause__ = e
     code, reasons = _agree_outcome(err)

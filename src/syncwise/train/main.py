@@ -87,7 +87,8 @@ def run_worker(cfg: RunConfig) -> dict[str, Any]:
     try:
         return train_worker(cfg)
     except SyncwiseError as e:
-        print(f"syncwise: rank {os.environ.get('RANK', 0)}: {e}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"syncwise: rank {os.environ.get('RANK', 0)}: {e}\n")  # one write: ranks share the console
+        sys.stderr.flush()
         raise
 
 
