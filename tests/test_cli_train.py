@@ -48,3 +48,28 @@ def test_train_two_workers_end_to_end_and_refuses_to_overwrite(tmp_path, capsys)
     assert main(args) == 2
     assert "already holds a run" in capsys.readouterr().err
     assert (run_dir / "metrics.jsonl").read_text() == before
+
+
+@pytest.mark.parametrize("where", ["file", "flag"])
+def test_misspelled_section_names_it_and_lists_the_sections(where, tmp_path, capsys):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text("[trian]\nsteps = 3\n")
+    argv = ["--config", str(cfg)] if where == "file" else ["--trian.steps=3"]
+    assert main(["train", "--check", *argv]) == 2
+    err = capsys.readouterr().err
+    assert ("'trian'" if where == "file" else "'trian.steps'") in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    for section in ("[model]", "[data]", "[train]", "[dist]", "[compress]", "[ckpt]"):
+        assert section in err, err
+    assert "run_dir" in err and "did you mean [train]?" in err
+
+
+def test_help_lists_the_model_presets_and_no_missing_commands(capsys):
+    from syncwise.models import PRESETS
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    preset_line = next(line for line in out.splitlines() if "--model.preset=" in line)
+    assert all(name in preset_line for name in PRESETS), preset_line
+    assert "syncwise models" not in out and "syncwise launch" not in out

@@ -157,3 +157,63 @@ def test_hierarchical_all_reduce_matches_flat_on_2_nodes_x_2():
     # same inputs everywhere -> the hierarchical results are bit-identical across ranks
     for key in res[0]["cmp"]:
         assert all(out["cmp"][key][0] == res[0]["cmp"][key][0] for out in res)
+
+
+def _list_all_reduce(rank, world):
+    """1 node x 2 procs: a list of tensors, bucketed, equals a per-tensor all-reduce; bad arguments are refused."""
+    ctx = CommContext()
+    out = {}
+    for algorithm in ("flat", "hierarchical"):
+        coll = TopoAwareCollective(ctx, algorithm=algorithm)
+        for op in ("sum", "avg"):
+            g = torch.Generator().manual_seed(rank * 7 + 1)
+            # 48 + 24 float32 bytes share a bucket of 80; the 200-byte vector is bigger than the cap and goes
+            # alone; the float64 one is a bucket of its own dtype. The first is a non-contiguous view.
+            grads = [torch.randn(4, 3, generator=g).t(), torch.randn(2, 3, generator=g),
+                     torch.randn(50, generator=g), torch.randn(5, generator=g, dtype=torch.float64)]
+            refs = [t.clone() for t in grads]
+            for r in refs:
+                all_reduce(r, op)
+            STATS.reset()
+            returned = coll.all_reduce(grads, op=op, bucket_bytes=80)
+            snap = STATS.snapshot()
+            out[(algorithm, op)] = {
+                "same_object": returned is grads, "shapes": [tuple(t.shape) for t in grads],
+                "max_diff": max((t - r).abs().max().item() for t, r in zip(grads, refs)),
+                "all_reduce_calls": snap.get("all_reduce", {}).get("calls"), "last": coll.last_algorithm}
+    # A tuple works as well and is returned as it is; a parameter that requires grad is updated in place.
+    coll = TopoAwareCollective(ctx)
+    w = torch.nn.Parameter(torch.full((3,), float(rank + 1)))
+    pair = (w, torch.tensor([rank], dtype=torch.int32))
+    out["tuple"] = (coll.all_reduce(pair) is pair, w.tolist(), pair[1].tolist())
+    out["empty"] = coll.all_reduce([], op="avg")
+    errors = []
+    for bad, kwargs in (({"w": torch.ones(2)}, {}), ([torch.ones(2), 3.0], {}), (torch.ones(2), {"op": "mean"}),
+                        ([torch.ones(2), torch.ones(2, device="meta")], {}),
+                        ([torch.ones(2), torch.ones(2, dtype=torch.int64)], {"op": "avg"}),
+                        ([torch.ones(2)], {"bucket_bytes": 0}), (None, {})):
+        try:
+            coll.all_reduce(bad, **kwargs)
+        except ConfigError as e:
+            errors.append((e.field, str(e)))
+    out["errors"] = errors
+    ctx.close()
+    return out
+
+
+def test_all_reduce_of_a_tensor_list_is_bucketed_and_equals_per_tensor_all_reduce():
+    res = run_workers(_list_all_reduce, 2, local_world_size=2)
+    for out in res:
+        for (algorithm, op), case in ((k, v) for k, v in out.items() if isinstance(k, tuple)):
+            assert case["same_object"] and case["shapes"] == [(3, 4), (2, 3), (50,), (5,)]
+            assert case["max_diff"] < 1e-6, (algorithm, op, case)
+            assert case["last"] == algorithm
+            if algorithm == "flat":  # one collective per bucket: [48 B + 24 B], [200 B], [float64]
+                assert case["all_reduce_calls"] == 3, case
+        assert out["tuple"] == (True, [3.0, 3.0, 3.0], [1])
+        assert out["empty"] == []
+        fields = [f for f, _ in out["errors"]]
+        assert fields == ["tensor", "tensor[1]", "op", "tensor[1]", "op", "bucket_bytes", "tensor"], out["errors"]
+        assert "a dict" in out["errors"][0][1] and "list or tuple" in out["errors"][0][1]
+        assert "one device" in out["errors"][3][1]
+    assert res[0]["errors"] == res[1]["errors"]

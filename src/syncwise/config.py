@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -30,8 +31,10 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 
-def option(default: Any, doc: str, accepted: str = "", check: Optional[Callable[[Any], bool]] = None):
-    """A documented config field; ``check(value)`` False means the value is rejected with ``accepted``."""
+def option(default: Any, doc: str, accepted: str | Callable[[], str] = "",
+           check: Optional[Callable[[Any], bool]] = None):
+    """A documented config field; ``check(value)`` False means the value is rejected with ``accepted``
+    (a text, or a function returning it when it is needed: a list that lives elsewhere)."""
     meta = {"doc": doc, "accepted": accepted, "check": check}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
@@ -86,6 +89,13 @@ def _nnodes(v: str) -> Optional[tuple[int, int]]:
     return (lo, hi) if lo <= hi <= _MAX_NODES else None
 
 
+def _preset_names() -> str:
+    """The accepted model presets, read from the models package when --help is printed (not at import)."""
+    from .models import PRESETS
+
+    return "one of: " + ", ".join(PRESETS)
+
+
 def _run_dir_ok(v: str) -> bool:
     """'' or a directory that exists (writable) or can be created: read-only, nothing is made here."""
     if v == "":
@@ -108,8 +118,7 @@ def _run_dir_ok(v: str) -> bool:
 class ModelSection:
     """[model] which network to train."""
 
-    preset: str = option("small", "model preset (see `syncwise models`): tiny, tiny-moe, small, medium, large, ...",
-                         "a preset name (see `syncwise models`)")
+    preset: str = option("small", "model preset: the network's size and shape", lambda: _preset_names())
     attention: str = option("default", "attention kind: 'default' (the preset's), 'mha', or 'mla' "
                             "(multi-head latent attention)", *_one_of("default", "mha", "mla"))
 
@@ -299,7 +308,7 @@ def _validate(path: str, f: dataclasses.Field, value: Any) -> None:
     check = f.metadata.get("check")
     finite = not isinstance(value, float) or math.isfinite(value)  # no NaN or ±inf, in any float field
     if not finite or (check is not None and not check(value)):
-        raise ConfigError(path, value, f.metadata.get("accepted") or "see `syncwise train --help`")
+        raise ConfigError(path, value, _accepted(f) or "see `syncwise train --help`")
 
 
 def _set(cfg: RunConfig, key: str, value: Any, from_text: bool) -> None:
@@ -310,17 +319,35 @@ def _set(cfg: RunConfig, key: str, value: Any, from_text: bool) -> None:
     elif len(parts) == 2 and parts[0] in sections:
         target, name = getattr(cfg, parts[0]), parts[1]
     else:
-        raise ConfigError(key, value, "a key like section.name with section one of: " + ", ".join(sections))
+        if parts[0] not in sections:
+            raise ConfigError(key, value, _unknown_key(parts[0], cfg))
+        raise ConfigError(key, value, f"a key of the form section.name (one dot), e.g. {parts[0]}.{parts[1]}")
     fields = {f.name: f for f in dataclasses.fields(target) if f.name not in sections}
     if name not in fields:
-        where = f"[{parts[0]}]" if len(parts) == 2 else "the top level"
-        raise ConfigError(key, value, f"a key of {where}: " + ", ".join(fields))
+        if len(parts) == 1 and name in sections:
+            raise ConfigError(key, value, f"a [{name}] table of its keys, not a single value: "
+                              + ", ".join(f.name for f in dataclasses.fields(sections[name])))
+        if len(parts) == 1:
+            raise ConfigError(key, value, _unknown_key(name, cfg))
+        hint = difflib.get_close_matches(name, fields, n=1)
+        raise ConfigError(key, value, f"a key of [{parts[0]}]: " + ", ".join(fields)
+                          + (f" (did you mean {parts[0]}.{hint[0]}?)" if hint else ""))
     typ = _type_of(type(target), name)
     value = _coerce(key, value, typ, from_text)
     if typ is list and from_text and name == "inject_fault":  # repeatable flag: append
         value = getattr(target, name) + value
     _validate(key, fields[name], value)
     setattr(target, name, value)
+
+
+def _unknown_key(name: str, cfg: RunConfig) -> str:
+    """What is accepted where ``name`` is neither a section nor a top-level key: both lists, and a near miss."""
+    sections = _sections()
+    top = [f.name for f in dataclasses.fields(cfg) if f.name not in sections]
+    hint = difflib.get_close_matches(name, [*sections, *top], n=1)
+    guess = f" (did you mean {'[' + hint[0] + ']' if hint[0] in sections else hint[0]}?)" if hint else ""
+    return ("a section " + ", ".join(f"[{s}]" for s in sections) + " (a [section] table in a file, "
+            "--section.key=value on the command line) or a top-level key: " + ", ".join(top) + guess)
 
 
 def load_file(path: str | Path) -> dict[str, Any]:
@@ -555,8 +582,13 @@ def describe_fields() -> str:
     return "\n".join(lines)
 
 
+def _accepted(f: dataclasses.Field) -> str:
+    accepted = f.metadata.get("accepted", "")
+    return accepted() if callable(accepted) else accepted
+
+
 def _help(f: dataclasses.Field) -> str:
-    doc, accepted = f.metadata.get("doc", ""), f.metadata.get("accepted", "")
+    doc, accepted = f.metadata.get("doc", ""), _accepted(f)
     return f"{doc} [{accepted}]" if accepted and accepted != "true or false" else doc
 
 

@@ -122,7 +122,7 @@ class CommContext:
             if missing:
                 raise SyncwiseError(
                     f"cannot initialise the process group: {', '.join(missing)} not set. Start the program with "
-                    "torchrun (or `syncwise launch`), which sets them for every worker.")
+                    "torchrun (`syncwise train` starts its workers that way), which sets them for every worker.")
             if self.backend == "nccl":
                 # One GPU per local worker; must be set before NCCL creates its communicators.
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

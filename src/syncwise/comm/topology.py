@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Mapping, Optional, Union
+from typing import Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from syncwise.errors import ConfigError
 
@@ -35,6 +36,30 @@ ALGORITHMS = ("auto", "flat", "hierarchical")
 INTRA_REDUCE = ("auto", "reduce_scatter", "all_reduce")
 _LINK_KEYS = ("intra", "inter", "latency_us")
 _DEFAULT_LATENCY_S = 50e-6
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # a list is all-reduced in buckets of this size, as DDP's default
+
+
+def _describe(value: object) -> str:
+    """A short description of a wrong argument (its type, not a huge repr)."""
+    return f"a {type(value).__module__}.{type(value).__qualname__}".replace("builtins.", "")
+
+
+def _buckets(tensors: Sequence[torch.Tensor], cap: int) -> list[list[torch.Tensor]]:
+    """Pack tensors, in order, into per-dtype buckets of at most ``cap`` bytes (a larger tensor alone).
+
+    Buckets are returned in the order they close, which depends only on shapes and dtypes, so every
+    rank issues the same collectives in the same order."""
+    done: list[list[torch.Tensor]] = []
+    open_: dict[torch.dtype, tuple[list[torch.Tensor], int]] = {}
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        bucket, size = open_.get(t.dtype, ([], 0))
+        if bucket and size + nbytes > cap:
+            done.append(bucket)
+            bucket, size = [], 0
+        open_[t.dtype] = (bucket + [t], size + nbytes)
+    done += [bucket for bucket, _ in open_.values()]
+    return done
 
 
 class TopoAwareCollective:
@@ -184,12 +209,55 @@ class TopoAwareCollective:
         return self.link_speeds  # type: ignore[return-value]
 
     # -- the collective ----------------------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """All-reduce ``tensor`` in place over all ranks (flat or hierarchical); return it."""
+    def all_reduce(self, tensor: Union[torch.Tensor, Sequence[torch.Tensor]], op: str = "sum",
+                   bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Union[torch.Tensor, Sequence[torch.Tensor]]:
+        """All-reduce ``tensor`` in place over all ranks (flat or hierarchical); return it.
+
+        ``tensor`` is one tensor, or a list or tuple of dense tensors on one device (e.g. a model's
+        gradients): those are packed, per dtype and in order, into buckets of at most ``bucket_bytes``
+        (25 MiB by default, as DDP; a larger tensor gets a bucket of its own), each bucket is all-reduced
+        as one message (so the flat/hierarchical choice and the byte counts apply per bucket) and the
+        results are copied back into the caller's tensors; the list or tuple itself is returned. Every
+        rank must pass the same shapes and dtypes in the same order. ``op``: sum, avg (floating-point
+        only), max, min, product.
+        """
+        if isinstance(tensor, torch.Tensor):
+            self._check_op(op, tensor)
+            return self._all_reduce_one(tensor, op)
+        if not isinstance(tensor, (list, tuple)):
+            raise ConfigError("tensor", _describe(tensor), "a torch.Tensor, or a list or tuple of tensors")
+        if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 1:
+            raise ConfigError("bucket_bytes", bucket_bytes, "an integer >= 1 (bytes per bucket)")
+        if op not in REDUCE_OPS:  # also for an empty list
+            raise ConfigError("op", op, ", ".join(REDUCE_OPS))
+        for i, t in enumerate(tensor):
+            if not isinstance(t, torch.Tensor):
+                raise ConfigError(f"tensor[{i}]", _describe(t), "a torch.Tensor (every item of the list)")
+            if t.layout != torch.strided:
+                raise ConfigError(f"tensor[{i}]", f"a {t.layout} tensor", "dense (strided) tensors")
+            if t.device != tensor[0].device:
+                raise ConfigError(f"tensor[{i}]", f"a tensor on {t.device}",
+                                  f"tensors on one device (tensor[0] is on {tensor[0].device})")
+            self._check_op(op, t)
+        for bucket in _buckets(tensor, bucket_bytes):
+            with torch.no_grad():  # in place, also on leaves that require grad (parameters)
+                if len(bucket) == 1:
+                    self._all_reduce_one(bucket[0], op)
+                    continue
+                flat = _flatten_dense_tensors(bucket)
+                self._all_reduce_one(flat, op)
+                for t, result in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                    t.copy_(result)
+        return tensor
+
+    @staticmethod
+    def _check_op(op: str, tensor: torch.Tensor) -> None:
         if op not in REDUCE_OPS:
             raise ConfigError("op", op, ", ".join(REDUCE_OPS))
         if op == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
             raise ConfigError("op", op, "'avg' only for floating-point tensors; use 'sum' for integers")
+
+    def _all_reduce_one(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         algorithm = self.choose(tensor.numel() * tensor.element_size())
         self.last_algorithm = algorithm
         # Collectives need contiguous memory: reduce a contiguous copy and write it back.
