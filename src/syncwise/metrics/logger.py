@@ -41,15 +41,29 @@ class MetricsLogger:
 
     def __init__(self, run_dir: str | Path | None, total_steps: int, enabled: bool = True, start_step: int = 0,
                  tensorboard: bool = True, console: Optional[Console] = None):
-        self.enabled = enabled and run_dir is not None
+        # Progress and the summary table show whenever enabled (rank 0); files only with a run directory.
+        self.enabled = enabled
         self.total_steps = total_steps
         self.console = console or Console(stderr=False)
         self._progress: Optional[Progress] = None
         self._tb = None
         self._file = None
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.path: Optional[Path] = None
         if not self.enabled:
             return
-        self.run_dir = Path(run_dir)
+        if self.run_dir is not None:
+            self._open_files(start_step, tensorboard)
+        self._progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=self.console,
+            disable=not self.console.is_terminal and not os.environ.get("SYNCWISE_FORCE_PROGRESS"),
+        )
+        self._task = self._progress.add_task("train", total=total_steps, completed=start_step, info="")
+        self._progress.start()
+        self._plain = not self.console.is_terminal
+
+    def _open_files(self, start_step: int, tensorboard: bool) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
         if start_step == 0 and self.path.exists():
@@ -64,20 +78,13 @@ class MetricsLogger:
                 self._tb = SummaryWriter(str(self.run_dir / "tb"))
             except Exception:  # tensorboard not installed: JSONL is the record
                 self._tb = None
-        self._progress = Progress(
-            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=self.console,
-            disable=not self.console.is_terminal and not os.environ.get("SYNCWISE_FORCE_PROGRESS"),
-        )
-        self._task = self._progress.add_task("train", total=total_steps, completed=start_step, info="")
-        self._progress.start()
-        self._plain = not self.console.is_terminal
 
     def log_step(self, row: dict[str, Any]) -> None:
         """Record one optimizer step's metrics."""
         if not self.enabled:
             return
-        self._file.write(json.dumps(row) + "\n")
+        if self._file is not None:
+            self._file.write(json.dumps(row) + "\n")
         if self._tb is not None:
             for k, v in row.items():
                 if isinstance(v, (int, float)) and k != "step" and v is not None:
@@ -100,10 +107,11 @@ class MetricsLogger:
         if not self.enabled:
             return
         self._progress.stop()
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if self._tb is not None:
             self._tb.close()
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         table = Table(title="syncwise train — summary", show_header=False)
         table.add_column("metric", style="bold")
         table.add_column("value", justify="right")
@@ -114,4 +122,5 @@ class MetricsLogger:
                 v = f"{len(v)} (details in summary.json)"  # e.g. one record per checkpoint save
             table.add_row(k, str(v))
         self.console.print(table)
-        self.console.print(f"metrics: {self.path}")
+        if self.path is not None:
+            self.console.print(f"metrics: {self.path}")

@@ -5,7 +5,6 @@ Runs in every worker process — started by `syncwise train` through torchrun's 
 """
 from __future__ import annotations
 
-import datetime
 import os
 import random
 import signal
@@ -23,6 +22,7 @@ from ..config import RunConfig
 from ..errors import SyncwiseError
 from ..data import SmartPrefetcher, TokenBatchLoader, evaluation_batches, load_corpus
 from ..models import build_model, count_params, flops_per_token
+from .arguments import join_torchrun
 from .schedule import adamw, warmup_cosine
 from .trainer import CONTROL_STATS, OptimizedTrainer
 
@@ -37,10 +37,7 @@ def init_distributed(cfg: RunConfig) -> torch.device:
     if use_cuda:
         torch.cuda.set_device(device)
     ops.set_collective_timeout(cfg.dist.timeout_s)  # every group syncwise creates gets the job's timeout
-    if "RANK" in os.environ and not dist.is_initialized():
-        backend = "nccl" if use_cuda else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.dist.timeout_s),
-                                device_id=device if use_cuda else None)
+    join_torchrun(device, cfg.dist.timeout_s)
     return device
 
 

@@ -30,9 +30,11 @@ from ..checkpoint import ModelOptimizerState, RNGState, SmartCheckpointer, Train
 from ..comm import ops
 from ..comm.stats import STATS, CommStats
 from ..comm.watchdog import Watchdog
-from ..errors import SyncwiseError
+from ..data.sharding import shard_loader
+from ..errors import ConfigError, SyncwiseError
 from ..metrics import MetricsLogger, mfu, peak_flops, peak_memory_mb, read_jsonl
 from ..parallel import TorchHookSpec, apply_activation_checkpointing, apply_data_parallel, build_sync
+from . import arguments
 from .faults import FaultPlan
 
 # Collectives that are not gradient sync (loss averaging, validation, router-load sums) are counted here, so
@@ -88,6 +90,12 @@ class OptimizedTrainer:
     Seed API: ``OptimizedTrainer(model, optimizer, loss_fn, compress_gradients=..., mixed_precision=...)``
     then ``.train(loader, epochs=... or steps=..., checkpoint_dir=..., resume=...)``. ``loader`` yields
     ``(inputs, targets)``; ``loss_fn(model(inputs), targets)`` gives the loss.
+
+    Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR set) without a process group, the trainer joins the job
+    itself (NCCL on CUDA, else gloo) and destroys the group at exit. A map-style ``DataLoader`` with the
+    default sampler is sharded by rank (``DistributedSampler``, shuffled per epoch from ``data_seed``),
+    one with a ``DistributedSampler`` is kept, an iterable dataset must shard itself (see
+    ``syncwise.data.shard_loader``); the loader's position is checkpointed and resumes exactly.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -98,16 +106,30 @@ class OptimizedTrainer:
                  val_loader: Optional[Iterable] = None, val_interval: int = 0, run_dir: Optional[str] = None,
                  flops_per_token: Optional[float] = None, show_progress: bool = True,
                  checkpointer: Optional[SmartCheckpointer] = None, inject_faults: Optional[list[str]] = None,
-                 collective_timeout_s: Optional[float] = None, sync: Any = None):
+                 collective_timeout_s: Optional[float] = None, sync: Any = None, data_seed: int = 0):
+        mixed_precision = arguments.mixed_precision_mode(mixed_precision)
+        self.grad_accum_steps = arguments.count("grad_accum_steps", grad_accum_steps)
+        self.clip_grad_norm = arguments.finite("clip_grad_norm", clip_grad_norm)
+        self.val_interval = arguments.count("val_interval", val_interval, minimum=0)
+        self.data_seed = arguments.count("data_seed", data_seed, minimum=0)  # shuffle order of a sharded loader
+        arguments.finite("bucket_cap_mb", bucket_cap_mb, inclusive=False)
+        if collective_timeout_s is not None:
+            arguments.finite("collective_timeout_s", collective_timeout_s, inclusive=False)
+        run_dir = arguments.as_path("run_dir", run_dir)
+        self.device = device or next(model.parameters()).device
+        # Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR set) and no process group yet: join the job, so the
+        # ranks train one model together instead of WORLD_SIZE independent copies.
+        self.owns_process_group = arguments.join_torchrun(self.device, collective_timeout_s)
         self.rank, self.world_size = _world()
         if collective_timeout_s:
             ops.set_collective_timeout(collective_timeout_s)  # also for the groups the hook creates below
-        self.device = device or next(model.parameters()).device
-        self.grad_accum_steps, self.clip_grad_norm, self.val_interval = grad_accum_steps, clip_grad_norm, val_interval
         self.model = model.to(self.device)  # the plain module: evaluation, checkpoints, router updates
         if activation_checkpointing:
             apply_activation_checkpointing(self.model)
-        self.compressor = _resolve_compressor(compress_gradients)
+        try:
+            self.compressor = _resolve_compressor(compress_gradients)
+        except ConfigError as e:  # the spec parser names its own field; here the argument is compress_gradients
+            raise ConfigError("compress_gradients", compress_gradients, e.accepted) from None
         self.compress_spec = compress_gradients if isinstance(compress_gradients, str) else (
             getattr(self.compressor, "spec", None) or getattr(self.compressor, "name", "none"))
         self.dp = apply_data_parallel(self.model, self.compressor, bucket_cap_mb, min_numel, self.device)
@@ -141,9 +163,17 @@ class OptimizedTrainer:
         is 'auto' (newest valid checkpoint there, if any), a checkpoint path, or None. ``cloud_config`` is
         accepted for the seed API and recorded in the summary.
         """
+        resume = arguments.resume_mode(resume)
+        checkpoint_dir = arguments.as_path("checkpoint_dir", checkpoint_dir)
+        # A user's DataLoader gets this rank's shard and a resumable position (before len() and the train
+        # state see it); loaders that shard and checkpoint themselves (TokenBatchLoader) are left as they are.
+        loader = shard_loader(loader, self.rank, self.world_size, seed=self.data_seed)
         total = self.total_steps = self._total_steps(loader, epochs, steps)
         if checkpoint_dir is not None and self.checkpointer is None:
             self.checkpointer = SmartCheckpointer(checkpoint_dir)
+        if resume is not None and self.checkpointer is None:
+            raise ConfigError("resume", resume, "None/False unless checkpoint_dir= is given to train() (or a "
+                              "SmartCheckpointer to OptimizedTrainer): there is nothing to resume from")
         state = self.train_state(loader)
         redone = self._resume(resume, state)
         if self.step >= total:
@@ -246,11 +276,8 @@ class OptimizedTrainer:
 
     def _resume(self, resume: Optional[str], state: TrainState) -> Optional[int]:
         """Load the checkpoint ``resume`` names; returns how many logged steps will be redone (None: fresh)."""
-        if resume in (None, "none", ""):
+        if resume is None or self.checkpointer is None:  # train() refused resume without a checkpointer
             return None
-        if self.checkpointer is None:
-            raise SyncwiseError(f"resume={resume!r} needs a checkpoint directory: pass checkpoint_dir= to train() "
-                                "or a SmartCheckpointer to OptimizedTrainer")
         step = self.checkpointer.load(resume, state)
         if self.sync is not None and step:
             # per-rank state is skipped when the world size changed: the strategy must then start afresh
@@ -426,15 +453,24 @@ class OptimizedTrainer:
 
     def _total_steps(self, loader: Iterable, epochs: Optional[int], steps: Optional[int]) -> int:
         if (epochs is None) == (steps is None):
-            raise ValueError("give exactly one of epochs= or steps=")
+            raise ConfigError("epochs/steps", {"epochs": epochs, "steps": steps}, "exactly one of them")
         if steps is not None:
-            return steps
-        return max(1, epochs * len(loader) // self.grad_accum_steps)  # type: ignore[arg-type]
+            return arguments.count("steps", steps)
+        arguments.count("epochs", epochs)
+        try:
+            batches = len(loader)  # type: ignore[arg-type]
+        except TypeError:
+            raise ConfigError("epochs", epochs, "steps= instead, for a loader without len() (an iterable "
+                              "dataset)") from None
+        return max(1, epochs * batches // self.grad_accum_steps)
 
     def _amp_dtype(self, mode: str) -> Optional[torch.dtype]:
         if mode == "auto":
             cuda_bf16 = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
             return torch.bfloat16 if cuda_bf16 else None
+        if mode == "fp16" and self.device.type != "cuda":
+            raise ConfigError("mixed_precision", "fp16", "none, bf16 or auto off a GPU (fp16 needs CUDA and a "
+                              "GradScaler)")
         return {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mode]
 
     def _autocast(self):

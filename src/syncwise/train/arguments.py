@@ -1,0 +1,108 @@
+"""The Python API's arguments, in the spellings users write (seed code, Lightning, Accelerate), checked up front.
+
+One owner per rule: ``OptimizedTrainer`` and ``train()`` call these; each bad value raises the library's
+``ConfigError`` naming the argument, before anything is built.
+"""
+from __future__ import annotations
+
+import atexit
+import math
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError
+
+_NO_AMP = {"none", "no", "fp32", "float32", "off", "false"}
+_AMP = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16", "auto": "auto",
+        "true": "auto"}
+
+
+def mixed_precision_mode(value: Any) -> str:
+    """'none' | 'bf16' | 'fp16' | 'auto' from False/None/'fp32'/'no', True ('auto': bf16 on a GPU that has it),
+    names and torch dtypes."""
+    if value is None or value is False:
+        return "none"
+    if value is True:
+        return "auto"
+    if value == torch.bfloat16:
+        return "bf16"
+    if value == torch.float16:
+        return "fp16"
+    if value == torch.float32:
+        return "none"
+    if isinstance(value, str):
+        low = value.strip().lower()
+        if low in _NO_AMP:
+            return "none"
+        if low in _AMP:
+            return _AMP[low]
+    raise ConfigError("mixed_precision", value, "False/None/'fp32'/'none' (full precision), True or 'auto' (bf16 "
+                      "where the GPU supports it), 'bf16'/torch.bfloat16, 'fp16'/torch.float16 (CUDA only)")
+
+
+def resume_mode(value: Any) -> Optional[str]:
+    """None (fresh), 'auto' (newest valid checkpoint, if any) or a checkpoint path, from True/False/None/'auto'/
+    'none'/paths."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return "auto"
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if isinstance(value, str) and value.strip():
+        low = value.strip().lower()
+        return None if low == "none" else ("auto" if low == "auto" else value)
+    raise ConfigError("resume", value, "True or 'auto' (newest valid checkpoint), False/None (fresh), or the path "
+                      "of a checkpoint directory")
+
+
+def count(name: str, value: Any, minimum: int = 1) -> int:
+    """An integer argument ≥ ``minimum`` (bools are not counts)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(name, value, f"an integer ≥ {minimum}")
+    return value
+
+
+def finite(name: str, value: Any, minimum: float = 0.0, inclusive: bool = True) -> float:
+    """A finite number ≥ ``minimum`` (> when not ``inclusive``)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and (
+        value >= minimum if inclusive else value > minimum)
+    if not ok:
+        raise ConfigError(name, value, f"a finite number {'≥' if inclusive else '>'} {minimum:g}")
+    return float(value)
+
+
+def join_torchrun(device: torch.device, timeout_s: Optional[float] = None) -> bool:
+    """Join the job torchrun describes in the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) unless a
+    process group exists already; backend from the device (NCCL on CUDA, else gloo). Returns True if this call
+    created the group; it is then destroyed at exit (a DDP process that exits with a live group can abort)."""
+    if not dist.is_available() or dist.is_initialized():
+        return False
+    if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return False
+    cuda = device.type == "cuda"
+    kwargs: dict[str, Any] = {"device_id": device} if cuda and device.index is not None else {}
+    if timeout_s:
+        kwargs["timeout"] = timedelta(seconds=timeout_s)
+    dist.init_process_group("nccl" if cuda else "gloo", **kwargs)
+    atexit.register(_leave)
+    return True
+
+
+def _leave() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def as_path(name: str, value: Any) -> Optional[str]:
+    """A directory argument: None, a str or a PathLike."""
+    if value is None:
+        return None
+    if isinstance(value, (str, os.PathLike)) and os.fspath(value):
+        return str(Path(value))
+    raise ConfigError(name, value, "a directory path (str or pathlib.Path) or None")

@@ -1,0 +1,124 @@
+"""The Python API as users call it: under torchrun it distributes by itself; the seed's argument spellings."""
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import syncwise
+from syncwise import ConfigError, OptimizedTrainer
+
+USER_SCRIPT = textwrap.dedent('''
+    import json, os, sys
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+    import syncwise
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss_fn = nn.functional.cross_entropy
+    x = torch.randn(256, 16, generator=torch.Generator().manual_seed(1))
+    loader = DataLoader(TensorDataset(x, x[:, :4].argmax(1)), batch_size=8, shuffle=True)
+    trainer = syncwise.OptimizedTrainer(model=model, optimizer=optimizer, loss_fn=loss_fn,
+                                        compress_gradients=sys.argv[2], mixed_precision=False,
+                                        run_dir=sys.argv[1])
+    summary = trainer.train(loader, steps=6)
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    # a file per rank: the ranks' stdout lines interleave under torchrun
+    with open(os.path.join(sys.argv[3], f"result_{trainer.rank}.json"), "w") as f:
+        json.dump({"rank": trainer.rank, "world": trainer.world_size, "comm": summary["comm_bytes_per_step"],
+                   "params": params[:8].tolist(), "owns": trainer.owns_process_group}, f)
+''')
+
+
+def _torchrun(script, *args, nproc=2):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                           str(script), *args], capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.parametrize("compress", ["none", "powersgd:rank=2"])
+def test_trainer_joins_torchrun_by_itself(tmp_path, compress):
+    script = tmp_path / "user.py"
+    script.write_text(USER_SCRIPT)
+    run = tmp_path / "run"
+    p = _torchrun(script, str(run), compress, str(tmp_path))
+    assert p.returncode == 0, p.stderr[-3000:]
+    results = [json.loads((tmp_path / f"result_{r}.json").read_text()) for r in (0, 1)]
+    assert [r["rank"] for r in results] == [0, 1] and all(r["world"] == 2 and r["owns"] for r in results)
+    assert results[0]["params"] == results[1]["params"]  # one model trained together, not two copies
+    assert all(r["comm"] > 0 for r in results)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7))  # written once, by rank 0
+    assert p.stdout.count("syncwise train — summary") == 1
+
+
+def _model():
+    return nn.Linear(4, 2)
+
+
+@pytest.mark.parametrize("value, mode", [(False, "none"), (None, "none"), ("fp32", "none"), ("no", "none"),
+                                         (True, "auto"), ("bf16", "bf16"), (torch.bfloat16, "bf16")])
+def test_mixed_precision_spellings(value, mode):
+    from syncwise.train.arguments import mixed_precision_mode
+
+    assert mixed_precision_mode(value) == mode
+    model = _model()
+    OptimizedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), mixed_precision=value, show_progress=False)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"mixed_precision": "fp64"}, "mixed_precision"),
+    ({"mixed_precision": 3}, "mixed_precision"),
+    ({"grad_accum_steps": 0}, "grad_accum_steps"),
+    ({"grad_accum_steps": 1.5}, "grad_accum_steps"),
+    ({"clip_grad_norm": float("nan")}, "clip_grad_norm"),
+    ({"compress_gradients": "zip"}, "compress_gradients"),
+    ({"bucket_cap_mb": 0}, "bucket_cap_mb"),
+])
+def test_bad_constructor_arguments_name_the_argument(kwargs, field):
+    model = _model()
+    with pytest.raises(ConfigError, match=f"'{field}'"):
+        OptimizedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), show_progress=False, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"epochs": 0}, "epochs"), ({"steps": -1}, "steps"), ({"steps": 2, "epochs": 1}, "epochs/steps"),
+    ({"steps": 2, "resume": True}, "resume"), ({"steps": 2, "resume": 5}, "resume"),
+])
+def test_bad_train_arguments_name_the_argument(kwargs, field):
+    model = _model()
+    trainer = OptimizedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               loss_fn=nn.functional.cross_entropy, show_progress=False)
+    loader = [(torch.randn(3, 4), torch.tensor([0, 1, 0]))]
+    with pytest.raises(ConfigError, match=f"'{field}'"):
+        trainer.train(loader, **kwargs)
+
+
+def test_seed_names_are_exported_at_the_top_level():
+    for name in ["OptimizedTrainer", "GradientCompressor", "CommContext", "TopoAwareCollective", "SmartCheckpointer",
+                 "SmartPrefetcher", "ConfigError"]:
+        assert getattr(syncwise, name).__name__ == name
+
+
+def test_resume_true_twice_in_a_row_and_progress_without_run_dir(tmp_path, capsys):
+    def run(steps):
+        torch.manual_seed(0)
+        model = _model()
+        trainer = syncwise.OptimizedTrainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                            loss_fn=nn.functional.cross_entropy, mixed_precision=False)
+        loader = [(torch.randn(3, 4, generator=torch.Generator().manual_seed(i)), torch.tensor([0, 1, 0]))
+                  for i in range(4)]
+        return trainer.train(loader, epochs=steps, checkpoint_dir=str(tmp_path / "ck"), resume=True)
+
+    first = run(1)
+    assert first["steps"] == 4
+    out = capsys.readouterr().out
+    assert "syncwise train — summary" in out  # no run_dir, yet the summary is shown
+    second = run(2)
+    assert second["steps"] == 8
+    assert "resumed from step 4" in capsys.readouterr().out
