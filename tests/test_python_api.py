@@ -122,3 +122,44 @@ def test_resume_true_twice_in_a_row_and_progress_without_run_dir(tmp_path, capsy
     second = run(2)
     assert second["steps"] == 8
     assert "resumed from step 4" in capsys.readouterr().out
+
+
+SHARD_SCRIPT = textwrap.dedent('''
+    import json, os, sys
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+    import syncwise
+
+    out_dir, ckpt, steps, resume = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "resume"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
+    seen = []
+    model.register_forward_pre_hook(lambda m, a: seen.extend(a[0][:, 0].long().tolist()) if m.training else None)
+    x = torch.randn(40, 8, generator=torch.Generator().manual_seed(1))
+    x[:, 0] = torch.arange(40).float()  # each sample carries its index
+    loader = DataLoader(TensorDataset(x, torch.arange(40) % 3), batch_size=4, shuffle=True)
+    trainer = syncwise.OptimizedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.01),
+                                        nn.functional.cross_entropy, mixed_precision=False, show_progress=False)
+    trainer.train(loader, steps=steps, checkpoint_dir=ckpt, resume=resume)
+    with open(os.path.join(out_dir, f"seen_{steps}_{int(resume)}_{trainer.rank}.json"), "w") as f:
+        json.dump(seen, f)
+''')
+
+
+def test_plain_dataloader_is_sharded_per_rank_and_resumes_its_position(tmp_path):
+    script = tmp_path / "shard.py"
+    script.write_text(SHARD_SCRIPT)
+
+    def run(ckpt, steps, resume):
+        p = _torchrun(script, str(tmp_path), str(tmp_path / ckpt), str(steps), "resume" if resume else "fresh")
+        assert p.returncode == 0, p.stderr[-3000:]
+        return [json.loads((tmp_path / f"seen_{steps}_{int(resume)}_{r}.json").read_text()) for r in (0, 1)]
+
+    straight = run("a", 8, False)  # 8 steps x 4 samples per rank: past the 5-step epoch boundary
+    first_epoch = [set(s[:20]) for s in straight]
+    assert not first_epoch[0] & first_epoch[1] and first_epoch[0] | first_epoch[1] == set(range(40))
+    assert straight[0][20:] != straight[0][:12]  # the next epoch is shuffled anew
+    part1 = run("b", 3, False)
+    part2 = run("b", 8, True)
+    assert [a + b for a, b in zip(part1, part2)] == straight  # resumed mid-epoch at exactly the next batch
