@@ -115,3 +115,20 @@ def test_full_disk_ends_with_syncwise_message_and_keeps_saved_checkpoints(small_
     assert "saving the checkpoint of step" in err and "is full: 0.0 MiB free" in err
     from syncwise.checkpoint.storage import latest_valid
     assert latest_valid(run / "checkpoints") is not None  # what was saved before the disk filled is intact
+
+
+def test_resume_continues_with_the_runs_saved_configuration(tmp_path, capsys):
+    run = tmp_path / "run"
+    base = ["train", "--run-dir", str(run), "--nproc", "1", *TINY]
+    assert main([*base, "--steps", "4", "--compress", "powersgd:rank=2", "--train.lr=0.004"]) == 0
+    # No --compress / --train.lr: the run's own settings continue (its PowerSGD state is in the checkpoints).
+    assert main([*base, "--steps", "6", "--resume", "auto"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["compressor"] == "powersgd:rank=2" and summary["steps"] == 6
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["compress"]["method"] == "powersgd:rank=2" and saved["train"]["lr"] == 0.004
+    capsys.readouterr()
+    # Changing the compressor on resume would drop its state: refused, naming the setting.
+    assert main([*base, "--steps", "8", "--resume", "auto", "--compress", "none"]) == 2
+    err = capsys.readouterr().err
+    assert "compress.method='powersgd:rank=2', not 'none'" in err and "Traceback" not in err

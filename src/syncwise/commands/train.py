@@ -63,15 +63,46 @@ def check_run_dir(cfg: RunConfig, run_dir: Path) -> None:
             f"resume. To train it further, pass --resume auto with --steps larger than {summary['steps']}.")
     before = _read_json(run_dir / "config.json")
     if previous and before:
-        for section in ("model", "data"):
+        # The model/data layout must match the checkpoints; so must the compressor / sync strategy, whose
+        # per-rank state (residuals, PowerSGD's Q, replicas) the checkpoints hold: changing them would drop it.
+        fixed = {"model": None, "data": ("seq_len", "corpus"), "compress": ("method", "sync")}
+        for section, keys in fixed.items():
             for key, old in before.get(section, {}).items():
                 new = getattr(getattr(cfg, section), key, old)
-                if section == "model" or key in ("seq_len", "corpus"):
+                if keys is None or key in keys:
                     if new != old:
                         raise SyncwiseError(
                             f"--resume: the run in {run_dir} was trained with {section}.{key}={old!r}, not {new!r}; "
-                            "its checkpoints cannot continue under a different model or data layout. Resume with "
-                            "the original setting, or start a new run with another --run-dir.")
+                            "its checkpoints cannot continue under a different model, data layout or gradient "
+                            "sync (their state would be dropped). Resume without that flag (the run's saved "
+                            "setting is used), or start a new run with another --run-dir.")
+
+
+# What a resumed run does not take from its saved config.json: where it runs, how, and the faults of the
+# first attempt (a kill fired once already; a NaN fault must not hit the redone steps again).
+_PER_INVOCATION = ("run_dir", "resume", "inject_fault")
+
+
+def resolve_config(file_values: dict | None, overrides: dict) -> RunConfig:
+    """The run's configuration. Resuming (``--resume`` not 'none') a run directory with a ``config.json``
+    continues with that saved configuration; the user's TOML file and flags override it where given."""
+    cfg = build_config(file_values, overrides)
+    if cfg.resume == "none" or not cfg.run_dir:
+        return cfg
+    saved = _read_json(Path(cfg.run_dir) / "config.json")
+    if not saved:
+        return cfg
+    base = {k: v for k, v in saved.items() if k not in _PER_INVOCATION}
+    for key, value in (file_values or {}).items():  # the user's file on top of the saved run, section by section
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            base[key] = {**base[key], **value}
+        else:
+            base[key] = value
+    try:
+        return build_config(base, overrides)
+    except SyncwiseError as e:  # e.g. a saved value this version no longer accepts
+        raise SyncwiseError(f"--resume: the saved configuration of {cfg.run_dir} does not load ({e}); start a "
+                            "new run, or fix its config.json") from None
 
 
 def _read_json(path: Path) -> dict:
@@ -142,7 +173,7 @@ def _disk_hint(path: Path) -> str:
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    cfg = build_config(load_file(args.config) if args.config else None, overrides_from_args(args, extra))
+    cfg = resolve_config(load_file(args.config) if args.config else None, overrides_from_args(args, extra))
     if args.check:  # the run directory's checks are read-only; it is neither created nor locked
         note = ""
         try:
