@@ -163,3 +163,69 @@ def test_plain_dataloader_is_sharded_per_rank_and_resumes_its_position(tmp_path)
     part1 = run("b", 3, False)
     part2 = run("b", 8, True)
     assert [a + b for a, b in zip(part1, part2)] == straight  # resumed mid-epoch at exactly the next batch
+
+
+PREAMBLE = textwrap.dedent('''
+    import json, os, sys
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss_fn = nn.functional.cross_entropy
+    x = torch.randn(512, 16, generator=torch.Generator().manual_seed(1))
+    loader = DataLoader(TensorDataset(x, x[:, :4].argmax(1)), batch_size=8, shuffle=True)
+''')
+
+
+def _readme_block():
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("### From Python", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+@pytest.mark.slow
+def test_readme_from_python_block_verbatim_trains_distributed(tmp_path):
+    script = tmp_path / "readme.py"
+    script.write_text(PREAMBLE + _readme_block() + textwrap.dedent('''
+        params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        with open(f"result_{trainer.rank}.json", "w") as f:
+            json.dump({"world": trainer.world_size, "bytes": summary["comm_bytes_per_step"],
+                       "steps": summary["steps"], "params": params[:8].tolist()}, f)
+    '''))
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"result_{r}.json").read_text()) for r in (0, 1))
+    assert r0["world"] == r1["world"] == 2 and r0["steps"] == 1000
+    assert r0["params"] == r1["params"] and r0["bytes"] > 0
+    assert (tmp_path / "runs" / "mine" / "metrics.jsonl").read_text().count("\n") == 1000
+
+
+SEED_SHAPE = PREAMBLE + textwrap.dedent('''
+    import syncwise
+    summary = syncwise.OptimizedTrainer(model=model, optimizer=optimizer, loss_fn=loss_fn,
+                                        compress_gradients="topk:ratio=0.1", mixed_precision=False,
+                                        show_progress=False).train(loader, epochs=int(sys.argv[1]),
+                                                                   checkpoint_dir="ckpt", resume=True)
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    with open(f"seed_{sys.argv[1]}_{torch.distributed.get_rank()}.json", "w") as f:
+        json.dump({"steps": summary["steps"], "params": params[:8].tolist()}, f)
+''')
+
+
+def test_seed_call_shape_under_torchrun_resumes_from_the_first_run(tmp_path):
+    script = tmp_path / "seed.py"
+    script.write_text(SEED_SHAPE)
+    for epochs in (1, 2):  # the second run continues from the first one's final checkpoint
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                            str(script), str(epochs)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert p.returncode == 0, p.stderr[-3000:]
+    first = [json.loads((tmp_path / f"seed_1_{r}.json").read_text()) for r in (0, 1)]
+    second = [json.loads((tmp_path / f"seed_2_{r}.json").read_text()) for r in (0, 1)]
+    assert [r["steps"] for r in first] == [32, 32] and [r["steps"] for r in second] == [64, 64]  # 512/8/2 per epoch
+    assert second[0]["params"] == second[1]["params"] != first[0]["params"]
