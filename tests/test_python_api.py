@@ -11,19 +11,23 @@ from torch import nn
 import syncwise
 from syncwise import ConfigError, OptimizedTrainer
 
-USER_SCRIPT = textwrap.dedent('''
+PREAMBLE = textwrap.dedent('''
     import json, os, sys
     import torch
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
-    import syncwise
-
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss_fn = nn.functional.cross_entropy
-    x = torch.randn(256, 16, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(512, 16, generator=torch.Generator().manual_seed(1))
     loader = DataLoader(TensorDataset(x, x[:, :4].argmax(1)), batch_size=8, shuffle=True)
+''')
+
+
+USER_SCRIPT = PREAMBLE + textwrap.dedent('''
+    import syncwise
+
     trainer = syncwise.OptimizedTrainer(model=model, optimizer=optimizer, loss_fn=loss_fn,
                                         compress_gradients=sys.argv[2], mixed_precision=False,
                                         run_dir=sys.argv[1])
@@ -36,9 +40,9 @@ USER_SCRIPT = textwrap.dedent('''
 ''')
 
 
-def _torchrun(script, *args, nproc=2):
+def _torchrun(script, *args, nproc=2, cwd=None, timeout=300):
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                           str(script), *args], capture_output=True, text=True, timeout=240)
+                           str(script), *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
 @pytest.mark.parametrize("compress", ["none", "powersgd:rank=2"])
@@ -165,18 +169,6 @@ def test_plain_dataloader_is_sharded_per_rank_and_resumes_its_position(tmp_path)
     assert [a + b for a, b in zip(part1, part2)] == straight  # resumed mid-epoch at exactly the next batch
 
 
-PREAMBLE = textwrap.dedent('''
-    import json, os, sys
-    import torch
-    from torch import nn
-    from torch.utils.data import DataLoader, TensorDataset
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loss_fn = nn.functional.cross_entropy
-    x = torch.randn(512, 16, generator=torch.Generator().manual_seed(1))
-    loader = DataLoader(TensorDataset(x, x[:, :4].argmax(1)), batch_size=8, shuffle=True)
-''')
 
 
 def _readme_block():
@@ -197,8 +189,7 @@ def test_readme_from_python_block_verbatim_trains_distributed(tmp_path):
             json.dump({"world": trainer.world_size, "bytes": summary["comm_bytes_per_step"],
                        "steps": summary["steps"], "params": params[:8].tolist()}, f)
     '''))
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                        str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    p = _torchrun(script, cwd=tmp_path, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     r0, r1 = (json.loads((tmp_path / f"result_{r}.json").read_text()) for r in (0, 1))
     assert r0["world"] == r1["world"] == 2 and r0["steps"] == 1000
@@ -222,8 +213,7 @@ def test_seed_call_shape_under_torchrun_resumes_from_the_first_run(tmp_path):
     script = tmp_path / "seed.py"
     script.write_text(SEED_SHAPE)
     for epochs in (1, 2):  # the second run continues from the first one's final checkpoint
-        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                            str(script), str(epochs)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        p = _torchrun(script, str(epochs), cwd=tmp_path)
         assert p.returncode == 0, p.stderr[-3000:]
     first = [json.loads((tmp_path / f"seed_1_{r}.json").read_text()) for r in (0, 1)]
     second = [json.loads((tmp_path / f"seed_2_{r}.json").read_text()) for r in (0, 1)]
