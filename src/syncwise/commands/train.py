@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -155,19 +154,12 @@ def launch(cfg: RunConfig) -> dict:
                             f" (worker logs: {Path(cfg.run_dir) / 'logs'}; SYNCWISE_DEBUG=1 shows the agent's "
                             "tracebacks)") from None
     except ValueError as e:  # e.g. JSONDecodeError: torch-elastic could not read a worker's error file
+        from ..checkpoint.storage import disk_full_hint
+
         raise SyncwiseError(f"the workers failed and torch-elastic could not read their error reports "
-                            f"({type(e).__name__}: {e}){_disk_hint(Path(cfg.run_dir))}; each worker's own "
+                            f"({type(e).__name__}: {e}){disk_full_hint(cfg.run_dir)}; each worker's own "
                             "message is printed above") from None
     return results[0]
-
-
-def _disk_hint(path: Path) -> str:
-    """'; the disk holding PATH is full ...' when it is nearly full (error files and logs live there too)."""
-    try:
-        free = shutil.disk_usage(path).free
-    except OSError:
-        return ""
-    return f"; the disk holding {path} is full ({free / 2**20:.1f} MiB free)" if free < 16 * 2**20 else ""
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
