@@ -1,5 +1,6 @@
 """A stopped rank is reported, not waited out: which collective, which group, which step, which rank."""
 import json
+import re
 import os
 import signal
 import subprocess
@@ -69,5 +70,8 @@ def test_sigstopped_rank_is_reported_within_the_timeout(tmp_path, stopped, compr
     assert after < TIMEOUT_S + 15, (after, text)
     other = 1 - stopped
     assert text.startswith(f"syncwise: rank {other}: ")
-    assert "on process group 'compress [0, 1]'" in text and " of step " in text
+    # The stop lands wherever rank `stopped` happens to be: usually inside the compressor's collectives (its own
+    # group), sometimes in the step's small all-reduce on the default group. Either way the group is named.
+    assert re.search(r"^syncwise: rank \d: \w+ on process group '(compress|default) \[0, 1\]' during .* of step \d+",
+                     text), text
     assert f"Did not arrive: rank {stopped} (silent for" in text
