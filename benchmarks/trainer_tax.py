@@ -67,7 +67,7 @@ def syncwise_trainer(preset: str, steps: int, seq_len: int, batch: int) -> list[
 
     def timed(batches):
         result = original(batches)
-        times.append(result.step_time_s)
+        times.append(result.step_time_s)  # host-timed when queued; settle() reads the rest
         return result
 
     trainer._train_step = timed

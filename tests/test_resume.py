@@ -49,7 +49,7 @@ def _recording(trainer, out):
 
     def step(batches):
         result = original(batches)
-        out.append(result.loss)
+        out.append(result.settle().loss)
         return result
 
     return step

@@ -118,3 +118,47 @@ def test_activation_checkpointing_is_exact_and_bf16_autocast_trains():
     for r in run_workers(_options, 2):
         assert r["ckpt"] == pytest.approx(r["plain"], rel=1e-5)  # recomputation changes memory, not math
         assert r["bf16"] == pytest.approx(r["plain"], rel=0.05)
+
+
+def _lm_run(tmp_path, name, *, fused, log_lag, poison_step=None, steps=6):
+    """A tiny LM run with a warm-up schedule; optionally NaN loss at one step (fault injection)."""
+    from syncwise.data import TokenBatchLoader
+    from syncwise.models import build_model
+    from syncwise.train.schedule import warmup_cosine
+
+    torch.manual_seed(0)
+    model = build_model("tiny", seq_len=16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    tokens = torch.randint(0, 256, (4_000,), generator=torch.Generator().manual_seed(2))
+    run = tmp_path / name
+    trainer = OptimizedTrainer(model, opt, lr_scheduler=warmup_cosine(opt, 3, steps), run_dir=str(run),
+                               mixed_precision=False,
+                               inject_faults=[f"nan:step={poison_step}"] if poison_step else None)
+    trainer.log_lag = log_lag
+    summary = trainer.train(TokenBatchLoader(tokens, 2, 16, 0, 1, seed=0), steps=steps)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return trainer, summary, rows
+
+
+def test_fused_adamw_skips_a_nonfinite_step_on_the_device_like_the_host_check(tmp_path):
+    # The host path reads the gradient norm; the fused path hands the flag to the optimizer (found_inf) and reads
+    # it one update later. Same skipped step, same schedule, same parameters, same rows.
+    host, host_summary, host_rows = _lm_run(tmp_path, "host", fused=False, log_lag=0, poison_step=3)
+    dev, dev_summary, dev_rows = _lm_run(tmp_path, "device", fused=True, log_lag=1, poison_step=3)
+    assert not host._skips_on_device and dev._skips_on_device
+    assert host_summary["skipped_steps"] == dev_summary["skipped_steps"] == [3]
+    assert host.lr_scheduler.last_epoch == dev.lr_scheduler.last_epoch == 5  # 6 steps, one skipped
+    assert int(dev.optimizer.state[next(iter(dev.model.parameters()))]["step"]) == 5
+    assert [r["step"] for r in dev_rows] == list(range(1, 7)) and dev_rows[2].get("skipped") is True
+    assert [r["lr"] for r in host_rows] == [r["lr"] for r in dev_rows]
+    assert host_rows[0]["lr"] == pytest.approx(1e-2 / 3)  # the rate step 1 used (warm-up 1/3)
+    for a, b in zip(host.model.parameters(), dev.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # fused and foreach AdamW round differently
+
+
+def test_rows_read_one_step_late_equal_rows_read_at_once(tmp_path):
+    _, now_summary, now_rows = _lm_run(tmp_path, "now", fused=False, log_lag=0)
+    _, late_summary, late_rows = _lm_run(tmp_path, "late", fused=False, log_lag=1)
+    keys = ("step", "loss", "lr", "grad_norm", "comm_bytes")
+    assert [{k: r[k] for k in keys} for r in now_rows] == [{k: r[k] for k in keys} for r in late_rows]
+    assert now_summary["final_loss"] == late_summary["final_loss"]

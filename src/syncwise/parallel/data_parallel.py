@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,33 +25,64 @@ from ..errors import ConfigError
 
 
 class _LastGradReady:
-    """When the backward pass last made gradients ready; what backward() takes after that is exposed comm."""
+    """When the backward pass last made gradients ready; what backward() takes after that is exposed comm.
 
-    last_ready: float = 0.0
-    buckets: int = 0  # readiness events seen since reset (buckets, or gradients for GradReadyClock)
+    On CUDA the moment is a CUDA event on the stream that produced the gradient, not a host timestamp: the
+    host runs ahead of the GPU, so host clocks would count queued backward kernels as communication. The
+    events are read only when the step's row is logged (``backward_done`` returns a reader), so timing
+    adds no host sync to the step.
+    """
+
+    def __init__(self, device: Optional[torch.device] = None):
+        self.cuda = device is not None and device.type == "cuda"
+        self.last_ready = 0.0
+        self.buckets = 0  # readiness events seen since reset (buckets, or gradients for GradReadyClock)
+        self._ready_event: Any = None
 
     def mark_ready(self) -> None:
-        self.last_ready = time.perf_counter()
+        if self.cuda:
+            self._ready_event.record()  # re-recording one event keeps only the last readiness
+        else:
+            self.last_ready = time.perf_counter()
         self.buckets += 1
-
-    def exposed_since_last_ready(self, backward_end: float) -> float:
-        return max(0.0, backward_end - self.last_ready) if self.buckets else 0.0
 
     def reset(self) -> None:
         self.buckets = 0
+        if self.cuda:  # a fresh event per step: the previous step's may not have been read yet
+            self._ready_event = torch.cuda.Event(enable_timing=True)
+
+    def backward_done(self) -> "Callable[[], float]":
+        """Call right after the syncing backward returns; the returned function gives the exposed seconds."""
+        if not self.buckets:
+            return lambda: 0.0
+        if not self.cuda:
+            exposed = max(0.0, time.perf_counter() - self.last_ready)
+            return lambda: exposed
+        # DDP ends backward by making this stream wait for its all-reduce: the gap between the last gradient
+        # and this event is the communication the GPU waited for.
+        ready, end = self._ready_event, torch.cuda.Event(enable_timing=True)
+        end.record()
+
+        def read() -> float:
+            end.synchronize()
+            return max(0.0, ready.elapsed_time(end) / 1000)
+
+        return read
 
 
 class GradSyncTimer(_LastGradReady):
     """Wraps a DDP comm hook; DDP calls the hook as each bucket's gradients are complete."""
 
-    def __init__(self, inner_state: Any, inner_hook: Any):
+    def __init__(self, inner_state: Any, inner_hook: Any, device: Optional[torch.device] = None):
+        super().__init__(device)
         self.inner_state, self.inner_hook = inner_state, inner_hook
 
 
 class GradReadyClock(_LastGradReady):
     """The same for DDP's built-in (hook-less) all-reduce: a post-accumulate-grad hook on every parameter."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, device: Optional[torch.device] = None):
+        super().__init__(device)
         self._handles = [p.register_post_accumulate_grad_hook(lambda _p: self.mark_ready())
                          for p in model.parameters() if p.requires_grad]
 
@@ -172,15 +203,15 @@ def apply_data_parallel(model: nn.Module, compressor: "Optional[Compressor | Tor
     if isinstance(compressor, TorchHookSpec):
         state, hook = compressor.state_and_hook()
         per_element = TORCH_HOOKS[compressor.name]
-        timer = GradSyncTimer(state, _counted(per_element, hook) if per_element else hook)
+        timer = GradSyncTimer(state, _counted(per_element, hook) if per_element else hook, device)
         ddp.register_comm_hook(timer, _timed_hook)
         return DataParallel(module=ddp, timer=timer, bytes_counted=per_element is not None)
     if compressor is None or (getattr(compressor, "name", None) == "none"):
         # Every bucket, unused parameters' zeros included, is all-reduced once per sync.
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        return DataParallel(module=ddp, timer=GradReadyClock(model), builtin_sync_bytes=nbytes)
+        return DataParallel(module=ddp, timer=GradReadyClock(model, device), builtin_sync_bytes=nbytes)
     names = {p: n for n, p in model.named_parameters()}
     state = CompressionHookState(compressor, param_names=names, policy=CompressionPolicy(min_numel=min_numel))
-    timer = GradSyncTimer(state, compression_hook)
+    timer = GradSyncTimer(state, compression_hook, device)
     ddp.register_comm_hook(timer, _timed_hook)
     return DataParallel(module=ddp, timer=timer, hook_state=state)

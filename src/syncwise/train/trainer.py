@@ -13,6 +13,7 @@ What one optimizer step does (``_train_step``):
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import math
@@ -84,6 +85,39 @@ class StepResult:
     skipped: bool
 
 
+@dataclass
+class PendingStep:
+    """A step the host has queued; its device-side numbers are read by ``settle()`` when its row is logged.
+
+    On a GPU the host runs ahead of the device: reading the loss or the gradient norm at once would make it
+    wait for every queued kernel each step. The loop settles a step one step later (as torchtitan logs), by
+    which time its kernels have long finished, so the read costs nothing and the GPU queue never drains.
+    """
+
+    step: int
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    skipped: "bool | torch.Tensor"  # a 0-d bool tensor when the optimizer skipped on the device
+    step_time_s: float
+    data_wait_s: float
+    comm_waited_s: float  # host-timed waits of a sync strategy
+    exposed_comm: Callable[[], float]  # reads the DDP timer's events
+    comm_bytes: Optional[int]
+    tokens: int
+    lr: float  # the learning rate this step's update used
+    _settled: Optional[StepResult] = None
+
+    def settle(self) -> StepResult:
+        if self._settled is None:
+            comm = self.comm_waited_s + self.exposed_comm()
+            self._settled = StepResult(
+                loss=float(self.loss), step_time_s=self.step_time_s,
+                compute_s=max(0.0, self.step_time_s - self.data_wait_s - comm), comm_exposed_s=comm,
+                data_wait_s=self.data_wait_s, comm_bytes=self.comm_bytes, tokens=self.tokens,
+                grad_norm=float(self.grad_norm), skipped=bool(self.skipped))
+        return self._settled
+
+
 class OptimizedTrainer:
     """Train any ``nn.Module`` data-parallel, with compressed gradient sync, AMP, accumulation and metrics.
 
@@ -100,13 +134,14 @@ class OptimizedTrainer:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  loss_fn: Callable[[Any, Any], torch.Tensor] = lm_loss, *, compress_gradients: Any = None,
-                 mixed_precision: str = "none", grad_accum_steps: int = 1, clip_grad_norm: float = 1.0,
+                 mixed_precision: str = "auto", grad_accum_steps: int = 1, clip_grad_norm: float = 1.0,
                  lr_scheduler: Any = None, compile: bool = False, activation_checkpointing: bool = False,
                  bucket_cap_mb: float = 25.0, min_numel: int = 4096, device: Optional[torch.device] = None,
                  val_loader: Optional[Iterable] = None, val_interval: int = 0, run_dir: Optional[str] = None,
                  flops_per_token: Optional[float] = None, show_progress: bool = True,
                  checkpointer: Optional[SmartCheckpointer] = None, inject_faults: Optional[list[str]] = None,
-                 collective_timeout_s: Optional[float] = None, sync: Any = None, data_seed: int = 0):
+                 collective_timeout_s: Optional[float] = None, sync: Any = None, data_seed: int = 0,
+                 tf32: bool = True):
         mixed_precision = arguments.mixed_precision_mode(mixed_precision)
         self.grad_accum_steps = arguments.count("grad_accum_steps", grad_accum_steps)
         self.clip_grad_norm = arguments.finite("clip_grad_norm", clip_grad_norm)
@@ -124,6 +159,10 @@ class OptimizedTrainer:
         if collective_timeout_s:
             ops.set_collective_timeout(collective_timeout_s)  # also for the groups the hook creates below
         self.model = model.to(self.device)  # the plain module: evaluation, checkpoints, router updates
+        if self.device.type == "cuda" and tf32:
+            # fp32 matmuls (the parts autocast leaves in fp32, and mixed_precision='none') on tensor cores.
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
         if activation_checkpointing:
             apply_activation_checkpointing(self.model)
         try:
@@ -152,6 +191,17 @@ class OptimizedTrainer:
         self.skipped_steps: list[int] = []
         self.watchdog: Optional[Watchdog] = None  # hang reports; runs during train() when distributed
         self.phase = "start"  # what the step is doing, for the message when a collective hangs
+        # Skip a non-finite step inside the optimizer (no host read of the gradient norm) where it can: fused
+        # AdamW takes GradScaler's found_inf flag. fp16 keeps GradScaler's own path; reduced-sync strategies
+        # decide per replica on the host.
+        self._skips_on_device = (getattr(optimizer, "_step_supports_amp_scaling", False)
+                                 and all(g.get("fused") for g in optimizer.param_groups)
+                                 and not self.scaler.is_enabled() and self.sync is None)
+        self._unsettled: Optional[tuple[int, torch.Tensor]] = None  # (step, non-finite flag) not read yet
+        self._lr_used = optimizer.param_groups[0]["lr"]
+        # Rows (loss, norm, timings) are read this many steps late: on a GPU the host then never waits for
+        # the device inside the loop; on a CPU there is nothing to gain.
+        self.log_lag = 1 if self.device.type == "cuda" else 0
 
     # ----------------------------------------------------------------------------------------- public API
     def train(self, loader: Iterable, epochs: Optional[int] = None, steps: Optional[int] = None,
@@ -187,6 +237,7 @@ class OptimizedTrainer:
             self.watchdog = Watchdog(self.collective_timeout_s, self.rank, self.world_size,
                                      Path(self.run_dir) / "heartbeats" if self.run_dir else None)
         history: list[StepResult] = []
+        unlogged: collections.deque = collections.deque()  # (PendingStep, checkpoint save in flight during it)
         val_loss = None
         started = time.perf_counter()
         try:
@@ -195,21 +246,30 @@ class OptimizedTrainer:
                 # Whether an async checkpoint write runs in the background during this step: the benchmarks
                 # compare such steps with the others to measure what an in-flight save costs training.
                 in_flight = self.checkpointer is not None and self.checkpointer.save_in_flight
-                result = self._train_step(batches)
+                unlogged.append((self._train_step(batches), in_flight))
                 self.step += 1
-                history.append(result)
-                row = self._row(result)
-                if self.checkpointer is not None:
-                    row["ckpt_in_flight"] = in_flight
-                if self.val_loader is not None and (self.step == total or (
-                        self.val_interval and self.step % self.val_interval == 0)):
-                    self.phase = "validation"
-                    val_loss = row["val_loss"] = self.evaluate()
-                logger.log_step(row)
-                if self.checkpointer is not None and self.step < total and \
-                        self.checkpointer.should_save(self.step, result.step_time_s):
+                validate = self.val_loader is not None and (self.step == total or (
+                    self.val_interval and self.step % self.val_interval == 0))
+                save = self.checkpointer is not None and self.step < total and \
+                    self.checkpointer.should_save(self.step, unlogged[-1][0].step_time_s)
+                # Rows are read `log_lag` steps late (see PendingStep), at once when this step's row is needed.
+                keep = 0 if validate or save or self.step == total else self.log_lag
+                while len(unlogged) > keep:
+                    queued, in_flight = unlogged.popleft()
+                    result = queued.settle()
+                    history.append(result)
+                    row = self._row(result, queued)
+                    if self.checkpointer is not None:
+                        row["ckpt_in_flight"] = in_flight
+                    if validate and queued.step == self.step:
+                        self.phase = "validation"
+                        val_loss = row["val_loss"] = self.evaluate()
+                    logger.log_step(row)
+                if save:
+                    self._settle_skip()
                     self.phase = "checkpoint save"
                     self.checkpointer.save(self.step, state)
+            self._settle_skip()
             if self.checkpointer is not None:
                 self.phase = "final checkpoint save"
                 if self.checkpointer.last_save is None or self.checkpointer.last_save.step != self.step:
@@ -324,9 +384,10 @@ class OptimizedTrainer:
         return self._mean_across_ranks(total / max(count, 1))
 
     # ----------------------------------------------------------------------------------------- one step
-    def _train_step(self, batches: Iterator) -> StepResult:
+    def _train_step(self, batches: Iterator) -> PendingStep:
         t_start = time.perf_counter()
-        data_wait = comm_exposed = 0.0
+        data_wait = comm_waited = 0.0
+        exposed_comm: Callable[[], float] = lambda: 0.0
         bytes_before = STATS.total_bytes
         loss_sum = torch.zeros((), device=self.device)
         tokens = 0
@@ -356,8 +417,7 @@ class OptimizedTrainer:
                     loss = loss * float("nan")
                 self.scaler.scale(loss).backward()
                 if last and sync_grads:
-                    self._sync_device()
-                    comm_exposed = self.dp.timer.exposed_since_last_ready(time.perf_counter())
+                    exposed_comm = self.dp.timer.backward_done()
                     self.dp.record_sync()
             loss_sum += loss.detach()
         # The logged loss is the mean over ranks; its tiny all-reduce runs while the optimizer steps. Replicas
@@ -371,44 +431,59 @@ class OptimizedTrainer:
         updates: list = [None]  # None: apply the gradients in .grad (synced by DDP, or local under local SGD)
         if self.sync is not None:
             updates, waited = self.sync.exchange(step, last)  # Pipe-SGD: 0 updates on step 1, 2 on the last
-            comm_exposed += waited
+            comm_waited += waited
         grad_norm, skipped = torch.zeros(()), False
         for grads in updates:
             if grads is not None:
                 for p, g in zip(self.sync.params, grads):
                     p.grad = g
-            grad_norm, skipped = self._apply_update()
-        if updates and not skipped:
+            grad_norm, skipped = self._apply_update(step)
+        if updates:
             update_bias = getattr(self.model, "update_router_bias", None)
-            if update_bias is not None:
+            if update_bias is not None and not self._settle_skip(step, skipped):
                 # Under local SGD each replica balances its own experts; the biases are averaged with the rest.
                 update_bias(self._sum_across_ranks if in_lockstep else None)
         if self.sync is not None:
             self.phase = f"{self.sync_spec} sync"
-            comm_exposed += self.sync.after_step(step, last)
+            comm_waited += self.sync.after_step(step, last)
         comm_bytes = STATS.total_bytes - bytes_before
         if loss_work is not None:
             loss_work.wait()
-        self._sync_device()
-        step_time = time.perf_counter() - t_start
         self.tokens_seen += tokens * self.world_size
-        return StepResult(loss=float(loss_sum), step_time_s=step_time,
-                          compute_s=max(0.0, step_time - data_wait - comm_exposed), comm_exposed_s=comm_exposed,
-                          data_wait_s=data_wait, comm_bytes=comm_bytes if self.dp.bytes_counted else None,
-                          tokens=tokens * self.world_size,
-                          grad_norm=float(grad_norm), skipped=skipped)
+        return PendingStep(step=step, loss=loss_sum, grad_norm=grad_norm, skipped=skipped,
+                           step_time_s=time.perf_counter() - t_start, data_wait_s=data_wait,
+                           comm_waited_s=comm_waited, exposed_comm=exposed_comm,
+                           comm_bytes=comm_bytes if self.dp.bytes_counted else None,
+                           tokens=tokens * self.world_size, lr=self._lr_used)
 
-    def _apply_update(self) -> tuple[torch.Tensor, bool]:
-        """Unscale, clip, skip a non-finite step (on every rank), optimizer and LR step: (grad norm, skipped)."""
+    def _apply_update(self, step: int) -> "tuple[torch.Tensor, bool | torch.Tensor]":
+        """Unscale, clip, skip a non-finite step (on every rank), optimizer and LR step: (grad norm, skipped).
+
+        With an optimizer that can skip on the device (fused AdamW: GradScaler's ``found_inf`` protocol), the
+        host never waits for the gradient norm: the optimizer gets the non-finite flag as a tensor, and the
+        LR schedule and the skipped-step list follow when the flag is read, before the next update
+        (``_settle_skip``). Otherwise the norm is read here.
+        """
+        self._settle_skip()
+        self._lr_used = self.optimizer.param_groups[0]["lr"]
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), self.clip_grad_norm if self.clip_grad_norm > 0 else math.inf)
         # Synced gradients are identical on every rank, so every rank decides alike; under local SGD each
         # replica skips its own bad step (the others' gradients are fine, and the next average mixes them).
+        if self._skips_on_device:
+            nonfinite = ~torch.isfinite(grad_norm)
+            self.optimizer.found_inf, self.optimizer.grad_scale = nonfinite.float(), None
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf, self.optimizer.grad_scale
+            self._unsettled = (step, nonfinite)
+            return grad_norm, nonfinite
         skipped = not torch.isfinite(grad_norm).item()
         if skipped:
             self.optimizer.zero_grad(set_to_none=True)
-            self.skipped_steps.append(self.step + 1)
+            self.skipped_steps.append(step)
             self.scaler.update()
             return grad_norm, True
         self.scaler.step(self.optimizer)
@@ -417,11 +492,25 @@ class OptimizedTrainer:
             self.lr_scheduler.step()
         return grad_norm, False
 
+    def _settle_skip(self, step: Optional[int] = None, skipped: "bool | torch.Tensor" = False) -> bool:
+        """Read the device-side skip flag of the last update (if not read yet): record a skipped step, or step
+        the LR schedule. Returns whether ``step`` was skipped (``skipped`` as given for a host-decided one)."""
+        if self._unsettled is not None:
+            pending, nonfinite = self._unsettled
+            self._unsettled = None
+            if bool(nonfinite):
+                self.skipped_steps.append(pending)
+            elif self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            if pending == step:
+                return bool(nonfinite)
+        return bool(skipped) if not isinstance(skipped, torch.Tensor) else step in self.skipped_steps
+
     # ----------------------------------------------------------------------------------------- helpers
-    def _row(self, r: StepResult) -> dict[str, Any]:
-        lr = self.optimizer.param_groups[0]["lr"]
+    def _row(self, r: StepResult, queued: PendingStep) -> dict[str, Any]:
         tps = r.tokens / r.step_time_s if r.step_time_s > 0 else 0.0
-        row = {"step": self.step, "loss": r.loss if math.isfinite(r.loss) else None, "lr": lr, "tokens_per_s": tps,
+        row = {"step": queued.step, "loss": r.loss if math.isfinite(r.loss) else None, "lr": queued.lr,
+               "tokens_per_s": tps,
                "step_time_s": r.step_time_s,
                "compute_s": r.compute_s, "comm_exposed_s": r.comm_exposed_s, "data_wait_s": r.data_wait_s,
                "comm_bytes": r.comm_bytes, "grad_norm": r.grad_norm, "peak_mem_mb": peak_memory_mb(self.device)}
@@ -477,10 +566,6 @@ class OptimizedTrainer:
         if self.amp_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
-
-    def _sync_device(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     def _mean_across_ranks(self, value: torch.Tensor) -> float:
         if self.world_size > 1:
