@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from syncwise.errors import ConfigError
 
 ATTENTION_KINDS = ("mha", "mla")
+MOE_IMPLS = ("auto", "grouped", "padded", "loop")
 
 
 def _f(default: object, help: str) -> object:
@@ -34,6 +35,11 @@ class ModelConfig:
                                        "rate * sign(mean_load - load) after each optimizer step.")
     route_scale: float = _f(1.0, "Multiplier applied to the normalised routed gate weights "
                                  "(DeepSeek-V3 uses 2.5 at 256 experts).")
+    moe_impl: str = _f("auto", "How routed experts compute (same result, different speed): 'grouped' "
+                               "(torch._grouped_mm, no host sync), 'padded' (block-padded bmm, no host "
+                               "sync), 'loop' (per-expert Python loop, the reference; syncs the host), "
+                               "or 'auto' (grouped where this device and dtype have a fast path, else "
+                               "padded; see docs/models-gpu.md).")
     attention: str = _f("mha", "Attention kind: 'mha' (standard multi-head) or 'mla' "
                                "(multi-head latent attention: low-rank KV with a decoupled RoPE key).")
     q_lora_rank: int = _f(0, "MLA: rank of the query compression; 0 = no query compression.")
@@ -116,6 +122,8 @@ class ModelConfig:
                 raise ConfigError("model.bias_update_rate", self.bias_update_rate, "a number >= 0")
             if self.route_scale <= 0:
                 raise ConfigError("model.route_scale", self.route_scale, "a number > 0")
+        if self.moe_impl not in MOE_IMPLS:
+            raise ConfigError("model.moe_impl", self.moe_impl, "one of: " + ", ".join(MOE_IMPLS))
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError("model.dropout", self.dropout, "a number in [0, 1)")
         if self.norm_eps <= 0 or self.rope_theta <= 0 or self.init_std <= 0:
