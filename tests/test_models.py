@@ -39,7 +39,8 @@ def test_changing_a_future_token_leaves_earlier_logits_unchanged(name, kw):
 
 def test_presets_param_counts_in_range_and_match_the_built_model():
     ranges = {"tiny": (0, 1e6), "tiny-moe": (0, 1e6), "small": (4e6, 6.5e6), "small-dense": (4e6, 6.5e6),
-              "medium": (20e6, 30e6), "medium-dense": (20e6, 30e6), "large": (80e6, 120e6)}
+              "medium": (20e6, 30e6), "medium-dense": (20e6, 30e6), "large": (80e6, 120e6),
+              "xl-dense": (300e6, 320e6), "xl": (800e6, 950e6)}
     assert set(ranges) == set(PRESETS)
     for name, (lo, hi) in ranges.items():
         total, active = param_counts(PRESETS[name])
@@ -50,6 +51,10 @@ def test_presets_param_counts_in_range_and_match_the_built_model():
             assert active == total
     for name in ("tiny", "tiny-moe", "small"):   # the analytic count is exact (large is too slow to build)
         assert count_params(build_model(name)) == param_counts(PRESETS[name])[0]
+    for name in ("xl-dense", "xl"):   # the GPU presets, built without memory on the meta device
+        with torch.device("meta"):
+            assert count_params(build_model(name)) == param_counts(PRESETS[name])[0]
+    assert param_counts(PRESETS["xl-dense"])[0] >= 300e6
     assert build_model("tiny-moe").has_sparse_params is False
 
 

@@ -158,6 +158,20 @@ PRESETS: dict[str, ModelConfig] = {
     "large": ModelConfig(d_model=768, n_layers=10, n_heads=12, ffn_hidden=2048, seq_len=512,
                          n_routed_experts=16, n_shared_experts=2, top_k=2, moe_hidden=192,
                          n_dense_layers=1),
+    # ---- GPU sizes (each fits one 80 GB H100 with fp32 AdamW; far too slow for CPU training) ----
+    # Dimensions are multiples of 64 (tensor-core tiles; _grouped_mm's 16-byte stride rule) and
+    # head_dim is 64. The vocabulary stays 256 (the byte tokenizer), so embedding + head are only
+    # 0.5 M of the parameters and the head matmul is negligible: nearly all parameters are in the
+    # transformer body, whereas at a 32 k-128 k BPE vocabulary the same body would carry another
+    # 65-260 M embedding/head parameters. Byte-level 1024-token contexts hold ~1 k characters.
+    # 308.9 M params, dense (~2.15 GFLOP/token fwd+bwd at T=1024): the >= 300 M dense benchmark model.
+    "xl-dense": ModelConfig(d_model=1024, n_layers=24, n_heads=16, ffn_hidden=2816, seq_len=1024),
+    # 868.7 M params (202.6 M active), MoE: 1 dense + 11 MoE blocks of 32 routed experts (top-4) and
+    # 2 shared experts of width 704 (a quarter of the dense FFN: DeepSeekMoE's fine-grained split);
+    # at 16 x 1024 tokens an expert averages 2 k rows, large enough for grouped GEMMs to run well.
+    "xl": ModelConfig(d_model=1024, n_layers=12, n_heads=16, ffn_hidden=2816, seq_len=1024,
+                      n_routed_experts=32, n_shared_experts=2, top_k=4, moe_hidden=704,
+                      n_dense_layers=1),
 }
 
 
