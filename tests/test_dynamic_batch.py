@@ -493,3 +493,62 @@ def test_real_cpu_out_of_memory_under_rlimit_as():
     # The finder probes each size twice (the second pass accumulates into existing gradients, as a step's
     # later chunks do), so the size it finds trains without a single out-of-memory.
     assert result["with_found"]["size"] == result["found"] and result["with_found"]["retries"] == 0
+
+
+# ---------------------------------------------------------------------------------- real CUDA (one GPU)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the CPU paths are tested above)")
+def test_real_cuda_out_of_memory_under_a_memory_fraction():
+    """The caching allocator capped ~1 GiB above what this process holds (set_per_process_memory_fraction):
+    a 4096-row step (~2 GiB of activations) raises torch.OutOfMemoryError; the finder finds a size that
+    runs, training from micro = 4096 backs off, and both end at the full-batch parameters."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32768), nn.ReLU(), nn.Linear(32768, 1)).to(dev)
+    rows, steps, lr = 4096, 3, 1e-3
+    data = [(torch.randn(rows, 64, device=dev), torch.randn(rows, 1, device=dev)) for _ in range(steps)]
+    start = copy.deepcopy(model.state_dict())
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    for x, y in data:  # before the cap
+        opt.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(ref(x), y).backward()
+        opt.step()
+    ref_params = [p.detach().clone() for p in ref.parameters()]
+    del ref, opt
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()
+    total = torch.cuda.mem_get_info(dev)[1]
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (torch.cuda.memory_reserved(dev) + (1 << 30)) / total), dev)
+    try:
+        probe = lambda n: nn.functional.mse_loss(  # noqa: E731
+            model(torch.randn(n, 64, device=dev)), torch.randn(n, 1, device=dev)).backward()
+        finder = DynamicBatcher(64, rows, memory_threshold=1.0, device=dev)
+        found = finder.find(probe, batch_size=rows, zero_grad=lambda: model.zero_grad(set_to_none=True))
+        assert 64 <= found < rows
+
+        def train(batcher):
+            model.load_state_dict(start)
+            opt = torch.optim.SGD(model.parameters(), lr=lr)
+
+            def run_micro(x, y, weight, is_last):
+                loss = nn.functional.mse_loss(model(x), y) * weight
+                loss.backward()
+                return loss.detach()
+
+            for x, y in data:
+                opt.zero_grad(set_to_none=True)
+                batcher.accumulate([(x, y)], run_micro, lambda: opt.zero_grad(set_to_none=True))
+                opt.step()
+            for p, q in zip(model.parameters(), ref_params):
+                torch.testing.assert_close(p.detach(), q, atol=1e-5, rtol=1e-4)
+
+        backoff = DynamicBatcher(rows, rows, memory_threshold=1.0, device=dev)
+        train(backoff)
+        assert backoff.retries >= 1 and backoff.size < rows
+        assert all("out of memory" in h.reason for h in backoff.history)
+        train(finder)
+        usage = DynamicBatcher(1, 2, device=dev).memory_usage()
+        assert usage is not None and 0 < usage <= 1
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, dev)
+        torch.cuda.empty_cache()
