@@ -203,8 +203,9 @@ class DynamicBatcher:
              repeats: int = 2) -> int:
         """Probe micro sizes and set :attr:`size` to the largest that fits; return it.
 
-        ``probe(n)`` runs a forward and backward pass on ``n`` rows of the worst-case shape (under DDP: inside
-        ``no_sync``) and leaves its gradients: each size is probed ``repeats`` times (default 2) before
+        ``probe(n)`` runs a forward and backward pass on ``n`` rows of the worst-case shape (under DDP: on the
+        plain module, ``ddp.module``, so it runs no collective: ranks may probe different sizes) and leaves
+        its gradients: each size is probed ``repeats`` times (default 2) before
         ``zero_grad()`` frees them, so the second pass accumulates into existing gradients as every chunk
         after a step's first does (that peak is one gradient-sized buffer higher than the first chunk's).
         ``batch_size`` caps the search (a micro-batch never exceeds the batch). ``agree(n)`` makes the ranks
