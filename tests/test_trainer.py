@@ -162,3 +162,46 @@ def test_rows_read_one_step_late_equal_rows_read_at_once(tmp_path):
     keys = ("step", "loss", "lr", "grad_norm", "comm_bytes")
     assert [{k: r[k] for k in keys} for r in now_rows] == [{k: r[k] for k in keys} for r in late_rows]
     assert now_summary["final_loss"] == late_summary["final_loss"]
+
+
+class _PlantedLimit(nn.Module):
+    """An MLP whose forward runs out of memory (torch.OutOfMemoryError) above ``limit`` rows."""
+
+    def __init__(self, limit):
+        super().__init__()
+        self.limit, self.net = limit, _mlp()
+
+    def forward(self, x):
+        if x.size(0) > self.limit:
+            raise torch.OutOfMemoryError(f"planted: {x.size(0)} rows > {self.limit}")
+        return self.net(x)
+
+
+def test_dynamic_batch_finds_the_size_that_fits_and_keeps_the_global_batch(tmp_path):
+    from syncwise.checkpoint import SmartCheckpointer
+    from syncwise.train import DynamicBatcher
+
+    x, y = _data(48, seed=5)
+    batches = [(x[i:i + 12], y[i:i + 12]) for i in range(0, 48, 12)]
+
+    def run(limit, batcher, steps, ckpt=None, resume=None):
+        model = _PlantedLimit(limit)
+        trainer = OptimizedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy,
+                                   grad_accum_steps=2, dynamic_batch=batcher, run_dir=str(tmp_path / f"r{limit}"),
+                                   checkpointer=ckpt, mixed_precision=False)
+        trainer.train(batches, steps=steps, resume=resume)
+        return trainer
+
+    plain = run(1000, None, 2)
+    dynamic = run(5, DynamicBatcher(2, 64), 2)
+    assert dynamic.batcher.size == 5 and dynamic.batcher.found
+    for a, b in zip(plain.model.parameters(), dynamic.model.parameters()):
+        torch.testing.assert_close(a, b)  # 12-row batches in chunks of 5, 5, 2: the same gradient
+    rows = [json.loads(r) for r in (tmp_path / "r5" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["micro_batch"] for r in rows] == [5, 5]
+    # The found size is checkpointed: a resumed run does not probe again.
+    ckpt_dir = tmp_path / "ck"
+    run(5, DynamicBatcher(2, 64), 1, ckpt=SmartCheckpointer(ckpt_dir))
+    resumed = run(5, DynamicBatcher(2, 64), 2, ckpt=SmartCheckpointer(ckpt_dir), resume="auto")
+    assert resumed.batcher.found and resumed.batcher.size == 5
+    assert sum(c.reason.startswith("probe") for c in resumed.batcher.history) == 1  # the first run's, restored

@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 # name -> module that defines it
 _EXPORTS = {
     "OptimizedTrainer": "syncwise.train",
+    "DynamicBatcher": "syncwise.train",
     "GradientCompressor": "syncwise.compress",
     "CommContext": "syncwise.comm",
     "TopoAwareCollective": "syncwise.comm",

@@ -1,20 +1,24 @@
 """OptimizedTrainer: the training loop for any ``nn.Module``, readable in one sitting.
 
 What one optimizer step does (``_train_step``):
-  1. ``grad_accum`` micro-batches forward/backward; all but the last under DDP's ``no_sync`` so only the
-     last one communicates (and its gradient sync overlaps with its backward, bucket by bucket);
+  1. ``grad_accum`` loader batches forward/backward (with a ``DynamicBatcher``, in micro-batches of the size
+     that fits, the step redone from the same batches after an out-of-memory); all but the last micro-batch
+     under DDP's ``no_sync`` so only the last one communicates (its gradient sync overlaps its backward);
   2. gradients are unscaled (fp16), clipped, checked for NaN/Inf (a bad step is skipped on every rank; under
-     local SGD by the replica that saw it);
+     local SGD by the replica that saw it; with fused AdamW inside the optimizer, without a host read);
   3. optimizer, LR schedule and model-specific updates (MoE router bias) step;
   4. with ``sync=`` other than every-step, the sync strategy moves the parameters instead: local SGD / DiLoCo
      keep gradients local and average the replicas every H steps; Pipe-SGD applies the previous step's
      averaged gradient while this step's all-reduce runs;
-  5. the time is split into data wait / compute / exposed communication and logged with the bytes sent.
+  5. the step returns a ``PendingStep``; the loop reads its numbers (loss, norm, data wait / compute /
+     exposed communication, bytes) ``log_lag`` steps later — on a GPU one step, so the host never waits for
+     the device inside the loop.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import json
 import math
 import time
@@ -36,6 +40,7 @@ from ..errors import ConfigError, SyncwiseError
 from ..metrics import MetricsLogger, mfu, peak_flops, peak_memory_mb, read_jsonl
 from ..parallel import TorchHookSpec, apply_activation_checkpointing, apply_data_parallel, build_sync
 from . import arguments
+from .dynamic_batch import DynamicBatcher
 from .faults import FaultPlan
 
 # Collectives that are not gradient sync (loss averaging, validation, router-load sums) are counted here, so
@@ -105,6 +110,7 @@ class PendingStep:
     comm_bytes: Optional[int]
     tokens: int
     lr: float  # the learning rate this step's update used
+    micro_batch: Optional[int] = None  # DynamicBatcher's micro size after this step
     _settled: Optional[StepResult] = None
 
     def settle(self) -> StepResult:
@@ -141,7 +147,7 @@ class OptimizedTrainer:
                  flops_per_token: Optional[float] = None, show_progress: bool = True,
                  checkpointer: Optional[SmartCheckpointer] = None, inject_faults: Optional[list[str]] = None,
                  collective_timeout_s: Optional[float] = None, sync: Any = None, data_seed: int = 0,
-                 tf32: bool = True):
+                 tf32: bool = True, dynamic_batch: Optional[DynamicBatcher] = None):
         mixed_precision = arguments.mixed_precision_mode(mixed_precision)
         self.grad_accum_steps = arguments.count("grad_accum_steps", grad_accum_steps)
         self.clip_grad_norm = arguments.finite("clip_grad_norm", clip_grad_norm)
@@ -185,6 +191,9 @@ class OptimizedTrainer:
         self.checkpointer = checkpointer
         self.faults = FaultPlan(inject_faults or [], run_dir)
         self.collective_timeout_s = collective_timeout_s
+        if dynamic_batch is not None and not isinstance(dynamic_batch, DynamicBatcher):
+            raise ConfigError("dynamic_batch", dynamic_batch, "None or a syncwise.train.DynamicBatcher")
+        self.batcher = dynamic_batch  # micro-batches that fit; None: each loader batch is one micro-batch
         self.step = 0
         self.total_steps = 0
         self.tokens_seen = 0
@@ -233,11 +242,14 @@ class OptimizedTrainer:
         if redone is not None:
             logger.note(f"resumed from step {self.step}; {redone} step(s) after it are redone")
         batches = _forever(loader)
+        if self.batcher is not None and not self.batcher.found:
+            batches = self._find_micro_batch(batches, logger)
         if self.world_size > 1 and self.collective_timeout_s:
             self.watchdog = Watchdog(self.collective_timeout_s, self.rank, self.world_size,
                                      Path(self.run_dir) / "heartbeats" if self.run_dir else None)
         history: list[StepResult] = []
         unlogged: collections.deque = collections.deque()  # (PendingStep, checkpoint save in flight during it)
+        changes_seen = len(self.batcher.history) if self.batcher is not None else 0
         val_loss = None
         started = time.perf_counter()
         try:
@@ -248,6 +260,11 @@ class OptimizedTrainer:
                 in_flight = self.checkpointer is not None and self.checkpointer.save_in_flight
                 unlogged.append((self._train_step(batches), in_flight))
                 self.step += 1
+                if self.batcher is not None:
+                    for change in self.batcher.history[changes_seen:]:
+                        logger.note(f"dynamic batch: step {change.step}: micro-batch {change.old} → {change.new} "
+                                    f"({change.reason})")
+                    changes_seen = len(self.batcher.history)
                 validate = self.val_loader is not None and (self.step == total or (
                     self.val_interval and self.step % self.val_interval == 0))
                 save = self.checkpointer is not None and self.step < total and \
@@ -292,6 +309,32 @@ class OptimizedTrainer:
         logger.finish(summary)
         return summary
 
+    def _find_micro_batch(self, batches: Iterator, logger: MetricsLogger) -> Iterator:
+        """Probe the largest micro-batch on the first loader batch (on the plain module: no collectives, so
+        ranks may probe different sizes); the ranks then agree on the smallest. The batch is not consumed."""
+        first = next(batches)
+        inputs, targets = first
+
+        def probe(n: int) -> None:
+            with self._autocast():
+                loss = self.loss_fn(self.model(inputs[:n].to(self.device)), targets[:n].to(self.device))
+            self.scaler.scale(loss).backward()
+
+        def agree(n: int) -> int:
+            if self.world_size == 1:
+                return n
+            t = torch.tensor([n], device=self.device)
+            ops.all_reduce(t, "min", stats=CONTROL_STATS)
+            return int(t.item())
+
+        self.phase = "dynamic batch probe"
+        size = self.batcher.find(probe, batch_size=len(inputs), agree=agree,
+                                 zero_grad=lambda: self.optimizer.zero_grad(set_to_none=True))
+        self.optimizer.zero_grad(set_to_none=True)
+        logger.note(f"dynamic batch: micro-batches of {size} row(s) (batch {len(inputs)}; "
+                    f"{self.batcher.history[-1].reason})")
+        return itertools.chain([first], batches)
+
     def _already_finished(self, total: int) -> dict[str, Any]:
         """Resumed at or past ``total``: train nothing and keep the run's files (its summary.json) as they are."""
         if self.checkpointer is not None:
@@ -317,6 +360,8 @@ class OptimizedTrainer:
         state.register("rng", RNGState(), per_rank=True)
         if loader is not None and hasattr(loader, "state_dict"):
             state.register("data", loader, per_rank=True)
+        if self.batcher is not None:  # the micro size found (resume does not probe again); ranks may differ
+            state.register("batcher", self.batcher, per_rank=True)
         if self.dp.hook_state is not None:
             state.register("compressor", self.dp.hook_state, per_rank=True)
         if self.sync is not None:
@@ -387,39 +432,43 @@ class OptimizedTrainer:
     def _train_step(self, batches: Iterator) -> PendingStep:
         t_start = time.perf_counter()
         data_wait = comm_waited = 0.0
-        exposed_comm: Callable[[], float] = lambda: 0.0
         bytes_before = STATS.total_bytes
-        loss_sum = torch.zeros((), device=self.device)
-        tokens = 0
         self.optimizer.zero_grad(set_to_none=True)
         accum = self.grad_accum_steps
         # Local SGD: gradients stay on this replica except during its warm-up.
         sync_grads = self.dp.distributed and (self.sync is None or self.sync.syncs_gradients(self.step + 1))
         poison = self.faults.poison_loss(self.step + 1, self.rank)
-        for micro in range(accum):
-            self.phase = "data loading"
-            t_data = time.perf_counter()
-            inputs, targets = next(batches)
+        self.phase = "data loading"
+        t_data = time.perf_counter()
+        loaded = [next(batches) for _ in range(accum)]
+        data_wait += time.perf_counter() - t_data
+        tokens = sum(x.numel() if not x.is_floating_point() else x.size(0) for x, _ in loaded)
+        exposed: list[Callable[[], float]] = []
+
+        def run_micro(inputs: Any, targets: Any, weight: float, last: bool) -> torch.Tensor:
+            """Forward/backward one micro-batch; only the last one of the step syncs gradients."""
             inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
-            data_wait += time.perf_counter() - t_data
-            tokens += inputs.numel() if not inputs.is_floating_point() else inputs.size(0)
-            last = micro == accum - 1
-            # Only the last micro-batch syncs gradients; the others accumulate locally.
-            sync = contextlib.nullcontext() if (last and sync_grads) or not self.dp.distributed \
-                else self.dp.module.no_sync()
-            with sync:
+            syncing = last and sync_grads
+            with contextlib.nullcontext() if syncing or not self.dp.distributed else self.dp.module.no_sync():
                 if self.dp.timer is not None:
                     self.dp.timer.reset()
                 self.phase = "forward/backward (gradient sync)"
                 with self._autocast():
-                    loss = self.loss_fn(self.train_module(inputs), targets) / accum
+                    loss = self.loss_fn(self.train_module(inputs), targets) * weight
                 if poison:
                     loss = loss * float("nan")
                 self.scaler.scale(loss).backward()
-                if last and sync_grads:
-                    exposed_comm = self.dp.timer.backward_done()
+                if syncing:
+                    exposed.append(self.dp.timer.backward_done())
                     self.dp.record_sync()
-            loss_sum += loss.detach()
+            return loss.detach()
+
+        if self.batcher is None:
+            loss_sum = sum(run_micro(x, y, 1 / accum, i == accum - 1) for i, (x, y) in enumerate(loaded))
+        else:  # micro-batches of the size that fits; an out-of-memory redoes the step from `loaded`
+            loss_sum = self.batcher.accumulate(loaded, run_micro, lambda: self.optimizer.zero_grad(set_to_none=True),
+                                               syncs=sync_grads, step=self.step + 1)
+        exposed_comm = exposed[-1] if exposed else (lambda: 0.0)
         # The logged loss is the mean over ranks; its tiny all-reduce runs while the optimizer steps. Replicas
         # that diverge (local SGD) skip every per-step collective: each would hold the ranks in lockstep, and
         # the step would wait for the slowest one; rank 0's replica's loss is logged instead.
@@ -454,7 +503,8 @@ class OptimizedTrainer:
                            step_time_s=time.perf_counter() - t_start, data_wait_s=data_wait,
                            comm_waited_s=comm_waited, exposed_comm=exposed_comm,
                            comm_bytes=comm_bytes if self.dp.bytes_counted else None,
-                           tokens=tokens * self.world_size, lr=self._lr_used)
+                           tokens=tokens * self.world_size, lr=self._lr_used,
+                           micro_batch=self.batcher.size if self.batcher is not None else None)
 
     def _apply_update(self, step: int) -> "tuple[torch.Tensor, bool | torch.Tensor]":
         """Unscale, clip, skip a non-finite step (on every rank), optimizer and LR step: (grad norm, skipped).
@@ -517,6 +567,8 @@ class OptimizedTrainer:
         util = mfu(self.flops_per_token, tps / self.world_size, peak_flops(self.device))
         if util is not None:
             row["mfu"] = util
+        if queued.micro_batch is not None:
+            row["micro_batch"] = queued.micro_batch
         if r.skipped:
             row["skipped"] = True
         return row
