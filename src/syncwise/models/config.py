@@ -158,7 +158,7 @@ PRESETS: dict[str, ModelConfig] = {
     "large": ModelConfig(d_model=768, n_layers=10, n_heads=12, ffn_hidden=2048, seq_len=512,
                          n_routed_experts=16, n_shared_experts=2, top_k=2, moe_hidden=192,
                          n_dense_layers=1),
-    # ---- GPU sizes (each fits one 80 GB H100 with fp32 AdamW; far too slow for CPU training) ----
+    # ---- GPU sizes (for one 80 GB H100 with fp32 weights + AdamW; far too slow for CPU training) ----
     # Dimensions are multiples of 64 (tensor-core tiles; _grouped_mm's 16-byte stride rule) and
     # head_dim is 64. The vocabulary stays 256 (the byte tokenizer), so embedding + head are only
     # 0.5 M of the parameters and the head matmul is negligible: nearly all parameters are in the
