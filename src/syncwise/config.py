@@ -21,9 +21,12 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .devices import Placement
 
 try:  # Python 3.11+
     import tomllib
@@ -179,11 +182,18 @@ class TrainSection:
 class DistSection:
     """[dist] workers and the process group."""
 
-    nproc: int = option(2, "local worker processes (started by torchrun's elastic agent)",
-                        f"an integer from 1 to {_MAX_LOCAL_WORKERS} (4 × this machine's cores)",
-                        _in(1, _MAX_LOCAL_WORKERS))
-    backend: str = option("auto", "process-group backend: auto (nccl on GPU, else gloo), gloo, nccl",
-                          "one of: auto, gloo, nccl (nccl only where CUDA is available)",
+    nproc: int = option(2, "local worker processes (started by torchrun's elastic agent); 2 on any machine, so the "
+                        "default job is data-parallel with the same global batch everywhere: with fewer GPUs than "
+                        "workers they share the GPUs over gloo (--nproc = the GPU count for NCCL)",
+                        f"an integer from 1 to {_MAX_LOCAL_WORKERS} (4 × this machine's cores); with "
+                        "dist.backend=nccl at most the visible GPUs", _in(1, _MAX_LOCAL_WORKERS))
+    device: str = option("auto", "where workers compute: auto (CUDA when a GPU is visible, else the CPU), cpu, cuda; "
+                         "local worker r uses GPU r mod (visible GPUs)",
+                         "one of: auto, cpu, cuda (cuda only where a GPU is visible)",
+                         lambda v: v in ("auto", "cpu", "cuda"))
+    backend: str = option("auto", "process-group backend: auto (nccl when every local worker has a GPU of its own, "
+                          "else gloo: ranks sharing a GPU, or the CPU), gloo, nccl",
+                          "one of: auto, gloo, nccl (nccl only on CUDA with one GPU per local worker)",
                           lambda v: v in ("auto", "gloo", "nccl"))
     bucket_cap_mb: float = option(25.0, "DDP gradient bucket size in MB", "a number in (0, 10000]",
                                   lambda v: 0 < v <= 10_000)
@@ -420,12 +430,30 @@ def _workers(cfg: RunConfig) -> tuple[int, int, int]:
     return cfg.dist.nproc, cfg.dist.nproc, cfg.dist.nproc
 
 
-def _memory_per_worker(cfg: RunConfig, local_workers: int) -> tuple[int, str]:
-    """Bytes one worker can have: one GPU's memory, or this machine's memory (or cgroup limit) shared."""
-    import torch
+def placement(cfg: RunConfig) -> "Placement":
+    """Where the job's workers on this machine compute and over which backend (``syncwise.devices``' rule, on this
+    machine's GPUs), or the ConfigError that stops the run before any worker starts."""
+    from . import devices
 
-    if cfg.dist.backend != "gloo" and torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory, "GPU memory"
+    local = _workers(cfg)[0]
+    try:
+        return devices.plan_here(cfg.dist.device, cfg.dist.backend, local, lab=cfg.dist.lab)
+    except ConfigError as e:
+        if e.field != "dist.nproc":
+            raise
+        key = _blame(cfg, "dist.nproc", "dist.backend")  # nccl with more workers than GPUs: either one
+        raise ConfigError(key, _get(cfg, key), e.accepted) from None
+
+
+def _memory_per_worker(cfg: RunConfig, local_workers: int, where: "Placement") -> tuple[int, str]:
+    """Bytes one worker can have: its GPU's memory (shared by the workers on it), or this machine's memory (or
+    cgroup limit) shared."""
+    if where.device_type == "cuda":
+        from .devices import gpu_memory_bytes
+
+        share = where.ranks_per_gpu
+        return gpu_memory_bytes(0) // share, ("GPU memory" if share == 1 else
+                                              f"GPU memory (cuda:0 shared by {share} workers)")
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
         limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
@@ -492,17 +520,14 @@ def check_references(cfg: RunConfig) -> None:
         raise ConfigError("dist.nnodes", cfg.dist.nnodes, "'1' or '1:MAX' on a local run: its rendezvous is on "
                           "127.0.0.1, so no other node can ever join and it would wait forever for MIN nodes "
                           "(multi-node: --lab, or torchrun on every node)")
-    import torch
-
-    if cfg.dist.backend == "nccl" and not torch.cuda.is_available():
-        raise ConfigError("dist.backend", "nccl", "auto or gloo on a machine without CUDA (nccl needs GPUs)")
-    if cfg.train.mixed_precision == "fp16" and not torch.cuda.is_available():
-        raise ConfigError("train.mixed_precision", "fp16", "none, bf16 or auto on a machine without a GPU "
-                          "(fp16 needs CUDA and a GradScaler)")
-    _check_data_and_memory(cfg, local, fewest)
+    where = placement(cfg)  # dist.device, dist.backend, dist.nproc against this machine's GPUs
+    if cfg.train.mixed_precision == "fp16" and where.device_type != "cuda":
+        raise ConfigError("train.mixed_precision", "fp16", "none, bf16 or auto when the workers run on the CPU "
+                          f"(dist.device={cfg.dist.device} resolves to the CPU here; fp16 needs CUDA and a GradScaler)")
+    _check_data_and_memory(cfg, local, fewest, where)
 
 
-def _check_data_and_memory(cfg: RunConfig, local: int, fewest: int) -> None:
+def _check_data_and_memory(cfg: RunConfig, local: int, fewest: int, where: "Placement") -> None:
     """Does one step's batch fit the corpus (the batch loader's rule, from token counts) and this machine?"""
     from .data import check_fits, corpus_sizes
     from .models import resolve_config, train_memory_bytes
@@ -526,7 +551,7 @@ def _check_data_and_memory(cfg: RunConfig, local: int, fewest: int) -> None:
         model = resolve_config(cfg.model.preset, **overrides)
     need = train_memory_bytes(model, d.batch_size, 4 if cfg.train.mixed_precision == "none" else 2,
                               cfg.train.activation_checkpointing)
-    have, what = _memory_per_worker(cfg, local)
+    have, what = _memory_per_worker(cfg, local, where)
     if need > have:
         key = _blame(cfg, "data.seq_len", "data.batch_size", "model.preset", "dist.nproc")
         raise ConfigError(key, _get(cfg, key), f"a step that fits: {cfg.model.preset} at batch_size {d.batch_size} × "

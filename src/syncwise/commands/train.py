@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..config import (RunConfig, add_train_arguments, build_config, describe_fields, format_config, load_file,
-                      overrides_from_args)
+                      overrides_from_args, placement)
 from .. import rundir
 from ..errors import ConfigError, SyncwiseError
 from ..rundir import RunDirLock
@@ -178,7 +178,8 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
             note = f"\n# note: {e}"  # valid; `syncwise train` would say so and exit 0
         except SyncwiseError as e:
             raise ConfigError("run_dir", cfg.run_dir, f"a directory this run may use ({e})") from None
-        print(format_config(cfg) + note)
+        shared = placement(cfg).note  # e.g. 2 workers on one GPU: gloo, and how to get NCCL
+        print(format_config(cfg) + note + (f"\n# note: {shared}" if shared else ""))
         return 0
     try:
         lock = prepare_run_dir(cfg)
