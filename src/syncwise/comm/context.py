@@ -16,12 +16,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from syncwise import devices
 from syncwise.errors import ConfigError, SyncwiseError
 
 from . import ops
 from .stats import STATS, CommStats
 
-BACKENDS = ("auto", "nccl", "gloo")
+BACKENDS = devices.BACKENDS
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -84,15 +85,10 @@ class Topology:
         return topo
 
 
-def resolve_backend(backend: str) -> str:
-    """'auto' -> 'nccl' when CUDA is available, else 'gloo'; validates the name."""
-    if backend not in BACKENDS:
-        raise ConfigError("backend", backend, ", ".join(BACKENDS))
-    if backend == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise ConfigError("backend", backend, "'gloo' or 'auto' on a machine without CUDA")
-    return backend
+def resolve_backend(backend: str, device: str = "auto") -> str:
+    """The backend this worker's group uses: ``syncwise.devices``' rule ('auto' -> nccl when every local worker
+    has a GPU of its own, else gloo); validates the names."""
+    return devices.plan_here(device, backend, names=devices.API_NAMES).backend
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -106,36 +102,47 @@ class CommContext:
     ``timeout_s`` bounds every collective of groups this context creates (gloo honours the process
     group timeout): a hung peer turns into a :class:`SyncwiseError` instead of a silent hang.
     If the default group already exists, it is reused (and not destroyed by ``close()``).
+
+    ``device`` ('auto', 'cpu', 'cuda') and ``backend`` follow ``syncwise.devices``: local rank r computes on
+    ``cuda:(r mod GPUs)``; 'auto' picks NCCL only when every local worker has a GPU of its own (ranks sharing
+    a GPU use gloo, which NCCL refuses). ``.device`` is this rank's device (set as the current CUDA device).
     """
 
     def __init__(self, backend: str = "auto", timeout_s: float = 300.0, topology: Optional[Topology] = None,
-                 stats: CommStats = STATS) -> None:
+                 stats: CommStats = STATS, device: str = "auto") -> None:
         if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
             raise ConfigError("timeout_s", timeout_s, "a positive number of seconds")
         self.timeout_s = float(timeout_s)
         self.stats = stats
         self._owns_default = False
         self._closed = False
+        local_rank, local_world = devices.local_env()
         if not dist.is_initialized():
-            self.backend = resolve_backend(backend)
+            placement = devices.plan_here(device, backend, local_world, names=devices.API_NAMES)
             missing = [k for k in _TORCHRUN_ENV if k not in os.environ]
             if missing:
                 raise SyncwiseError(
                     f"cannot initialise the process group: {', '.join(missing)} not set. Start the program with "
                     "torchrun (`syncwise train` starts its workers that way), which sets them for every worker.")
-            if self.backend == "nccl":
-                # One GPU per local worker; must be set before NCCL creates its communicators.
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            self.backend, self.device = placement.backend, placement.device(local_rank)
+            if self.device.type == "cuda":
+                # Must be set before NCCL creates its communicators; gloo's CUDA tensors use it too.
+                torch.cuda.set_device(self.device)
             dist.init_process_group(self.backend, timeout=timedelta(seconds=self.timeout_s))
             self._owns_default = True
         else:
             existing = str(dist.get_backend())
             if backend not in BACKENDS:
-                raise ConfigError("backend", backend, ", ".join(BACKENDS))
+                raise ConfigError("backend", backend, "one of: " + ", ".join(BACKENDS))
             if backend != "auto" and backend not in existing:
                 raise ConfigError("backend", backend,
                                   f"'auto' or {existing!r} (the process group is already initialised with it)")
             self.backend = existing
+            if "nccl" in existing:  # an NCCL group is bound to the device its creator set
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            else:  # gloo: the device the rule gives this local rank
+                self.device = devices.plan_here(device, "gloo", local_world, names=devices.API_NAMES).device(
+                    min(local_rank, local_world - 1))
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.topology = topology if topology is not None else Topology.from_env(self.world_size)
@@ -248,5 +255,5 @@ class CommContext:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"CommContext(backend={self.backend!r}, rank={self.rank}, world_size={self.world_size}, "
-                f"topology={self.topology})")
+        return (f"CommContext(backend={self.backend!r}, device={str(self.device)!r}, rank={self.rank}, "
+                f"world_size={self.world_size}, topology={self.topology})")

@@ -10,6 +10,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from .. import devices
 from ..errors import ConfigError
 
 
@@ -46,8 +47,10 @@ class SmartPrefetcher:
         if pattern_detection and (not isinstance(max_lookahead, int) or max_lookahead < lookahead):
             raise ConfigError("data.max_lookahead", max_lookahead, f"an integer >= lookahead ({lookahead})")
         self.loader = loader
-        self.device = torch.device(device) if device is not None else None
-        cuda = self.device is not None and self.device.type == "cuda" and torch.cuda.is_available()
+        # 'cuda' without an index is the current CUDA device of the constructing thread (the producer thread
+        # must be told which one); CUDA on a machine without it fails here, not in the producer thread.
+        self.device = devices.resolve(device, "device") if device is not None else None
+        cuda = self.device is not None and self.device.type == "cuda"
         # Pinning only pays (and only works) when a host-to-GPU copy follows.
         self.pin_memory = cuda if pin_memory is None else bool(pin_memory and torch.cuda.is_available())
         self._cuda = cuda

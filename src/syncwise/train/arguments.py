@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from .. import devices
 from ..errors import ConfigError
 
 _NO_AMP = {"none", "no", "fp32", "float32", "off", "false"}
@@ -77,19 +78,32 @@ def finite(name: str, value: Any, minimum: float = 0.0, inclusive: bool = True) 
     return float(value)
 
 
-def join_torchrun(device: torch.device, timeout_s: Optional[float] = None) -> bool:
+def join_torchrun(device: torch.device, timeout_s: Optional[float] = None, backend: str = "auto") -> bool:
     """Join the job torchrun describes in the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) unless a
-    process group exists already; backend from the device (NCCL on CUDA, else gloo). Returns True if this call
-    created the group; it is then destroyed at exit (a DDP process that exits with a live group can abort)."""
+    process group exists already. Returns True if this call created the group; it is then destroyed at exit (a DDP
+    process that exits with a live group can abort).
+
+    ``backend='auto'`` follows ``syncwise.devices``: NCCL only where this rank's device is the GPU the rule gives
+    it under NCCL (``cuda:LOCAL_RANK``, every local rank with a GPU of its own), gloo otherwise — on the CPU, and
+    when ranks share a GPU, which NCCL refuses ('Duplicate GPU detected'). An index-less 'cuda' is the current
+    CUDA device."""
     if not dist.is_available() or dist.is_initialized():
         return False
     if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
         return False
-    cuda = device.type == "cuda"
-    kwargs: dict[str, Any] = {"device_id": device} if cuda and device.index is not None else {}
+    device = devices.resolve(device)
+    local_rank, local_world = devices.local_env()
+    if backend == "auto":
+        backend = devices.backend_for(device, local_rank, local_world, devices.visible_gpus(),
+                                      devices.nccl_available())
+    elif backend not in devices.BACKENDS:
+        raise ConfigError("backend", backend, "one of: " + ", ".join(devices.BACKENDS))
+    elif backend == "nccl" and device.type != "cuda":
+        raise ConfigError("backend", backend, f"auto or gloo for a model on {device} (NCCL moves only CUDA tensors)")
+    kwargs: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
     if timeout_s:
         kwargs["timeout"] = timedelta(seconds=timeout_s)
-    dist.init_process_group("nccl" if cuda else "gloo", **kwargs)
+    dist.init_process_group(backend, **kwargs)
     atexit.register(_leave)
     return True
 

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .. import devices
 from ..checkpoint import SmartCheckpointer
 from ..comm import ops
 from ..config import RunConfig
@@ -28,16 +29,23 @@ from .trainer import CONTROL_STATS, OptimizedTrainer
 
 
 def init_distributed(cfg: RunConfig) -> torch.device:
-    """Join the process group torchrun describes in the environment (if any); pick this worker's device."""
+    """Join the process group torchrun describes in the environment (if any); pick this worker's device.
+
+    Device and backend come from ``syncwise.devices`` (dist.device, dist.backend): local rank r computes on
+    ``cuda:(r mod GPUs)`` or the CPU; NCCL only when every local worker has a GPU of its own, else gloo. When
+    'auto' made workers share a GPU, rank 0 says so in one line."""
     threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
     if threads > 0:
         torch.set_num_threads(threads)
-    use_cuda = torch.cuda.is_available() and cfg.dist.backend != "gloo"
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
-    if use_cuda:
+    local_rank, local_world = devices.local_env()
+    placement = devices.plan_here(cfg.dist.device, cfg.dist.backend, local_world, lab=cfg.dist.lab)
+    device = placement.device(local_rank)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
+    if placement.note and os.environ.get("RANK", "0") == "0":
+        print(f"syncwise: {placement.note}", flush=True)
     ops.set_collective_timeout(cfg.dist.timeout_s)  # every group syncwise creates gets the job's timeout
-    join_torchrun(device, cfg.dist.timeout_s)
+    join_torchrun(device, cfg.dist.timeout_s, backend=placement.backend)
     return device
 
 
@@ -106,7 +114,7 @@ def train_worker(cfg: RunConfig) -> dict[str, Any]:
         overrides: dict[str, Any] = {"vocab_size": corpus.vocab_size, "seq_len": cfg.data.seq_len}
         if cfg.model.attention != "default":
             overrides["attention"] = cfg.model.attention
-        model = build_model(cfg.model.preset, **overrides)
+        model = build_model(cfg.model.preset, **overrides).to(device)  # on the device first: fused AdamW on GPUs
         optimizer = adamw(model, cfg.train.lr, cfg.train.weight_decay)
         scheduler = warmup_cosine(optimizer, cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio)
         loader = TokenBatchLoader(corpus.train, cfg.data.batch_size, cfg.data.seq_len, rank, world,
