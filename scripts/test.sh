@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up (CPU torch pinned to the build on local disk) and run the test suite.
+# Set up (the CPU torch pinned to the build on local disk, unless a torch is already installed: a CUDA build
+# stays; see scripts/setup.sh) and run the test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q -r requirements-dev.txt -e .
+bash scripts/setup.sh requirements-dev.txt
 python3 -m pytest -q "$@"
