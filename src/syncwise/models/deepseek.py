@@ -108,13 +108,15 @@ class DeepSeekLM(nn.Module):
 
     # ---- MoE load balancing -------------------------------------------------------------------
     @torch.no_grad()
-    def update_router_bias(self, reduce_fn: Callable[[torch.Tensor], object] | None = None) -> None:
+    def update_router_bias(self, reduce_fn: Callable[[torch.Tensor], object] | None = None,
+                           apply: torch.Tensor | None = None) -> None:
         """Apply the auxiliary-loss-free bias update to every MoE layer from the token counts seen
         since the last call, then reset the counts. Call once after each optimizer step.
 
         ``reduce_fn(t)`` (e.g. an all-reduce sum over the data-parallel group) must sum ``t`` in
         place across ranks, so every rank applies the same update and biases stay identical. All
-        layers' counts go in one (n_moe_layers, E) int64 tensor: one collective per step."""
+        layers' counts go in one (n_moe_layers, E) int64 tensor: one collective per step. ``apply``: a bool
+        tensor, False when the optimizer skipped the step on the device (the counts are reset either way)."""
         moes = list(self.moe_layers())
         if not moes:
             return
@@ -122,7 +124,7 @@ class DeepSeekLM(nn.Module):
         if reduce_fn is not None:
             reduce_fn(counts)
         for moe, c in zip(moes, counts):
-            moe.update_bias(c)
+            moe.update_bias(c, apply)
 
     def router_load(self) -> dict[int, torch.Tensor]:
         """Per MoE layer (by layer index): each expert's share of routed token slots (sums to 1;

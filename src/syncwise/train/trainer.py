@@ -487,11 +487,14 @@ class OptimizedTrainer:
                 for p, g in zip(self.sync.params, grads):
                     p.grad = g
             grad_norm, skipped = self._apply_update(step)
-        if updates:
-            update_bias = getattr(self.model, "update_router_bias", None)
-            if update_bias is not None and not self._settle_skip(step, skipped):
-                # Under local SGD each replica balances its own experts; the biases are averaged with the rest.
-                update_bias(self._sum_across_ranks if in_lockstep else None)
+        update_bias = getattr(self.model, "update_router_bias", None)
+        if updates and update_bias is not None:
+            # Under local SGD each replica balances its own experts; the biases are averaged with the rest.
+            reduce = self._sum_across_ranks if in_lockstep else None
+            if isinstance(skipped, torch.Tensor):  # skipped on the device: so is the bias update, unread
+                update_bias(reduce, apply=~skipped)
+            elif not skipped:
+                update_bias(reduce)
         if self.sync is not None:
             self.phase = f"{self.sync_spec} sync"
             comm_waited += self.sync.after_step(step, last)
@@ -542,19 +545,16 @@ class OptimizedTrainer:
             self.lr_scheduler.step()
         return grad_norm, False
 
-    def _settle_skip(self, step: Optional[int] = None, skipped: "bool | torch.Tensor" = False) -> bool:
+    def _settle_skip(self) -> None:
         """Read the device-side skip flag of the last update (if not read yet): record a skipped step, or step
-        the LR schedule. Returns whether ``step`` was skipped (``skipped`` as given for a host-decided one)."""
+        the LR schedule."""
         if self._unsettled is not None:
-            pending, nonfinite = self._unsettled
+            step, nonfinite = self._unsettled
             self._unsettled = None
             if bool(nonfinite):
-                self.skipped_steps.append(pending)
+                self.skipped_steps.append(step)
             elif self.lr_scheduler is not None:
                 self.lr_scheduler.step()
-            if pending == step:
-                return bool(nonfinite)
-        return bool(skipped) if not isinstance(skipped, torch.Tensor) else step in self.skipped_steps
 
     # ----------------------------------------------------------------------------------------- helpers
     def _row(self, r: StepResult, queued: PendingStep) -> dict[str, Any]:
