@@ -12,16 +12,30 @@ reads the same gathered/summed flags, and on a bad bucket all ranks fill it with
 then skips the step everywhere) and leave their state — residuals, Q matrices, step counters —
 untouched. Deciding locally would make ranks send different payloads and hang the group.
 
+That decision stays on the device (no host sync per bucket): the agreed flag is a 0-d bool tensor
+``ok``; the averages are divided by ``where(ok, world, nan)`` and the new state is committed with
+``torch.where(ok, new, old)``. A state entry a skipped step creates holds the value its absence
+stands for (zeros for a residual or momentum, the seeded initial Q), so it behaves as if untouched.
+Only the per-tensor step counters are host integers (they seed draws and gate PowerSGD's warm-up):
+each bucket's ``ok`` is booked as a :class:`Verdict` (on CUDA copied to pinned memory behind an
+event) and folded into the counters when a counter is next read — by the next step's draw for that
+tensor, by :meth:`Compressor.state_dict`, by :attr:`Compressor.counters` — so the read waits for that
+old event only, never for the work queued since.
+
 Randomness never lives in a hidden generator: every random draw is seeded from
-``(config.seed, tensor name, that tensor's step counter[, rank])``, so resuming from a state dict
-replays the same draws and shared-seed schemes (random-k) pick identical indices on all ranks.
+``(config.seed, tensor name, that tensor's step counter[, rank])`` with a generator on the tensor's
+device (one cached per device, re-seeded per draw). The counters are checkpointed, so the generator
+state is too: resuming from a state dict replays the same draws, and shared-seed schemes (random-k)
+pick identical indices on all ranks of the same device type (a CUDA and a CPU generator seeded alike
+produce different streams).
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import threading
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Optional, Sequence
+from typing import Any, Callable, ClassVar, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -65,17 +79,33 @@ class Compressor:
         self._validate()
         # key -> {"count": int, and compressor-specific tensors}
         self._state: dict[str, dict[str, Any]] = {}
-        #: running totals: elements averaged and payload bytes this rank sent (also in comm.STATS)
-        self.counters: dict[str, int] = {"elements": 0, "bytes_sent": 0, "collectives": 0}
+        # running totals: elements averaged and payload bytes this rank sent (read them via .counters)
+        self._counters: dict[str, int] = {"elements": 0, "bytes_sent": 0, "collectives": 0}
+        self._transient()
+
+    def _transient(self) -> None:
+        """Caches that are not state: one generator per device, verdicts not folded into counters yet."""
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._verdicts: list[Verdict] = []
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        self.settle()
+        return {k: v for k, v in self.__dict__.items() if k not in ("_generators", "_verdicts", "_lock")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._transient()
 
     # ---- subclass interface -------------------------------------------------------------------
     def _validate(self) -> None:
         """Raise ConfigError for bad option values (subclasses extend)."""
 
     def _average(self, comp: list[torch.Tensor], keys: list[str], raw: list[torch.Tensor],
-                 group: Any, world: int) -> bool:
-        """Average in place; return False when some rank's bucket was non-finite (every rank returns the
-        same), after filling the tensors with NaN and leaving the state as it was."""
+                 group: Any, world: int) -> "Union[bool, torch.Tensor]":
+        """Average in place; return the verdict ``ok`` (True, or a 0-d bool tensor that stays on the
+        device): False when some rank's bucket was non-finite — every rank gets the same — after filling
+        the tensors with NaN and leaving the state as it was. Must not read a tensor on the host."""
         raise NotImplementedError
 
     # ---- public API ---------------------------------------------------------------------------
@@ -89,8 +119,7 @@ class Compressor:
             raise ValueError("average(): one key per tensor is required")
         comp, ckeys, raw = split_by_policy(tensors, keys, compress)
         world = dist.get_world_size(group)
-        if self._average(comp, ckeys, raw, group, world):
-            self.count_average(sum(t.numel() for t in tensors), ckeys)
+        self.book(self._average(comp, ckeys, raw, group, world), sum(t.numel() for t in tensors), ckeys)
         return tensors
 
     @property
@@ -98,14 +127,49 @@ class Compressor:
         """True if this compressor keeps per-tensor residuals (its config has ``error_feedback`` on)."""
         return bool(getattr(self.config, "error_feedback", False))
 
-    def count_average(self, elements: int, compressed_keys: Sequence[str]) -> None:
-        """Book one averaged bucket: its element count and each compressed tensor's step counter."""
-        self.counters["elements"] += elements
-        for k in compressed_keys:
-            self._slot(k)["count"] += 1
+    @property
+    def counters(self) -> dict[str, int]:
+        """Running totals: ``elements`` averaged (buckets skipped as non-finite not counted), ``bytes_sent``
+        and ``collectives`` this rank issued (also in comm.STATS). Reading it folds every booked verdict,
+        i.e. waits until the device has computed them."""
+        self.settle()
+        return self._counters
+
+    # ---- verdicts: a bucket's "every rank was finite" flag, folded into the host counters later --------
+    _MAX_VERDICTS: ClassVar[int] = 1024  # beyond this many unread verdicts, book() folds the finished ones
+
+    def book(self, ok: "Union[bool, torch.Tensor]", elements: int, compressed_keys: Sequence[str]) -> None:
+        """Book one bucket's verdict (``ok``: bool or 0-d bool tensor): if it holds, the bucket's element
+        count and each compressed tensor's step counter go up. No host sync: a device flag is read when
+        a counter is next needed (see :meth:`settle`)."""
+        verdict = Verdict(ok, elements, compressed_keys)
+        with self._lock:
+            self._verdicts.append(verdict)
+            if len(self._verdicts) > self._MAX_VERDICTS:
+                self._fold_locked(lambda v: v.ready())  # old ones: their events are long done, no wait
+
+    def settle(self, key: Optional[str] = None) -> None:
+        """Fold booked verdicts into the counters: every one (waiting for the device) when ``key`` is None,
+        else those that involve ``key`` (waiting for those only: on CUDA, for an event of an earlier step)."""
+        with self._lock:
+            if self._verdicts:
+                self._fold_locked(None if key is None else (lambda v: key in v.keys))
+
+    def _fold_locked(self, which: Optional[Callable[["Verdict"], bool]]) -> None:
+        keep = []
+        for v in self._verdicts:
+            if which is not None and not which(v):
+                keep.append(v)
+            elif v.value():
+                self._counters["elements"] += v.elements
+                for k in v.keys:
+                    self._slot(k)["count"] += 1
+        self._verdicts = keep
 
     def state_dict(self) -> dict[str, Any]:
-        """Checkpointable state: name, config, and per-tensor state keyed by tensor name."""
+        """Checkpointable state: name, config, and per-tensor state keyed by tensor name. The step counters
+        in it seed every random draw, so they are the generators' state too (resume replays the draws)."""
+        self.settle()
         return {
             "name": self.name,
             "config": dataclasses.asdict(self.config),
@@ -118,11 +182,15 @@ class Compressor:
         if state.get("name") != self.name:
             raise SyncwiseError(f"compressor state is for {state.get('name')!r}, not {self.name!r}: resume "
                                 f"with the same --compress setting the checkpoint was written with")
+        with self._lock:
+            self._verdicts = []  # verdicts of the state being replaced
         self._state = {k: {n: (v.detach().clone() if torch.is_tensor(v) else v) for n, v in s.items()}
                        for k, s in state.get("per_tensor", {}).items()}
 
     def reset_state(self) -> None:
         """Forget residuals, Q matrices and counters."""
+        with self._lock:
+            self._verdicts = []
         self._state.clear()
 
     def __repr__(self) -> str:
@@ -141,8 +209,14 @@ class Compressor:
         h = hashlib.blake2b(repr((self.config.seed,) + parts).encode(), digest_size=8).digest()
         return int.from_bytes(h, "little") & ((1 << 63) - 1)
 
-    def _generator(self, *parts: object) -> torch.Generator:
-        g = torch.Generator()
+    def _generator(self, *parts: object, device: Any = "cpu") -> torch.Generator:
+        """A generator on ``device`` seeded from ``parts`` (one cached per device, re-seeded per draw)."""
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        g = self._generators.get(dev)
+        if g is None:
+            g = self._generators[dev] = torch.Generator(device=dev)
         g.manual_seed(self._seed(*parts))
         return g
 
@@ -151,73 +225,118 @@ class Compressor:
         r = s.get("residual")
         if r is None or r.shape != like.shape:
             r = s["residual"] = torch.zeros_like(like, dtype=torch.float32)
+        elif r.device != like.device:  # loaded onto another device: move it once
+            r = s["residual"] = r.to(like.device)
         return r
 
     def _count(self, key: str) -> int:
+        """Averaged steps of tensor ``key`` (folds the verdicts of its earlier buckets first)."""
+        self.settle(key)
         return self._slot(key)["count"]
 
     # collectives, counted here as well as in comm.STATS
     def _all_reduce_sum(self, t: torch.Tensor, group: Any) -> None:
-        self.counters["bytes_sent"] += t.numel() * t.element_size()
-        self.counters["collectives"] += 1
+        self._counters["bytes_sent"] += t.numel() * t.element_size()
+        self._counters["collectives"] += 1
         ops.all_reduce(t, "sum", group=group)
 
     def _all_gather(self, payload: torch.Tensor, group: Any, world: int, async_op: bool = False
                     ) -> "tuple[Any, torch.Tensor]":
         """(work handle or None, the world x payload result — valid once the work completed)."""
         out = torch.empty(world * payload.numel(), dtype=payload.dtype, device=payload.device)
-        self.counters["bytes_sent"] += payload.numel() * payload.element_size()
-        self.counters["collectives"] += 1
+        self._counters["bytes_sent"] += payload.numel() * payload.element_size()
+        self._counters["collectives"] += 1
         work = ops.all_gather(out, payload, group=group, async_op=async_op)
         return work, out.view(world, payload.numel())
 
-    def _average_raw_checked(self, raw: list[torch.Tensor], group: Any, world: int) -> bool:
+    def _average_raw_checked(self, raw: list[torch.Tensor], group: Any, world: int) -> "Union[bool, torch.Tensor]":
         """fp32 average of ``raw`` alone; a NaN/Inf on any rank makes the sum non-finite on every rank,
-        so the sum itself is the agreed flag (True: all finite)."""
+        so the sum itself is the agreed flag (the verdict: a 0-d bool tensor, True if all finite)."""
+        if not raw:
+            return True
         self._average_raw(raw, group, world)
-        return all_finite(raw)
+        return ~nonfinite_flag(raw).bool()
 
     def _average_raw(self, raw: list[torch.Tensor], group: Any, world: int,
-                     extra: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """One fp32 all-reduce for the uncompressed tensors (plus an optional fp32 ``extra`` that rides
-        along in the same collective and is returned summed, not averaged)."""
-        if not raw and extra is None:
-            return None
-        flat = flat_view(raw) if extra is None else None
-        if flat is not None and flat.dtype == torch.float32:
-            # the tensors are adjacent views of one buffer (a DDP bucket): reduce it in place, no copy
-            self._all_reduce_sum(flat, group)
-            flat.div_(world)
-            return None
-        parts = [t.reshape(-1).float() for t in raw] + ([extra.reshape(-1).float()] if extra is not None else [])
-        buf = torch.cat(parts) if parts else torch.empty(0)
+                     extra: Optional[torch.Tensor] = None, flag: Optional[torch.Tensor] = None
+                     ) -> "tuple[Optional[torch.Tensor], Optional[torch.Tensor]]":
+        """One fp32 all-reduce for the uncompressed tensors, plus an optional fp32 ``extra`` (returned
+        summed, not averaged) and an optional non-finite ``flag`` (0-d, 1.0: this rank's bucket was bad,
+        see :func:`nonfinite_flag`) riding in the same collective.
+
+        Returns ``(summed extra or None, ok or None)``: ``ok`` (with a flag) is a 0-d bool on the device,
+        False when some rank flagged its bucket — then ``raw`` comes back as NaN on every rank."""
+        if not raw and extra is None and flag is None:
+            return None, None
+        if extra is None and flag is None:
+            flat = flat_view(raw)
+            if flat is not None and flat.dtype == torch.float32:
+                # the tensors are adjacent views of one buffer (a DDP bucket): reduce it in place, no copy
+                self._all_reduce_sum(flat, group)
+                flat.div_(world)
+                return None, None
+        tail = [t.reshape(-1).float() for t in (extra, flag) if t is not None]
+        buf = torch.cat([t.reshape(-1).float() for t in raw] + tail)
         self._all_reduce_sum(buf, group)
         n_raw = sum(t.numel() for t in raw)
+        ok = None if flag is None else buf[-1] == 0
         if raw:
-            unflatten_into(buf[:n_raw].div_(world), raw)
-        return buf[n_raw:] if extra is not None else None
+            unflatten_into(buf[:n_raw].div_(world if ok is None else divisor(ok, world)), raw)
+        summed = None if extra is None else buf[n_raw:n_raw + extra.numel()]
+        return summed, ok
 
 
-def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
-    """True if no tensor holds NaN/Inf (one host sync)."""
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+class Verdict:
+    """One averaged bucket's verdict (``ok``), its element count and compressed keys, readable later.
+
+    A CPU flag is host memory already; a CUDA flag is copied to pinned memory behind an event, so
+    reading it waits for that event only, not for the work queued after it (a plain ``.item()`` would
+    wait for the whole stream: the rest of the backward pass)."""
+
+    __slots__ = ("keys", "elements", "_flag", "_event")
+
+    def __init__(self, ok: "Union[bool, torch.Tensor]", elements: int, keys: Sequence[str]):
+        self.keys = frozenset(keys)
+        self.elements = elements
+        self._event: Any = None
+        if not torch.is_tensor(ok) or ok.device.type == "cpu":
+            self._flag: Any = ok
+        elif ok.device.type == "cuda":
+            self._flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self._flag.copy_(ok, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(ok.device))
+        else:  # another accelerator: read when needed (a sync there, never in ready())
+            self._flag = ok
+
+    def ready(self) -> bool:
+        """True if reading the verdict would not wait for the device."""
+        if self._event is not None:
+            return bool(self._event.query())
+        return not torch.is_tensor(self._flag) or self._flag.device.type == "cpu"
+
+    def value(self) -> bool:
+        """The verdict (waits for its event on CUDA)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return bool(self._flag)
+
+
+def divisor(ok: torch.Tensor, world: int) -> torch.Tensor:
+    """0-d fp32 ``world`` if ``ok`` else NaN: dividing a sum by it averages it, or poisons it on every rank
+    (the trainer's non-finite check then skips the step everywhere) without a host branch."""
+    return torch.where(ok, float(world), float("nan"))
 
 
 def nonfinite_flag(tensors: Sequence[torch.Tensor], device: Any = None) -> torch.Tensor:
     """0-d float32 tensor: 1.0 if any of ``tensors`` holds NaN/Inf, else 0.0 (no host sync). It rides in
-    a compressor's own collective so every rank learns whether any rank's bucket was bad."""
-    bad = torch.zeros((), dtype=torch.bool, device=device if device is not None else tensors[0].device)
-    for t in tensors:
-        bad |= ~torch.isfinite(t).all()
-    return bad.float()
+    a compressor's own collective so every rank learns whether any rank's bucket was bad.
 
-
-def poison(tensors: Sequence[torch.Tensor]) -> bool:
-    """Fill ``tensors`` with NaN (a bucket some rank could not average): the trainer's non-finite check
-    then skips the step on every rank. Returns False, the ``_average`` verdict for such a bucket."""
-    for t in tensors:
-        t.fill_(float("nan"))
-    return False
+    ``aminmax`` propagates NaN and meets any Inf, and is ~20x cheaper than ``isfinite(t).all()`` on CPU."""
+    ends = [torch.stack(torch.aminmax(t.reshape(-1))) for t in tensors if t.numel()]
+    if not ends:
+        return torch.zeros((), device=device if device is not None else (tensors[0].device if tensors else None))
+    return (~torch.isfinite(torch.cat(ends).float()).all()).float()
 
 
 def flat_view(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -279,7 +398,8 @@ class Packed:
 
     payload: torch.Tensor  # encoded part, raw fp32 bytes, then the 4-byte non-finite flag
     encoded: int  # bytes of the encoded part
-    commit: Optional[Callable[[], None]] = None  # stores the new error-feedback state (only if all finite)
+    #: stores the new error-feedback state where ``ok`` (0-d bool: every rank finite) holds, else keeps the old
+    commit: Optional[Callable[[torch.Tensor], None]] = None
 
 
 _FLAG_BYTES = 4  # an int32 at the end of every gather payload: 1 if this rank's bucket held NaN/Inf
@@ -317,23 +437,23 @@ class GatherCompressor(Compressor):
         return x
 
     def _staged_state(self, comp: list[torch.Tensor], keys: list[str], x: torch.Tensor,
-                      local: Optional[torch.Tensor]) -> Optional[Callable[[], None]]:
-        """The state update of this bucket, applied by ``unpack_sum`` only if every rank was finite."""
+                      local: Optional[torch.Tensor]) -> Optional[Callable[[torch.Tensor], None]]:
+        """The state update of this bucket, committed by ``unpack_sum`` where every rank was finite."""
         if not self.has_error_feedback:
             return None
         assert local is not None
         resid = x.sub_(local)
-        return lambda: self._store_residuals(resid, comp, keys)
+        return lambda ok: self._store_residuals(resid, comp, keys, ok)
 
     def pack(self, comp: list[torch.Tensor], keys: list[str], raw: list[torch.Tensor], rank: int) -> Packed:
         """This rank's payload for one all-gather: the encoded ``comp``, ``raw`` as fp32 bytes, the
         non-finite flag. The state is not touched here (see :class:`Packed`)."""
-        parts, flags, encoded, commit = [], [], 0, None
+        parts, flags, encoded, staged = [], [], 0, None
         if comp:
             x = self._compensate(comp, keys)
             flags.append(nonfinite_flag([x]))  # before _staged_state reuses x for the residual
             payload, local = self._encode(x, sizes_of(comp), keys, rank)
-            commit = self._staged_state(comp, keys, x, local)
+            staged = self._staged_state(comp, keys, x, local)
             parts.append(payload)
             encoded = payload.numel()
         if raw:
@@ -341,26 +461,27 @@ class GatherCompressor(Compressor):
             flags.append(nonfinite_flag([flat]))
             parts.append(flat.view(torch.uint8))
         parts.append(torch.stack(flags).amax().to(torch.int32).reshape(1).view(torch.uint8))
-        return Packed(torch.cat(parts), encoded, commit)
+        return Packed(torch.cat(parts), encoded, staged)
 
     def unpack_sum(self, gathered: torch.Tensor, packed: Packed, comp: list[torch.Tensor],
-                   raw: list[torch.Tensor], world: int) -> bool:
+                   raw: list[torch.Tensor], world: int) -> torch.Tensor:
         """Write the averages of all ranks' payloads (``gathered``: world x payload bytes) into the tensors
-        and commit the staged state; if any rank flagged its bucket non-finite, poison it instead (every
-        rank sees the same flags, so every rank decides alike). Returns True if averaged."""
-        if bool(gathered[:, -_FLAG_BYTES:].contiguous().view(torch.int32).any()):
-            return poison(comp + raw)
+        and commit the staged state; if any rank flagged its bucket non-finite, NaN and the old state
+        instead (every rank sees the same flags, so every rank decides alike). Returns the verdict, a 0-d
+        bool on the device: decided there, no host sync."""
+        ok = gathered[:, -_FLAG_BYTES:].contiguous().view(torch.int32).eq(0).all()
+        div = divisor(ok, world)
         encoded = packed.encoded
         if comp:
             sizes = sizes_of(comp)
             total = self._decode_sum(gathered[:, :encoded], sizes, sum(sizes))
-            unflatten_into(total.div_(world), comp)
+            unflatten_into(total.div_(div), comp)
         if raw:
             values = gathered[:, encoded:-_FLAG_BYTES].contiguous().view(torch.float32)
-            unflatten_into(values.sum(0).div_(world), raw)
+            unflatten_into(values.sum(0).div_(div), raw)
         if packed.commit is not None:
-            packed.commit()
-        return True
+            packed.commit(ok)
+        return ok
 
     def _average(self, comp, keys, raw, group, world):
         if not comp and not raw:
@@ -368,9 +489,19 @@ class GatherCompressor(Compressor):
         packed = self.pack(comp, keys, raw, dist.get_rank(group))
         return self.unpack_sum(self._all_gather(packed.payload, group, world)[1], packed, comp, raw, world)
 
-    def _store_residuals(self, resid: torch.Tensor, comp: list[torch.Tensor], keys: list[str]) -> None:
+    def _store_residuals(self, resid: torch.Tensor, comp: list[torch.Tensor], keys: list[str],
+                         ok: "Union[bool, torch.Tensor]" = True) -> None:
         off = 0
         for k, t in zip(keys, comp):
             n = t.numel()
-            self._residual(k, t).copy_(resid[off:off + n].view_as(t))
+            r = self._residual(k, t)
+            commit(r, resid[off:off + n].view_as(t), ok)
             off += n
+
+
+def commit(old: torch.Tensor, new: torch.Tensor, ok: "Union[bool, torch.Tensor]") -> None:
+    """``old <- new`` where ``ok`` (a 0-d bool tensor decided on the device, or True) holds, in place."""
+    if ok is True:
+        old.copy_(new)
+    else:
+        torch.where(ok, new, old, out=old)

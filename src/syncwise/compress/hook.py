@@ -10,6 +10,13 @@ every collective is issued in the same order on every rank. By default the worke
 dedicated communicator (a ``new_group`` over the same ranks), so it can never interleave with
 collectives DDP itself issues on the main thread (e.g. the unused-parameter bitmap all-reduce of
 ``find_unused_parameters=True``).
+
+No host sync on the thread DDP calls the hook on (the backward's: the caller's on CPU, autograd's device
+thread on CUDA), nor in the collectives' callbacks (which may run inline on it): a non-finite bucket is
+decided on the device (see :mod:`.base`), so the backward keeps queueing kernels. Host waits that remain
+are off that thread: gloo's own wait for a CUDA tensor's bytes (inherent to gloo: the reduction runs on
+the host; NCCL has none), and, in the worker, the read of an earlier step's verdict before a counter-
+seeded draw (int8, random-k, PowerSGD's warm-up), which waits for that step's event only.
 """
 # no `from __future__ import annotations`: DDP checks the hook's annotations as real objects
 import queue
@@ -161,9 +168,9 @@ def _direct_single_collective(state: CompressionHookState, bucket: dist.GradBuck
     cast = comp.wire_dtype != buffer.dtype
     # Pre-divide a cast copy so a 16-bit sum cannot overflow where the average would not.
     wire = buffer.to(comp.wire_dtype).div_(world) if cast else buffer
-    comp.counters["elements"] += buffer.numel()
-    comp.counters["bytes_sent"] += wire.numel() * wire.element_size()
-    comp.counters["collectives"] += 1
+    comp.book(True, buffer.numel(), ())  # no state to protect: a NaN reaches every rank through the sum
+    comp._counters["bytes_sent"] += wire.numel() * wire.element_size()
+    comp._counters["collectives"] += 1
     if bucket.is_last():
         state.steps += 1
     work = ops.all_reduce(wire, "sum", group=group, async_op=True)
@@ -192,8 +199,8 @@ def _direct_gather(state: CompressionHookState, bucket: dist.GradBucket):
 
     def finish(fut: torch.futures.Future) -> torch.Tensor:
         fut.value()  # re-raises a failed (timed-out) collective: DDP must not apply a half-received bucket
-        if comp.unpack_sum(gathered, packed, tensors, raw, world):
-            comp.count_average(buffer.numel(), keys)
+        # the verdict stays on the device (this callback may run inline on the backward's thread)
+        comp.book(comp.unpack_sum(gathered, packed, tensors, raw, world), buffer.numel(), keys)
         return buffer
 
     return work.get_future().then(finish)

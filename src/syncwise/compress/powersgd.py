@@ -7,12 +7,12 @@ second. Same-shape matrices are stacked so the matmuls and QRs run batched.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from ..errors import ConfigError
-from .base import Compressor, CompressorConfig, nonfinite_flag, opt, poison
+from .base import Compressor, CompressorConfig, commit, divisor, nonfinite_flag, opt
 
 
 @dataclass
@@ -101,33 +101,32 @@ class PowerSGDCompressor(Compressor):
             if c.error_feedback:
                 res = [self._residual(keys[j], comp[j]).view(sizes[j], n, m) for j in js]
                 mats.add_(res[0] if len(res) == 1 else torch.cat(res))
-            qs0 = [self._initial_q(keys[j], sizes[j], m, r).to(mats.device) for j in js]
+            qs0 = [self._initial_q(keys[j], sizes[j], m, r, mats.device) for j in js]
             q = qs0[0] if len(qs0) == 1 else torch.cat(qs0)
             batches.append((js, n, m, r, mats, q))
 
         # all-reduce #1: P = M Q of every group, plus the uncompressed tensors, plus the non-finite flag (its
-        # sum counts the ranks whose bucket held NaN/Inf: then all skip all-reduce #2 and keep their state)
+        # sum counts the ranks whose bucket held NaN/Inf). The verdict ``ok`` stays on the device: a bad bucket
+        # still runs all-reduce #2 (on a zeroed P, every rank alike) and comes back NaN with the state kept.
         ps = [torch.bmm(mats, q) for (_, _, _, _, mats, q) in batches]
         flag = nonfinite_flag([b[4] for b in batches] + raw)
-        p_sum = self._average_raw(raw, group, world, extra=torch.cat([p.reshape(-1) for p in ps] + [flag.reshape(1)]))
-        if p_sum[-1] > 0:
-            return poison(comp + raw)
+        p_sum, ok = self._average_raw(raw, group, world, extra=torch.cat([p.reshape(-1) for p in ps]), flag=flag)
         off = 0
         qs = []
         for (js, n, m, r, mats, _), p in zip(batches, ps):
             p = p_sum[off:off + p.numel()].view_as(p)
             off += p.numel()
-            # identical P on all ranks -> identical orthonormal basis everywhere
-            p_hat = torch.linalg.qr(p, mode="reduced").Q
+            # identical P on all ranks -> identical orthonormal basis everywhere (a NaN P would make a NaN QR)
+            p_hat = torch.linalg.qr(torch.where(ok, p, 0.0), mode="reduced").Q
             # M^T P as (P^T M)^T: a row-major GEMM over M instead of a strided one (~2x faster on CPU)
             qs.append((p_hat, torch.bmm(p_hat.transpose(1, 2), mats).transpose(1, 2)))
 
-        # all-reduce #2: Q = M^T P_hat (averaged)
+        # all-reduce #2: Q = M^T P_hat (averaged; NaN on a bad bucket, so the result is NaN too)
         q_flat = torch.cat([q.reshape(-1) for _, q in qs])
         self._all_reduce_sum(q_flat, group)
-        q_flat.div_(world)
+        q_flat.div_(divisor(ok, world))
         off = 0
-        for (js, n, m, r, mats, _), (p_hat, q) in zip(batches, qs):
+        for (js, n, m, r, mats, q_old), (p_hat, q) in zip(batches, qs):
             q = q_flat[off:off + q.numel()].view_as(q)
             off += q.numel()
             approx = torch.bmm(p_hat, q.transpose(1, 2))
@@ -135,22 +134,23 @@ class PowerSGDCompressor(Compressor):
             for j in js:
                 key, t, e = keys[j], comp[j], sizes[j]
                 s = self._slot(key)
-                s["q"] = q[b:b + e].clone()
+                # a skipped step keeps the Q it started from (the stored one, or the seeded draw it stands for)
+                s["q"] = torch.where(ok, q[b:b + e], q_old[b:b + e])
                 if c.error_feedback:
                     # residual = compensated local gradient - what everyone applies
-                    torch.sub(mats[b:b + e], approx[b:b + e], out=self._residual(key, t).view(e, n, m))
+                    commit(self._residual(key, t).view(e, n, m), mats[b:b + e] - approx[b:b + e], ok)
                 t.copy_(approx[b:b + e].view_as(t))
                 b += e
-        return True
+        return ok
 
-    def _initial_q(self, key: str, batch: int, m: int, r: int) -> torch.Tensor:
+    def _initial_q(self, key: str, batch: int, m: int, r: int, device: Any = "cpu") -> torch.Tensor:
         """Q of shape (batch, m, r): last step's (warm start) or a seeded random draw, same on all ranks."""
         s = self._slot(key)
         q = s.get("q")
         if q is not None and q.dim() == 2:  # state saved before 3-D batching: one matrix per tensor
             q = q.unsqueeze(0)
         if self.config.warm_start and q is not None and q.shape == (batch, m, r):
-            return q
+            return q.to(device)  # a no-op but after loading a checkpoint onto another device
         # same seed on every rank: the P = M Q products must share the same Q to be summable
-        g = self._generator("powersgd-q", key, 0 if self.config.warm_start else self._count(key))
-        return torch.randn(batch, m, r, generator=g)
+        g = self._generator("powersgd-q", key, 0 if self.config.warm_start else self._count(key), device=device)
+        return torch.randn(batch, m, r, generator=g, device=device)
