@@ -16,6 +16,8 @@ from syncwise.cli import main
     (["--compress", "zip"], "compress"),
     (["--ckpt.interval=5 minutes"], "ckpt.interval"),
     (["--nosuchsection.key=1"], "nosuchsection.key"),
+    (["--train.memory_threshold=1.5"], "train.memory_threshold"),
+    (["--model.moe_impl=fast"], "model.moe_impl"),
 ])
 def test_bad_config_fails_before_any_worker_with_a_clear_message(argv, field, tmp_path, capsys):
     code = main(["train", "--run-dir", str(tmp_path / "run"), *argv])
@@ -73,3 +75,15 @@ def test_help_lists_the_model_presets_and_no_missing_commands(capsys):
     preset_line = next(line for line in out.splitlines() if "--model.preset=" in line)
     assert all(name in preset_line for name in PRESETS), preset_line
     assert "syncwise models" not in out and "syncwise launch" not in out
+
+
+def test_dynamic_batch_and_moe_impl_from_the_command_line(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["train", "--nproc", "1", "--preset", "tiny-moe", "--steps", "3", "--run-dir", str(run_dir),
+                 "--data.seq_len=32", "--data.batch_size=6", "--train.val_batches=1", "--model.moe_impl=padded",
+                 "--train.dynamic_batch=true"]) == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["micro_batch"] for r in rows] == [6, 6, 6]  # a tiny model: the whole batch fits
+    assert "dynamic batch: micro-batches of 6 row(s)" in capsys.readouterr().out
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["model"]["moe_impl"] == "padded" and saved["train"]["dynamic_batch"] is True

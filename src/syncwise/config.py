@@ -124,6 +124,9 @@ class ModelSection:
     preset: str = option("small", "model preset: the network's size and shape", lambda: _preset_names())
     attention: str = option("default", "attention kind: 'default' (the preset's), 'mha', or 'mla' "
                             "(multi-head latent attention)", *_one_of("default", "mha", "mla"))
+    moe_impl: str = option("auto", "how MoE experts compute (same result, different speed): auto (grouped matmul "
+                           "where the device has a sync-free kernel, else padded bmm), grouped, padded, loop "
+                           "(the per-expert reference)", *_one_of("auto", "grouped", "padded", "loop"))
 
 
 @dataclass
@@ -165,9 +168,18 @@ class TrainSection:
                              "an integer from 1 to 65,536", _in(1, 65536))
     clip_grad: float = option(1.0, "gradient-norm clipping threshold (0 = off)", "a number in [0, 1e6] (0 = off)",
                               _in(0, 1e6))
-    mixed_precision: str = option("none", "autocast dtype: none, bf16, fp16 (GPU, with GradScaler), auto",
+    mixed_precision: str = option("auto", "autocast dtype: auto (bf16 on a GPU that has it, else none), none, bf16, "
+                                  "fp16 (GPU, with GradScaler)",
                                   *_one_of("none", "bf16", "fp16", "auto"))
-    compile: bool = option(False, "torch.compile the model (kernel fusion)", "true or false")
+    compile: bool = option(False, "torch.compile the model (kernel fusion; on a GPU see docs/gpu.md for what it "
+                                  "gains per preset)", "true or false")
+    dynamic_batch: bool = option(False, "find the largest micro-batch (≤ data.batch_size) that fits in memory and "
+                                 "accumulate micro-batches up to data.batch_size (the loss curve is unchanged); "
+                                 "back off on out-of-memory (docs/dynamic-batch.md)", "true or false")
+    memory_threshold: float = option(0.9, "with dynamic_batch: the share of device memory (GPU) or of the memory "
+                                     "limit (CPU: cgroup/RAM) a step may peak at before the micro-batch shrinks",
+                                     "a number in (0, 1] (1 = only a real out-of-memory counts)",
+                                     lambda v: 0 < v <= 1)
     activation_checkpointing: bool = option(False, "recompute each block's activations in backward",
                                             "true or false")
     seed: int = option(1337, "random seed (model init and data order)",
@@ -546,10 +558,13 @@ def _check_data_and_memory(cfg: RunConfig, local: int, fewest: int, where: "Plac
     overrides: dict[str, Any] = {"seq_len": d.seq_len, "vocab_size": vocab or 256}
     if cfg.model.attention != "default":
         overrides["attention"] = cfg.model.attention
+    overrides["moe_impl"] = cfg.model.moe_impl
     key = _blame(cfg, "model.attention", "model.preset")
     with _as_field(key, _get(cfg, key)):  # the model's own validation of this shape
         model = resolve_config(cfg.model.preset, **overrides)
-    need = train_memory_bytes(model, d.batch_size, 4 if cfg.train.mixed_precision == "none" else 2,
+    fp32 = cfg.train.mixed_precision == "none" or (cfg.train.mixed_precision == "auto" and where.device_type != "cuda")
+    # With dynamic_batch the step runs in micro-batches that fit: only one row has to.
+    need = train_memory_bytes(model, 1 if cfg.train.dynamic_batch else d.batch_size, 4 if fp32 else 2,
                               cfg.train.activation_checkpointing)
     have, what = _memory_per_worker(cfg, local, where)
     if need > have:

@@ -64,11 +64,12 @@ def check_run_dir(cfg: RunConfig, run_dir: Path) -> None:
     if previous and before:
         # The model/data layout must match the checkpoints; so must the compressor / sync strategy, whose
         # per-rank state (residuals, PowerSGD's Q, replicas) the checkpoints hold: changing them would drop it.
-        fixed = {"model": None, "data": ("seq_len", "corpus"), "compress": ("method", "sync")}
+        # (model.moe_impl only changes how experts compute, not what: free to change.)
+        fixed = {"model": ("preset", "attention"), "data": ("seq_len", "corpus"), "compress": ("method", "sync")}
         for section, keys in fixed.items():
             for key, old in before.get(section, {}).items():
                 new = getattr(getattr(cfg, section), key, old)
-                if keys is None or key in keys:
+                if key in keys:
                     if new != old:
                         raise SyncwiseError(
                             f"--resume: the run in {run_dir} was trained with {section}.{key}={old!r}, not {new!r}; "

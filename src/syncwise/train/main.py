@@ -24,6 +24,7 @@ from ..errors import SyncwiseError
 from ..data import SmartPrefetcher, TokenBatchLoader, evaluation_batches, load_corpus
 from ..models import build_model, count_params, flops_per_token
 from .arguments import join_torchrun
+from .dynamic_batch import DynamicBatcher
 from .schedule import adamw, warmup_cosine
 from .trainer import CONTROL_STATS, OptimizedTrainer
 
@@ -114,6 +115,7 @@ def train_worker(cfg: RunConfig) -> dict[str, Any]:
         overrides: dict[str, Any] = {"vocab_size": corpus.vocab_size, "seq_len": cfg.data.seq_len}
         if cfg.model.attention != "default":
             overrides["attention"] = cfg.model.attention
+        overrides["moe_impl"] = cfg.model.moe_impl
         model = build_model(cfg.model.preset, **overrides).to(device)  # on the device first: fused AdamW on GPUs
         optimizer = adamw(model, cfg.train.lr, cfg.train.weight_decay)
         scheduler = warmup_cosine(optimizer, cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio)
@@ -144,7 +146,9 @@ def train_worker(cfg: RunConfig) -> dict[str, Any]:
             val_loader=val, val_interval=cfg.train.val_interval, run_dir=cfg.run_dir,
             flops_per_token=flops_per_token(model.config), checkpointer=checkpointer,
             inject_faults=cfg.inject_fault, collective_timeout_s=cfg.dist.timeout_s,
-            sync=cfg.compress.sync)
+            sync=cfg.compress.sync,
+            dynamic_batch=DynamicBatcher(1, cfg.data.batch_size, memory_threshold=cfg.train.memory_threshold,
+                                         device=device) if cfg.train.dynamic_batch else None)
         summary = trainer.train(batches, steps=cfg.train.steps, resume=resume_target(cfg, rank))
         summary["params"] = count_params(model)
         if hasattr(batches, "close"):
