@@ -62,9 +62,9 @@ SHARDED, DISTRIBUTED, ITERABLE = "sharded", "distributed", "iterable"
 _warned_unsharded = False
 
 
-def _warn_unsharded(what: str) -> None:
+def _warn_unsharded(what: str, world_size: int) -> None:
     global _warned_unsharded
-    if not _warned_unsharded:
+    if not _warned_unsharded and world_size > 1:  # one process: nothing to shard
         _warned_unsharded = True
         log.warning("syncwise does not shard %s across ranks: it must shard itself (use "
                     "torch.utils.data.get_worker_info() and the rank/world size from torch.distributed, or "
@@ -269,10 +269,10 @@ def shard_loader(loader: Any, rank: int, world_size: int, seed: int = 0) -> Any:
             return loader  # keeps its own position and sharding (TokenBatchLoader, stateful loaders)
         if not isinstance(loader, Iterable):
             raise ConfigError("loader", type(loader).__name__, ACCEPTED)
-        _warn_unsharded(f"the iterable {type(loader).__name__}")
+        _warn_unsharded(f"the iterable {type(loader).__name__}", world_size)
         return ShardedLoader(loader, ITERABLE, rank, world_size, seed)
     if isinstance(loader.dataset, IterableDataset):
-        _warn_unsharded(f"the IterableDataset {type(loader.dataset).__name__}")
+        _warn_unsharded(f"the IterableDataset {type(loader.dataset).__name__}", world_size)
         return ShardedLoader(loader, ITERABLE, rank, world_size, seed)
 
     dist = _distributed_sampler(loader)
