@@ -134,8 +134,11 @@ class PowerSGDCompressor(Compressor):
             for j in js:
                 key, t, e = keys[j], comp[j], sizes[j]
                 s = self._slot(key)
-                # a skipped step keeps the Q it started from (the stored one, or the seeded draw it stands for)
-                s["q"] = torch.where(ok, q[b:b + e], q_old[b:b + e])
+                # a skipped step keeps the stored Q (or, if none, the seeded draw its absence stands for)
+                kept = s.get("q")
+                kept = (kept.view(e, m, r).to(q.device) if kept is not None and kept.numel() == e * m * r
+                        else q_old[b:b + e])
+                s["q"] = torch.where(ok, q[b:b + e], kept)
                 if c.error_feedback:
                     # residual = compensated local gradient - what everyone applies
                     commit(self._residual(key, t).view(e, n, m), mats[b:b + e] - approx[b:b + e], ok)
