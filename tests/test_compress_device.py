@@ -179,6 +179,16 @@ def test_verdict_on_cpu_is_read_without_waiting():
     assert Verdict(True, 1, ()).value() is True
 
 
+def test_booked_verdicts_stay_bounded_and_fold_into_the_counters():
+    comp = parse_compress_spec("fp8")
+    comp._MAX_VERDICTS = 4
+    for i in range(10):
+        comp.book(torch.tensor(i % 3 != 0), 100, ["w"])  # steps 0, 3, 6, 9 skipped
+        assert len(comp._verdicts) <= 5
+    assert comp.counters["elements"] == 600 and not comp._verdicts
+    assert comp.state_dict()["per_tensor"]["w"]["count"] == 6
+
+
 # ---- on 2 real gloo ranks ------------------------------------------------------------------------------
 class Net(nn.Module):
     def __init__(self):
