@@ -37,7 +37,7 @@ from ..comm.stats import STATS, CommStats
 from ..comm.watchdog import Watchdog
 from ..data.sharding import shard_loader
 from ..errors import ConfigError, SyncwiseError
-from ..metrics import MetricsLogger, mfu, peak_flops, peak_memory_mb, read_jsonl
+from ..metrics import MetricsLogger, detect_peak, mfu, peak_memory_mb, read_jsonl
 from ..parallel import TorchHookSpec, apply_activation_checkpointing, apply_data_parallel, build_sync
 from . import arguments
 from .dynamic_batch import DynamicBatcher
@@ -188,6 +188,7 @@ class OptimizedTrainer:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype == torch.float16)
         self.val_loader, self.run_dir, self.show_progress = val_loader, run_dir, show_progress
         self.flops_per_token = flops_per_token
+        self.peak = detect_peak(self.device)  # the part's dense bf16 peak, for MFU (None on a CPU)
         self.checkpointer = checkpointer
         self.faults = FaultPlan(inject_faults or [], run_dir)
         self.collective_timeout_s = collective_timeout_s
@@ -564,7 +565,7 @@ class OptimizedTrainer:
                "step_time_s": r.step_time_s,
                "compute_s": r.compute_s, "comm_exposed_s": r.comm_exposed_s, "data_wait_s": r.data_wait_s,
                "comm_bytes": r.comm_bytes, "grad_norm": r.grad_norm, "peak_mem_mb": peak_memory_mb(self.device)}
-        util = mfu(self.flops_per_token, tps / self.world_size, peak_flops(self.device))
+        util = mfu(self.flops_per_token, tps / self.world_size, self.peak.flops)
         if util is not None:
             row["mfu"] = util
         if queued.micro_batch is not None:
@@ -590,6 +591,8 @@ class OptimizedTrainer:
             "compressor": self.compress_spec, "sync": self.sync_spec,
             "sync_rounds": getattr(self.sync, "syncs", None),
             "skipped_steps": self.skipped_steps, "peak_mem_mb": peak_memory_mb(self.device), "wall_time_s": wall,
+            "device": str(self.device), "accelerator": self.peak.part,
+            "mfu_peak_tflops": self.peak.flops / 1e12 if self.peak.flops else None,
         }
 
     def _total_steps(self, loader: Iterable, epochs: Optional[int], steps: Optional[int]) -> int:
