@@ -314,7 +314,8 @@ def test_young_daly_interval_math():
     assert interval_steps("dynamic", 0, 0.5, 2.0, 300.0, 3600.0) == 600
     assert interval_steps("seconds", 30.0, 0.7, None, None, 1.0) == math.ceil(30 / 0.7)
     assert parse_interval("5m") == ("seconds", 300.0) and parse_interval(50) == ("steps", 50.0)
-    for bad in (0, -3, True, "soon", "0s"):
+    assert parse_interval(0) == parse_interval("0") == ("final", 0.0)  # only the final checkpoint
+    for bad in (-3, True, "soon", "0s", "-1"):
         with pytest.raises(ConfigError, match="interval"):
             parse_interval(bad)
     with pytest.raises(ConfigError, match="max_checkpoints"):

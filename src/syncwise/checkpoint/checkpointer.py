@@ -92,7 +92,8 @@ class SmartCheckpointer:
 
     Args:
         directory: where ``step_*`` checkpoint directories live (shared by all ranks).
-        interval: an int (every N steps), a duration ('30s', '5m', '2h'), or 'dynamic': the
+        interval: an int (every N steps; 0 = never during the run, only the loop's final save), a
+            duration ('30s', '5m', '2h'), or 'dynamic': the
             Young/Daly optimum √(2·δ·M), with δ the measured blocking cost of a save and M =
             ``mtbf_s``. Time-based intervals are converted to steps from the step time agreed by
             all ranks (max over ranks), so every rank decides identically. 'dynamic' takes its
@@ -196,6 +197,8 @@ class SmartCheckpointer:
             self._anchor_step = step - 1  # the run (or resume) started just before this step
         if self._kind == "steps":
             return step > 0 and step % self._interval_steps == 0
+        if self._kind == "final":  # interval 0: only the loop's own save at the end
+            return False
         if self._interval_steps is None:
             if len(self._step_times) < self.calibration_steps:
                 return False

@@ -33,27 +33,31 @@ def young_daly_interval_s(save_cost_s: float, mtbf_s: float, refined: bool = Fal
     return young * (1.0 + math.sqrt(r) / 3.0 + r / 9.0) - save_cost_s
 
 
-def parse_interval(interval: int | str) -> tuple[str, float]:
-    """Normalise ``interval``: int steps, '30s'/'5m'/'1h' seconds, or 'dynamic'.
+ACCEPTED = "0 (only the final checkpoint), a positive int (steps), a duration like '30s', '5m', '1h', or 'dynamic'"
 
-    Returns ('steps', n), ('seconds', s) or ('dynamic', 0).
+
+def parse_interval(interval: int | str) -> tuple[str, float]:
+    """Normalise ``interval``: int steps, '30s'/'5m'/'1h' seconds, 'dynamic', or 0 (only the final checkpoint).
+
+    Returns ('steps', n), ('seconds', s), ('dynamic', 0) or ('final', 0): with 'final' no checkpoint is ever
+    due during the run; the training loop's own save at the end is the only one.
     """
-    accepted = "a positive int (steps), a duration like '30s', '5m', '1h', or 'dynamic'"
     if isinstance(interval, bool):
-        raise ConfigError("interval", interval, accepted)
+        raise ConfigError("interval", interval, ACCEPTED)
     if isinstance(interval, int):
-        if interval <= 0:
-            raise ConfigError("interval", interval, accepted)
-        return "steps", float(interval)
+        if interval < 0:
+            raise ConfigError("interval", interval, ACCEPTED)
+        return ("steps", float(interval)) if interval else ("final", 0.0)
     if isinstance(interval, str):
-        if interval.strip().lower() == "dynamic":
+        text = interval.strip()
+        if text.lower() == "dynamic":
             return "dynamic", 0.0
-        if interval.strip().isdigit() and int(interval) > 0:
-            return "steps", float(int(interval))
+        if text.isdigit() and text.isascii():
+            return ("steps", float(int(text))) if int(text) > 0 else ("final", 0.0)
         m = _SECONDS_RE.match(interval.lower())
         if m and float(m.group(1)) > 0:
             return "seconds", float(m.group(1)) * {"s": 1, "m": 60, "h": 3600}[m.group(2)]
-    raise ConfigError("interval", interval, accepted)
+    raise ConfigError("interval", interval, ACCEPTED)
 
 
 def interval_steps(kind: str, value: float, step_time_s: float, save_cost_s: float | None,

@@ -1,13 +1,13 @@
-"""Compressor registry and the ``NAME[:key=value,...]`` spec parser used by config and CLI."""
+"""Compressor registry and ``parse_compress_spec``: a ``NAME[:key=value,...]`` spec (``syncwise.specs``) to a compressor."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import typing
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
+from ..specs import check_keys, parse_spec, read_value
 from .base import Compressor
 from .cast import BF16Compressor, FP8Compressor, FP16Compressor, NoneCompressor
 from .powersgd import PowerSGDCompressor
@@ -60,51 +60,21 @@ def _accepted() -> str:
     return "NAME[:key=value,...] with NAME in " + ", ".join(COMPRESSORS)
 
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-
-
-def _convert(spec: str, key: str, raw: str, typ: Any) -> Any:
-    try:
-        if typ is bool:
-            low = raw.strip().lower()
-            if low in _TRUE:
-                return True
-            if low in _FALSE:
-                return False
-            raise ValueError(raw)
-        if typ is int:
-            value = int(raw)
-            if not -2**63 <= value < 2**63:  # what a torch tensor or generator can hold
-                raise ValueError(raw)
-            return value
-        if typ is float:
-            value = float(raw)
-            if not math.isfinite(value):
-                raise ValueError(raw)
-            return value
-        return typ(raw)
-    except ValueError:
-        name = getattr(typ, "__name__", str(typ))
-        name = {"int": "an int64", "float": "a finite float"}.get(name, f"a {name}")
-        raise ConfigError("compress", spec, f"{key}= takes {name} value, got {raw!r}") from None
-
-
 def parse_compress_spec(spec: str) -> Compressor:
-    """Build a compressor from ``NAME[:key=value,...]``, e.g. ``powersgd:rank=4``, ``topk:ratio=0.01``."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise ConfigError("compress", spec, _accepted())
-    name, _, rest = spec.strip().partition(":")
-    info = COMPRESSORS.get(name.strip().lower())
+    """Build a compressor from ``NAME[:key=value,...]``, e.g. ``powersgd:rank=4``, ``topk:ratio=0.01``.
+
+    The text is split by ``syncwise.specs.parse_spec`` and each option read by its type's shared reader
+    (booleans: yes/no, true/false, on/off, 1/0). The compressor's ``spec`` is the text as given (stripped).
+    """
+    name, raw_options = parse_spec(spec, "compress", _accepted())
+    info = COMPRESSORS.get(name)
     if info is None:
         raise ConfigError("compress", spec, _accepted())
+    keys = ", ".join(info.options) or "(none)"
+    check_keys(raw_options, info.options, "compress", spec, f"options of {info.name}: {keys} (as key=value)")
     hints = typing.get_type_hints(info.cls.Config)
-    kwargs: dict[str, Any] = {}
-    for item in filter(None, (s.strip() for s in rest.split(","))):
-        key, eq, raw = item.partition("=")
-        key = key.strip()
-        if not eq or key not in info.options:
-            keys = ", ".join(info.options) or "(none)"
-            raise ConfigError("compress", spec, f"options of {info.name}: {keys} (as key=value)")
-        kwargs[key] = _convert(spec, key, raw.strip(), hints[key])
-    return info.cls(**kwargs)
+    kwargs: dict[str, Any] = {key: read_value(raw, hints[key], "compress", spec, key)
+                              for key, raw in raw_options.items()}
+    compressor = info.cls(**kwargs)
+    compressor.spec = spec.strip()
+    return compressor

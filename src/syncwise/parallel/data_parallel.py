@@ -118,26 +118,24 @@ class TorchHookSpec:
     @staticmethod
     def parse(spec: str) -> "Optional[TorchHookSpec]":
         """The hook a ``torch-...`` spec names, None for any other spec; a bad one raises ConfigError."""
-        if not spec.startswith("torch-"):
+        from ..specs import parse_spec, read_float, read_int  # the one spec parser (syncwise.specs)
+
+        if not isinstance(spec, str) or not spec.strip().lower().startswith("torch-"):
             return None
-        name, _, rest = spec[len("torch-"):].partition(":")
         accepted = ("torch-allreduce, torch-fp16, torch-bf16, torch-powersgd[:rank=R,start_iter=N,"
                     "min_compression_rate=X] with " + ", ".join(f"{k} in [{lo}, {hi}]" for k, (_, _, lo, hi)
                                                               in _TORCH_POWERSGD_KEYS.items()))
-        if name not in TORCH_HOOKS or (rest and name != "powersgd"):
+        name, raw_options = parse_spec(spec, "compress", accepted)
+        name = name[len("torch-"):]
+        if name not in TORCH_HOOKS or (raw_options and name != "powersgd"):
             raise ConfigError("compress", spec, accepted)
         options = {}
-        for item in filter(None, rest.split(",")):
-            key, _, value = item.partition("=")
+        for key, raw in raw_options.items():
             if key not in _TORCH_POWERSGD_KEYS:
                 raise ConfigError("compress", spec, accepted)
             _, typ, lo, hi = _TORCH_POWERSGD_KEYS[key]
-            try:
-                options[key] = typ(value)
-            except ValueError:
-                raise ConfigError("compress", spec, accepted) from None
-            if not lo <= options[key] <= hi:  # NaN fails this too
-                raise ConfigError("compress", spec, accepted)
+            read = read_int if typ is int else read_float
+            options[key] = read(raw, "compress", spec, key, lo, hi, accepted=accepted)
         return TorchHookSpec(name, options)
 
     def state_and_hook(self, process_group=None):

@@ -7,13 +7,13 @@ pipesgd: every step's gradient all-reduce overlaps the next step's compute (``pi
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
 from ..errors import ConfigError
+from ..specs import BOOL_ACCEPTED, check_keys, parse_spec, read_bool, read_float, read_int
 
 EVERY_STEP = "every-step"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -32,8 +32,8 @@ METHODS = {
     "pipesgd": {"dtype": "fp32"},
 }
 ACCEPTED = ("every-step (DDP all-reduce each step); localsgd[:period=H,delay=D,dtype=fp32|bf16|fp16,warmup=W,"
-            "outer_lr=X,momentum=M,nesterov=true|false]; diloco[:...same keys; defaults outer_lr=0.7,momentum=0.9,"
-            "nesterov=true]; torch-localsgd[:period=H,warmup=W] (PyTorch's PeriodicModelAverager); "
+            "outer_lr=X,momentum=M,nesterov=yes|no]; diloco[:...same keys; defaults outer_lr=0.7,momentum=0.9,"
+            "nesterov=yes]; torch-localsgd[:period=H,warmup=W] (PyTorch's PeriodicModelAverager); "
             "pipesgd[:dtype=fp32|bf16|fp16] (gradient all-reduce overlapped with the next step)")
 
 
@@ -60,22 +60,17 @@ class SyncSpec:
         return self.method + (f":{opts}" if opts else "")
 
     @staticmethod
-    def parse(spec: str, field_name: str = "compress.sync") -> "Optional[SyncSpec]":
+    def parse(spec: str, field_name: str = "parallel.sync") -> "Optional[SyncSpec]":
         """None for ``every-step``; a spec otherwise; anything malformed raises ConfigError naming it."""
-        if not isinstance(spec, str) or not spec.strip():
-            raise ConfigError(field_name, spec, ACCEPTED)
-        spec = spec.strip()
-        if spec == EVERY_STEP:
+        method, raw_options = parse_spec(spec, field_name, ACCEPTED)
+        if method == EVERY_STEP and not raw_options:
             return None
-        method, _, rest = spec.partition(":")
         if method not in METHODS:
             raise ConfigError(field_name, spec, ACCEPTED)
         values: dict[str, Any] = dict(METHODS[method])
+        check_keys(raw_options, values, field_name, spec, f"keys of {method}: {', '.join(values)} ({ACCEPTED})")
         options: dict[str, Any] = {}
-        for item in filter(None, (s.strip() for s in rest.split(","))):
-            key, eq, text = item.partition("=")
-            if not eq or key not in values:
-                raise ConfigError(field_name, spec, f"keys of {method}: {', '.join(values)} ({ACCEPTED})")
+        for key, text in raw_options.items():
             options[key] = values[key] = _coerce(field_name, spec, key, text, values[key])
         out = SyncSpec(method, options=options, **values)
         checks = [(1 <= out.period <= MAX_PERIOD, "period", f"an integer ≥ 1 and ≤ {MAX_PERIOD:,}"),
@@ -91,18 +86,14 @@ class SyncSpec:
 
 
 def _coerce(field_name: str, spec: str, key: str, text: str, default: Any) -> Any:
-    try:
-        if isinstance(default, bool):
-            if text.lower() not in ("true", "false", "1", "0"):
-                raise ValueError
-            return text.lower() in ("true", "1")
-        value = type(default)(text)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError
-        return value
-    except ValueError:
-        kind = {bool: "true or false", int: "an integer", float: "a finite number"}.get(type(default), "a name")
-        raise ConfigError(field_name, spec, f"{key}: {kind}") from None
+    """One option, read as its default's type by the shared readers (bounds are checked after)."""
+    if isinstance(default, bool):
+        return read_bool(text, field_name, spec, key, f"{key}: {BOOL_ACCEPTED}")
+    if isinstance(default, int):
+        return read_int(text, field_name, spec, key, accepted=f"{key}: an integer")
+    if isinstance(default, float):
+        return read_float(text, field_name, spec, key, accepted=f"{key}: a finite number")
+    return text
 
 
 class SyncStrategy:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import ConfigError
+from ..specs import check_keys, parse_spec, read_int
 
 _ACCEPTED = "kill:rank=R,step=S or nan:step=S[,rank=R] with integers R ≥ 0, S ≥ 1"
 KILLED_EXIT_CODE = 71  # distinctive, so logs show an injected kill rather than a real crash
@@ -29,13 +30,11 @@ class Fault:
 
     @staticmethod
     def parse(spec: str) -> "Fault":
-        kind, _, rest = spec.partition(":")
-        try:
-            opts = dict(item.split("=", 1) for item in rest.split(",") if item)
-            values = {k: int(v) for k, v in opts.items()}
-        except ValueError:
-            raise ConfigError("inject_fault", spec, _ACCEPTED) from None
-        if kind not in ("kill", "nan") or "step" not in values or set(values) - {"step", "rank"} \
+        """A ``kill:...`` / ``nan:...`` spec (``syncwise.specs`` syntax); anything else raises ConfigError."""
+        kind, options = parse_spec(spec, "inject_fault", _ACCEPTED)
+        check_keys(options, ("step", "rank"), "inject_fault", spec, _ACCEPTED)
+        values = {k: read_int(v, "inject_fault", spec, k, accepted=_ACCEPTED) for k, v in options.items()}
+        if kind not in ("kill", "nan") or "step" not in values \
                 or values["step"] < 1 or values.get("rank", 0) < 0 or (kind == "kill" and "rank" not in values):
             raise ConfigError("inject_fault", spec, _ACCEPTED)
         return Fault(kind, values["step"], values.get("rank"))
@@ -48,8 +47,8 @@ class Fault:
 class FaultPlan:
     """The faults of one run, consulted by the trainer at the start of every step."""
 
-    def __init__(self, specs: list[str], run_dir: Optional[str] = None):
-        self.faults = [Fault.parse(s) for s in specs]
+    def __init__(self, specs: "list[Fault | str]", run_dir: Optional[str] = None):
+        self.faults = [s if isinstance(s, Fault) else Fault.parse(s) for s in specs]
         self.marker_dir = Path(run_dir) / "faults" if run_dir else None
         self._fired: set[Fault] = set()
 
