@@ -106,6 +106,11 @@ class SmartCheckpointer:
         mtbf_s: mean time between failures of the whole job, for 'dynamic'; default 4 h
             (``interval.DEFAULT_MTBF_S``).
         calibration_steps: steps observed before a time-based interval is fixed.
+        layout: the run's parallel layout (e.g. ``ParallelSpec.describe``: 'dp_shard 2', 'dp_replicate 2 ×
+            tp 2'), recorded in each checkpoint's manifest. Global state (DCP) reshards to any layout;
+            per-rank state (RNG streams, data positions, compressor error feedback) is restored only under
+            the layout and world size it was written with, and dropped with a warning otherwise. None
+            (default): not recorded, and only the world size is compared (the behaviour before layouts).
 
     ``should_save`` and ``save`` must be called by all ranks at the same steps (they may issue
     collectives on the default group). Call ``wait()`` (or ``close()``) before exiting.
@@ -127,8 +132,11 @@ class SmartCheckpointer:
 
     def __init__(self, directory: str | os.PathLike, interval: int | str = "dynamic", max_checkpoints: int = 3,
                  compression: bool | str = False, async_save: bool = True, mtbf_s: float | None = None,
-                 *, calibration_steps: int = 3):
+                 *, calibration_steps: int = 3, layout: str | None = None):
         self.directory = Path(directory)
+        if layout is not None and not isinstance(layout, str):
+            raise ConfigError("layout", layout, "a string naming the parallel layout (ParallelSpec.describe), or None")
+        self.layout = layout
         self._kind, self._value = parse_interval(interval)
         if isinstance(max_checkpoints, bool) or not isinstance(max_checkpoints, int) or max_checkpoints < 1:
             raise ConfigError("max_checkpoints", max_checkpoints, "an int >= 1")
@@ -300,6 +308,7 @@ class SmartCheckpointer:
                 "global_components": sorted(train_state.global_components),
                 "per_rank_components": sorted(train_state.per_rank_components),
                 "save_blocking_s": round(stats.blocking_s, 6),
+                **({"layout": self.layout} if self.layout is not None else {}),
             })
             final = self.directory / storage.step_dirname(step)
             old = None
@@ -389,7 +398,7 @@ class SmartCheckpointer:
         """Restore ``train_state`` from a checkpoint path or 'auto' (newest valid); return its step
         (0 if 'auto' found nothing). Collective when distributed."""
         self.wait()
-        step = load(path_or_auto, train_state, directory=self.directory)
+        step = load(path_or_auto, train_state, directory=self.directory, layout=self.layout)
         self._anchor_step = step
         return step
 
@@ -481,11 +490,23 @@ def _check_compatible(path: Path, train_state: TrainState, manifest: dict[str, A
             "start without resuming (or point the checkpoint directory elsewhere).")
 
 
-def _read_rank_file(path: Path, train_state: TrainState, manifest: dict[str, Any]) -> dict[str, Any] | None:
+def _layout_change(manifest: dict[str, Any], layout: str | None) -> str | None:
+    """Why per-rank state cannot follow from the checkpoint to this run (None: it can)."""
+    _, world = _rank_world()
+    if manifest.get("world_size") != world:
+        return f"was written by {manifest.get('world_size')} ranks, this run has {world}"
+    saved = manifest.get("layout")
+    if layout is not None and saved is not None and saved != layout:
+        return f"was written under the layout '{saved}', this run's is '{layout}'"
+    return None
+
+
+def _read_rank_file(path: Path, train_state: TrainState, manifest: dict[str, Any],
+                    layout: str | None = None) -> dict[str, Any] | None:
     """This rank's per-rank payload of checkpoint ``path``, read and checked but not applied (None when
-    the run has no per-rank state or the checkpoint was written at another world size)."""
+    the run has no per-rank state or the checkpoint was written at another world size or layout)."""
     rank, world = _rank_world()
-    if not train_state.per_rank_components or manifest.get("world_size") != world:
+    if not train_state.per_rank_components or _layout_change(manifest, layout) is not None:
         return None
     f = path / storage.rank_filename(rank)
     try:
@@ -506,15 +527,18 @@ def _read_rank_file(path: Path, train_state: TrainState, manifest: dict[str, Any
 
 
 def _apply_rank_file(path: Path, train_state: TrainState, manifest: dict[str, Any],
-                     payload: dict[str, Any] | None) -> None:
+                     payload: dict[str, Any] | None, layout: str | None = None) -> None:
     rank, world = _rank_world()
     names = list(train_state.per_rank_components)
     if not names:
         return
     if payload is None:
-        log.warning("checkpoint %s was written by %s ranks, this run has %d: per-rank state (%s) is not "
-                    "restored; RNG streams and data positions are re-derived from the seed", path,
-                    manifest.get("world_size"), world, ", ".join(names))
+        # a rank's state (a compressor's error feedback, its data position) belongs to its place in the
+        # layout: under another layout rank r is not the same worker, so nothing is mis-assigned to it
+        log.warning("checkpoint %s %s: per-rank state (%s) is not restored (it belongs to the ranks of the "
+                    "old layout); RNG streams and data positions are re-derived from the seed, compressor "
+                    "error feedback starts from zero", path, _layout_change(manifest, layout) or "differs",
+                    ", ".join(names))
         return
     comps = payload.get("components", {})
     for name, comp in train_state.per_rank_components.items():
@@ -559,7 +583,8 @@ def _agree_outcome(err: BaseException | None) -> tuple[int, list[str]]:
     return worst, [f"rank {r}: {msg}" for r, msg in enumerate(gathered) if msg is not None]
 
 
-def _try_load(path: Path, train_state: TrainState) -> tuple[int, list[str], BaseException | None]:
+def _try_load(path: Path, train_state: TrainState,
+              layout: str | None = None) -> tuple[int, list[str], BaseException | None]:
     """Load checkpoint ``path`` into ``train_state`` on every rank (collective).
 
     Each stage is agreed by all ranks before the next, so a failure on any rank stops all of them at
@@ -576,7 +601,7 @@ def _try_load(path: Path, train_state: TrainState) -> tuple[int, list[str], Base
         except (OSError, ValueError) as e:
             raise _Damaged(f"the manifest of checkpoint {path} is unreadable: {e}") from e
         _check_compatible(path, train_state, manifest)
-        payload = _read_rank_file(path, train_state, manifest)
+        payload = _read_rank_file(path, train_state, manifest, layout)
     except Exception as e:
         err = e
     code, reasons = _agree_outcome(err)
@@ -595,7 +620,7 @@ def _try_load(path: Path, train_state: TrainState) -> tuple[int, list[str], Base
     if code != _OK:
         return code, reasons, err
     try:
-        _apply_rank_file(path, train_state, manifest, payload)
+        _apply_rank_file(path, train_state, manifest, payload, layout)
     except SyncwiseError as e:
         err = e
     except Exception as e:
@@ -614,7 +639,7 @@ def _broadcast_text(text: str | None) -> str:
 
 
 def load(path_or_auto: str | os.PathLike, train_state: TrainState, *,
-         directory: str | os.PathLike | None = None) -> int:
+         directory: str | os.PathLike | None = None, layout: str | None = None) -> int:
     """Restore ``train_state`` from a checkpoint; return its step. Collective when distributed.
 
     ``path_or_auto`` is a checkpoint directory, or 'auto' for the newest checkpoint in ``directory``
@@ -626,8 +651,9 @@ def load(path_or_auto: str | os.PathLike, train_state: TrainState, *,
     ``SyncwiseError`` listing them (starting from scratch would later prune the user's saved
     checkpoints). An explicit path that fails raises ``SyncwiseError`` (never a silent substitute),
     and so does a checkpoint from a different model, also with 'auto'. Global state loads through
-    DCP at any world size the sharding allows; per-rank state loads only at the world size it was
-    written with (otherwise a warning, and it is skipped).
+    DCP at any world size and layout (DDP, FSDP2/HSDP, tensor parallel: DCP reshards); per-rank state
+    loads only at the world size it was written with and, when both ``layout`` and the checkpoint's
+    manifest name one, under the same layout (otherwise a warning, and it is skipped).
     """
     rank, world = _rank_world()
     auto = isinstance(path_or_auto, str) and path_or_auto == "auto"
@@ -681,11 +707,12 @@ def load(path_or_auto: str | os.PathLike, train_state: TrainState, *,
         if status in (_INVALID, _EXHAUSTED):
             raise SyncwiseError(_broadcast_text(problem))
         path = Path(directory) / storage.step_dirname(step) if auto else Path(path_or_auto)
-        code, reasons, err = _try_load(path, train_state)
+        code, reasons, err = _try_load(path, train_state, layout)
         if code == _OK:
             manifest = storage.read_manifest(path)
-            log.info("restored checkpoint %s (step %d, saved by %s ranks, now %d)", path, step,
-                     manifest.get("world_size"), world)
+            log.info("restored checkpoint %s (step %d, saved by %s ranks%s, now %d%s)", path, step,
+                     manifest.get("world_size"), f" as {manifest['layout']}" if manifest.get("layout") else "",
+                     world, f" as {layout}" if layout else "")
             return step
         if code == _INCOMPATIBLE or not auto:
             if err is not None:
