@@ -64,7 +64,7 @@ VALID_STRINGS = {
     "model.attention": ["default", "mha", "mla"], "data.corpus": ["stdlib", "@TEXT", "@TOKENS"],
     "train.mixed_precision": ["none", "bf16", "auto"], "dist.backend": ["auto", "gloo"], "dist.nnodes": ["1", "1:2"],
     "compress.method": ["none", "fp16", "powersgd:rank=4", "topk:ratio=0.01", "torch-powersgd:rank=2"],
-    "compress.sync": ["every-step", "localsgd:period=4", "diloco:period=8,delay=2", "pipesgd"],
+    "parallel.sync": ["every-step", "localsgd:period=4", "diloco:period=8,delay=2", "pipesgd"],
     "ckpt.interval": ["dynamic", "0", "100", "300s", "5m"],
 }
 
@@ -261,7 +261,7 @@ def _empty_file(tmp_path):
 @pytest.mark.parametrize("argv, key", [
     (["--train.lr=inf"], "train.lr"),                              # trained to NaN, exit 0
     (["--train.weight_decay=inf"], "train.weight_decay"),
-    (["--sync=localsgd:outer_lr=inf"], "compress.sync"),
+    (["--sync=localsgd:outer_lr=inf"], "parallel.sync"),
     (["--train.seed=4294967296"], "train.seed"),                   # numpy.random.seed traceback in the workers
     ([f"--train.grad_accum={10**26}"], "train.grad_accum"),
     (["--ckpt.mtbf_s=inf"], "ckpt.mtbf_s"),
@@ -306,7 +306,7 @@ def test_spec_errors_name_the_config_key_and_echo_the_value_as_typed():
     assert code == 2 and err.startswith("syncwise: invalid value for 'compress.method': "
                                         "'torch-powersgd:rank=0'"), err
     code, _, err = _cli(["--sync", "diloco:period=8,delay=9"])
-    assert code == 2 and err.startswith("syncwise: invalid value for 'compress.sync': 'diloco:period=8,delay=9' "
+    assert code == 2 and err.startswith("syncwise: invalid value for 'parallel.sync': 'diloco:period=8,delay=9' "
                                         "— accepted: delay: "), err
 
 
@@ -331,7 +331,7 @@ def test_check_prints_a_configuration_that_reads_back_and_writes_nothing(tmp_pat
     saved.write_text(out)
     values = tomllib.loads(out)
     assert values["model"]["preset"] == "tiny" and values["train"]["lr"] == 0.01
-    assert values["ckpt"]["interval"] == "5m" and values["compress"]["sync"] == "localsgd:period=4"
+    assert values["ckpt"]["interval"] == "5m" and values["parallel"]["sync"] == "localsgd:period=4"
     code2, out2, _ = _cli(["--config", str(saved)])
     assert code2 == 0 and out2 == out
 

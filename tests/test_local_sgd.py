@@ -215,10 +215,10 @@ def test_sync_spec_errors_name_the_field_and_what_is_accepted():
     for text, accepted in cases.items():
         with pytest.raises(ConfigError) as e:
             SyncSpec.parse(text)
-        assert "compress.sync" in str(e.value) and text in str(e.value) and accepted in str(e.value)
+        assert "parallel.sync" in str(e.value) and text in str(e.value) and accepted in str(e.value)
     with pytest.raises(ConfigError) as e:
-        check_references(build_config(None, {"compress.sync": "localsgd:period=4", "compress.method": "fp16"}))
-    assert "compress.sync" in str(e.value) and "every-step" in str(e.value)
+        check_references(build_config(None, {"parallel.sync": "localsgd:period=4", "compress.method": "fp16"}))
+    assert "parallel.sync" in str(e.value) and "every-step" in str(e.value)
 
 
 def _warmup(rank, world):

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import re
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .errors import ConfigError
+from .specs import parse_bool
 
 if TYPE_CHECKING:
     from .devices import Placement
@@ -67,9 +69,7 @@ def _seconds(v: float) -> str:
 
 
 def _interval_ok(v: str) -> bool:
-    """'0' (only at the end) or what the checkpointer's own parse_interval accepts, within bounds."""
-    if v == "0":
-        return True
+    """What the checkpointer's own parse_interval accepts ('0' = only the final checkpoint), within bounds."""
     if len(v) > 32:
         return False
     from .checkpoint.interval import parse_interval  # the owner of the grammar (imported when used)
@@ -78,7 +78,7 @@ def _interval_ok(v: str) -> bool:
         kind, value = parse_interval(v)
     except (ConfigError, ValueError):
         return False
-    return kind == "dynamic" or 0 < value <= (_MAX_STEPS if kind == "steps" else _MAX_SECONDS)
+    return kind in ("dynamic", "final") or 0 < value <= (_MAX_STEPS if kind == "steps" else _MAX_SECONDS)
 
 
 _NNODES_RE = re.compile(r"^([1-9][0-9]{0,3})(?::([1-9][0-9]{0,3}))?$")
@@ -222,6 +222,17 @@ class DistSection:
 
 
 @dataclass
+class ParallelSection:
+    """[parallel] how the replicas are laid out and kept in step (``syncwise.parallel``)."""
+
+    sync: str = option("every-step", "how often replicas synchronise: every-step (gradient all-reduce), or local SGD "
+                       "/ DiLoCo every H steps: localsgd:period=16, diloco:period=16,delay=4,dtype=bf16, "
+                       "torch-localsgd:period=16 (PyTorch's averager), pipesgd[:dtype=fp16] (all-reduce overlapped "
+                       "with the next step); see docs/compression.md. Formerly compress.sync (still read, with a note)",
+                       "a sync spec (see docs/compression.md)")
+
+
+@dataclass
 class CompressSection:
     """[compress] gradient communication."""
 
@@ -230,10 +241,6 @@ class CompressSection:
                          "a compressor spec (list below)")
     min_numel: int = option(4096, "tensors with fewer elements (norms, biases) are sent uncompressed",
                             "an integer from 0 to 2,147,483,647", _in(0, 2**31 - 1))
-    sync: str = option("every-step", "how often replicas synchronise: every-step (gradient all-reduce), or local SGD "
-                       "/ DiLoCo every H steps: localsgd:period=16, diloco:period=16,delay=4,dtype=bf16, "
-                       "torch-localsgd:period=16 (PyTorch's averager), pipesgd[:dtype=fp16] (all-reduce overlapped "
-                       "with the next step); see docs/compression.md", "a sync spec (see docs/compression.md)")
 
 
 @dataclass
@@ -268,6 +275,7 @@ class RunConfig:
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
     dist: DistSection = field(default_factory=DistSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
     compress: CompressSection = field(default_factory=CompressSection)
     ckpt: CheckpointSection = field(default_factory=CheckpointSection)
 
@@ -277,6 +285,33 @@ class RunConfig:
     def save(self, path: str | Path) -> None:
         """Write the resolved configuration as JSON (workers on other nodes read it back)."""
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    def specs(self) -> "RunSpecs":
+        """The run's spec strings parsed by their owners' parsers (``syncwise.specs`` syntax), typed: what
+        workers hand to the trainer. Each call builds fresh objects (a compressor carries per-run state); a
+        bad spec raises its owner's ConfigError under this config's key, with the value as given."""
+        from .compress import parse_compress_spec
+        from .parallel import SyncSpec, TorchHookSpec
+        from .train.faults import Fault
+
+        with _as_field("compress.method", self.compress.method):
+            compress = TorchHookSpec.parse(self.compress.method) or parse_compress_spec(self.compress.method)
+        sync = SyncSpec.parse(self.parallel.sync, "parallel.sync")
+        faults = []
+        for spec in self.inject_fault:
+            with _as_field("inject_fault", spec):
+                faults.append(Fault.parse(spec))
+        return RunSpecs(compress, sync, faults)
+
+
+@dataclass
+class RunSpecs:
+    """A run's parsed specs: ``compress`` a Compressor or a TorchHookSpec (``compress.method``), ``sync`` a
+    SyncSpec or None for every-step (``parallel.sync``), ``faults`` the Faults of ``inject_fault``."""
+
+    compress: Any
+    sync: Any
+    faults: list
 
 
 def _sections() -> dict[str, type]:
@@ -300,11 +335,10 @@ def _coerce(path: str, value: Any, typ: type, from_text: bool) -> Any:
         text = value.strip()
         try:
             if typ is bool:
-                if text.lower() in ("true", "1", "yes", "on"):
-                    return True
-                if text.lower() in ("false", "0", "no", "off"):
-                    return False
-                raise ValueError
+                flag = parse_bool(text)  # the one yes/no vocabulary (syncwise.specs)
+                if flag is None:
+                    raise ValueError
+                return flag
             if typ is int:
                 return int(text)
             if typ is float:
@@ -387,8 +421,47 @@ def load_file(path: str | Path) -> dict[str, Any]:
     return values
 
 
+# Keys that moved to the section that owns them: old key -> new key. The old key is still read (TOML files, a
+# run's saved config.json under --resume), with one note per process; the same file or the same flags may not
+# set both to different values.
+MOVED_KEYS = {"compress.sync": "parallel.sync"}
+_noted: set[str] = set()
+
+
+def upgrade_moved_keys(values: dict[str, Any] | None, source: str = "the configuration") -> dict[str, Any] | None:
+    """``values`` (nested [section] tables, or flat ``section.key`` overrides) with every moved key under its new
+    name; a copy, the input is left alone."""
+    if not values:
+        return values
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in values.items()}
+    for old, new in MOVED_KEYS.items():
+        (old_section, old_name), (new_section, new_name) = old.split("."), new.split(".")
+        if old in out:  # flat overrides: --compress.sync=...
+            value = out.pop(old)
+            table, key = out, new
+        elif isinstance(out.get(old_section), dict) and old_name in out[old_section]:  # a [compress] table
+            value = out[old_section].pop(old_name)
+            table, key = out.setdefault(new_section, {}), new_name
+            if not isinstance(table, dict):
+                raise ConfigError(new_section, table, f"a [{new_section}] table of its keys")
+        else:
+            continue
+        if table.get(key, value) != value:
+            raise ConfigError(old, value, f"only {new} ({old} is its old name; {source} sets both, {new}="
+                              f"{table[key]!r})")
+        table[key] = value
+        if old not in _noted:
+            _noted.add(old)
+            print(f"syncwise: note: {old} is now {new} (in {source}); read as {new} = {value!r}. Write {new} "
+                  f"(--{new}=... or [{new_section}] {new_name} = ...) from now on", file=sys.stderr, flush=True)
+    return out
+
+
 def build_config(file_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """Defaults ← file values ← command-line overrides (text), each validated as it is applied."""
+    """Defaults ← file values ← command-line overrides (text), each validated as it is applied (a moved key
+    under its old name, see ``MOVED_KEYS``, is read as its new one)."""
+    file_values = upgrade_moved_keys(file_values, "the configuration file")
+    overrides = upgrade_moved_keys(overrides, "the command line")
     cfg = RunConfig()
     sections = _sections()
     for key, value in (file_values or {}).items():
@@ -483,29 +556,20 @@ def check_references(cfg: RunConfig) -> None:
 
     if cfg.model.preset not in PRESETS:
         raise ConfigError("model.preset", cfg.model.preset, "one of: " + ", ".join(PRESETS))
-    from .compress import parse_compress_spec
-    from .parallel import SyncSpec, TorchHookSpec
-
-    with _as_field("compress.method", cfg.compress.method):
-        TorchHookSpec.parse(cfg.compress.method) or parse_compress_spec(cfg.compress.method)
-    with _as_field("compress.sync", cfg.compress.sync):
-        sync = SyncSpec.parse(cfg.compress.sync)
+    specs = cfg.specs()  # each spec by its owner's parser
+    sync = specs.sync
     if sync is not None and cfg.compress.method != "none":
-        raise ConfigError("compress.sync", cfg.compress.sync, "every-step when compress.method is set (local SGD "
+        raise ConfigError("parallel.sync", cfg.parallel.sync, "every-step when compress.method is set (local SGD "
                           f"sends pseudo-gradients, not gradients; got compress.method={cfg.compress.method})")
     if sync is not None and sync.method == "pipesgd" and cfg.train.mixed_precision == "fp16":
-        raise ConfigError("compress.sync", cfg.compress.sync, "every-step or localsgd/diloco with fp16 mixed "
+        raise ConfigError("parallel.sync", cfg.parallel.sync, "every-step or localsgd/diloco with fp16 mixed "
                           "precision (a loss-scaled gradient applied one step late would meet another scale)")
     if cfg.train.lr * cfg.train.weight_decay >= 1:
         key = _blame(cfg, "train.weight_decay", "train.lr")
         raise ConfigError(key, _get(cfg, key), f"lr × weight_decay < 1 (AdamW scales the weights by 1 − lr × "
                           f"weight_decay every step; lr={cfg.train.lr:g}, weight_decay={cfg.train.weight_decay:g})")
     local, fewest, most = _workers(cfg)
-    from .train.faults import Fault
-
-    for spec in cfg.inject_fault:
-        with _as_field("inject_fault", spec):
-            fault = Fault.parse(spec)
+    for spec, fault in zip(cfg.inject_fault, specs.faults):
         if fault.step > cfg.train.steps:
             raise ConfigError("inject_fault", spec, f"a step S ≤ train.steps ({cfg.train.steps}): a fault at a "
                               "later step would never fire")
@@ -634,7 +698,7 @@ def _help(f: dataclasses.Field) -> str:
 
 # Named flags of `syncwise train` and the config key each one sets.
 FLAG_KEYS = {"nproc": "dist.nproc", "steps": "train.steps", "preset": "model.preset", "run_dir": "run_dir",
-             "compress": "compress.method", "sync": "compress.sync", "resume": "resume",
+             "compress": "compress.method", "sync": "parallel.sync", "resume": "resume",
              "max_restarts": "dist.max_restarts",
              "inject_fault": "inject_fault", "lab": "dist.lab", "nnodes": "dist.nnodes",
              "deterministic": "train.deterministic"}
@@ -648,7 +712,7 @@ def add_train_arguments(parser) -> None:
     parser.add_argument("--preset", help="model preset (model.preset)")
     parser.add_argument("--run-dir", dest="run_dir", help="run directory (run_dir)")
     parser.add_argument("--compress", help="gradient compression NAME[:key=value,...] (compress.method)")
-    parser.add_argument("--sync", help="every-step | localsgd:period=H | diloco:period=H,delay=D,... (compress.sync)")
+    parser.add_argument("--sync", help="every-step | localsgd:period=H | diloco:period=H,delay=D,... (parallel.sync)")
     parser.add_argument("--resume", help="auto | PATH | none (resume)")
     parser.add_argument("--max-restarts", dest="max_restarts", help="elastic restarts (dist.max_restarts)")
     parser.add_argument("--nnodes", help="elastic node range N or MIN:MAX (dist.nnodes)")

@@ -37,7 +37,7 @@ DEFAULT_CONFIGS = ("none", "torch-fp16", "torch-powersgd:rank=4", "fp16", "bf16"
 DEFAULT_LAB_BANDWIDTH = "200mbit"
 DEFAULT_STEPS = 30
 # Keys the bench sets itself per run; --set may not override them.
-_BENCH_KEYS = ("run_dir", "resume", "compress.method", "compress.sync", "dist.nproc", "dist.lab", "model.preset",
+_BENCH_KEYS = ("run_dir", "resume", "compress.method", "parallel.sync", "dist.nproc", "dist.lab", "model.preset",
                "train.steps")
 # torch's powerSGD_hook aborts on gloo with more than one DDP bucket (FIELD-NOTES): give it one.
 TORCH_POWERSGD_BUCKET_MB = 1000.0
@@ -174,7 +174,7 @@ def plan_runs(args: argparse.Namespace, out_dir: Path) -> list[BenchRun]:
         is_sync = spec.partition(":")[0] in SYNC_METHODS
         overrides = {**common, "dist.nproc": str(nproc), "dist.lab": str(bool(args.lab)).lower(),
                      "compress.method": "none" if is_sync else spec,
-                     "compress.sync": spec if is_sync else "every-step",
+                     "parallel.sync": spec if is_sync else "every-step",
                      "run_dir": str(out_dir / _slug(spec))}
         if spec.startswith("torch-powersgd"):
             overrides["dist.bucket_cap_mb"] = str(TORCH_POWERSGD_BUCKET_MB)
@@ -352,7 +352,7 @@ def build_rows(runs: list[BenchRun], summaries: dict[str, dict], errors: dict[st
     rows = []
     for run in runs:
         s = summaries.get(run.name)
-        row: dict[str, Any] = {"name": run.name, "compress": run.cfg.compress.method, "sync": run.cfg.compress.sync,
+        row: dict[str, Any] = {"name": run.name, "compress": run.cfg.compress.method, "sync": run.cfg.parallel.sync,
                                "preset": run.cfg.model.preset,
                                "steps": run.cfg.train.steps,
                                "bandwidth": None if run.name in (COMPUTE_ONLY, COMPUTE_SHARED) else bandwidth,

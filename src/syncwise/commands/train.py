@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..config import (RunConfig, add_train_arguments, build_config, describe_fields, format_config, load_file,
-                      overrides_from_args, placement)
+                      overrides_from_args, placement, upgrade_moved_keys)
 from .. import rundir
 from ..errors import ConfigError, SyncwiseError
 from ..rundir import RunDirLock
@@ -65,7 +65,12 @@ def check_run_dir(cfg: RunConfig, run_dir: Path) -> None:
         # The model/data layout must match the checkpoints; so must the compressor / sync strategy, whose
         # per-rank state (residuals, PowerSGD's Q, replicas) the checkpoints hold: changing them would drop it.
         # (model.moe_impl only changes how experts compute, not what: free to change.)
-        fixed = {"model": ("preset", "attention"), "data": ("seq_len", "corpus"), "compress": ("method", "sync")}
+        fixed = {"model": ("preset", "attention"), "data": ("seq_len", "corpus"), "compress": ("method",),
+                 "parallel": ("sync",)}
+        try:  # a run saved before parallel.sync had that key as compress.sync
+            before = upgrade_moved_keys(before, str(run_dir / "config.json")) or before
+        except ConfigError:
+            pass  # contradicts itself: resolve_config reports it
         for section, keys in fixed.items():
             for key, old in before.get(section, {}).items():
                 new = getattr(getattr(cfg, section), key, old)
@@ -86,12 +91,18 @@ _PER_INVOCATION = ("run_dir", "resume", "inject_fault")
 def resolve_config(file_values: dict | None, overrides: dict) -> RunConfig:
     """The run's configuration. Resuming (``--resume`` not 'none') a run directory with a ``config.json``
     continues with that saved configuration; the user's TOML file and flags override it where given."""
+    file_values = upgrade_moved_keys(file_values, "the configuration file")  # merged below under the new names
     cfg = build_config(file_values, overrides)
     if cfg.resume == "none" or not cfg.run_dir:
         return cfg
     saved = _read_json(Path(cfg.run_dir) / "config.json")
     if not saved:
         return cfg
+    try:  # keys that moved since the run was saved (compress.sync -> parallel.sync) under their new names
+        saved = upgrade_moved_keys(saved, str(Path(cfg.run_dir) / "config.json")) or saved
+    except ConfigError as e:
+        raise SyncwiseError(f"--resume: the saved configuration of {cfg.run_dir} does not load ({e}); start a "
+                            "new run, or fix its config.json") from None
     base = {k: v for k, v in saved.items() if k not in _PER_INVOCATION}
     for key, value in (file_values or {}).items():  # the user's file on top of the saved run, section by section
         if isinstance(value, dict) and isinstance(base.get(key), dict):

@@ -127,7 +127,7 @@ def train_worker(cfg: RunConfig) -> dict[str, Any]:
         if rank == 0:
             print(f"syncwise: {world} worker(s), model {cfg.model.preset} ({count_params(model) / 1e6:.2f}M params), "
                   f"corpus {corpus.name} ({corpus.train.numel():,} train tokens), compress={cfg.compress.method}"
-                  + (f", sync={cfg.compress.sync}" if cfg.compress.sync != "every-step" else ""),
+                  + (f", sync={cfg.parallel.sync}" if cfg.parallel.sync != "every-step" else ""),
                   flush=True)
         checkpointer = None
         if cfg.run_dir:
@@ -138,15 +138,16 @@ def train_worker(cfg: RunConfig) -> dict[str, Any]:
                 interval=str(cfg.train.steps + 1) if interval == "0" else interval,
                 max_checkpoints=cfg.ckpt.keep, compression=cfg.ckpt.compression, async_save=cfg.ckpt.async_save,
                 mtbf_s=cfg.ckpt.mtbf_s)
+        specs = cfg.specs()  # parsed and typed once: a Compressor or TorchHookSpec, a SyncSpec or None, Faults
         trainer = OptimizedTrainer(
-            model, optimizer, compress_gradients=cfg.compress.method, mixed_precision=cfg.train.mixed_precision,
+            model, optimizer, compress_gradients=specs.compress, mixed_precision=cfg.train.mixed_precision,
             grad_accum_steps=cfg.train.grad_accum, clip_grad_norm=cfg.train.clip_grad, lr_scheduler=scheduler,
             compile=cfg.train.compile, activation_checkpointing=cfg.train.activation_checkpointing,
             bucket_cap_mb=cfg.dist.bucket_cap_mb, min_numel=cfg.compress.min_numel, device=device,
             val_loader=val, val_interval=cfg.train.val_interval, run_dir=cfg.run_dir,
             flops_per_token=flops_per_token(model.config), checkpointer=checkpointer,
-            inject_faults=cfg.inject_fault, collective_timeout_s=cfg.dist.timeout_s,
-            sync=cfg.compress.sync,
+            inject_faults=specs.faults, collective_timeout_s=cfg.dist.timeout_s,
+            sync=specs.sync,
             dynamic_batch=DynamicBatcher(1, cfg.data.batch_size, memory_threshold=cfg.train.memory_threshold,
                                          device=device) if cfg.train.dynamic_batch else None)
         summary = trainer.train(batches, steps=cfg.train.steps, resume=resume_target(cfg, rank))
