@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -46,7 +47,8 @@ class _Log(logging.Handler):
 
 
 def _build(kind: str, preset: str):
-    """(model, layout string) for 'single', 'ddp' (dp_replicate = world) or 'fsdp' (dp_shard = world)."""
+    """(model, layout string) for 'single', 'ddp' (dp_replicate = world), 'fsdp' (dp_shard = world) or
+    'tp' (tp = world)."""
     torch.manual_seed(0)
     model = build_model(preset, seq_len=SEQ)
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -55,6 +57,10 @@ def _build(kind: str, preset: str):
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
         return DDP(model), ParallelSpec().resolve(world).describe
+    if kind == "tp":
+        from syncwise.parallel.tensor_parallel import apply_tensor_parallel
+        spec = ParallelSpec(tp=world).resolve(world)
+        return apply_tensor_parallel(model, build_mesh(spec, "cpu")["tp"]), spec.describe
     spec = ParallelSpec(dp_shard=world).resolve(world)
     return apply_fsdp(model, build_mesh(spec, "cpu"), ("dp_shard",)), spec.describe
 
@@ -71,13 +77,19 @@ def _train_state(model, opt, sched, residual):
 
 
 def _step(model, opt, sched, step, rank, world):
+    if getattr(model, "_syncwise_tp", None):  # tensor parallel: every rank of the tp group reads the same rows
+        rank, world = 0, 1
     g = torch.Generator().manual_seed(500 + step)
     tokens = torch.randint(0, 256, (PER_RANK * world, SEQ + 1), generator=g)[rank * PER_RANK:(rank + 1) * PER_RANK]
     opt.zero_grad()
     loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()
     loss = loss.detach()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    if getattr(model, "_syncwise_tp", None):
+        from syncwise.parallel.tensor_parallel import clip_grad_norm
+        clip_grad_norm(list(model.parameters()), 1.0)
+    else:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     sched.step()
     return loss.item()
@@ -167,6 +179,15 @@ def test_fsdp2_to_single_process_and_to_ddp2(tmp_path):
     # DDP on 2 ranks
     loaded = run_workers(_load_worker, 2, str(tmp_path), "ddp", "tiny")
     _check_reshard(saved, loaded)
+
+
+def test_tp2_to_dp2(tmp_path):
+    pytest.importorskip("syncwise.parallel.tensor_parallel")
+    saved = run_workers(_save_worker, 2, str(tmp_path), "tp", "tiny", 3)
+    _assert_same(saved[0][0][0], saved[1][0][0])
+    loaded = run_workers(_load_worker, 2, str(tmp_path), "ddp", "tiny")
+    _check_reshard(saved, loaded)
+    assert any("layout 'tp 2', this run's is 'dp_replicate 2'" in w for w in loaded[0][3])
 
 
 # ------------------------------------------------------------------------- unchanged layout: bit-exact resume
