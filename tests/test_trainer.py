@@ -49,7 +49,7 @@ def _accumulate(rank, world, accum):
                                grad_accum_steps=accum, show_progress=False)
     summary = trainer.train(batches, steps=2)
     n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return summary["comm_bytes_per_step"], n_bytes, trainer.dp.timer.buckets
+    return summary["comm_bytes_per_step"], n_bytes, trainer.par.dp.timer.buckets
 
 
 def test_accumulation_communicates_once_per_optimizer_step():

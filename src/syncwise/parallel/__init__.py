@@ -1,10 +1,14 @@
-"""Parallelism applied outside the model: DDP + hooks, local SGD / DiLoCo / Pipe-SGD, activation checkpointing."""
+"""Parallelism applied outside the model, through one seam (``parallelize``): activation checkpointing, tensor
+parallel, DDP + hooks or FSDP2, local SGD / DiLoCo / Pipe-SGD, compile."""
 from .activation_checkpoint import apply_activation_checkpointing
 from .data_parallel import DataParallel, GradSyncTimer, TorchHookSpec, apply_data_parallel
 from .local_sgd import LocalSGD, TorchPeriodicAveraging
+from .mesh import ParallelSpec, build_mesh
+from .parallelize import Parallelized, describe_layout, parallelize, rebind_optimizer
 from .pipe_sgd import PipeSGD
 from .sync import build_sync
 from .sync_spec import SyncSpec, SyncStrategy
 
-__all__ = ["apply_data_parallel", "TorchHookSpec", "DataParallel", "GradSyncTimer", "apply_activation_checkpointing",
+__all__ = ["parallelize", "Parallelized", "ParallelSpec", "build_mesh", "describe_layout", "rebind_optimizer",
+           "apply_data_parallel", "TorchHookSpec", "DataParallel", "GradSyncTimer", "apply_activation_checkpointing",
            "LocalSGD", "TorchPeriodicAveraging", "PipeSGD", "SyncSpec", "SyncStrategy", "build_sync"]

@@ -33,12 +33,12 @@ from torch import nn
 
 from ..checkpoint import ModelOptimizerState, RNGState, SmartCheckpointer, TrainState
 from ..comm import ops
-from ..comm.stats import STATS, CommStats
+from ..comm.stats import CommStats
 from ..comm.watchdog import Watchdog
 from ..data.sharding import shard_loader
 from ..errors import ConfigError, SyncwiseError
 from ..metrics import MetricsLogger, detect_peak, mfu, peak_memory_mb, read_jsonl
-from ..parallel import TorchHookSpec, apply_activation_checkpointing, apply_data_parallel, build_sync
+from ..parallel import ParallelSpec, TorchHookSpec, describe_layout, parallelize, rebind_optimizer
 from . import arguments
 from .dynamic_batch import DynamicBatcher
 from .faults import FaultPlan
@@ -84,10 +84,11 @@ class StepResult:
     compute_s: float
     comm_exposed_s: float
     data_wait_s: float
-    comm_bytes: Optional[int]  # None when the hook's collectives bypass syncwise.comm (torch's PowerSGD)
+    comm_bytes: Optional[int]  # data-parallel bytes; None when they bypass syncwise.comm (torch's PowerSGD, FSDP2)
     tokens: int
     grad_norm: float
     skipped: bool
+    comm_bytes_by_dim: Optional[dict] = None  # per parallel dimension ('dp', 'tp'); None where not counted
 
 
 @dataclass
@@ -107,7 +108,7 @@ class PendingStep:
     data_wait_s: float
     comm_waited_s: float  # host-timed waits of a sync strategy
     exposed_comm: Callable[[], float]  # reads the DDP timer's events
-    comm_bytes: Optional[int]
+    comm_bytes: dict  # per parallel dimension: bytes this rank sent (None where not counted)
     tokens: int
     lr: float  # the learning rate this step's update used
     micro_batch: Optional[int] = None  # DynamicBatcher's micro size after this step
@@ -119,7 +120,8 @@ class PendingStep:
             self._settled = StepResult(
                 loss=float(self.loss), step_time_s=self.step_time_s,
                 compute_s=max(0.0, self.step_time_s - self.data_wait_s - comm), comm_exposed_s=comm,
-                data_wait_s=self.data_wait_s, comm_bytes=self.comm_bytes, tokens=self.tokens,
+                data_wait_s=self.data_wait_s, comm_bytes=self.comm_bytes.get("dp"), tokens=self.tokens,
+                comm_bytes_by_dim=self.comm_bytes,
                 grad_norm=float(self.grad_norm), skipped=bool(self.skipped))
         return self._settled
 
@@ -147,7 +149,8 @@ class OptimizedTrainer:
                  flops_per_token: Optional[float] = None, show_progress: bool = True,
                  checkpointer: Optional[SmartCheckpointer] = None, inject_faults: Optional[list[str]] = None,
                  collective_timeout_s: Optional[float] = None, sync: Any = None, data_seed: int = 0,
-                 tf32: bool = True, dynamic_batch: Optional[DynamicBatcher] = None):
+                 tf32: bool = True, dynamic_batch: Optional[DynamicBatcher] = None,
+                 parallel: "ParallelSpec | dict | None" = None, tp_plan: Optional[dict] = None):
         mixed_precision = arguments.mixed_precision_mode(mixed_precision)
         self.grad_accum_steps = arguments.count("grad_accum_steps", grad_accum_steps)
         self.clip_grad_norm = arguments.finite("clip_grad_norm", clip_grad_norm)
@@ -169,19 +172,20 @@ class OptimizedTrainer:
             # fp32 matmuls (the parts autocast leaves in fp32, and mixed_precision='none') on tensor cores.
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
-        if activation_checkpointing:
-            apply_activation_checkpointing(self.model)
         try:
             self.compressor = _resolve_compressor(compress_gradients)
         except ConfigError as e:  # the spec parser names its own field; here the argument is compress_gradients
             raise ConfigError("compress_gradients", compress_gradients, e.accepted) from None
         self.compress_spec = compress_gradients if isinstance(compress_gradients, str) else (
             getattr(self.compressor, "spec", None) or getattr(self.compressor, "name", "none"))
-        self.dp = apply_data_parallel(self.model, self.compressor, bucket_cap_mb, min_numel, self.device)
-        # Local SGD / DiLoCo / Pipe-SGD: built after DDP has made the replicas identical (their common start).
-        self.sync = build_sync(sync, self.model)
+        # Everything parallel happens behind this one seam (syncwise.parallel.parallelize, in its one order).
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        self.par = parallelize(self.model, parallel, self.device, compressor=self.compressor,
+                               bucket_cap_mb=bucket_cap_mb, min_numel=min_numel, sync=sync,
+                               activation_checkpointing=activation_checkpointing, compile=compile, tp_plan=tp_plan)
+        rebind_optimizer(optimizer, names, self.model)  # FSDP2 / TP put sharded parameters in the model's place
+        self.sync = self.par.sync  # the reduced-sync strategy the step drives (None: every-step sync)
         self.sync_spec = self.sync.spec.spec if self.sync is not None else "every-step"
-        self.train_module = torch.compile(self.dp.module) if compile else self.dp.module
         self.optimizer, self.lr_scheduler, self.loss_fn = optimizer, lr_scheduler, loss_fn
         self.amp_dtype = self._amp_dtype(mixed_precision)
         # fp16 needs loss scaling; bf16 and fp32 do not.
@@ -227,7 +231,7 @@ class OptimizedTrainer:
         checkpoint_dir = arguments.as_path("checkpoint_dir", checkpoint_dir)
         # A user's DataLoader gets this rank's shard and a resumable position (before len() and the train
         # state see it); loaders that shard and checkpoint themselves (TokenBatchLoader) are left as they are.
-        loader = shard_loader(loader, self.rank, self.world_size, seed=self.data_seed)
+        loader = shard_loader(loader, self.par.dp_rank, self.par.dp_size, seed=self.data_seed)
         total = self.total_steps = self._total_steps(loader, epochs, steps)
         if checkpoint_dir is not None and self.checkpointer is None:
             self.checkpointer = SmartCheckpointer(checkpoint_dir)
@@ -363,12 +367,10 @@ class OptimizedTrainer:
             state.register("data", loader, per_rank=True)
         if self.batcher is not None:  # the micro size found (resume does not probe again); ranks may differ
             state.register("batcher", self.batcher, per_rank=True)
-        if self.dp.hook_state is not None:
-            state.register("compressor", self.dp.hook_state, per_rank=True)
-        if self.sync is not None:
-            if self.sync.replicas_diverge:  # each rank keeps its own model and inner optimizer state
-                state.register("replica", ModelOptimizerState(self.model, self.optimizer), per_rank=True)
-            state.register("sync", self.sync, per_rank=True)
+        if self.sync is not None and self.sync.replicas_diverge:  # each rank keeps its own model and optimizer
+            state.register("replica", ModelOptimizerState(self.model, self.optimizer), per_rank=True)
+        for name, (component, per_rank) in self.par.state_components().items():
+            state.register(name, component, per_rank=per_rank)
         return state
 
     def state_dict(self) -> dict[str, Any]:
@@ -433,35 +435,27 @@ class OptimizedTrainer:
     def _train_step(self, batches: Iterator) -> PendingStep:
         t_start = time.perf_counter()
         data_wait = comm_waited = 0.0
-        bytes_before = STATS.total_bytes
         self.optimizer.zero_grad(set_to_none=True)
         accum = self.grad_accum_steps
         # Local SGD: gradients stay on this replica except during its warm-up.
-        sync_grads = self.dp.distributed and (self.sync is None or self.sync.syncs_gradients(self.step + 1))
+        sync_grads = self.par.syncs_gradients(self.step + 1)
         poison = self.faults.poison_loss(self.step + 1, self.rank)
         self.phase = "data loading"
         t_data = time.perf_counter()
         loaded = [next(batches) for _ in range(accum)]
         data_wait += time.perf_counter() - t_data
         tokens = sum(x.numel() if not x.is_floating_point() else x.size(0) for x, _ in loaded)
-        exposed: list[Callable[[], float]] = []
 
         def run_micro(inputs: Any, targets: Any, weight: float, last: bool) -> torch.Tensor:
             """Forward/backward one micro-batch; only the last one of the step syncs gradients."""
             inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
-            syncing = last and sync_grads
-            with contextlib.nullcontext() if syncing or not self.dp.distributed else self.dp.module.no_sync():
-                if self.dp.timer is not None:
-                    self.dp.timer.reset()
+            with self.par.micro_batch(syncing=last and sync_grads):
                 self.phase = "forward/backward (gradient sync)"
                 with self._autocast():
-                    loss = self.loss_fn(self.train_module(inputs), targets) * weight
+                    loss = self.loss_fn(self.par.module(inputs), targets) * weight
                 if poison:
                     loss = loss * float("nan")
                 self.scaler.scale(loss).backward()
-                if syncing:
-                    exposed.append(self.dp.timer.backward_done())
-                    self.dp.record_sync()
             return loss.detach()
 
         if self.batcher is None:
@@ -469,7 +463,7 @@ class OptimizedTrainer:
         else:  # micro-batches of the size that fits; an out-of-memory redoes the step from `loaded`
             loss_sum = self.batcher.accumulate(loaded, run_micro, lambda: self.optimizer.zero_grad(set_to_none=True),
                                                syncs=sync_grads, step=self.step + 1)
-        exposed_comm = exposed[-1] if exposed else (lambda: 0.0)
+        exposed_comm = self.par.take_exposed()
         # The logged loss is the mean over ranks; its tiny all-reduce runs while the optimizer steps. Replicas
         # that diverge (local SGD) skip every per-step collective: each would hold the ranks in lockstep, and
         # the step would wait for the slowest one; rank 0's replica's loss is logged instead.
@@ -499,15 +493,14 @@ class OptimizedTrainer:
         if self.sync is not None:
             self.phase = f"{self.sync_spec} sync"
             comm_waited += self.sync.after_step(step, last)
-        comm_bytes = STATS.total_bytes - bytes_before
+        comm_bytes = self.par.comm_bytes()
         if loss_work is not None:
             loss_work.wait()
-        self.tokens_seen += tokens * self.world_size
+        self.tokens_seen += tokens * self.par.dp_size
         return PendingStep(step=step, loss=loss_sum, grad_norm=grad_norm, skipped=skipped,
                            step_time_s=time.perf_counter() - t_start, data_wait_s=data_wait,
                            comm_waited_s=comm_waited, exposed_comm=exposed_comm,
-                           comm_bytes=comm_bytes if self.dp.bytes_counted else None,
-                           tokens=tokens * self.world_size, lr=self._lr_used,
+                           comm_bytes=comm_bytes, tokens=tokens * self.par.dp_size, lr=self._lr_used,
                            micro_batch=self.batcher.size if self.batcher is not None else None)
 
     def _apply_update(self, step: int) -> "tuple[torch.Tensor, bool | torch.Tensor]":
@@ -521,8 +514,7 @@ class OptimizedTrainer:
         self._settle_skip()
         self._lr_used = self.optimizer.param_groups[0]["lr"]
         self.scaler.unscale_(self.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), self.clip_grad_norm if self.clip_grad_norm > 0 else math.inf)
+        grad_norm = self.par.clip_grad_norm(self.clip_grad_norm if self.clip_grad_norm > 0 else math.inf)
         # Synced gradients are identical on every rank, so every rank decides alike; under local SGD each
         # replica skips its own bad step (the others' gradients are fine, and the next average mixes them).
         if self._skips_on_device:
@@ -565,6 +557,8 @@ class OptimizedTrainer:
                "step_time_s": r.step_time_s,
                "compute_s": r.compute_s, "comm_exposed_s": r.comm_exposed_s, "data_wait_s": r.data_wait_s,
                "comm_bytes": r.comm_bytes, "grad_norm": r.grad_norm, "peak_mem_mb": peak_memory_mb(self.device)}
+        for dim, n in (r.comm_bytes_by_dim or {}).items():
+            row[f"comm_bytes_{dim}"] = n
         util = mfu(self.flops_per_token, tps / self.world_size, self.peak.flops)
         if util is not None:
             row["mfu"] = util
@@ -587,7 +581,9 @@ class OptimizedTrainer:
             "compute_share": parts["compute_s"] / max(step_time, 1e-9),
             "comm_exposed_share": parts["comm_exposed_s"] / max(step_time, 1e-9),
             "data_wait_share": parts["data_wait_s"] / max(step_time, 1e-9),
-            "comm_bytes_per_step": (sum(r.comm_bytes for r in steady) / n) if self.dp.bytes_counted else None,
+            "comm_bytes_per_step": (sum(r.comm_bytes for r in steady) / n)
+            if steady and all(r.comm_bytes is not None for r in steady) else None,
+            "layout": describe_layout(self.par),
             "compressor": self.compress_spec, "sync": self.sync_spec,
             "sync_rounds": getattr(self.sync, "syncs", None),
             "skipped_steps": self.skipped_steps, "peak_mem_mb": peak_memory_mb(self.device), "wall_time_s": wall,

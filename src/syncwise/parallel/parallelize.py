@@ -1,0 +1,203 @@
+"""``parallelize(model, spec, device)``: every kind of parallelism, applied outside the model, in one order.
+
+The order (torchtitan's ``parallelize_llama``, for the same reasons):
+
+1. activation checkpointing — wraps block forwards; must see the plain blocks, before any wrapper;
+2. tensor / sequence parallel (``tp``) — swaps parameters for DTensors sharded on the ``tp`` mesh dimension;
+   everything after it sees (and shards further) those DTensors;
+3. (expert parallel, pipeline split: next issue — after TP, before data parallel);
+4. data parallel over the ``dp_*`` dimensions: FSDP2 (``dp_shard > 1``; HSDP when ``dp_replicate > 1`` too),
+   or DDP with syncwise's gradient-sync hook (compressed, timed, counted) when the layout is replicas alone;
+5. a reduced-sync strategy (local SGD / DiLoCo / Pipe-SGD) — needs the replicas identical, i.e. after DDP's
+   initial broadcast;
+6. ``torch.compile`` last, over the wrapped module.
+
+The trainer talks only to the returned :class:`Parallelized`: ``module`` to run, ``micro_batch(syncing)``
+around each micro-batch's forward/backward (DDP's ``no_sync`` and FSDP2's ``set_requires_gradient_sync``
+behind one name, with the exposed-communication timer), ``take_exposed()`` / ``comm_bytes()`` per parallel
+dimension, ``state_components()`` for checkpoints, ``clip_grad_norm`` that works on sharded gradients.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm.stats import STATS
+from ..errors import ConfigError
+from .activation_checkpoint import apply_activation_checkpointing
+from .data_parallel import DataParallel, apply_data_parallel
+from .mesh import ParallelSpec, build_mesh
+from .sync import build_sync
+from .sync_spec import SyncStrategy
+
+
+@dataclass
+class Parallelized:
+    """The parallel model and what the loop needs to know about its communication."""
+
+    model: nn.Module                 # the model itself (evaluation, checkpoints, router updates)
+    module: nn.Module                # what the step runs: wrapped (DDP), sharded (FSDP2/TP), compiled
+    spec: ParallelSpec               # resolved against the world size
+    mesh: Any = None                 # the DeviceMesh (None in a single process)
+    dp: DataParallel = field(default_factory=lambda: DataParallel(module=nn.Identity()))
+    sync: Optional[SyncStrategy] = None
+    fsdp: bool = False
+    _exposed: Callable[[], float] = lambda: 0.0
+    _bytes_mark: int = 0
+
+    # ---- what the step asks ------------------------------------------------------------------------------
+    @property
+    def distributed(self) -> bool:
+        """Gradients cross ranks (a data-parallel degree above 1)."""
+        return self.fsdp or self.dp.distributed
+
+    def syncs_gradients(self, step: int) -> bool:
+        """Whether this step's last micro-batch syncs gradients (local SGD keeps them local after warm-up)."""
+        return self.distributed and (self.sync is None or self.sync.syncs_gradients(step))
+
+    @contextlib.contextmanager
+    def micro_batch(self, syncing: bool) -> Iterator[None]:
+        """Around one micro-batch's forward and backward: gradients sync only when ``syncing`` (the last
+        micro-batch of a step); then the time the backward waited on the network is measured."""
+        if not self.distributed:
+            yield
+            return
+        timer = self.dp.timer
+        if self.fsdp:
+            from .fsdp import set_gradient_sync
+            set_gradient_sync(self.module, syncing)
+            yield
+            return
+        with contextlib.nullcontext() if syncing else self.module.no_sync():
+            if timer is not None:
+                timer.reset()
+            yield
+            if syncing and timer is not None:
+                self._exposed = timer.backward_done()
+                self.dp.record_sync()
+
+    def take_exposed(self) -> Callable[[], float]:
+        """The reader of the last syncing backward's exposed communication (seconds); resets it."""
+        reader, self._exposed = self._exposed, (lambda: 0.0)
+        return reader
+
+    def comm_bytes(self) -> dict[str, Optional[int]]:
+        """Bytes this rank sent per parallel dimension since the last call (None: not counted)."""
+        total = STATS.total_bytes
+        dp, self._bytes_mark = total - self._bytes_mark, total
+        out: dict[str, Optional[int]] = {"dp": dp if self.dp.bytes_counted else None}
+        if self.fsdp:
+            out["dp"] = None  # FSDP2's collectives bypass syncwise.comm
+        if self.spec.tp > 1:
+            out["tp"] = None  # DTensor's collectives bypass syncwise.comm
+        return out
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip all gradients to ``max_norm`` (inf: only measure); the total norm as a plain tensor."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def state_components(self) -> dict[str, tuple[Any, bool]]:
+        """Checkpointable state the parallel wrappers own: name → (component, per rank)."""
+        out: dict[str, tuple[Any, bool]] = {}
+        if self.dp.hook_state is not None:
+            out["compressor"] = (self.dp.hook_state, True)
+        if self.sync is not None:
+            out["sync"] = (self.sync, True)
+        return out
+
+    @property
+    def dp_rank(self) -> int:
+        """Which data shard this rank reads (ranks in one tensor-parallel group read the same)."""
+        return self.spec.dp_rank(dist.get_rank()) if self.mesh is not None else 0
+
+    @property
+    def dp_size(self) -> int:
+        return self.spec.dp if self.mesh is not None else 1
+
+
+def parallelize(model: nn.Module, spec: "ParallelSpec | dict | None" = None, device: Optional[torch.device] = None,
+                *, compressor: Any = None, bucket_cap_mb: float = 25.0, min_numel: int = 4096, sync: Any = None,
+                activation_checkpointing: bool = False, compile: bool = False,
+                tp_plan: Optional[dict] = None) -> Parallelized:
+    """Apply ``spec`` (a ParallelSpec, a dict of its fields, or None: every rank a DDP replica) to ``model``.
+
+    ``compressor``: syncwise's gradient compression for DDP (None = DDP's built-in all-reduce); under FSDP2 only
+    a 16-bit reduce dtype is possible (``--compress bf16``). ``sync``: a reduced-sync strategy (DDP only).
+    ``tp_plan``: a user model's tensor-parallel plan (``parallelize_module``'s dict); syncwise's own model has one.
+    """
+    spec = spec if isinstance(spec, ParallelSpec) else ParallelSpec(**(spec or {}))
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    spec = spec.resolve(world)
+    device = device or next(model.parameters()).device
+    spec.check_model(getattr(model, "config", None))
+    mesh = build_mesh(spec, device.type)
+
+    # 1. activation checkpointing
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    # 2. tensor / sequence parallel
+    if spec.tp > 1:
+        from .tensor_parallel import apply_tensor_parallel
+        apply_tensor_parallel(model, mesh["tp"], plan=tp_plan)
+    # 3. expert parallel, pipeline: next issue.
+    # 4. data parallel
+    par = Parallelized(model=model, module=model, spec=spec, mesh=mesh)
+    dp_dims = tuple(n for n in ("dp_replicate", "dp_shard") if getattr(spec, n) > 1)
+    # Replicas of a tensor-parallel model go through FSDP2 too (HSDP with shards of one): DDP would turn TP's
+    # DTensors back into local tensors (torch's DDP + TP work-around), and then neither gradient clipping nor
+    # resharding checkpoints would see the sharded parameters.
+    if spec.sharded or (spec.tp > 1 and dp_dims):
+        from .fsdp import apply_fsdp, fsdp_reduce_dtype
+        if sync is not None:
+            raise ConfigError("parallel.sync", getattr(sync, "spec", sync), "every-step with dp_shard > 1 or tp > 1: "
+                              "FSDP2 holds the replicas, so there are no whole replicas to average")
+        reduce_dtype = fsdp_reduce_dtype(getattr(compressor, "spec", None) or getattr(compressor, "name", None)
+                                         or "none")
+        apply_fsdp(model, mesh, ("dp_replicate", "dp_shard") if spec.dp_replicate > 1 else ("dp_shard",),
+                   reduce_dtype=reduce_dtype or torch.float32)
+        par.fsdp = True
+    elif dp_dims:
+        par.dp = apply_data_parallel(model, compressor, bucket_cap_mb, min_numel, device)  # dp_replicate alone
+        par.module = par.dp.module
+        # 5. reduced-sync strategy, over the same ranks
+        par.sync = build_sync(sync, model)
+    # 6. compile
+    if compile:
+        par.module = torch.compile(par.module)
+    return par
+
+
+def rebind_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], model: nn.Module) -> None:
+    """Point ``optimizer``'s parameter groups at ``model``'s current parameters, by name.
+
+    FSDP2 and tensor parallel replace each parameter with a sharded (DTensor) one under the same name, but a
+    user builds the optimizer before the trainer parallelizes: its groups still hold the old tensors. ``names``
+    maps ``id(old parameter)`` to its name (taken before parallelizing). Optimizer state must still be empty.
+    """
+    current = dict(model.named_parameters())
+    moved = [p for g in optimizer.param_groups for p in g["params"] if current.get(names.get(id(p), "")) is not p]
+    if not moved:
+        return
+    if optimizer.state:
+        raise ConfigError("optimizer", type(optimizer).__name__, "an optimizer that has not stepped yet: FSDP2 / "
+                          "tensor parallel replace the parameters, and existing state cannot follow them")
+    for group in optimizer.param_groups:
+        try:
+            group["params"] = [current[names[id(p)]] for p in group["params"]]
+        except KeyError:
+            raise ConfigError("optimizer", type(optimizer).__name__, "an optimizer over the model's own "
+                              "parameters (one it holds is not among model.named_parameters())") from None
+
+
+def describe_layout(par: Parallelized) -> str:
+    """'dp_shard 2 × tp 2 (FSDP2)' for the summary."""
+    kind = "FSDP2" if par.fsdp and par.spec.dp_replicate == 1 else "HSDP" if par.fsdp and par.spec.sharded else \
+        "FSDP2 replicas" if par.fsdp else "DDP" if par.dp.distributed else None
+    return par.spec.describe + (f" ({kind})" if kind else "")
