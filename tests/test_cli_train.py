@@ -18,6 +18,9 @@ from syncwise.cli import main
     (["--nosuchsection.key=1"], "nosuchsection.key"),
     (["--train.memory_threshold=1.5"], "train.memory_threshold"),
     (["--model.moe_impl=fast"], "model.moe_impl"),
+    (["--parallel.tp=3"], "parallel.tp"),  # 2 workers: dp_replicate × dp_shard × tp must be 2
+    (["--parallel.dp_shard=2", "--compress", "topk:ratio=0.1"], "compress.method"),
+    (["--parallel.tp=2", "--sync", "localsgd:period=4"], "parallel.sync"),
 ])
 def test_bad_config_fails_before_any_worker_with_a_clear_message(argv, field, tmp_path, capsys):
     code = main(["train", "--run-dir", str(tmp_path / "run"), *argv])
@@ -87,3 +90,13 @@ def test_dynamic_batch_and_moe_impl_from_the_command_line(tmp_path, capsys):
     assert "dynamic batch: micro-batches of 6 row(s)" in capsys.readouterr().out
     saved = json.loads((run_dir / "config.json").read_text())
     assert saved["model"]["moe_impl"] == "padded" and saved["train"]["dynamic_batch"] is True
+
+
+def test_tensor_parallel_job_from_the_command_line(tmp_path):
+    run_dir = tmp_path / "run"
+    assert main(["train", "--nproc", "2", "--preset", "tiny", "--steps", "3", "--run-dir", str(run_dir),
+                 "--data.seq_len=32", "--train.val_batches=1", "--parallel.tp=2"]) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["layout"].startswith("tp 2") and summary["steps"] == 3
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all("comm_bytes_tp" in r for r in rows)

@@ -230,6 +230,16 @@ class ParallelSection:
                        "torch-localsgd:period=16 (PyTorch's averager), pipesgd[:dtype=fp16] (all-reduce overlapped "
                        "with the next step); see docs/compression.md. Formerly compress.sync (still read, with a note)",
                        "a sync spec (see docs/compression.md)")
+    dp_replicate: int = option(0, "data-parallel replicas: DDP (with syncwise's compressed gradient sync), or HSDP's "
+                               "replica groups when dp_shard > 1; 0 = the ranks dp_shard × tp leave",
+                               "an integer from 0 to 65,536 (dp_replicate × dp_shard × tp = the world size)",
+                               _in(0, 65536))
+    dp_shard: int = option(1, "fully-sharded data parallel (FSDP2): parameters, gradients and AdamW state split over "
+                           "this many ranks; all-gathered per block in forward and backward",
+                           "an integer from 1 to 65,536", _in(1, 65536))
+    tp: int = option(1, "tensor (+ sequence) parallel: attention heads, MLP widths, embedding and head split over "
+                     "this many neighbouring ranks (the innermost dimension: keep it within a node)",
+                     "an integer from 1 to 65,536 dividing the model's heads and widths", _in(1, 65536))
 
 
 @dataclass
@@ -569,6 +579,7 @@ def check_references(cfg: RunConfig) -> None:
         raise ConfigError(key, _get(cfg, key), f"lr × weight_decay < 1 (AdamW scales the weights by 1 − lr × "
                           f"weight_decay every step; lr={cfg.train.lr:g}, weight_decay={cfg.train.weight_decay:g})")
     local, fewest, most = _workers(cfg)
+    _check_layout(cfg, specs, fewest, most)
     for spec, fault in zip(cfg.inject_fault, specs.faults):
         if fault.step > cfg.train.steps:
             raise ConfigError("inject_fault", spec, f"a step S ≤ train.steps ({cfg.train.steps}): a fault at a "
@@ -603,6 +614,37 @@ def check_references(cfg: RunConfig) -> None:
     _check_data_and_memory(cfg, local, fewest, where)
 
 
+def layout(cfg: RunConfig) -> Any:
+    """The ``[parallel]`` layout as syncwise.parallel's ParallelSpec (unresolved: dp_replicate may be 0)."""
+    from .parallel.mesh import ParallelSpec
+
+    p = cfg.parallel
+    return ParallelSpec(p.dp_replicate, p.dp_shard, p.tp)
+
+
+def _check_layout(cfg: RunConfig, specs: Any, fewest: int, most: int) -> None:
+    """dp_replicate × dp_shard × tp must be the world size (every size an elastic job may have), and the
+    gradient sync must be one the layout can run (its owners' rules: syncwise.parallel)."""
+    from .parallel.fsdp import fsdp_reduce_dtype
+
+    spec = layout(cfg)
+    for world in sorted({fewest, most}):
+        spec.resolve(world)
+    fsdp = spec.dp_shard > 1 or spec.tp > 1
+    if fsdp and specs.sync is not None:
+        key = "parallel.dp_shard" if spec.dp_shard > 1 else "parallel.tp"
+        raise ConfigError("parallel.sync", cfg.parallel.sync, f"every-step with {key}={_get(cfg, key)}: local SGD, "
+                          "DiLoCo and Pipe-SGD average whole replicas, which FSDP2 / tensor parallel do not keep")
+    if fsdp and cfg.compress.method != "none":
+        try:
+            fsdp_reduce_dtype(cfg.compress.method)
+        except ConfigError as e:
+            key = "parallel.dp_shard" if spec.dp_shard > 1 else "parallel.tp"
+            raise ConfigError("compress.method", cfg.compress.method, f"{e.accepted} (with {key}={_get(cfg, key)} "
+                              "the gradients are reduced by FSDP2, whose only compression is its 16-bit reduce "
+                              "dtype)") from None
+
+
 def _check_data_and_memory(cfg: RunConfig, local: int, fewest: int, where: "Placement") -> None:
     """Does one step's batch fit the corpus (the batch loader's rule, from token counts) and this machine?"""
     from .data import check_fits, corpus_sizes
@@ -626,6 +668,7 @@ def _check_data_and_memory(cfg: RunConfig, local: int, fewest: int, where: "Plac
     key = _blame(cfg, "model.attention", "model.preset")
     with _as_field(key, _get(cfg, key)):  # the model's own validation of this shape
         model = resolve_config(cfg.model.preset, **overrides)
+    layout(cfg).check_model(model)  # tp divides the heads and widths
     fp32 = cfg.train.mixed_precision == "none" or (cfg.train.mixed_precision == "auto" and where.device_type != "cuda")
     # With dynamic_batch the step runs in micro-batches that fit: only one row has to.
     need = train_memory_bytes(model, 1 if cfg.train.dynamic_batch else d.batch_size, 4 if fp32 else 2,

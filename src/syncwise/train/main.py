@@ -19,7 +19,7 @@ import torch.distributed as dist
 from .. import devices
 from ..checkpoint import SmartCheckpointer
 from ..comm import ops
-from ..config import RunConfig
+from ..config import RunConfig, layout
 from ..errors import SyncwiseError
 from ..data import SmartPrefetcher, TokenBatchLoader, evaluation_batches, load_corpus
 from ..models import build_model, count_params, flops_per_token
@@ -119,13 +119,16 @@ def train_worker(cfg: RunConfig) -> dict[str, Any]:
         model = build_model(cfg.model.preset, **overrides).to(device)  # on the device first: fused AdamW on GPUs
         optimizer = adamw(model, cfg.train.lr, cfg.train.weight_decay)
         scheduler = warmup_cosine(optimizer, cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio)
-        loader = TokenBatchLoader(corpus.train, cfg.data.batch_size, cfg.data.seq_len, rank, world,
+        # Ranks of one tensor-parallel group read the same batch: the loaders shard by data-parallel coordinates.
+        parallel = layout(cfg).resolve(world)
+        dp_rank, dp = parallel.dp_rank(rank), parallel.dp
+        loader = TokenBatchLoader(corpus.train, cfg.data.batch_size, cfg.data.seq_len, dp_rank, dp,
                                   seed=cfg.train.seed)
         batches = SmartPrefetcher(loader, lookahead=cfg.data.prefetch, device=device) if cfg.data.prefetch else loader
-        val = evaluation_batches(corpus.val, cfg.data.batch_size, cfg.data.seq_len, cfg.train.val_batches, rank,
-                                 world)
+        val = evaluation_batches(corpus.val, cfg.data.batch_size, cfg.data.seq_len, cfg.train.val_batches, dp_rank,
+                                 dp)
         if rank == 0:
-            print(f"syncwise: {world} worker(s), model {cfg.model.preset} ({count_params(model) / 1e6:.2f}M params), "
+            print(f"syncwise: {world} worker(s) ({parallel.describe}), model {cfg.model.preset} ({count_params(model) / 1e6:.2f}M params), "
                   f"corpus {corpus.name} ({corpus.train.numel():,} train tokens), compress={cfg.compress.method}"
                   + (f", sync={cfg.parallel.sync}" if cfg.parallel.sync != "every-step" else ""),
                   flush=True)
@@ -137,7 +140,7 @@ def train_worker(cfg: RunConfig) -> dict[str, Any]:
                 # interval 0 = only the final checkpoint: an interval that never comes due
                 interval=str(cfg.train.steps + 1) if interval == "0" else interval,
                 max_checkpoints=cfg.ckpt.keep, compression=cfg.ckpt.compression, async_save=cfg.ckpt.async_save,
-                mtbf_s=cfg.ckpt.mtbf_s)
+                mtbf_s=cfg.ckpt.mtbf_s, layout=parallel.describe)
         specs = cfg.specs()  # parsed and typed once: a Compressor or TorchHookSpec, a SyncSpec or None, Faults
         trainer = OptimizedTrainer(
             model, optimizer, compress_gradients=specs.compress, mixed_precision=cfg.train.mixed_precision,
@@ -147,7 +150,7 @@ def train_worker(cfg: RunConfig) -> dict[str, Any]:
             val_loader=val, val_interval=cfg.train.val_interval, run_dir=cfg.run_dir,
             flops_per_token=flops_per_token(model.config), checkpointer=checkpointer,
             inject_faults=specs.faults, collective_timeout_s=cfg.dist.timeout_s,
-            sync=specs.sync,
+            sync=specs.sync, parallel=parallel,
             dynamic_batch=DynamicBatcher(1, cfg.data.batch_size, memory_threshold=cfg.train.memory_threshold,
                                          device=device) if cfg.train.dynamic_batch else None)
         summary = trainer.train(batches, steps=cfg.train.steps, resume=resume_target(cfg, rank))
