@@ -71,6 +71,12 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype, dims: tuple[i
     return False, f"no _grouped_mm fast path on {device.type}"
 
 
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """A weight as a plain tensor: tensor parallel keeps the router and routed experts as replicated
+    DTensors (identical on every tp rank), and the routing code below runs on their local values."""
+    return w.to_local() if hasattr(w, "to_local") else w
+
+
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward hands on a contiguous gradient: ``_grouped_mm``'s backward refuses
     a stride-0 incoming gradient (e.g. from ``y.sum().backward()``)."""
@@ -139,7 +145,7 @@ class GroupedExperts(nn.Module):
     def _loop(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         # unbind, not w1[e]: the backward of E separate selects would materialise and sum E
         # full-size zero gradients; unbind's backward is a single stack.
-        w1, w3, w2 = self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0)
+        w1, w3, w2 = _local(self.w1).unbind(0), _local(self.w3).unbind(0), _local(self.w2).unbind(0)
         outs = []
         for e, chunk in enumerate(torch.split(x, counts, dim=0)):
             if chunk.shape[0] == 0:
@@ -153,8 +159,9 @@ class GroupedExperts(nn.Module):
         dt = _compute_dtype(x)
         offs = torch.cumsum(counts, 0, dtype=torch.int32)   # end row of each expert's group
         x = x.to(dt)
-        h = F.silu(torch._grouped_mm(x, self.w1.to(dt), offs=offs)) * torch._grouped_mm(x, self.w3.to(dt), offs=offs)
-        return _ContiguousGrad.apply(torch._grouped_mm(h, self.w2.to(dt), offs=offs))
+        w1, w3, w2 = (_local(w).to(dt) for w in (self.w1, self.w3, self.w2))
+        h = F.silu(torch._grouped_mm(x, w1, offs=offs)) * torch._grouped_mm(x, w3, offs=offs)
+        return _ContiguousGrad.apply(torch._grouped_mm(h, w2, offs=offs))
 
     def padded_block_size(self, n_rows: int) -> int:
         """Block size B of the padded path for ``n_rows`` routed rows (``self.block_size`` if set)."""
@@ -185,7 +192,7 @@ class GroupedExperts(nn.Module):
         # Blocks past the last used one hold zeros; clamp gives them a valid (any) expert.
         block_expert = torch.searchsorted(block_end, torch.arange(n_blocks, device=x.device),
                                           right=True).clamp_(max=n_exp - 1)
-        w1, w3, w2 = (w.to(dt).index_select(0, block_expert) for w in (self.w1, self.w3, self.w2))
+        w1, w3, w2 = (_local(w).to(dt).index_select(0, block_expert) for w in (self.w1, self.w3, self.w2))
         h = F.silu(torch.bmm(buf, w1)) * torch.bmm(buf, w3)
         return torch.bmm(h, w2).view(n_blocks * B, -1).index_select(0, dest)
 
@@ -219,7 +226,7 @@ class MoE(nn.Module):
         """Sigmoid affinities; top-k by affinity + bias; gate weights = affinities normalised over k."""
         # Gating in fp32 even under autocast: a bf16 router makes near-tie selections noisy.
         with torch.autocast(device_type=x.device.type, enabled=False):
-            scores = torch.sigmoid(F.linear(x.float(), self.router.weight.float()))
+            scores = torch.sigmoid(F.linear(x.float(), _local(self.router.weight).float()))
         # The bias only decides *which* experts; it must not leak into the gate values.
         _, indices = torch.topk(scores.detach() + self.expert_bias.float(), self.top_k, dim=-1)
         weights = scores.gather(-1, indices)
