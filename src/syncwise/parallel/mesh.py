@@ -74,16 +74,20 @@ class ParallelSpec:
 
     # ---------------------------------------------------------------------------------------- the model
     def check_model(self, model_config: Any) -> None:
-        """``tp`` must divide every dimension tensor parallel splits (heads, widths, vocab, MLA ranks)."""
+        """``tp`` must divide every dimension tensor parallel splits (parallel/tensor_parallel.py's plan):
+        attention heads (MHA q/k/v/o and MLA's per-head up-projections; MLA's latent ranks and the shared
+        RoPE key stay replicated, so they need not divide), the vocabulary (embedding and head), the
+        dense SwiGLU width where a dense block exists, the fused shared-expert width of MoE blocks (the
+        routed experts are replicated under tp), and — for sequence parallel — ``seq_len``."""
         if self.tp == 1 or model_config is None:
             return
         c = model_config
-        sizes = {"model.n_heads": c.n_heads, "model.d_model": c.d_model, "model.ffn_hidden": c.ffn_hidden,
-                 "model.vocab_size": c.vocab_size}
-        if getattr(c, "n_routed_experts", 0):
-            sizes["model.moe_hidden"] = c.moe_hidden
-            if getattr(c, "n_shared_experts", 0):
-                sizes["model.moe_hidden × n_shared_experts"] = c.moe_hidden * c.n_shared_experts
+        sizes = {"model.n_heads": c.n_heads, "model.vocab_size": c.vocab_size, "model.seq_len": c.seq_len}
+        moe_blocks = [c.layer_is_moe(i) for i in range(c.n_layers)] if hasattr(c, "layer_is_moe") else []
+        if not all(moe_blocks):
+            sizes["model.ffn_hidden"] = c.ffn_hidden
+        if any(moe_blocks) and getattr(c, "n_shared_experts", 0):
+            sizes["model.moe_hidden × model.n_shared_experts"] = c.moe_hidden * c.n_shared_experts
         for name, size in sizes.items():
             if size % self.tp:
                 raise ConfigError("parallel.tp", self.tp, f"a divisor of {name} ({size}): tensor parallel splits "
