@@ -8,6 +8,7 @@ topology code sees e.g. 2 nodes x 2 workers.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import traceback
 
@@ -26,7 +27,9 @@ def _entry(rank, fn, world_size, local_world_size, port, args, results):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        results.put((rank, True, fn(rank, world_size, *args)))
+        # Plain pickle (by value): a tensor sent through torch's queue lives in shared memory that vanishes when this
+        # process exits, possibly before the parent has read it (FileNotFoundError).
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -48,7 +51,7 @@ def run_workers(fn, world_size: int, *args, local_world_size: int | None = None,
         for _ in range(world_size):
             rank, ok, value = results.get(timeout=timeout)
             if ok:
-                out[rank] = value
+                out[rank] = pickle.loads(value)
             else:
                 errors.append(f"rank {rank}:\n{value}")
                 break
