@@ -31,7 +31,7 @@ def run_at(bandwidth: str, steps: int, preset: str, work: Path) -> dict:
                                   "train.val_interval": "0", "ckpt.interval": "0", "dist.lab": "true"})
     run_dir.mkdir(parents=True)
     cfg.save(run_dir / "config.json")
-    code = lab_torchrun(["-m", "syncwise.train", "--config", str(run_dir / "config.json")], nproc_per_node=1,
+    code = lab_torchrun(["-m", "syncwise.commands.worker", "--config", str(run_dir / "config.json")], nproc_per_node=1,
                         prefix=PREFIX, log_dir=run_dir / "logs")
     if code != 0:
         raise SystemExit(f"lab run at {bandwidth} failed with exit code {code}")

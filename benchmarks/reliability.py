@@ -100,7 +100,7 @@ def run_lab(run_dir: Path, args: argparse.Namespace, kills: list[tuple[int, int]
     t0 = time.perf_counter()
     with open(run_dir.parent / f"{run_dir.name}.console.log", "wb") as console:
         try:
-            code: Any = lab_torchrun(["-m", "syncwise.train", "--config", str(run_dir / "config.json")],
+            code: Any = lab_torchrun(["-m", "syncwise.commands.worker", "--config", str(run_dir / "config.json")],
                                      nproc_per_node=1, max_restarts=restarts, log_dir=logs, timeout=args.timeout,
                                      prefix=args.prefix, console=console)
         except SyncwiseError as e:  # the job hung past --timeout: record it, do not hide it
@@ -109,7 +109,7 @@ def run_lab(run_dir: Path, args: argparse.Namespace, kills: list[tuple[int, int]
     # Rank 0 may land on either node: read every node's log.
     out = "".join(f.read_text(errors="replace") for f in sorted(logs.glob("node*.log")))
     (run_dir.parent / f"{run_dir.name}.log").write_text(out)
-    return {"command": "lab_torchrun(-m syncwise.train --config config.json) with " + " ".join(flags)
+    return {"command": "lab_torchrun(-m syncwise.commands.worker --config config.json) with " + " ".join(flags)
             .replace("--nproc 2", "--nproc 1 (per node)") + f" --max-restarts {restarts} "
             + " ".join(f"--inject-fault kill:rank={r},step={s}" for r, s in kills),
             "exit_code": code, "wall_s": wall, "log": out}

@@ -27,7 +27,7 @@ from syncwise.data import SmartPrefetcher
 from syncwise.errors import ConfigError
 from syncwise.launch import free_port
 from syncwise.train import arguments
-from syncwise.train import main as worker_main
+from syncwise.commands import worker as worker_main
 
 REPO = Path(__file__).resolve().parents[1]
 GPU_COUNTS = (0, 1, 2, 8)

@@ -11,7 +11,7 @@ from syncwise.config import build_config
 from syncwise.data import TokenBatchLoader
 from syncwise.models import build_model
 from syncwise.train import OptimizedTrainer, adamw
-from syncwise.train.main import resume_target
+from syncwise.commands.worker import resume_target
 
 
 def _resume_decisions(rank, world, scenarios):

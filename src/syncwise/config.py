@@ -748,7 +748,8 @@ FLAG_KEYS = {"nproc": "dist.nproc", "steps": "train.steps", "preset": "model.pre
 
 
 def add_train_arguments(parser) -> None:
-    """The named flags shared by `syncwise train` and `python -m syncwise.train`."""
+    """The named flags shared by `syncwise train` and the worker entry point
+    (`python -m syncwise.commands.worker`, alias `python -m syncwise.train`)."""
     parser.add_argument("--config", help="TOML file with [section] tables (or a JSON written by syncwise)")
     parser.add_argument("--nproc", help="local worker processes (dist.nproc)")
     parser.add_argument("--steps", help="optimizer steps (train.steps)")

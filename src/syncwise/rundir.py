@@ -5,7 +5,8 @@ directory holds, so two runs started at the same moment cannot both pass the "al
 the second is refused at once, naming the holder. The kernel drops the lock when the holding process exits
 for any reason (even SIGKILL), so a crashed run never leaves a stale lock behind. Workers started by
 ``syncwise train`` find ``SYNCWISE_RUN_DIR_LOCKED`` in their environment and do not lock again; a job
-started with plain ``torchrun -m syncwise.train`` takes the lock in rank 0.
+started with plain ``torchrun -m syncwise.commands.worker`` (or its alias ``-m syncwise.train``) takes the lock
+in rank 0.
 
 flock is local to one machine (and unreliable on some network filesystems): on a cluster the lock
 protects against a second launch on the same node, which is where the mix-ups were seen.

@@ -224,7 +224,7 @@ def _launch_lab(cfg: RunConfig, prefix: Optional[str]) -> dict[str, Any]:
     logs.mkdir(parents=True, exist_ok=True)
     # Node 0's output goes to a file too: the bench prints its own progress and table.
     with open(logs / "node0.console.log", "wb") as console:
-        code = lab_torchrun(["-m", "syncwise.train", "--config", str(run_dir / "config.json")],
+        code = lab_torchrun(["-m", "syncwise.commands.worker", "--config", str(run_dir / "config.json")],
                             nproc_per_node=cfg.dist.nproc, log_dir=str(logs), console=console,
                             **({"prefix": prefix} if prefix else {}))
     if code != 0:
@@ -267,7 +267,7 @@ def _run_compute_shared(run: BenchRun, threads: int) -> dict[str, Any]:
         cfg.save(Path(cfg.run_dir) / "config.json")
         dirs.append(Path(cfg.run_dir))
         with open(Path(cfg.run_dir) / "console.log", "wb") as log:
-            procs.append(subprocess.Popen([sys.executable, "-m", "syncwise.train", "--config",
+            procs.append(subprocess.Popen([sys.executable, "-m", "syncwise.commands.worker", "--config",
                                            str(Path(cfg.run_dir) / "config.json")], env=env, stdout=log,
                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
     codes = [p.wait() for p in procs]

@@ -140,12 +140,12 @@ def interrupted_message(cfg: RunConfig, signal_name: str = "SIGINT") -> str:
 
 def launch(cfg: RunConfig) -> dict:
     """Start the workers for ``cfg`` and return rank 0's summary."""
-    from ..train.main import run_worker, train_worker
+    from .worker import run_worker, train_worker
 
     if cfg.dist.lab:
         from ..lab.launch import lab_torchrun
 
-        code = lab_torchrun(["-m", "syncwise.train", "--config", str(Path(cfg.run_dir) / "config.json")],
+        code = lab_torchrun(["-m", "syncwise.commands.worker", "--config", str(Path(cfg.run_dir) / "config.json")],
                             nproc_per_node=cfg.dist.nproc, max_restarts=cfg.dist.max_restarts)
         if code != 0:
             raise SyncwiseError(f"the lab job failed (exit code {code}); see the worker output above")

@@ -1,0 +1,202 @@
+"""The worker side of `syncwise train`: build model, data and optimizer from a RunConfig and train.
+
+This is the composition root of a worker: the one place that turns a validated ``RunConfig`` into a corpus,
+a model, an optimizer, a checkpointer and an ``OptimizedTrainer``. It lives in the command layer because it
+reads the configuration; the layers it assembles (train, checkpoint, parallel, ...) never import ``config``
+(docs/architecture.md).
+
+Runs in every worker process — started by `syncwise train` through torchrun's elastic API, or by plain
+``torchrun ... -m syncwise.commands.worker --config FILE`` on a multi-node cluster (``-m syncwise.train``
+is the same entry point, kept as an alias for existing command lines).
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .. import devices
+from ..checkpoint import SmartCheckpointer
+from ..comm import ops
+from ..config import RunConfig, config_from_argv, layout
+from ..errors import SyncwiseError
+from ..data import SmartPrefetcher, TokenBatchLoader, evaluation_batches, load_corpus
+from ..models import build_model, count_params, flops_per_token
+from ..rundir import RunDirLock, held_by_launcher
+from ..train.arguments import join_torchrun
+from ..train.dynamic_batch import DynamicBatcher
+from ..train.schedule import adamw, warmup_cosine
+from ..train.trainer import CONTROL_STATS, OptimizedTrainer
+
+
+def init_distributed(cfg: RunConfig) -> torch.device:
+    """Join the process group torchrun describes in the environment (if any); pick this worker's device.
+
+    Device and backend come from ``syncwise.devices`` (dist.device, dist.backend): local rank r computes on
+    ``cuda:(r mod GPUs)`` or the CPU; NCCL only when every local worker has a GPU of its own, else gloo. When
+    'auto' made workers share a GPU, rank 0 says so in one line."""
+    threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+    if threads > 0:
+        torch.set_num_threads(threads)
+    local_rank, local_world = devices.local_env()
+    placement = devices.plan_here(cfg.dist.device, cfg.dist.backend, local_world, lab=cfg.dist.lab)
+    device = placement.device(local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if placement.note and os.environ.get("RANK", "0") == "0":
+        print(f"syncwise: {placement.note}", flush=True)
+    ops.set_collective_timeout(cfg.dist.timeout_s)  # every group syncwise creates gets the job's timeout
+    join_torchrun(device, cfg.dist.timeout_s, backend=placement.backend)
+    return device
+
+
+def seed_everything(seed: int, deterministic: bool = False) -> None:
+    """Same seed on every rank: identical model init; data order differs by rank through the sampler."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def resume_target(cfg: RunConfig, rank: int) -> str:
+    """What to resume from: the configured value, or — after torchrun's agent restarted the group — 'auto'."""
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # Each torchrun agent counts only its own failures: when a worker on another node dies, this node's
+        # agent often sees the re-rendezvous first and restarts its workers as a "membership change", with the
+        # count unchanged (0). Agree on the max so every rank resumes or none does — a mix pairs one rank's
+        # checkpoint-load collectives with another's training collectives and hangs (seen in the 2-node lab).
+        agreed = torch.tensor([restarts], dtype=torch.int64)
+        ops.all_reduce(agreed, "max", stats=CONTROL_STATS)
+        restarts = int(agreed.item())
+    if restarts > 0 and cfg.resume == "none":
+        if rank == 0:
+            print(f"syncwise: worker group restarted (restart {restarts}); resuming from the newest valid "
+                  "checkpoint", flush=True)
+        return "auto"
+    return cfg.resume
+
+
+def run_worker(cfg: RunConfig) -> dict[str, Any]:
+    """Train as one worker of the job; returns the run summary (on every rank).
+
+    A user-facing failure is also printed by the worker itself, at once: torch-elastic relays it only
+    through an error file, which a full disk can leave unreadable. Ctrl-C ends a worker quietly (exit 130);
+    the launcher says where the run stopped and how to resume.
+    """
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # Ctrl-C reaches the agent and every worker; the agent stops the job and the launcher reports. A
+        # KeyboardInterrupt here could land in any thread's callback and print tracebacks: leave at once.
+        signal.signal(signal.SIGINT, _quiet_exit)
+    try:
+        return train_worker(cfg)
+    except SyncwiseError as e:
+        sys.stderr.write(f"syncwise: rank {os.environ.get('RANK', 0)}: {e}\n")  # one write: ranks share the console
+        sys.stderr.flush()
+        raise
+
+
+def _quiet_exit(signum: int, frame: Any) -> None:
+    if sys.stdout.isatty():
+        sys.stdout.write("\x1b[?25h\n")  # the progress bar hid the cursor
+        sys.stdout.flush()
+    os._exit(128 + signum)
+
+
+def train_worker(cfg: RunConfig) -> dict[str, Any]:
+    """The worker's work, failures raised to the caller (``syncwise train`` runs a 1-process job so)."""
+    device = init_distributed(cfg)
+    try:
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        seed_everything(cfg.train.seed, cfg.train.deterministic)
+        corpus = load_corpus(cfg.data.corpus, val_fraction=cfg.data.val_fraction)
+        overrides: dict[str, Any] = {"vocab_size": corpus.vocab_size, "seq_len": cfg.data.seq_len}
+        if cfg.model.attention != "default":
+            overrides["attention"] = cfg.model.attention
+        overrides["moe_impl"] = cfg.model.moe_impl
+        model = build_model(cfg.model.preset, **overrides).to(device)  # on the device first: fused AdamW on GPUs
+        optimizer = adamw(model, cfg.train.lr, cfg.train.weight_decay)
+        scheduler = warmup_cosine(optimizer, cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio)
+        # Ranks of one tensor-parallel group read the same batch: the loaders shard by data-parallel coordinates.
+        parallel = layout(cfg).resolve(world)
+        dp_rank, dp = parallel.dp_rank(rank), parallel.dp
+        loader = TokenBatchLoader(corpus.train, cfg.data.batch_size, cfg.data.seq_len, dp_rank, dp,
+                                  seed=cfg.train.seed)
+        batches = SmartPrefetcher(loader, lookahead=cfg.data.prefetch, device=device) if cfg.data.prefetch else loader
+        val = evaluation_batches(corpus.val, cfg.data.batch_size, cfg.data.seq_len, cfg.train.val_batches, dp_rank,
+                                 dp)
+        if rank == 0:
+            print(f"syncwise: {world} worker(s) ({parallel.describe}), model {cfg.model.preset} ({count_params(model) / 1e6:.2f}M params), "
+                  f"corpus {corpus.name} ({corpus.train.numel():,} train tokens), compress={cfg.compress.method}"
+                  + (f", sync={cfg.parallel.sync}" if cfg.parallel.sync != "every-step" else ""),
+                  flush=True)
+        checkpointer = None
+        if cfg.run_dir:
+            interval = cfg.ckpt.interval
+            checkpointer = SmartCheckpointer(
+                Path(cfg.run_dir) / "checkpoints",
+                # interval 0 = only the final checkpoint: an interval that never comes due
+                interval=str(cfg.train.steps + 1) if interval == "0" else interval,
+                max_checkpoints=cfg.ckpt.keep, compression=cfg.ckpt.compression, async_save=cfg.ckpt.async_save,
+                mtbf_s=cfg.ckpt.mtbf_s, layout=parallel.describe)
+        specs = cfg.specs()  # parsed and typed once: a Compressor or TorchHookSpec, a SyncSpec or None, Faults
+        trainer = OptimizedTrainer(
+            model, optimizer, compress_gradients=specs.compress, mixed_precision=cfg.train.mixed_precision,
+            grad_accum_steps=cfg.train.grad_accum, clip_grad_norm=cfg.train.clip_grad, lr_scheduler=scheduler,
+            compile=cfg.train.compile, activation_checkpointing=cfg.train.activation_checkpointing,
+            bucket_cap_mb=cfg.dist.bucket_cap_mb, min_numel=cfg.compress.min_numel, device=device,
+            val_loader=val, val_interval=cfg.train.val_interval, run_dir=cfg.run_dir,
+            flops_per_token=flops_per_token(model.config), checkpointer=checkpointer,
+            inject_faults=specs.faults, collective_timeout_s=cfg.dist.timeout_s,
+            sync=specs.sync, parallel=parallel,
+            dynamic_batch=DynamicBatcher(1, cfg.data.batch_size, memory_threshold=cfg.train.memory_threshold,
+                                         device=device) if cfg.train.dynamic_batch else None)
+        summary = trainer.train(batches, steps=cfg.train.steps, resume=resume_target(cfg, rank))
+        summary["params"] = count_params(model)
+        if hasattr(batches, "close"):
+            batches.close()
+        return summary
+    finally:
+        # Field notes: DDP processes sometimes abort at interpreter exit unless the group is destroyed first.
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``torchrun ... -m syncwise.commands.worker [--config FILE] [--section.key=value ...]``: one worker."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        cfg = config_from_argv(argv)
+    except SyncwiseError as e:
+        print(f"syncwise: {e}", file=sys.stderr)
+        return 2
+    # Started by plain torchrun (not `syncwise train`, which holds the lock itself): rank 0 owns the run
+    # directory for the life of the job.
+    lock = None
+    if cfg.run_dir and os.environ.get("RANK", "0") == "0" and not held_by_launcher(cfg.run_dir):
+        try:
+            lock = RunDirLock(cfg.run_dir).acquire()
+        except SyncwiseError as e:
+            print(f"syncwise: {e}", file=sys.stderr)
+            return 2
+    try:
+        run_worker(cfg)  # prints its own failures
+    except SyncwiseError:
+        return 2
+    finally:
+        if lock is not None:
+            lock.release()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
