@@ -100,6 +100,9 @@ class Parallelized:
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip all gradients to ``max_norm`` (inf: only measure); the total norm as a plain tensor."""
         params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.spec.tp > 1:  # a user's plan may leave some parameters plain: torch's clip refuses the mix
+            from .tensor_parallel import clip_grad_norm
+            return clip_grad_norm(params, max_norm)
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
