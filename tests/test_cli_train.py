@@ -21,6 +21,7 @@ from syncwise.cli import main
     (["--parallel.tp=3"], "parallel.tp"),  # 2 workers: dp_replicate × dp_shard × tp must be 2
     (["--parallel.dp_shard=2", "--compress", "topk:ratio=0.1"], "compress.method"),
     (["--parallel.tp=2", "--sync", "localsgd:period=4"], "parallel.sync"),
+    (["--parallel.dp_shard=2", "--train.dynamic_batch=true"], "train.dynamic_batch"),
 ])
 def test_bad_config_fails_before_any_worker_with_a_clear_message(argv, field, tmp_path, capsys):
     code = main(["train", "--run-dir", str(tmp_path / "run"), *argv])

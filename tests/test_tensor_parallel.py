@@ -180,6 +180,11 @@ def _user_step(rank, world, plan_kind):
     if plan_kind == "none":
         apply_tensor_parallel(model, mesh)      # no plan for a user module: a clear error
     apply_tensor_parallel(model, mesh, plan={"up": ColwiseParallel(), "down": RowwiseParallel()})
+    return _three_steps(model)
+
+
+def _three_steps(model):
+    """Three AdamW steps with clipping on fixed data; the losses."""
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -196,18 +201,7 @@ def _user_step(rank, world, plan_kind):
 
 def test_user_module_with_a_plan():
     torch.manual_seed(0)
-    model = UserMLP()
-    g = torch.Generator().manual_seed(3)
-    x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref = []
-    for _ in range(3):
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        ref.append(loss.item())
+    ref = _three_steps(UserMLP())
     for losses in run_workers(_user_step, 2, "plan"):
         assert losses == pytest.approx(ref, abs=ATOL, rel=RTOL)
 

@@ -631,6 +631,10 @@ def _check_layout(cfg: RunConfig, specs: Any, fewest: int, most: int) -> None:
     for world in sorted({fewest, most}):
         spec.resolve(world)
     fsdp = spec.dp_shard > 1 or spec.tp > 1
+    if fsdp and cfg.train.dynamic_batch:
+        key = "parallel.dp_shard" if spec.dp_shard > 1 else "parallel.tp"
+        raise ConfigError("train.dynamic_batch", True, f"false with {key}={_get(cfg, key)}: every forward there is "
+                          "collective, so one rank cannot probe or redo a micro-batch alone")
     if fsdp and specs.sync is not None:
         key = "parallel.dp_shard" if spec.dp_shard > 1 else "parallel.tp"
         raise ConfigError("parallel.sync", cfg.parallel.sync, f"every-step with {key}={_get(cfg, key)}: local SGD, "

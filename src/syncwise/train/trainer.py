@@ -198,6 +198,9 @@ class OptimizedTrainer:
         self.collective_timeout_s = collective_timeout_s
         if dynamic_batch is not None and not isinstance(dynamic_batch, DynamicBatcher):
             raise ConfigError("dynamic_batch", dynamic_batch, "None or a syncwise.train.DynamicBatcher")
+        if dynamic_batch is not None and (self.par.fsdp or self.par.spec.tp > 1):
+            raise ConfigError("dynamic_batch", dynamic_batch, "None with FSDP2 or tensor parallel: every forward "
+                              "there is collective, so one rank cannot probe or redo a micro-batch alone")
         self.batcher = dynamic_batch  # micro-batches that fit; None: each loader batch is one micro-batch
         self.step = 0
         self.total_steps = 0
