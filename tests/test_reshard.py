@@ -181,13 +181,20 @@ def test_fsdp2_to_single_process_and_to_ddp2(tmp_path):
     _check_reshard(saved, loaded)
 
 
-def test_tp2_to_dp2(tmp_path):
-    pytest.importorskip("syncwise.parallel.tensor_parallel")
-    saved = run_workers(_save_worker, 2, str(tmp_path), "tp", "tiny", 3)
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_tp2_to_dp2(tmp_path, preset):
+    saved = run_workers(_save_worker, 2, str(tmp_path), "tp", preset, 3)
     _assert_same(saved[0][0][0], saved[1][0][0])
-    loaded = run_workers(_load_worker, 2, str(tmp_path), "ddp", "tiny")
+    loaded = run_workers(_load_worker, 2, str(tmp_path), "ddp", preset)
     _check_reshard(saved, loaded)
     assert any("layout 'tp 2', this run's is 'dp_replicate 2'" in w for w in loaded[0][3])
+
+
+def test_fsdp2_to_tp2(tmp_path):
+    saved = run_workers(_save_worker, 2, str(tmp_path), "fsdp", "tiny-moe", 3)
+    loaded = run_workers(_load_worker, 2, str(tmp_path), "tp", "tiny-moe")
+    _check_reshard(saved, loaded)
+    assert any("layout 'dp_shard 2', this run's is 'tp 2'" in w for w in loaded[0][3])
 
 
 # ------------------------------------------------------------------------- unchanged layout: bit-exact resume
