@@ -138,6 +138,12 @@ class OptimizedTrainer:
     default sampler is sharded by rank (``DistributedSampler``, shuffled per epoch from ``data_seed``),
     one with a ``DistributedSampler`` is kept, an iterable dataset must shard itself (see
     ``syncwise.data.shard_loader``); the loader's position is checkpointed and resumes exactly.
+
+    ``parallel={"dp_shard": 2, "tp": 2}`` (a ``syncwise.parallel.ParallelSpec`` or its fields) lays the ranks
+    out as FSDP2 / HSDP / tensor parallel through ``syncwise.parallel.parallelize`` (default: every rank a
+    DDP replica); loaders are then sharded by data-parallel rank. ``tp_plan=`` gives a user model's
+    tensor-parallel plan (docs/parallelism.md). ``dynamic_batch=DynamicBatcher(...)`` runs micro-batches that
+    fit in memory at an unchanged global batch (docs/dynamic-batch.md).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
