@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from .errors import ConfigError
+from .errors import ConfigError, SyncwiseError
 from .specs import parse_bool
 
 if TYPE_CHECKING:
@@ -518,9 +518,16 @@ def _workers(cfg: RunConfig) -> tuple[int, int, int]:
             return local, world, world
     except (KeyError, ValueError):
         pass
-    if cfg.dist.lab:  # the lab's node count is the running lab's, known when the job starts
-        from .lab.cluster import MAX_NODES
+    if cfg.dist.lab:  # the lab's node count is the running lab's (any count up to MAX_NODES when none runs yet)
+        from .lab.cluster import MAX_NODES, status
 
+        try:
+            state = status()
+        except (OSError, SyncwiseError):
+            state = None
+        if state is not None:
+            world = cfg.dist.nproc * len(state.nodes)
+            return cfg.dist.nproc, world, world
         return cfg.dist.nproc, cfg.dist.nproc, cfg.dist.nproc * MAX_NODES
     return cfg.dist.nproc, cfg.dist.nproc, cfg.dist.nproc
 
@@ -628,8 +635,8 @@ def _check_layout(cfg: RunConfig, specs: Any, fewest: int, most: int) -> None:
     from .parallel.fsdp import fsdp_reduce_dtype
 
     spec = layout(cfg)
-    for world in sorted({fewest, most}):
-        spec.resolve(world)
+    for world in sorted({fewest, most}) if not (cfg.dist.lab and fewest != most) else []:
+        spec.resolve(world)  # (a lab job before its lab is up: checked when the workers start)
     fsdp = spec.dp_shard > 1 or spec.tp > 1
     if fsdp and cfg.train.dynamic_batch:
         key = "parallel.dp_shard" if spec.dp_shard > 1 else "parallel.tp"
