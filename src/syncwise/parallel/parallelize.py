@@ -118,11 +118,11 @@ class Parallelized:
     @property
     def dp_rank(self) -> int:
         """Which data shard this rank reads (ranks in one tensor-parallel group read the same)."""
-        return self.spec.dp_rank(dist.get_rank()) if self.mesh is not None else 0
+        return self.spec.dp_rank(dist.get_rank()) if dist.is_available() and dist.is_initialized() else 0
 
     @property
     def dp_size(self) -> int:
-        return self.spec.dp if self.mesh is not None else 1
+        return self.spec.dp
 
 
 def parallelize(model: nn.Module, spec: "ParallelSpec | dict | None" = None, device: Optional[torch.device] = None,
@@ -140,7 +140,9 @@ def parallelize(model: nn.Module, spec: "ParallelSpec | dict | None" = None, dev
     spec = spec.resolve(world)
     device = device or next(model.parameters()).device
     spec.check_model(getattr(model, "config", None))
-    mesh = build_mesh(spec, device.type)
+    # Replicas alone need no mesh: DDP runs on the default group, as before the seam (a mesh would add a gloo group
+    # per dimension to every plain DDP job, each one more set of threads to tear down at exit).
+    mesh = build_mesh(spec, device.type) if spec.tp > 1 or spec.sharded else None
 
     # 1. activation checkpointing
     if activation_checkpointing:
