@@ -55,7 +55,6 @@ def _loss(logits, y):
 
 def _train(model, steps, vocab, clip=None, loss_parallel=False):
     """Losses, first-step logits and gradients (gathered) of ``steps`` AdamW steps."""
-    from syncwise.parallel.tensor_parallel import clip_grad_norm
     from syncwise.parallel.tensor_parallel import loss_parallel as lp_ctx
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     losses, first = [], None

@@ -637,20 +637,19 @@ def _check_layout(cfg: RunConfig, specs: Any, fewest: int, most: int) -> None:
     spec = layout(cfg)
     for world in sorted({fewest, most}) if not (cfg.dist.lab and fewest != most) else []:
         spec.resolve(world)  # (a lab job before its lab is up: checked when the workers start)
-    fsdp = spec.dp_shard > 1 or spec.tp > 1
-    if fsdp and cfg.train.dynamic_batch:
-        key = "parallel.dp_shard" if spec.dp_shard > 1 else "parallel.tp"
+    if spec.replicas_only:
+        return
+    key = "parallel.dp_shard" if spec.dp_shard > 1 else "parallel.tp"
+    if cfg.train.dynamic_batch:
         raise ConfigError("train.dynamic_batch", True, f"false with {key}={_get(cfg, key)}: every forward there is "
                           "collective, so one rank cannot probe or redo a micro-batch alone")
-    if fsdp and specs.sync is not None:
-        key = "parallel.dp_shard" if spec.dp_shard > 1 else "parallel.tp"
+    if specs.sync is not None:
         raise ConfigError("parallel.sync", cfg.parallel.sync, f"every-step with {key}={_get(cfg, key)}: local SGD, "
                           "DiLoCo and Pipe-SGD average whole replicas, which FSDP2 / tensor parallel do not keep")
-    if fsdp and cfg.compress.method != "none":
+    if cfg.compress.method != "none":
         try:
             fsdp_reduce_dtype(cfg.compress.method)
         except ConfigError as e:
-            key = "parallel.dp_shard" if spec.dp_shard > 1 else "parallel.tp"
             raise ConfigError("compress.method", cfg.compress.method, f"{e.accepted} (with {key}={_get(cfg, key)} "
                               "the gradients are reduced by FSDP2, whose only compression is its 16-bit reduce "
                               "dtype)") from None

@@ -182,25 +182,24 @@ def _counted(bytes_per_element: int, hook):
 
 def apply_data_parallel(model: nn.Module, compressor: "Optional[Compressor | TorchHookSpec]" = None, bucket_cap_mb: float = 25.0,
                         min_numel: int = 4096, device: Optional[torch.device] = None,
-                        find_unused_parameters: Optional[bool] = None, process_group: Any = None) -> DataParallel:
-    """Wrap ``model`` in DDP over ``process_group`` (default: every rank) when it has several ranks; else return
-    it as is.
+                        find_unused_parameters: Optional[bool] = None) -> DataParallel:
+    """Wrap ``model`` in DDP when a multi-rank process group exists; else return it as is.
 
     ``find_unused_parameters`` defaults to the model's ``has_sparse_params`` (MoE experts that received
     no token in a step get no gradient).
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) == 1:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return DataParallel(module=model)
     if find_unused_parameters is None:
         find_unused_parameters = bool(getattr(model, "has_sparse_params", False))
     device_ids = [device.index] if device is not None and device.type == "cuda" else None
-    ddp = DDP(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb, process_group=process_group,
+    ddp = DDP(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb,
               find_unused_parameters=find_unused_parameters,
               # Buffers (e.g. MoE router biases) are kept identical by the model's own update, not re-sent
               # every forward.
               **_no_forward_buffer_sync())
     if isinstance(compressor, TorchHookSpec):
-        state, hook = compressor.state_and_hook(process_group)
+        state, hook = compressor.state_and_hook()
         per_element = TORCH_HOOKS[compressor.name]
         timer = GradSyncTimer(state, _counted(per_element, hook) if per_element else hook, device)
         ddp.register_comm_hook(timer, _timed_hook)
@@ -210,8 +209,7 @@ def apply_data_parallel(model: nn.Module, compressor: "Optional[Compressor | Tor
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         return DataParallel(module=ddp, timer=GradReadyClock(model, device), builtin_sync_bytes=nbytes)
     names = {p: n for n, p in model.named_parameters()}
-    state = CompressionHookState(compressor, process_group=process_group, param_names=names,
-                                 policy=CompressionPolicy(min_numel=min_numel))
+    state = CompressionHookState(compressor, param_names=names, policy=CompressionPolicy(min_numel=min_numel))
     timer = GradSyncTimer(state, compression_hook, device)
     ddp.register_comm_hook(timer, _timed_hook)
     return DataParallel(module=ddp, timer=timer, hook_state=state)

@@ -25,7 +25,7 @@ correct, but not a timing reference.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -178,8 +178,3 @@ def full_grad_norm(norm: torch.Tensor) -> torch.Tensor:
     """The total norm ``clip_grad_norm_`` returns, as a plain tensor: with FSDP2's DTensor gradients it
     is a (replicated) DTensor; ``full_tensor()`` turns it into the global norm on every rank."""
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-
-def local_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    """This rank's local pieces of (possibly DTensor) parameters, e.g. for counting sharded bytes."""
-    return [p.to_local() if hasattr(p, "to_local") else p for p in params]

@@ -7,7 +7,6 @@ ranks (inside a node), then ``dp_shard`` (FSDP2), then ``dp_replicate`` (DDP, or
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -53,6 +52,12 @@ class ParallelSpec:
     @property
     def sharded(self) -> bool:
         return self.dp_shard > 1
+
+    @property
+    def replicas_only(self) -> bool:
+        """Every rank holds the whole model (DDP, or one process): no FSDP2 sharding, no tensor parallel. Only
+        then do syncwise's compressors, the reduced-sync strategies and the dynamic batcher apply."""
+        return self.dp_shard == 1 and self.tp == 1
 
     @property
     def describe(self) -> str:
@@ -108,10 +113,3 @@ def build_mesh(spec: ParallelSpec, device_type: str) -> Optional[Any]:
         return None
     spec = spec.resolve(dist.get_world_size())
     return init_device_mesh(device_type, tuple(getattr(spec, n) for n in DIMS), mesh_dim_names=DIMS)
-
-
-def degree(mesh: Any, *names: str) -> int:
-    """Product of the named dimensions' sizes (1 without a mesh)."""
-    if mesh is None:
-        return 1
-    return math.prod(mesh[n].size() for n in names)

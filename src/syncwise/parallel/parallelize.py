@@ -67,12 +67,12 @@ class Parallelized:
         if not self.distributed:
             yield
             return
-        timer = self.dp.timer
         if self.fsdp:
-            from .fsdp import set_gradient_sync
-            set_gradient_sync(self.module, syncing)
-            yield
+            from .fsdp import no_gradient_sync
+            with no_gradient_sync(self.module, last=syncing):
+                yield
             return
+        timer = self.dp.timer
         with contextlib.nullcontext() if syncing else self.module.no_sync():
             if timer is not None:
                 timer.reset()
@@ -86,10 +86,14 @@ class Parallelized:
         reader, self._exposed = self._exposed, (lambda: 0.0)
         return reader
 
+    def begin_step(self) -> None:
+        """Start counting the step's bytes: collectives between steps (checkpoint agreement, resume) are not
+        the step's."""
+        self._bytes_mark = STATS.total_bytes
+
     def comm_bytes(self) -> dict[str, Optional[int]]:
-        """Bytes this rank sent per parallel dimension since the last call (None: not counted)."""
-        total = STATS.total_bytes
-        dp, self._bytes_mark = total - self._bytes_mark, total
+        """Bytes this rank sent per parallel dimension since ``begin_step`` (None: not counted)."""
+        dp = STATS.total_bytes - self._bytes_mark
         out: dict[str, Optional[int]] = {"dp": dp if self.dp.bytes_counted else None}
         if self.fsdp:
             out["dp"] = None  # FSDP2's collectives bypass syncwise.comm
@@ -103,8 +107,8 @@ class Parallelized:
         if self.spec.tp > 1:  # a user's plan may leave some parameters plain: torch's clip refuses the mix
             from .tensor_parallel import clip_grad_norm
             return clip_grad_norm(params, max_norm)
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        from .fsdp import full_grad_norm
+        return full_grad_norm(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
     def state_components(self) -> dict[str, tuple[Any, bool]]:
         """Checkpointable state the parallel wrappers own: name → (component, per rank)."""
@@ -142,7 +146,7 @@ def parallelize(model: nn.Module, spec: "ParallelSpec | dict | None" = None, dev
     spec.check_model(getattr(model, "config", None))
     # Replicas alone need no mesh: DDP runs on the default group, as before the seam (a mesh would add a gloo group
     # per dimension to every plain DDP job, each one more set of threads to tear down at exit).
-    mesh = build_mesh(spec, device.type) if spec.tp > 1 or spec.sharded else None
+    mesh = None if spec.replicas_only else build_mesh(spec, device.type)
 
     # 1. activation checkpointing
     if activation_checkpointing:
@@ -158,15 +162,15 @@ def parallelize(model: nn.Module, spec: "ParallelSpec | dict | None" = None, dev
     # Replicas of a tensor-parallel model go through FSDP2 too (HSDP with shards of one): DDP would turn TP's
     # DTensors back into local tensors (torch's DDP + TP work-around), and then neither gradient clipping nor
     # resharding checkpoints would see the sharded parameters.
-    if spec.sharded or (spec.tp > 1 and dp_dims):
+    if dp_dims and not spec.replicas_only:
         from .fsdp import apply_fsdp, fsdp_reduce_dtype
         if sync is not None:
             raise ConfigError("parallel.sync", getattr(sync, "spec", sync), "every-step with dp_shard > 1 or tp > 1: "
                               "FSDP2 holds the replicas, so there are no whole replicas to average")
         reduce_dtype = fsdp_reduce_dtype(getattr(compressor, "spec", None) or getattr(compressor, "name", None)
                                          or "none")
-        apply_fsdp(model, mesh, ("dp_replicate", "dp_shard") if spec.dp_replicate > 1 else ("dp_shard",),
-                   reduce_dtype=reduce_dtype or torch.float32)
+        # HSDP over both data-parallel dimensions; apply_fsdp treats one replica (1 × N) as plain FSDP2.
+        apply_fsdp(model, mesh, ("dp_replicate", "dp_shard"), reduce_dtype=reduce_dtype or torch.float32)
         par.fsdp = True
     elif dp_dims:
         par.dp = apply_data_parallel(model, compressor, bucket_cap_mb, min_numel, device)  # dp_replicate alone

@@ -204,7 +204,7 @@ class OptimizedTrainer:
         self.collective_timeout_s = collective_timeout_s
         if dynamic_batch is not None and not isinstance(dynamic_batch, DynamicBatcher):
             raise ConfigError("dynamic_batch", dynamic_batch, "None or a syncwise.train.DynamicBatcher")
-        if dynamic_batch is not None and (self.par.fsdp or self.par.spec.tp > 1):
+        if dynamic_batch is not None and not self.par.spec.replicas_only:
             raise ConfigError("dynamic_batch", dynamic_batch, "None with FSDP2 or tensor parallel: every forward "
                               "there is collective, so one rank cannot probe or redo a micro-batch alone")
         self.batcher = dynamic_batch  # micro-batches that fit; None: each loader batch is one micro-batch
@@ -443,7 +443,8 @@ class OptimizedTrainer:
     # ----------------------------------------------------------------------------------------- one step
     def _train_step(self, batches: Iterator) -> PendingStep:
         t_start = time.perf_counter()
-        data_wait = comm_waited = 0.0
+        comm_waited = 0.0
+        self.par.begin_step()
         self.optimizer.zero_grad(set_to_none=True)
         accum = self.grad_accum_steps
         # Local SGD: gradients stay on this replica except during its warm-up.
@@ -452,7 +453,7 @@ class OptimizedTrainer:
         self.phase = "data loading"
         t_data = time.perf_counter()
         loaded = [next(batches) for _ in range(accum)]
-        data_wait += time.perf_counter() - t_data
+        data_wait = time.perf_counter() - t_data
         tokens = sum(x.numel() if not x.is_floating_point() else x.size(0) for x, _ in loaded)
 
         def run_micro(inputs: Any, targets: Any, weight: float, last: bool) -> torch.Tensor:
