@@ -621,6 +621,15 @@ def check_references(cfg: RunConfig) -> None:
     _check_data_and_memory(cfg, local, fewest, where)
 
 
+def model_overrides(cfg: RunConfig, vocab_size: int) -> dict[str, Any]:
+    """What the run changes in its model preset: the worker builds the model with these, and the checks
+    before start validate the same shape."""
+    out: dict[str, Any] = {"vocab_size": vocab_size, "seq_len": cfg.data.seq_len, "moe_impl": cfg.model.moe_impl}
+    if cfg.model.attention != "default":
+        out["attention"] = cfg.model.attention
+    return out
+
+
 def layout(cfg: RunConfig) -> Any:
     """The ``[parallel]`` layout as syncwise.parallel's ParallelSpec (unresolved: dp_replicate may be 0)."""
     from .parallel.mesh import ParallelSpec
@@ -671,10 +680,7 @@ def _check_data_and_memory(cfg: RunConfig, local: int, fewest: int, where: "Plac
         except ConfigError as e:
             key = _blame(cfg, *keys)
             raise ConfigError(key, _get(cfg, key), e.accepted) from None
-    overrides: dict[str, Any] = {"seq_len": d.seq_len, "vocab_size": vocab or 256}
-    if cfg.model.attention != "default":
-        overrides["attention"] = cfg.model.attention
-    overrides["moe_impl"] = cfg.model.moe_impl
+    overrides = model_overrides(cfg, vocab or 256)
     key = _blame(cfg, "model.attention", "model.preset")
     with _as_field(key, _get(cfg, key)):  # the model's own validation of this shape
         model = resolve_config(cfg.model.preset, **overrides)

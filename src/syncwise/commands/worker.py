@@ -25,7 +25,7 @@ import torch.distributed as dist
 from .. import devices
 from ..checkpoint import SmartCheckpointer
 from ..comm import ops
-from ..config import RunConfig, config_from_argv, layout
+from ..config import RunConfig, config_from_argv, layout, model_overrides
 from ..errors import SyncwiseError
 from ..data import SmartPrefetcher, TokenBatchLoader, evaluation_batches, load_corpus
 from ..models import build_model, count_params, flops_per_token
@@ -119,10 +119,7 @@ def train_worker(cfg: RunConfig) -> dict[str, Any]:
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         seed_everything(cfg.train.seed, cfg.train.deterministic)
         corpus = load_corpus(cfg.data.corpus, val_fraction=cfg.data.val_fraction)
-        overrides: dict[str, Any] = {"vocab_size": corpus.vocab_size, "seq_len": cfg.data.seq_len}
-        if cfg.model.attention != "default":
-            overrides["attention"] = cfg.model.attention
-        overrides["moe_impl"] = cfg.model.moe_impl
+        overrides = model_overrides(cfg, corpus.vocab_size)
         model = build_model(cfg.model.preset, **overrides).to(device)  # on the device first: fused AdamW on GPUs
         optimizer = adamw(model, cfg.train.lr, cfg.train.weight_decay)
         scheduler = warmup_cosine(optimizer, cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio)
@@ -141,11 +138,8 @@ def train_worker(cfg: RunConfig) -> dict[str, Any]:
                   flush=True)
         checkpointer = None
         if cfg.run_dir:
-            interval = cfg.ckpt.interval
             checkpointer = SmartCheckpointer(
-                Path(cfg.run_dir) / "checkpoints",
-                # interval 0 = only the final checkpoint: an interval that never comes due
-                interval=str(cfg.train.steps + 1) if interval == "0" else interval,
+                Path(cfg.run_dir) / "checkpoints", interval=cfg.ckpt.interval,  # 0: only the final checkpoint
                 max_checkpoints=cfg.ckpt.keep, compression=cfg.ckpt.compression, async_save=cfg.ckpt.async_save,
                 mtbf_s=cfg.ckpt.mtbf_s, layout=parallel.describe)
         specs = cfg.specs()  # parsed and typed once: a Compressor or TorchHookSpec, a SyncSpec or None, Faults
