@@ -10,8 +10,8 @@ from distributed import run_workers
 
 from syncwise.errors import ConfigError
 from syncwise.models import build_model
-from syncwise.parallel.fsdp import (apply_fsdp, fsdp_reduce_dtype, fsdp_units, full_grad_norm, no_gradient_sync,
-                                    set_gradient_sync)
+from syncwise.parallel.fsdp import (apply_fsdp, attach_compression, fsdp_gradient_sync, fsdp_units, full_grad_norm,
+                                    no_gradient_sync, set_gradient_sync)
 from syncwise.parallel.mesh import ParallelSpec, build_mesh
 
 PER_RANK, SEQ, CLIP = 2, 16, 0.5
@@ -45,7 +45,7 @@ def _train(model, steps, rows, part, reduce_fn=None, accumulate=1):
             total += loss.detach()
         norm = full_grad_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))
         opt.step()
-        model.update_router_bias(reduce_fn)
+        getattr(model, "module", model).update_router_bias(reduce_fn)  # (DDP wraps the model)
         if dist.is_initialized():
             dist.all_reduce(total)  # gloo has no AVG: sum, then divide
             total /= dist.get_world_size()
@@ -144,7 +144,7 @@ def test_hsdp_2x2_matches_single_process_on_the_global_batch():
 def _reduce_dtype_worker(rank, world):
     """One backward of the same batch with an fp32 and a bf16 reduce-scatter (--compress bf16 under FSDP)."""
     grads = {}
-    for name, dtype in (("fp32", torch.float32), ("bf16", fsdp_reduce_dtype("bf16"))):
+    for name, dtype in (("fp32", torch.float32), ("bf16", fsdp_gradient_sync("bf16", 1)[0])):
         torch.manual_seed(0)
         model = apply_fsdp(build_model("tiny", seq_len=SEQ), build_mesh(ParallelSpec(dp_shard=world), "cpu"),
                            ("dp_shard",), reduce_dtype=dtype)
@@ -193,16 +193,58 @@ def test_units_of_deepseek_and_of_a_user_module():
         fsdp_units(named)
 
 
-def test_compress_maps_to_reduce_dtype_or_is_refused():
-    assert fsdp_reduce_dtype("none") is None
-    assert fsdp_reduce_dtype("bf16") is torch.bfloat16
-    assert fsdp_reduce_dtype("fp16") is torch.float16
+def test_compress_maps_to_reduce_dtype_or_runs_across_replicas_or_is_refused():
+    assert fsdp_gradient_sync("none", 1) == (None, False)
+    assert fsdp_gradient_sync("bf16", 1) == (torch.bfloat16, False)
+    assert fsdp_gradient_sync("fp16", 2) == (torch.float16, False)
+    assert fsdp_gradient_sync("powersgd:rank=2", 2) == (torch.float32, True)
     for spec in ("topk:ratio=0.01", "powersgd", "int8"):
-        with pytest.raises(ConfigError, match="none, bf16 or fp16 under FSDP") as e:
-            fsdp_reduce_dtype(spec)
+        with pytest.raises(ConfigError, match="dp_replicate ≥ 2") as e:
+            fsdp_gradient_sync(spec, 1)
         assert e.value.field == "compress"
+    with pytest.raises(ConfigError, match="DDP's gradient buckets"):
+        fsdp_gradient_sync("torch-powersgd", 2)
     with pytest.raises(ConfigError):
-        fsdp_reduce_dtype("nonsense")
+        fsdp_gradient_sync("nonsense", 2)
+
+
+def _compressed_replicas_worker(rank, world, spec_text):
+    """The same compressor as DDP's hook and as FSDP2's all-reduce hook across replicas (FSDP2 over a dp_shard of
+    one), on the same batches: the hook must hand the compressor each parameter's whole gradient, by name."""
+    from syncwise.compress import CompressionHookState, parse_compress_spec
+    from syncwise.parallel.data_parallel import apply_data_parallel
+
+    rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    torch.manual_seed(0)
+    ddp = apply_data_parallel(build_model("tiny", seq_len=SEQ), parse_compress_spec(spec_text), min_numel=64)
+    ddp_losses, _ = _train(ddp.module, 6, PER_RANK * world, rows)
+
+    torch.manual_seed(0)
+    model = build_model("tiny", seq_len=SEQ)
+    mesh = build_mesh(ParallelSpec(dp_replicate=world), "cpu")
+    apply_fsdp(model, mesh, ("dp_shard",))
+    from syncwise.compress.hook import CompressionPolicy
+    state = CompressionHookState(parse_compress_spec(spec_text), mesh["dp_replicate"].get_group(), model,
+                                 CompressionPolicy(min_numel=64), dedicated_group=False)
+    attach_compression(model, state)
+    losses, _ = _train(model, 6, PER_RANK * world, rows)
+    keys = sorted(state.compressor.state_dict()["per_tensor"])
+    # 'none' is DDP's built-in all-reduce (no hook): the same fp32 bytes per sync, counted by the wrapper
+    ddp_bytes = ddp.hook_state.compressor.counters["bytes_sent"] if ddp.hook_state else ddp.builtin_sync_bytes * 6
+    return ddp_losses, losses, ddp_bytes, state.compressor.counters["bytes_sent"], keys, \
+        sorted(n for n, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("spec_text", ["none", "powersgd:rank=2"])
+def test_compressor_as_fsdp2_all_reduce_hook_matches_ddp_hook(spec_text):
+    results = run_workers(_compressed_replicas_worker, 2, spec_text)
+    for ddp_losses, losses, ddp_bytes, fsdp_bytes, keys, names in results:
+        assert losses == pytest.approx(ddp_losses, rel=1e-6)
+        assert fsdp_bytes == ddp_bytes > 0
+        assert set(keys) <= set(names)  # compressor state is keyed by parameter name
+    if spec_text == "none":
+        ref_losses, _, _ = _reference("tiny", PER_RANK * 2, 6)
+        assert results[0][1] == pytest.approx(ref_losses, rel=LOSS_RTOL)
 
 
 def test_set_gradient_sync_refuses_a_plain_module():

@@ -641,7 +641,7 @@ def layout(cfg: RunConfig) -> Any:
 def _check_layout(cfg: RunConfig, specs: Any, fewest: int, most: int) -> None:
     """dp_replicate × dp_shard × tp must be the world size (every size an elastic job may have), and the
     gradient sync must be one the layout can run (its owners' rules: syncwise.parallel)."""
-    from .parallel.fsdp import fsdp_reduce_dtype
+    from .parallel.fsdp import fsdp_gradient_sync
 
     spec = layout(cfg)
     for world in sorted({fewest, most}) if not (cfg.dist.lab and fewest != most) else []:
@@ -657,11 +657,10 @@ def _check_layout(cfg: RunConfig, specs: Any, fewest: int, most: int) -> None:
                           "DiLoCo and Pipe-SGD average whole replicas, which FSDP2 / tensor parallel do not keep")
     if cfg.compress.method != "none":
         try:
-            fsdp_reduce_dtype(cfg.compress.method)
+            fsdp_gradient_sync(cfg.compress.method, spec.dp_replicate or fewest // (spec.dp_shard * spec.tp))
         except ConfigError as e:
             raise ConfigError("compress.method", cfg.compress.method, f"{e.accepted} (with {key}={_get(cfg, key)} "
-                              "the gradients are reduced by FSDP2, whose only compression is its 16-bit reduce "
-                              "dtype)") from None
+                              "FSDP2 reduces the gradients)") from None
 
 
 def _check_data_and_memory(cfg: RunConfig, local: int, fewest: int, where: "Placement") -> None:

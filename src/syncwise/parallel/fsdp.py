@@ -18,8 +18,9 @@ its backward), in the order they are wrapped:
 
 Mixed precision is FSDP2's ``MixedPrecisionPolicy``: ``param_dtype`` for the all-gathered compute
 copy, ``reduce_dtype`` for the gradient reduce-scatter (and HSDP's all-reduce). A bf16/fp16
-``reduce_dtype`` is FSDP's form of compressed gradient communication (``fsdp_reduce_dtype`` maps
-``--compress`` onto it). On gloo the reduce-scatter is emulated by PyTorch (an all-reduce and a slice):
+``reduce_dtype`` is FSDP's form of compressed gradient communication; syncwise's other compressors run
+across replicas as FSDP2's all-reduce hook (``fsdp_gradient_sync`` decides which, ``attach_compression``
+attaches the hook). On gloo the reduce-scatter is emulated by PyTorch (an all-reduce and a slice):
 correct, but not a timing reference.
 """
 from __future__ import annotations
@@ -35,24 +36,33 @@ from ..errors import ConfigError
 _REDUCE_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def fsdp_reduce_dtype(compress_spec: str) -> Optional[torch.dtype]:
-    """The FSDP2 ``reduce_dtype`` that stands for ``--compress`` under FSDP: None (fp32) for 'none',
-    ``torch.bfloat16`` for 'bf16', ``torch.float16`` for 'fp16'.
+def fsdp_gradient_sync(compress_spec: str, dp_replicate: int) -> tuple[Optional[torch.dtype], bool]:
+    """How a layout that FSDP2 holds (dp_shard > 1 or tp > 1) reduces gradients under ``--compress``:
+    ``(reduce_dtype, compress_across_replicas)``.
 
-    Any other compressor raises ``ConfigError('compress', ...)``: FSDP2 reduce-scatters gradients in its
-    own collectives, so there is no DDP bucket for syncwise's compression hook to rewrite; sparsifying,
-    quantising or low-rank compressors (and their error feedback) have nowhere to run.
+    - ``none`` / ``bf16`` / ``fp16``: FSDP2's own collectives in that reduce dtype (None: fp32), HSDP's native
+      all-reduce across replicas included — a 16-bit reduce dtype is FSDP's form of compressed communication.
+    - any other syncwise compressor: the reduce-scatter inside a replica group stays fp32 and the compressor
+      runs as FSDP2's all-reduce hook across the ``dp_replicate`` groups (:func:`attach_compression`), which is
+      where the slow links are (replicas span nodes). It needs ``dp_replicate ≥ 2``: with one replica every
+      rank is inside FSDP2's reduce-scatter, which has no hook to rewrite.
+    - ``torch-*`` (PyTorch's DDP comm hooks) need DDP's buckets: refused.
     """
     from ..compress.registry import parse_compress_spec
 
+    if isinstance(compress_spec, str) and compress_spec.strip().lower().startswith("torch-"):
+        raise ConfigError("compress", compress_spec, "a syncwise compressor (or none) with dp_shard > 1 or tp > 1: "
+                          "PyTorch's DDP comm hooks need DDP's gradient buckets, and FSDP2 reduces gradients itself")
     name = parse_compress_spec(compress_spec).name  # validates the spec (name and options) as everywhere
-    if name not in _REDUCE_DTYPES:
+    if name in _REDUCE_DTYPES:
+        return _REDUCE_DTYPES[name], False
+    if dp_replicate < 2:
         raise ConfigError(
             "compress", compress_spec,
-            "none, bf16 or fp16 under FSDP (dp_shard > 1): FSDP2 reduce-scatters gradients itself, so "
-            "compression there is its reduce dtype (MixedPrecisionPolicy.reduce_dtype); "
-            f"{name} needs DDP's gradient buckets (use dp_shard = 1, i.e. DDP, to run it)")
-    return _REDUCE_DTYPES[name]
+            f"none, bf16 or fp16 with dp_replicate = 1 under FSDP2 / tensor parallel: {name} compresses the "
+            "all-reduce across replicas (FSDP2's all-reduce hook), and with one replica FSDP2's reduce-scatter, "
+            "which has no hook, is the only gradient collective; set parallel.dp_replicate ≥ 2 to run it")
+    return torch.float32, True
 
 
 # ---------------------------------------------------------------------------------------- units
@@ -131,6 +141,56 @@ def apply_fsdp(model: nn.Module, mesh: Any, dp_dims: Sequence[str] = ("dp_shard"
         fully_shard(unit, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
     return model
+
+
+# ---------------------------------------------------------------------------------------- compression
+def _param_groups(unit: nn.Module) -> list:
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch < 2.9 kept one group per unit
+        groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
+    return groups
+
+
+def _shard_views(flat: torch.Tensor, fsdp_params: list) -> list[torch.Tensor]:
+    """This rank's gradient shard of each parameter inside FSDP2's flat reduce-scatter output, in the layout
+    ``foreach_reduce`` uses to hand them out (each parameter's dim-0 padded shard, back to back)."""
+    views, offset = [], 0
+    for fp in fsdp_params:
+        views.append(torch.as_strided(flat, fp.sharded_size, fp.contiguous_sharded_stride, offset))
+        offset += fp.padded_sharded_param_size.numel()
+    if offset != flat.numel():
+        raise RuntimeError(f"FSDP2's reduce output has {flat.numel()} elements, its parameters' padded shards "
+                           f"{offset}: this torch lays the flat gradient out differently than syncwise expects")
+    return views
+
+
+def attach_compression(model: nn.Module, state: Any) -> None:
+    """Run ``state``'s compressor (a ``CompressionHookState`` over the dp_replicate ranks) as the all-reduce
+    across replicas of every FSDP2 unit of ``model``.
+
+    ``apply_fsdp`` must have sharded over ``("dp_shard",)`` only: FSDP2 then reduce-scatters inside the
+    replica group and calls the hook with that output, and the hook averages each parameter's shard across
+    the replicas with the compressor, keyed by parameter name (error feedback, PowerSGD's Q, top-k momentum
+    follow the parameter) — the HSDP all-reduce, compressed. The hook runs synchronously in FSDP2's
+    post-backward, in unit order, which is the same on every rank, so the compressor's collectives line up
+    without the DDP hook's worker thread."""
+    from torch.distributed.fsdp import FSDPModule
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    for unit in [m for m in model.modules() if isinstance(m, FSDPModule)]:
+        for group in _param_groups(unit):
+            params = list(group.fsdp_params)
+            keys = [names[id(fp.sharded_param)] for fp in params]
+            if group._is_hsdp:
+                raise ConfigError("dp_dims", "HSDP", "FSDP2 over dp_shard alone when syncwise compresses the "
+                                  "replicas' all-reduce (HSDP would all-reduce them first)")
+
+            def hook(flat: torch.Tensor, params: list = params, keys: list = keys) -> None:
+                views = _shard_views(flat, params)
+                state.compressor.average(views, keys, state.comm_group, [state.policy.compress(v) for v in views])
+
+            unit.set_all_reduce_hook(hook)
 
 
 # ---------------------------------------------------------------------------------------- accumulation

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm.counting import CollectiveCounter, mesh_groups
 from ..comm.stats import STATS
 from ..errors import ConfigError
 from .activation_checkpoint import apply_activation_checkpointing
@@ -34,6 +35,9 @@ from .data_parallel import DataParallel, apply_data_parallel
 from .mesh import ParallelSpec, build_mesh
 from .sync import build_sync
 from .sync_spec import SyncStrategy
+
+
+COUNTED_STEPS = 2  # steps whose FSDP2 / tensor-parallel collectives are counted (see Parallelized.begin_step)
 
 
 @dataclass
@@ -49,6 +53,10 @@ class Parallelized:
     fsdp: bool = False
     _exposed: Callable[[], float] = lambda: 0.0
     _bytes_mark: int = 0
+    _counter: Optional[CollectiveCounter] = None  # FSDP2's and DTensor's collectives (they bypass syncwise.comm)
+    _counting: bool = False
+    _steps_counted: int = 0
+    _counted: dict = field(default_factory=dict)
 
     # ---- what the step asks ------------------------------------------------------------------------------
     @property
@@ -64,22 +72,23 @@ class Parallelized:
     def micro_batch(self, syncing: bool) -> Iterator[None]:
         """Around one micro-batch's forward and backward: gradients sync only when ``syncing`` (the last
         micro-batch of a step); then the time the backward waited on the network is measured."""
-        if not self.distributed:
-            yield
-            return
-        if self.fsdp:
-            from .fsdp import no_gradient_sync
-            with no_gradient_sync(self.module, last=syncing):
+        with self._counter if self._counting else contextlib.nullcontext():
+            if self.fsdp:
+                from .fsdp import no_gradient_sync
+                with no_gradient_sync(self.module, last=syncing):
+                    yield
+                if syncing and self.dp.hook_state is not None:
+                    self.dp.hook_state.steps += 1
+            elif self.dp.distributed:
+                timer = self.dp.timer
+                with contextlib.nullcontext() if syncing else self.module.no_sync():
+                    timer.reset()
+                    yield
+                    if syncing:
+                        self._exposed = timer.backward_done()
+                        self.dp.record_sync()
+            else:
                 yield
-            return
-        timer = self.dp.timer
-        with contextlib.nullcontext() if syncing else self.module.no_sync():
-            if timer is not None:
-                timer.reset()
-            yield
-            if syncing and timer is not None:
-                self._exposed = timer.backward_done()
-                self.dp.record_sync()
 
     def take_exposed(self) -> Callable[[], float]:
         """The reader of the last syncing backward's exposed communication (seconds); resets it."""
@@ -88,17 +97,23 @@ class Parallelized:
 
     def begin_step(self) -> None:
         """Start counting the step's bytes: collectives between steps (checkpoint agreement, resume) are not
-        the step's."""
+        the step's. FSDP2's and DTensor's collectives are counted by a dispatch mode during the first
+        ``COUNTED_STEPS`` steps only (it intercepts every operator); later steps repeat the last count."""
         self._bytes_mark = STATS.total_bytes
+        self._counting = self._counter is not None and self._steps_counted < COUNTED_STEPS
+        if self._counting:
+            self._counter.reset()
 
     def comm_bytes(self) -> dict[str, Optional[int]]:
         """Bytes this rank sent per parallel dimension since ``begin_step`` (None: not counted)."""
-        dp = STATS.total_bytes - self._bytes_mark
-        out: dict[str, Optional[int]] = {"dp": dp if self.dp.bytes_counted else None}
-        if self.fsdp:
-            out["dp"] = None  # FSDP2's collectives bypass syncwise.comm
+        dp = STATS.total_bytes - self._bytes_mark  # syncwise's own collectives (DDP, compressors, the loss)
+        if self._counting:
+            self._counted = dict(self._counter.bytes)
+            self._steps_counted += 1
+            self._counting = False
+        out: dict[str, Optional[int]] = {"dp": dp + self._counted.get("dp", 0) if self.dp.bytes_counted else None}
         if self.spec.tp > 1:
-            out["tp"] = None  # DTensor's collectives bypass syncwise.comm
+            out["tp"] = self._counted.get("tp", 0)
         return out
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
@@ -135,8 +150,9 @@ def parallelize(model: nn.Module, spec: "ParallelSpec | dict | None" = None, dev
                 tp_plan: Optional[dict] = None) -> Parallelized:
     """Apply ``spec`` (a ParallelSpec, a dict of its fields, or None: every rank a DDP replica) to ``model``.
 
-    ``compressor``: syncwise's gradient compression for DDP (None = DDP's built-in all-reduce); under FSDP2 only
-    a 16-bit reduce dtype is possible (``--compress bf16``). ``sync``: a reduced-sync strategy (DDP only).
+    ``compressor``: syncwise's gradient compression (None = DDP's built-in all-reduce). With dp_shard > 1 or tp > 1
+    (FSDP2) a cast (``bf16``/``fp16``) is FSDP2's reduce dtype, and any other compressor compresses the all-reduce
+    across the dp_replicate groups (FSDP2's all-reduce hook; needs dp_replicate ≥ 2). ``sync``: a reduced-sync strategy (DDP only).
     ``tp_plan``: a user model's tensor-parallel plan (``parallelize_module``'s dict); syncwise's own model has one.
     """
     spec = spec if isinstance(spec, ParallelSpec) else ParallelSpec(**(spec or {}))
@@ -163,24 +179,45 @@ def parallelize(model: nn.Module, spec: "ParallelSpec | dict | None" = None, dev
     # DTensors back into local tensors (torch's DDP + TP work-around), and then neither gradient clipping nor
     # resharding checkpoints would see the sharded parameters.
     if dp_dims and not spec.replicas_only:
-        from .fsdp import apply_fsdp, fsdp_reduce_dtype
+        from .fsdp import apply_fsdp, attach_compression, fsdp_gradient_sync
         if sync is not None:
             raise ConfigError("parallel.sync", getattr(sync, "spec", sync), "every-step with dp_shard > 1 or tp > 1: "
                               "FSDP2 holds the replicas, so there are no whole replicas to average")
-        reduce_dtype = fsdp_reduce_dtype(getattr(compressor, "spec", None) or getattr(compressor, "name", None)
-                                         or "none")
-        # HSDP over both data-parallel dimensions; apply_fsdp treats one replica (1 × N) as plain FSDP2.
-        apply_fsdp(model, mesh, ("dp_replicate", "dp_shard"), reduce_dtype=reduce_dtype or torch.float32)
+        reduce_dtype, compress_replicas = fsdp_gradient_sync(
+            getattr(compressor, "spec", None) or getattr(compressor, "name", None) or "none", spec.dp_replicate)
+        if compress_replicas:
+            # FSDP2 inside each replica group; syncwise's compressor is the all-reduce across the groups.
+            apply_fsdp(model, mesh, ("dp_shard",), reduce_dtype=torch.float32)
+            par.dp = DataParallel(module=model, hook_state=_replica_hook_state(compressor, mesh, model, min_numel))
+            attach_compression(model, par.dp.hook_state)
+        else:
+            # HSDP over both data-parallel dimensions; apply_fsdp treats one replica (1 × N) as plain FSDP2.
+            apply_fsdp(model, mesh, ("dp_replicate", "dp_shard"), reduce_dtype=reduce_dtype or torch.float32)
         par.fsdp = True
     elif dp_dims:
         par.dp = apply_data_parallel(model, compressor, bucket_cap_mb, min_numel, device)  # dp_replicate alone
         par.module = par.dp.module
         # 5. reduced-sync strategy, over the same ranks
         par.sync = build_sync(sync, model)
+    if mesh is not None and not compile:  # (a dispatch mode around a compiled module would recompile it)
+        labels = {"dp_replicate": "dp", "dp_shard": "dp", "tp": "tp"}
+        if par.dp.hook_state is not None:
+            del labels["dp_replicate"]  # the compressor counts its own collectives (syncwise.comm)
+        par._counter = CollectiveCounter(mesh_groups(mesh, labels))
     # 6. compile
     if compile:
         par.module = torch.compile(par.module)
     return par
+
+
+def _replica_hook_state(compressor: Any, mesh: Any, model: nn.Module, min_numel: int) -> Any:
+    """The compression hook's state over this rank's dp_replicate group."""
+    from ..compress import CompressionHookState, CompressionPolicy
+
+    # The mesh's own group, not a dedicated one: new_group is collective over the whole world, and each rank
+    # here knows only its own replicate group; FSDP2 (over dp_shard alone) never uses this group itself.
+    return CompressionHookState(compressor, process_group=mesh["dp_replicate"].get_group(), param_names=model,
+                                policy=CompressionPolicy(min_numel=min_numel), dedicated_group=False)
 
 
 def rebind_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], model: nn.Module) -> None:
