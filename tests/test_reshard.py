@@ -57,6 +57,10 @@ def _build(kind: str, preset: str):
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
         return DDP(model), ParallelSpec().resolve(world).describe
+    if kind == "tp-dp":  # replicas of a tensor-parallel model, as the trainer builds them (parallelize: FSDP2)
+        from syncwise.parallel.parallelize import parallelize
+        par = parallelize(model, {"tp": 2})
+        return par.module, par.spec.describe
     if kind == "tp":
         from syncwise.parallel.tensor_parallel import apply_tensor_parallel
         spec = ParallelSpec(tp=world).resolve(world)
@@ -77,8 +81,9 @@ def _train_state(model, opt, sched, residual):
 
 
 def _step(model, opt, sched, step, rank, world):
-    if getattr(model, "_syncwise_tp", None):  # tensor parallel: every rank of the tp group reads the same rows
-        rank, world = 0, 1
+    tp = getattr(model, "_syncwise_tp", None)
+    if tp:  # tensor parallel: every rank of a tp group reads the same rows
+        rank, world = rank // tp["size"], world // tp["size"]
     g = torch.Generator().manual_seed(500 + step)
     tokens = torch.randint(0, 256, (PER_RANK * world, SEQ + 1), generator=g)[rank * PER_RANK:(rank + 1) * PER_RANK]
     opt.zero_grad()
@@ -195,6 +200,20 @@ def test_fsdp2_to_tp2(tmp_path):
     loaded = run_workers(_load_worker, 2, str(tmp_path), "tp", "tiny-moe")
     _check_reshard(saved, loaded)
     assert any("layout 'dp_shard 2', this run's is 'tp 2'" in w for w in loaded[0][3])
+
+
+@pytest.mark.slow
+def test_four_ranks_dp4_to_fsdp4_and_tp2xdp2_to_dp4(tmp_path):
+    saved = run_workers(_save_worker, 4, str(tmp_path / "a"), "ddp", "tiny", 3, timeout=300)
+    loaded = run_workers(_load_worker, 4, str(tmp_path / "a"), "fsdp", "tiny", timeout=300)
+    _check_reshard(saved, loaded)
+    assert loaded[0][5] == "dp_shard 4"
+    saved = run_workers(_save_worker, 4, str(tmp_path / "b"), "tp-dp", "tiny-moe", 3, timeout=300)
+    assert saved[0][1] == "dp_replicate 2 × tp 2"
+    _assert_same(saved[0][0][0], saved[3][0][0])
+    loaded = run_workers(_load_worker, 4, str(tmp_path / "b"), "ddp", "tiny-moe", timeout=300)
+    _check_reshard(saved, loaded)
+    assert any("layout 'dp_replicate 2 × tp 2', this run's is 'dp_replicate 4'" in w for w in loaded[0][3])
 
 
 # ------------------------------------------------------------------------- unchanged layout: bit-exact resume
