@@ -67,6 +67,7 @@ def _check(preset, layout, world, compress=None, rtol=RTOL):
         # bytes per dimension: counted where the dimension exists (FSDP2's and DTensor's collectives too)
         assert all(row["dp"] > 0 for row in sent) if spec.dp > 1 else True
         assert all(row["tp"] > 0 for row in sent) if spec.tp > 1 else all("tp" not in row for row in sent)
+        assert all(row["ep"] > 0 for row in sent) if spec.ep > 1 else all("ep" not in row for row in sent)
         if not spec.replicas_only:  # counted on the first steps, then repeated (a fixed layout's bytes per step)
             assert all(row["tp" if spec.tp > 1 else "dp"] == sent[1]["tp" if spec.tp > 1 else "dp"] for row in sent[1:])
     return results
@@ -79,6 +80,11 @@ def _name(layout):
 @pytest.mark.parametrize("layout", [{"dp_shard": 2}, {"tp": 2}, {"dp_replicate": 2}], ids=_name)
 def test_two_rank_layouts_match_one_process(layout):
     _check("tiny", layout, 2)
+
+
+def test_expert_parallel_matches_one_process():
+    """ep 2 borrows both data-parallel ranks: each holds half of every MoE layer's experts (fp32 dispatch)."""
+    _check("tiny-moe", {"ep": 2}, 2)
 
 
 @pytest.mark.slow

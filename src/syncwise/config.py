@@ -240,6 +240,26 @@ class ParallelSection:
     tp: int = option(1, "tensor (+ sequence) parallel: attention heads, MLP widths, embedding and head split over "
                      "this many neighbouring ranks (the innermost dimension: keep it within a node)",
                      "an integer from 1 to 65,536 dividing the model's heads and widths", _in(1, 65536))
+    pp: int = option(1, "pipeline parallel: the model's layers cut into this many stages (balanced by FLOPs; the "
+                     "embedding on the first, norm + head + loss on the last), the outermost dimension",
+                     "an integer from 1 to 65,536, at most the model's layers", _in(1, 65536))
+    pp_schedule: str = option("1f1b", "the pipeline schedule (torch.distributed.pipelining): gpipe, 1f1b, "
+                              "interleaved-1f1b, looped-bfs (need stages_per_rank ≥ 2), interleaved-zb, zbv, dualpipev "
+                              "(zero-bubble / DualPipe-style; zbv and dualpipev: stages_per_rank = 2); all run on "
+                              "gloo with torch 2.13 (docs/pipeline.md)",
+                              *_one_of("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv",
+                                       "dualpipev"))
+    microbatches: int = option(0, "pipeline microbatches per step (each rank's batch is split into them; they "
+                               "replace train.grad_accum_steps under pp); 0 = 2 × pp × stages_per_rank",
+                               "an integer from 0 to 65,536 dividing the per-rank batch (1f1b: ≥ pp)", _in(0, 65536))
+    stages_per_rank: int = option(1, "pipeline stages each rank holds (interleaving: fewer bubbles, more messages)",
+                                  "an integer from 1 to 64 (the schedule's rule: docs/pipeline.md)", _in(1, 64))
+    ep: int = option(1, "expert parallel: each MoE layer's routed experts split over this many data-parallel ranks "
+                     "(borrowed from dp_replicate, not extra ranks); tokens travel by all-to-all",
+                     "an integer from 1 to 65,536 dividing the routed experts and dp_replicate", _in(1, 65536))
+    ep_dispatch: str = option("fp32", "precision of expert parallel's token dispatch: fp8 (e4m3, 1x128 scales, "
+                              "DeepSeek-V3's choice, bf16 combine), bf16, fp32 (exact)",
+                              *_one_of("fp8", "bf16", "fp32"))
 
 
 @dataclass
@@ -635,7 +655,8 @@ def layout(cfg: RunConfig) -> Any:
     from .parallel.mesh import ParallelSpec
 
     p = cfg.parallel
-    return ParallelSpec(p.dp_replicate, p.dp_shard, p.tp)
+    return ParallelSpec(p.dp_replicate, p.dp_shard, p.tp, p.pp, p.ep, pp_schedule=p.pp_schedule,
+                        microbatches=p.microbatches, stages_per_rank=p.stages_per_rank, ep_dispatch=p.ep_dispatch)
 
 
 def _check_layout(cfg: RunConfig, specs: Any, fewest: int, most: int) -> None:
@@ -648,14 +669,22 @@ def _check_layout(cfg: RunConfig, specs: Any, fewest: int, most: int) -> None:
         spec.resolve(world)  # (a lab job before its lab is up: checked when the workers start)
     if spec.replicas_only:
         return
-    key = "parallel.dp_shard" if spec.dp_shard > 1 else "parallel.tp"
+    key = next(f"parallel.{n}" for n in ("dp_shard", "tp", "pp", "ep") if getattr(spec, n) > 1)
     if cfg.train.dynamic_batch:
         raise ConfigError("train.dynamic_batch", True, f"false with {key}={_get(cfg, key)}: every forward there is "
                           "collective, so one rank cannot probe or redo a micro-batch alone")
     if specs.sync is not None:
         raise ConfigError("parallel.sync", cfg.parallel.sync, f"every-step with {key}={_get(cfg, key)}: local SGD, "
-                          "DiLoCo and Pipe-SGD average whole replicas, which FSDP2 / tensor parallel do not keep")
-    if cfg.compress.method != "none":
+                          "DiLoCo and Pipe-SGD average whole replicas, which these layouts split")
+    if spec.pp > 1 and cfg.train.grad_accum_steps != 1:
+        raise ConfigError("train.grad_accum_steps", cfg.train.grad_accum_steps, f"1 with parallel.pp={spec.pp}: the "
+                          "pipeline's microbatches are its accumulation (set parallel.microbatches)")
+    microbatches = spec.microbatches or 2 * spec.pp * spec.stages_per_rank
+    if spec.pp > 1 and cfg.data.batch_size % microbatches:
+        key = "parallel.microbatches" if spec.microbatches else "data.batch_size"
+        raise ConfigError(key, _get(cfg, key), f"data.batch_size ({cfg.data.batch_size}) split evenly into "
+                          f"{microbatches} pipeline microbatches (parallel.microbatches; 0 = 2 × pp × stages_per_rank)")
+    if spec.fsdp and cfg.compress.method != "none":
         try:
             fsdp_gradient_sync(cfg.compress.method, spec.dp_replicate or fewest // (spec.dp_shard * spec.tp))
         except ConfigError as e:

@@ -182,34 +182,44 @@ def _counted(bytes_per_element: int, hook):
 
 def apply_data_parallel(model: nn.Module, compressor: "Optional[Compressor | TorchHookSpec]" = None, bucket_cap_mb: float = 25.0,
                         min_numel: int = 4096, device: Optional[torch.device] = None,
-                        find_unused_parameters: Optional[bool] = None) -> DataParallel:
+                        find_unused_parameters: Optional[bool] = None, process_group: Any = None,
+                        ignore: "Optional[list[str]]" = None) -> DataParallel:
     """Wrap ``model`` in DDP when a multi-rank process group exists; else return it as is.
 
     ``find_unused_parameters`` defaults to the model's ``has_sparse_params`` (MoE experts that received
-    no token in a step get no gradient).
+    no token in a step get no gradient). ``process_group``: the data-parallel ranks (default: every rank; a
+    pipeline stage's replicas otherwise). ``ignore``: names of parameters DDP leaves alone (expert-parallel
+    experts, whose gradients are summed over their own group).
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) == 1:
         return DataParallel(module=model)
+    if ignore:
+        DDP._set_params_and_buffers_to_ignore_for_model(model, list(ignore))
     if find_unused_parameters is None:
         find_unused_parameters = bool(getattr(model, "has_sparse_params", False))
     device_ids = [device.index] if device is not None and device.type == "cuda" else None
-    ddp = DDP(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb,
+    ddp = DDP(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb, process_group=process_group,
               find_unused_parameters=find_unused_parameters,
               # Buffers (e.g. MoE router biases) are kept identical by the model's own update, not re-sent
               # every forward.
               **_no_forward_buffer_sync())
     if isinstance(compressor, TorchHookSpec):
-        state, hook = compressor.state_and_hook()
+        state, hook = compressor.state_and_hook(process_group)
         per_element = TORCH_HOOKS[compressor.name]
         timer = GradSyncTimer(state, _counted(per_element, hook) if per_element else hook, device)
         ddp.register_comm_hook(timer, _timed_hook)
         return DataParallel(module=ddp, timer=timer, bytes_counted=per_element is not None)
     if compressor is None or (getattr(compressor, "name", None) == "none"):
         # Every bucket, unused parameters' zeros included, is all-reduced once per sync.
-        nbytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        nbytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                     if p.requires_grad and n not in (ignore or ()))
         return DataParallel(module=ddp, timer=GradReadyClock(model, device), builtin_sync_bytes=nbytes)
     names = {p: n for n, p in model.named_parameters()}
-    state = CompressionHookState(compressor, param_names=names, policy=CompressionPolicy(min_numel=min_numel))
+    # A dedicated communicator is made by new_group, which every rank of the world must call alike: only when the
+    # data-parallel ranks are the whole world (a pipeline stage's replicas compress on their own group).
+    whole = process_group is None or dist.get_world_size(process_group) == dist.get_world_size()
+    state = CompressionHookState(compressor, process_group=process_group, param_names=names,
+                                 policy=CompressionPolicy(min_numel=min_numel), dedicated_group=whole)
     timer = GradSyncTimer(state, compression_hook, device)
     ddp.register_comm_hook(timer, _timed_hook)
     return DataParallel(module=ddp, timer=timer, hook_state=state)

@@ -1,18 +1,26 @@
-"""The parallel layout (``[parallel]``: dp_replicate × dp_shard × tp) and its DeviceMesh.
+"""The parallel layout (``[parallel]``: pp × dp_replicate × dp_shard × tp, with ep borrowed from data parallel)
+and its DeviceMesh.
 
 One ``init_device_mesh`` with named dimensions, ``tp`` innermost so tensor-parallel peers are neighbouring
 ranks (inside a node), then ``dp_shard`` (FSDP2), then ``dp_replicate`` (DDP, or HSDP's replicas when
-``dp_shard > 1``): rank = (r * dp_shard + s) * tp + t. The planner and the config speak the same names.
-``pp`` and ``ep`` (next issue) take their place in this order: pp outermost, ep borrowed from data parallel.
+``dp_shard > 1``), then ``pp`` outermost (pipeline stages exchange only activations, the least traffic):
+rank = ((p * dp_replicate + r) * dp_shard + s) * tp + t. The planner and the config speak the same names.
+
+Expert parallel does not add ranks: it borrows them from data parallel (as DeepSeek and torchtitan do). The
+``dp = dp_replicate × dp_shard`` data-parallel ranks of one stage are split into groups of ``ep`` neighbours,
+each holding ``1/ep`` of every MoE layer's routed experts; dense parameters stay data-parallel over all ``dp``
+ranks, experts over the ``dp / ep`` ranks that hold the same slice (``ep_replicate``).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..errors import ConfigError
 
-DIMS = ("dp_replicate", "dp_shard", "tp")
+DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first: the mesh's order
+DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "ep")  # ParallelSpec's fields (positional order)
 
 
 @dataclass(frozen=True)
@@ -22,9 +30,16 @@ class ParallelSpec:
     dp_replicate: int = 0
     dp_shard: int = 1
     tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    # how the pipeline runs (torch.distributed.pipelining; parallel/pipeline.py) and how experts exchange tokens
+    pp_schedule: str = "1f1b"
+    microbatches: int = 0       # 0: 2 × pp × stages_per_rank
+    stages_per_rank: int = 1
+    ep_dispatch: str = "fp32"   # fp8 is DeepSeek-V3's choice (with a bf16 combine)
 
     def __post_init__(self) -> None:
-        for name in DIMS:
+        for name in DEGREES:
             v = getattr(self, name)
             lowest = 0 if name == "dp_replicate" else 1
             if isinstance(v, bool) or not isinstance(v, int) or v < lowest:
@@ -33,16 +48,31 @@ class ParallelSpec:
 
     # ---------------------------------------------------------------------------------------- the layout
     def resolve(self, world_size: int) -> "ParallelSpec":
-        """The layout with ``dp_replicate`` filled in; the product must be the world size."""
-        inner = self.dp_shard * self.tp
+        """The layout with ``dp_replicate`` filled in; the product pp × dp_replicate × dp_shard × tp must be the
+        world size, and ``ep`` must divide the data-parallel ranks it borrows."""
+        inner = self.pp * self.dp_shard * self.tp
         replicate = self.dp_replicate or (world_size // inner if world_size % inner == 0 else 0)
         if replicate * inner != world_size:
-            field = "parallel.dp_replicate" if self.dp_replicate else "parallel.dp_shard" if self.dp_shard > 1 \
-                else "parallel.tp"
+            field = "parallel.dp_replicate" if self.dp_replicate else "parallel.pp" if self.pp > 1 else \
+                "parallel.dp_shard" if self.dp_shard > 1 else "parallel.tp"
             raise ConfigError(field, getattr(self, field.split(".")[1]),
-                              f"a layout whose product dp_replicate × dp_shard × tp equals the world size "
-                              f"({world_size}); got {self.dp_replicate or '(rest)'} × {self.dp_shard} × {self.tp}")
-        return ParallelSpec(replicate, self.dp_shard, self.tp)
+                              f"a layout whose product pp × dp_replicate × dp_shard × tp equals the world size "
+                              f"({world_size}); got {self.pp} × {self.dp_replicate or '(rest)'} × {self.dp_shard} × "
+                              f"{self.tp}")
+        spec = dataclasses.replace(self, dp_replicate=replicate,
+                                   microbatches=self.microbatches or 2 * self.pp * self.stages_per_rank)
+        for name in ("pp", "ep"):
+            if getattr(self, name) > 1 and spec.fsdp:
+                other = "parallel.dp_shard" if self.dp_shard > 1 else "parallel.tp"
+                raise ConfigError(f"parallel.{name}", getattr(self, name),
+                                  f"1 with {other}={getattr(self, other.split('.')[1])}: {name} > 1 composes with "
+                                  "data-parallel replicas (dp_replicate) so far; with FSDP2 or tensor parallel it "
+                                  "is not built yet")
+        if spec.dp % self.ep:
+            raise ConfigError("parallel.ep", self.ep, f"a divisor of the data-parallel ranks dp_replicate × dp_shard "
+                              f"= {spec.dp}: expert parallel borrows its ranks from data parallel; divisors: "
+                              f"{_divisors(spec.dp)}")
+        return spec
 
     @property
     def dp(self) -> int:
@@ -55,22 +85,28 @@ class ParallelSpec:
 
     @property
     def replicas_only(self) -> bool:
-        """Every rank holds the whole model (DDP, or one process): no FSDP2 sharding, no tensor parallel. Only
-        then do syncwise's compressors, the reduced-sync strategies and the dynamic batcher apply."""
-        return self.dp_shard == 1 and self.tp == 1
+        """Every rank holds the whole model (DDP, or one process): no FSDP2 sharding, no tensor, pipeline or
+        expert parallel. Only then do the reduced-sync strategies and the dynamic batcher apply."""
+        return self.dp_shard == 1 and self.tp == 1 and self.pp == 1 and self.ep == 1
+
+    @property
+    def fsdp(self) -> bool:
+        """Whether FSDP2 holds the data-parallel ranks: sharded, or replicas of a tensor-parallel model."""
+        return self.dp_shard > 1 or self.tp > 1
 
     @property
     def describe(self) -> str:
         """e.g. 'dp_replicate 2 × tp 2' (size-1 dimensions left out; 'single process' for 1)."""
-        parts = [f"{n} {getattr(self, n)}" for n in DIMS if getattr(self, n) > 1]
+        parts = [f"{n} {getattr(self, n)}" for n in DIMS + ("ep",) if getattr(self, n) > 1]
         return " × ".join(parts) or "single process"
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """This rank's index along each dimension (the mesh's rank order)."""
         t = rank % self.tp
         s = (rank // self.tp) % self.dp_shard
-        r = rank // (self.tp * self.dp_shard)
-        return {"dp_replicate": r, "dp_shard": s, "tp": t}
+        r = (rank // (self.tp * self.dp_shard)) % max(self.dp_replicate, 1)
+        p = rank // (self.tp * self.dp_shard * max(self.dp_replicate, 1))
+        return {"pp": p, "dp_replicate": r, "dp_shard": s, "tp": t}
 
     def dp_rank(self, rank: int) -> int:
         """This rank's index among the data-parallel ranks (which batch shard it reads)."""
@@ -83,10 +119,23 @@ class ParallelSpec:
         attention heads (MHA q/k/v/o and MLA's per-head up-projections; MLA's latent ranks and the shared
         RoPE key stay replicated, so they need not divide), the vocabulary (embedding and head), the
         dense SwiGLU width where a dense block exists, the fused shared-expert width of MoE blocks (the
-        routed experts are replicated under tp), and — for sequence parallel — ``seq_len``."""
-        if self.tp == 1 or model_config is None:
+        routed experts are replicated under tp), and — for sequence parallel — ``seq_len``. ``ep`` must divide
+        the routed experts; the pipeline's stages, schedule and microbatches must suit the layers
+        (``pipeline.check_pipeline``); the dispatch precision must exist (``expert_parallel.check_dispatch``)."""
+        if model_config is None:
             return
         c = model_config
+        if self.pp > 1:
+            from .pipeline import check_pipeline
+            check_pipeline(c.n_layers, self.pp, self.pp_schedule, self.microbatches or 2 * self.pp * self.stages_per_rank,
+                           self.stages_per_rank)
+        if self.ep > 1:
+            from .expert_parallel import check_dispatch, check_expert_parallel
+            check_expert_parallel(getattr(c, "n_routed_experts", 0) if any(
+                c.layer_is_moe(i) for i in range(c.n_layers)) else 0, self.ep)
+            check_dispatch(self.ep_dispatch)
+        if self.tp == 1:
+            return
         sizes = {"model.n_heads": c.n_heads, "model.vocab_size": c.vocab_size, "model.seq_len": c.seq_len}
         moe_blocks = [c.layer_is_moe(i) for i in range(c.n_layers)] if hasattr(c, "layer_is_moe") else []
         if not all(moe_blocks):
@@ -105,11 +154,27 @@ def _divisors(n: int) -> str:
 
 
 def build_mesh(spec: ParallelSpec, device_type: str) -> Optional[Any]:
-    """The job's DeviceMesh over (dp_replicate, dp_shard, tp) — None in a single process."""
+    """The job's DeviceMesh over ([pp,] dp_replicate, dp_shard, tp) — None in a single process. ``pp`` is a
+    dimension only when it is above 1 (each dimension costs a process group)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
     spec = spec.resolve(dist.get_world_size())
-    return init_device_mesh(device_type, tuple(getattr(spec, n) for n in DIMS), mesh_dim_names=DIMS)
+    names = DIMS if spec.pp > 1 else DIMS[1:]
+    return init_device_mesh(device_type, tuple(getattr(spec, n) for n in names), mesh_dim_names=names)
+
+
+def build_expert_mesh(spec: ParallelSpec, device_type: str) -> Any:
+    """The routed experts' mesh: ([pp,] ep_replicate, ep, tp), the same ranks in the same order as
+    :func:`build_mesh`'s with the data-parallel ranks split into ``dp / ep`` groups of ``ep`` neighbours.
+    ``ep`` carries the all-to-alls; ``ep_replicate`` joins the ranks holding the same experts (their gradients
+    are summed there). Data parallel must be replicas (dp_shard = 1) for now."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import torch.distributed as dist
+    spec = spec.resolve(dist.get_world_size())
+    names = ("pp", "ep_replicate", "ep", "tp") if spec.pp > 1 else ("ep_replicate", "ep", "tp")
+    sizes = {"pp": spec.pp, "ep_replicate": spec.dp // spec.ep, "ep": spec.ep, "tp": spec.tp}
+    return init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)

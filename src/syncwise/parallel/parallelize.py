@@ -51,6 +51,9 @@ class Parallelized:
     dp: DataParallel = field(default_factory=lambda: DataParallel(module=nn.Identity()))
     sync: Optional[SyncStrategy] = None
     fsdp: bool = False
+    dp_group: Any = None             # the data-parallel ranks of this rank's stage (None: every rank)
+    expert_replicas: Any = None      # ranks holding the same routed experts (expert parallel; None: no copies)
+    _ep_mark: int = 0
     _exposed: Callable[[], float] = lambda: 0.0
     _bytes_mark: int = 0
     _counter: Optional[CollectiveCounter] = None  # FSDP2's and DTensor's collectives (they bypass syncwise.comm)
@@ -61,8 +64,8 @@ class Parallelized:
     # ---- what the step asks ------------------------------------------------------------------------------
     @property
     def distributed(self) -> bool:
-        """Gradients cross ranks (a data-parallel degree above 1)."""
-        return self.fsdp or self.dp.distributed
+        """Gradients cross ranks (a data-parallel degree above 1, or experts split across ranks)."""
+        return self.fsdp or self.dp.distributed or self.spec.ep > 1
 
     def syncs_gradients(self, step: int) -> bool:
         """Whether this step's last micro-batch syncs gradients (local SGD keeps them local after warm-up)."""
@@ -87,8 +90,19 @@ class Parallelized:
                     if syncing:
                         self._exposed = timer.backward_done()
                         self.dp.record_sync()
+                if syncing:
+                    self._reduce_expert_gradients()
             else:
                 yield
+                if syncing:
+                    self._reduce_expert_gradients()
+
+    def _reduce_expert_gradients(self) -> None:
+        """Expert parallel: each routed expert's gradient already sums its ep group's tokens; sum it over the
+        ranks holding the same experts and divide by dp, as DDP averages the dense ones."""
+        if self.spec.ep > 1:
+            from .expert_parallel import reduce_expert_gradients
+            reduce_expert_gradients(self.model, self.spec.dp, self.expert_replicas)
 
     def take_exposed(self) -> Callable[[], float]:
         """The reader of the last syncing backward's exposed communication (seconds); resets it."""
@@ -100,6 +114,9 @@ class Parallelized:
         the step's. FSDP2's and DTensor's collectives are counted by a dispatch mode during the first
         ``COUNTED_STEPS`` steps only (it intercepts every operator); later steps repeat the last count."""
         self._bytes_mark = STATS.total_bytes
+        if self.spec.ep > 1:
+            from .expert_parallel import EP_STATS
+            self._ep_mark = EP_STATS.total_bytes
         self._counting = self._counter is not None and self._steps_counted < COUNTED_STEPS
         if self._counting:
             self._counter.reset()
@@ -114,12 +131,15 @@ class Parallelized:
         out: dict[str, Optional[int]] = {"dp": dp + self._counted.get("dp", 0) if self.dp.bytes_counted else None}
         if self.spec.tp > 1:
             out["tp"] = self._counted.get("tp", 0)
+        if self.spec.ep > 1:  # the all-to-alls, counted where they are issued (parallel/expert_parallel.py)
+            from .expert_parallel import EP_STATS
+            out["ep"] = EP_STATS.total_bytes - self._ep_mark
         return out
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip all gradients to ``max_norm`` (inf: only measure); the total norm as a plain tensor."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.spec.tp > 1:  # a user's plan may leave some parameters plain: torch's clip refuses the mix
+        if self.spec.tp > 1 or self.spec.ep > 1:  # DTensors mixed with plain tensors: torch's clip refuses the mix
             from .tensor_parallel import clip_grad_norm
             return clip_grad_norm(params, max_norm)
         from .fsdp import full_grad_norm
@@ -171,14 +191,20 @@ def parallelize(model: nn.Module, spec: "ParallelSpec | dict | None" = None, dev
     if spec.tp > 1:
         from .tensor_parallel import apply_tensor_parallel
         apply_tensor_parallel(model, mesh["tp"], plan=tp_plan)
-    # 3. expert parallel, pipeline: next issue.
-    # 4. data parallel
     par = Parallelized(model=model, module=model, spec=spec, mesh=mesh)
+    # 3. expert parallel: each MoE layer's routed experts split over ep data-parallel neighbours (all-to-all)
+    if spec.ep > 1:
+        from .expert_parallel import apply_expert_parallel
+        from .mesh import build_expert_mesh
+        expert_mesh = build_expert_mesh(spec, device.type)
+        apply_expert_parallel(model, expert_mesh["ep"], dispatch=spec.ep_dispatch)
+        par.expert_replicas = expert_mesh["ep_replicate"].get_group() if spec.dp > spec.ep else None
+    # 4. data parallel
     dp_dims = tuple(n for n in ("dp_replicate", "dp_shard") if getattr(spec, n) > 1)
     # Replicas of a tensor-parallel model go through FSDP2 too (HSDP with shards of one): DDP would turn TP's
     # DTensors back into local tensors (torch's DDP + TP work-around), and then neither gradient clipping nor
     # resharding checkpoints would see the sharded parameters.
-    if dp_dims and not spec.replicas_only:
+    if dp_dims and spec.fsdp:
         from .fsdp import apply_fsdp, attach_compression, fsdp_gradient_sync
         if sync is not None:
             raise ConfigError("parallel.sync", getattr(sync, "spec", sync), "every-step with dp_shard > 1 or tp > 1: "
@@ -194,12 +220,20 @@ def parallelize(model: nn.Module, spec: "ParallelSpec | dict | None" = None, dev
             # HSDP over both data-parallel dimensions; apply_fsdp treats one replica (1 × N) as plain FSDP2.
             apply_fsdp(model, mesh, ("dp_replicate", "dp_shard"), reduce_dtype=reduce_dtype or torch.float32)
         par.fsdp = True
-    elif dp_dims:
-        par.dp = apply_data_parallel(model, compressor, bucket_cap_mb, min_numel, device)  # dp_replicate alone
+    elif dp_dims:  # dp_replicate alone: DDP (the experts of expert parallel excluded: summed in their own group)
+        ignore = None
+        if spec.ep > 1:
+            from .expert_parallel import expert_parameters
+            ignore = list(expert_parameters(model))
+        par.dp = apply_data_parallel(model, compressor, bucket_cap_mb, min_numel, device, process_group=par.dp_group,
+                                     ignore=ignore)
         par.module = par.dp.module
-        # 5. reduced-sync strategy, over the same ranks
+        # 5. reduced-sync strategy, over the same ranks (whole replicas only)
+        if sync is not None and not spec.replicas_only:
+            raise ConfigError("parallel.sync", getattr(sync, "spec", sync), "every-step with pp > 1 or ep > 1: "
+                              "local SGD, DiLoCo and Pipe-SGD average whole replicas, which these layouts split")
         par.sync = build_sync(sync, model)
-    if mesh is not None and not compile:  # (a dispatch mode around a compiled module would recompile it)
+    if spec.fsdp and mesh is not None and not compile:  # (a dispatch mode would recompile a compiled module)
         labels = {"dp_replicate": "dp", "dp_shard": "dp", "tp": "tp"}
         if par.dp.hook_state is not None:
             del labels["dp_replicate"]  # the compressor counts its own collectives (syncwise.comm)

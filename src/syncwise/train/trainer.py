@@ -635,7 +635,9 @@ class OptimizedTrainer:
         return float(value)
 
     def _sum_across_ranks(self, tensor: torch.Tensor) -> None:
-        ops.all_reduce(tensor, "sum", stats=CONTROL_STATS)
+        """Sum over the ranks that hold the same layers (a pipeline stage's data-parallel ranks; every rank
+        otherwise): the MoE load counts, whose layers differ between stages."""
+        ops.all_reduce(tensor, "sum", group=self.par.dp_group, stats=CONTROL_STATS)
 
 
 def _forever(loader: Iterable) -> Iterator:
