@@ -250,7 +250,7 @@ class ParallelSection:
                               *_one_of("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv",
                                        "dualpipev"))
     microbatches: int = option(0, "pipeline microbatches per step (each rank's batch is split into them; they "
-                               "replace train.grad_accum_steps under pp); 0 = 2 × pp × stages_per_rank",
+                               "replace train.grad_accum under pp); 0 = 2 × pp × stages_per_rank",
                                "an integer from 0 to 65,536 dividing the per-rank batch (1f1b: ≥ pp)", _in(0, 65536))
     stages_per_rank: int = option(1, "pipeline stages each rank holds (interleaving: fewer bubbles, more messages)",
                                   "an integer from 1 to 64 (the schedule's rule: docs/pipeline.md)", _in(1, 64))
@@ -676,8 +676,8 @@ def _check_layout(cfg: RunConfig, specs: Any, fewest: int, most: int) -> None:
     if specs.sync is not None:
         raise ConfigError("parallel.sync", cfg.parallel.sync, f"every-step with {key}={_get(cfg, key)}: local SGD, "
                           "DiLoCo and Pipe-SGD average whole replicas, which these layouts split")
-    if spec.pp > 1 and cfg.train.grad_accum_steps != 1:
-        raise ConfigError("train.grad_accum_steps", cfg.train.grad_accum_steps, f"1 with parallel.pp={spec.pp}: the "
+    if spec.pp > 1 and cfg.train.grad_accum != 1:
+        raise ConfigError("train.grad_accum", cfg.train.grad_accum, f"1 with parallel.pp={spec.pp}: the "
                           "pipeline's microbatches are its accumulation (set parallel.microbatches)")
     microbatches = spec.microbatches or 2 * spec.pp * spec.stages_per_rank
     if spec.pp > 1 and cfg.data.batch_size % microbatches:
