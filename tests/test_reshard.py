@@ -57,10 +57,11 @@ def _build(kind: str, preset: str):
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
         return DDP(model), ParallelSpec().resolve(world).describe
-    if kind == "tp-dp":  # replicas of a tensor-parallel model, as the trainer builds them (parallelize: FSDP2)
+    if kind in ("tp-dp", "pp", "ep"):  # as the trainer builds them (parallelize)
         from syncwise.parallel.parallelize import parallelize
-        par = parallelize(model, {"tp": 2})
-        return par.module, par.spec.describe
+        par = parallelize(model, {"tp-dp": {"tp": 2}, "pp": {"pp": 2, "microbatches": 2}, "ep": {"ep": 2}}[kind])
+        par.model._par = par  # the pipeline runs the step; the norm sums over the stages
+        return (par.model if kind == "pp" else par.module), par.spec.describe
     if kind == "tp":
         from syncwise.parallel.tensor_parallel import apply_tensor_parallel
         spec = ParallelSpec(tp=world).resolve(world)
@@ -87,10 +88,20 @@ def _step(model, opt, sched, step, rank, world):
     g = torch.Generator().manual_seed(500 + step)
     tokens = torch.randint(0, 256, (PER_RANK * world, SEQ + 1), generator=g)[rank * PER_RANK:(rank + 1) * PER_RANK]
     opt.zero_grad()
+    par = getattr(getattr(model, "module", model), "_par", None)
+    if par is not None and par.pipeline is not None:
+        with par.micro_batch(True):
+            loss = par.pipeline.step(tokens[:, :-1], tokens[:, 1:])
+        par.clip_grad_norm(1.0)
+        opt.step()
+        sched.step()
+        return loss.item()
     loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()
+    if par is not None:  # expert parallel: expert gradients summed over their group
+        par._reduce_expert_gradients()
     loss = loss.detach()
-    if getattr(model, "_syncwise_tp", None):
+    if getattr(model, "_syncwise_tp", None) or (par is not None and par.spec.ep > 1):
         from syncwise.parallel.tensor_parallel import clip_grad_norm
         clip_grad_norm(list(model.parameters()), 1.0)
     else:
@@ -214,6 +225,23 @@ def test_four_ranks_dp4_to_fsdp4_and_tp2xdp2_to_dp4(tmp_path):
     loaded = run_workers(_load_worker, 4, str(tmp_path / "b"), "ddp", "tiny-moe", timeout=300)
     _check_reshard(saved, loaded)
     assert any("layout 'dp_replicate 2 × tp 2', this run's is 'dp_replicate 4'" in w for w in loaded[0][3])
+
+
+def test_pp2_to_dp2_and_ep2_to_dp2(tmp_path):
+    """Issue 16: a pipeline's stages save their own layers under the full model's names, experts split over ep
+    save as one tensor each (DTensor); both load into plain replicas, model and AdamW state bit-equal."""
+    saved = run_workers(_save_worker, 2, str(tmp_path / "pp"), "pp", "tiny-moe", 3)
+    model_sd = {**saved[0][0][0], **saved[1][0][0]}  # each stage holds its own layers
+    optim_sd = {**saved[0][0][1], **saved[1][0][1]}
+    assert set(saved[0][0][0]).isdisjoint(k for k in saved[1][0][0] if k.startswith("layers."))
+    loaded = run_workers(_load_worker, 2, str(tmp_path / "pp"), "ddp", "tiny-moe")
+    _check_reshard([((model_sd, optim_sd), saved[0][1])], loaded)
+    assert any("layout 'pp 2', this run's is 'dp_replicate 2'" in w for w in loaded[0][3])
+
+    saved = run_workers(_save_worker, 2, str(tmp_path / "ep"), "ep", "tiny-moe", 3)
+    loaded = run_workers(_load_worker, 2, str(tmp_path / "ep"), "ddp", "tiny-moe")
+    _check_reshard(saved, loaded)
+    assert any("layout 'dp_replicate 2 × ep 2', this run's is 'dp_replicate 2'" in w for w in loaded[0][3])
 
 
 # ------------------------------------------------------------------------- unchanged layout: bit-exact resume

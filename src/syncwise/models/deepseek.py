@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from syncwise.errors import SyncwiseError
@@ -138,6 +139,12 @@ class DeepSeekLM(nn.Module):
                 total = load.sum()
                 loads[block.layer_id] = load / total if total > 0 else torch.full_like(load, 1 / m.n_experts)
         return loads
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy over (B, T, V) logits and (B, T) targets (the trainer's and the pipeline's
+    last stage's loss)."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
 
 
 def build_model(cfg_or_preset: ModelConfig | str = "small", **overrides: object) -> DeepSeekLM:

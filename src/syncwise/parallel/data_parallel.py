@@ -223,3 +223,53 @@ def apply_data_parallel(model: nn.Module, compressor: "Optional[Compressor | Tor
     timer = GradSyncTimer(state, compression_hook, device)
     ddp.register_comm_hook(timer, _timed_hook)
     return DataParallel(module=ddp, timer=timer, hook_state=state)
+
+
+class StageGradientSync:
+    """Data parallel for a pipeline stage: average its gradients over ``group`` with a syncwise compressor once the
+    schedule's last microbatch is done, bucket by bucket (``bucket_cap_mb``).
+
+    Not DDP: a stage runs one backward per microbatch, and DDP's first-iteration bucket rebuild counts every
+    parameter once per backward (torch 2.13: "rebuilt parameter indices size is not same as original model
+    parameters size"). The sync does not overlap the backward; it overlaps nothing, and the step records it as
+    exposed communication. Parameters start identical on the group (broadcast from its first rank, as DDP does).
+    ``ignore``: names left alone (expert-parallel experts, summed over their own group).
+    """
+
+    def __init__(self, module: nn.Module, compressor: Optional[Compressor], group: Any, bucket_cap_mb: float = 25.0,
+                 min_numel: int = 4096, ignore: "Optional[list[str]]" = None) -> None:
+        from ..compress import NoneCompressor
+
+        self.group = group
+        self.params = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in (ignore or ())]
+        self.hook_state = CompressionHookState(compressor or NoneCompressor(), process_group=group,
+                                               param_names={p: n for n, p in self.params},
+                                               policy=CompressionPolicy(min_numel=min_numel), dedicated_group=False)
+        self.bucket_bytes = int(bucket_cap_mb * 2**20)
+        with torch.no_grad():
+            for _, p in self.params:
+                dist.broadcast(p.data, src=dist.get_global_rank(group, 0), group=group)
+
+    def sync(self) -> float:
+        """Average every gradient over the group (missing ones as zeros); the seconds it took."""
+        start = time.perf_counter()
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            bucket.append((name, p.grad))
+            size += p.grad.numel() * p.grad.element_size()
+            if size >= self.bucket_bytes:
+                self._average(bucket)
+                bucket, size = [], 0
+        if bucket:
+            self._average(bucket)
+        self.hook_state.steps += 1
+        return time.perf_counter() - start
+
+    def _average(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        grads = [g for _, g in bucket]
+        policy = self.hook_state.policy
+        self.hook_state.compressor.average(grads, [n for n, _ in bucket], self.group,
+                                           [policy.compress(g) for g in grads])

@@ -20,6 +20,7 @@ dimension, ``state_components()`` for checkpoints, ``clip_grad_norm`` that works
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
@@ -28,15 +29,17 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm.counting import CollectiveCounter, mesh_groups
-from ..comm.stats import STATS
+from ..comm import ops
+from ..comm.stats import STATS, CommStats
 from ..errors import ConfigError
 from .activation_checkpoint import apply_activation_checkpointing
-from .data_parallel import DataParallel, apply_data_parallel
+from .data_parallel import DataParallel, StageGradientSync, TorchHookSpec, apply_data_parallel
 from .mesh import ParallelSpec, build_mesh
 from .sync import build_sync
 from .sync_spec import SyncStrategy
 
 
+PIPELINE_CONTROL = CommStats()  # the gradient norm's sum over the stages: control traffic, not the step's bytes
 COUNTED_STEPS = 2  # steps whose FSDP2 / tensor-parallel collectives are counted (see Parallelized.begin_step)
 
 
@@ -53,6 +56,8 @@ class Parallelized:
     fsdp: bool = False
     dp_group: Any = None             # the data-parallel ranks of this rank's stage (None: every rank)
     expert_replicas: Any = None      # ranks holding the same routed experts (expert parallel; None: no copies)
+    pipeline: Any = None             # AsyncPipeline (pp > 1): runs this rank's stages; the step calls its step()
+    stage_sync: Any = None           # StageGradientSync: a pipeline stage's data parallel (pp > 1, dp > 1)
     _ep_mark: int = 0
     _exposed: Callable[[], float] = lambda: 0.0
     _bytes_mark: int = 0
@@ -65,7 +70,7 @@ class Parallelized:
     @property
     def distributed(self) -> bool:
         """Gradients cross ranks (a data-parallel degree above 1, or experts split across ranks)."""
-        return self.fsdp or self.dp.distributed or self.spec.ep > 1
+        return self.fsdp or self.dp.distributed or self.spec.ep > 1 or self.stage_sync is not None
 
     def syncs_gradients(self, step: int) -> bool:
         """Whether this step's last micro-batch syncs gradients (local SGD keeps them local after warm-up)."""
@@ -76,7 +81,14 @@ class Parallelized:
         """Around one micro-batch's forward and backward: gradients sync only when ``syncing`` (the last
         micro-batch of a step); then the time the backward waited on the network is measured."""
         with self._counter if self._counting else contextlib.nullcontext():
-            if self.fsdp:
+            if self.pipeline is not None:  # the schedule runs every microbatch; then the stage's replicas sync
+                yield
+                if syncing and self.stage_sync is not None:
+                    waited = self.stage_sync.sync()
+                    self._exposed = lambda: waited
+                if syncing:
+                    self._reduce_expert_gradients()
+            elif self.fsdp:
                 from .fsdp import no_gradient_sync
                 with no_gradient_sync(self.module, last=syncing):
                     yield
@@ -131,14 +143,31 @@ class Parallelized:
         out: dict[str, Optional[int]] = {"dp": dp + self._counted.get("dp", 0) if self.dp.bytes_counted else None}
         if self.spec.tp > 1:
             out["tp"] = self._counted.get("tp", 0)
+        if self.pipeline is not None:  # activations and their gradients sent to the neighbouring stages
+            out["pp"] = self.pipeline.last_p2p_bytes
         if self.spec.ep > 1:  # the all-to-alls, counted where they are issued (parallel/expert_parallel.py)
             from .expert_parallel import EP_STATS
             out["ep"] = EP_STATS.total_bytes - self._ep_mark
         return out
 
+    def step_metrics(self) -> dict[str, Optional[float]]:
+        """What the parallel layout measured in the last step beyond bytes: the pipeline bubble (the share of
+        the step this rank's stages did not compute)."""
+        return {"pp_bubble": self.pipeline.last_bubble} if self.pipeline is not None else {}
+
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip all gradients to ``max_norm`` (inf: only measure); the total norm as a plain tensor."""
         params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.pipeline is not None:  # this rank holds some layers: the norm sums the squares over the stages
+            from .tensor_parallel import clip_grad_norm
+            local = clip_grad_norm(params, math.inf)
+            total = local.double().square().reshape(1)
+            ops.all_reduce(total, "sum", group=self.mesh["pp"].get_group(), stats=PIPELINE_CONTROL)
+            total = total.sqrt()[0].float()
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for p in params:
+                p.grad.mul_(coef.to(p.grad.dtype))
+            return total
         if self.spec.tp > 1 or self.spec.ep > 1:  # DTensors mixed with plain tensors: torch's clip refuses the mix
             from .tensor_parallel import clip_grad_norm
             return clip_grad_norm(params, max_norm)
@@ -150,6 +179,8 @@ class Parallelized:
         out: dict[str, tuple[Any, bool]] = {}
         if self.dp.hook_state is not None:
             out["compressor"] = (self.dp.hook_state, True)
+        if self.stage_sync is not None:
+            out["compressor"] = (self.stage_sync.hook_state, True)
         if self.sync is not None:
             out["sync"] = (self.sync, True)
         return out
@@ -167,12 +198,14 @@ class Parallelized:
 def parallelize(model: nn.Module, spec: "ParallelSpec | dict | None" = None, device: Optional[torch.device] = None,
                 *, compressor: Any = None, bucket_cap_mb: float = 25.0, min_numel: int = 4096, sync: Any = None,
                 activation_checkpointing: bool = False, compile: bool = False,
-                tp_plan: Optional[dict] = None) -> Parallelized:
+                tp_plan: Optional[dict] = None, loss_fn: Any = None, split_fn: Any = None) -> Parallelized:
     """Apply ``spec`` (a ParallelSpec, a dict of its fields, or None: every rank a DDP replica) to ``model``.
 
     ``compressor``: syncwise's gradient compression (None = DDP's built-in all-reduce). With dp_shard > 1 or tp > 1
     (FSDP2) a cast (``bf16``/``fp16``) is FSDP2's reduce dtype, and any other compressor compresses the all-reduce
     across the dp_replicate groups (FSDP2's all-reduce hook; needs dp_replicate ≥ 2). ``sync``: a reduced-sync strategy (DDP only).
+    ``loss_fn``: the last pipeline stage's loss (pp > 1; default ``lm_loss``); ``split_fn(model, stage, n_stages)``:
+    a user model's pipeline split (syncwise's model and ``nn.Sequential`` need none).
     ``tp_plan``: a user model's tensor-parallel plan (``parallelize_module``'s dict); syncwise's own model has one.
     """
     spec = spec if isinstance(spec, ParallelSpec) else ParallelSpec(**(spec or {}))
@@ -199,7 +232,10 @@ def parallelize(model: nn.Module, spec: "ParallelSpec | dict | None" = None, dev
         expert_mesh = build_expert_mesh(spec, device.type)
         apply_expert_parallel(model, expert_mesh["ep"], dispatch=spec.ep_dispatch)
         par.expert_replicas = expert_mesh["ep_replicate"].get_group() if spec.dp > spec.ep else None
-    # 4. data parallel
+    # 4. pipeline: this rank's stages of the (tensor/expert-parallel) model; the rest of its layers are dropped
+    if spec.pp > 1:
+        _split_pipeline(par, model, mesh, device, loss_fn, split_fn)
+    # 5. data parallel
     dp_dims = tuple(n for n in ("dp_replicate", "dp_shard") if getattr(spec, n) > 1)
     # Replicas of a tensor-parallel model go through FSDP2 too (HSDP with shards of one): DDP would turn TP's
     # DTensors back into local tensors (torch's DDP + TP work-around), and then neither gradient clipping nor
@@ -220,15 +256,18 @@ def parallelize(model: nn.Module, spec: "ParallelSpec | dict | None" = None, dev
             # HSDP over both data-parallel dimensions; apply_fsdp treats one replica (1 × N) as plain FSDP2.
             apply_fsdp(model, mesh, ("dp_replicate", "dp_shard"), reduce_dtype=reduce_dtype or torch.float32)
         par.fsdp = True
+    elif dp_dims and par.pipeline is not None:  # this rank's stages' gradients averaged over their replicas
+        if isinstance(compressor, TorchHookSpec):
+            raise ConfigError("compress", compressor.spec, "a syncwise compressor (or none) with pp > 1: PyTorch's "
+                              "DDP comm hooks need DDP, which a pipeline stage's several backwards per step break")
+        par.stage_sync = StageGradientSync(par.model, compressor, par.dp_group, bucket_cap_mb, min_numel,
+                                           ignore=_expert_names(par.model) if spec.ep > 1 else None)
     elif dp_dims:  # dp_replicate alone: DDP (the experts of expert parallel excluded: summed in their own group)
-        ignore = None
-        if spec.ep > 1:
-            from .expert_parallel import expert_parameters
-            ignore = list(expert_parameters(model))
+        ignore = _expert_names(model) if spec.ep > 1 else None
         par.dp = apply_data_parallel(model, compressor, bucket_cap_mb, min_numel, device, process_group=par.dp_group,
                                      ignore=ignore)
         par.module = par.dp.module
-        # 5. reduced-sync strategy, over the same ranks (whole replicas only)
+        # 6. reduced-sync strategy, over the same ranks (whole replicas only)
         if sync is not None and not spec.replicas_only:
             raise ConfigError("parallel.sync", getattr(sync, "spec", sync), "every-step with pp > 1 or ep > 1: "
                               "local SGD, DiLoCo and Pipe-SGD average whole replicas, which these layouts split")
@@ -238,10 +277,30 @@ def parallelize(model: nn.Module, spec: "ParallelSpec | dict | None" = None, dev
         if par.dp.hook_state is not None:
             del labels["dp_replicate"]  # the compressor counts its own collectives (syncwise.comm)
         par._counter = CollectiveCounter(mesh_groups(mesh, labels))
-    # 6. compile
+    # 7. compile
     if compile:
         par.module = torch.compile(par.module)
     return par
+
+
+def _split_pipeline(par: Parallelized, model: nn.Module, mesh: Any, device: torch.device, loss_fn: Any,
+                    split_fn: Any) -> None:
+    """Cut ``model`` into this rank's pipeline stages (``AsyncPipeline.partition_model``: layers balanced by FLOPs)
+    and make ``par.model`` their union under the full model's names (checkpoints, the optimizer, router biases)."""
+    from .pipeline import AsyncPipeline
+
+    spec = par.spec
+    pipe = AsyncPipeline(spec.pp * spec.stages_per_rank, schedule=spec.pp_schedule, microbatches=spec.microbatches,
+                         loss_fn=loss_fn, group=mesh["pp"].get_group(), device=device)
+    pipe.partition_model(model, split_fn)
+    par.pipeline, par.model, par.module = pipe, pipe.module, pipe.module
+    # The stage's data-parallel ranks: its DDP group and the MoE load counts' sum (layers differ between stages).
+    par.dp_group = mesh["dp_replicate"].get_group()
+
+
+def _expert_names(model: nn.Module) -> list[str]:
+    from .expert_parallel import expert_parameters
+    return list(expert_parameters(model))
 
 
 def _replica_hook_state(compressor: Any, mesh: Any, model: nn.Module, min_numel: int) -> Any:
@@ -254,12 +313,15 @@ def _replica_hook_state(compressor: Any, mesh: Any, model: nn.Module, min_numel:
                                 policy=CompressionPolicy(min_numel=min_numel), dedicated_group=False)
 
 
-def rebind_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], model: nn.Module) -> None:
+def rebind_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], model: nn.Module,
+                     keep_only_present: bool = False) -> None:
     """Point ``optimizer``'s parameter groups at ``model``'s current parameters, by name.
 
     FSDP2 and tensor parallel replace each parameter with a sharded (DTensor) one under the same name, but a
     user builds the optimizer before the trainer parallelizes: its groups still hold the old tensors. ``names``
     maps ``id(old parameter)`` to its name (taken before parallelizing). Optimizer state must still be empty.
+    ``keep_only_present``: a pipeline stage holds some of the layers; parameters it does not hold leave the
+    optimizer (elsewhere a parameter missing from the model is an error).
     """
     current = dict(model.named_parameters())
     moved = [p for g in optimizer.param_groups for p in g["params"] if current.get(names.get(id(p), "")) is not p]
@@ -267,13 +329,16 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], mo
         return
     if optimizer.state:
         raise ConfigError("optimizer", type(optimizer).__name__, "an optimizer that has not stepped yet: FSDP2 / "
-                          "tensor parallel replace the parameters, and existing state cannot follow them")
+                          "tensor / pipeline parallel replace the parameters, and existing state cannot follow them")
     for group in optimizer.param_groups:
-        try:
-            group["params"] = [current[names[id(p)]] for p in group["params"]]
-        except KeyError:
+        if any(id(p) not in names for p in group["params"]):
             raise ConfigError("optimizer", type(optimizer).__name__, "an optimizer over the model's own "
-                              "parameters (one it holds is not among model.named_parameters())") from None
+                              "parameters (one it holds is not among model.named_parameters())")
+        held = [names[id(p)] for p in group["params"]]
+        if not keep_only_present and any(n not in current for n in held):
+            raise ConfigError("optimizer", type(optimizer).__name__, "an optimizer over the model's own "
+                              "parameters (one it holds is not among model.named_parameters())")
+        group["params"] = [current[n] for n in held if n in current]
 
 
 def describe_layout(par: Parallelized) -> str:

@@ -467,8 +467,7 @@ class PipelineLoss:
 
 
 def _default_loss() -> Callable[[Any, Any], torch.Tensor]:
-    # The trainer's own loss (imported here, not at module level: train imports parallel).
-    from ..train.trainer import lm_loss
+    from ..models import lm_loss  # the trainer's own loss
 
     return lm_loss
 
@@ -601,18 +600,11 @@ class AsyncPipeline:
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters (every stage's, each once): what its optimizer steps."""
-        seen: dict[int, nn.Parameter] = {}
-        for m in self.stage_modules:
-            for p in m.parameters():
-                seen.setdefault(id(p), p)
-        return list(seen.values())
+        return list(self.module.parameters())
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """(full-model name, parameter) for this rank's stages."""
-        out: dict[str, nn.Parameter] = {}
-        for m in self.stage_modules:
-            out.update(m.named_parameters())
-        return list(out.items())
+        return list(self.module.named_parameters())
 
     # ---- the schedule ---------------------------------------------------------------------------------------
     def _n_microbatches(self, rows: int) -> int:

@@ -22,13 +22,12 @@ import itertools
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint import ModelOptimizerState, RNGState, SmartCheckpointer, TrainState
@@ -37,6 +36,7 @@ from ..comm.stats import CommStats
 from ..comm.watchdog import Watchdog
 from ..data.sharding import shard_loader
 from ..errors import ConfigError, SyncwiseError
+from ..models import lm_loss
 from ..metrics import MetricsLogger, detect_peak, mfu, peak_memory_mb, read_jsonl
 from ..parallel import ParallelSpec, TorchHookSpec, describe_layout, parallelize, rebind_optimizer
 from . import arguments
@@ -46,11 +46,6 @@ from .faults import FaultPlan
 # Collectives that are not gradient sync (loss averaging, validation, router-load sums) are counted here, so
 # the per-step ``comm_bytes`` is exactly the gradient traffic.
 CONTROL_STATS = CommStats()
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy over (B, T, V) logits and (B, T) targets."""
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
 
 
 def _world() -> tuple[int, int]:
@@ -112,6 +107,7 @@ class PendingStep:
     tokens: int
     lr: float  # the learning rate this step's update used
     micro_batch: Optional[int] = None  # DynamicBatcher's micro size after this step
+    parallel_metrics: dict = field(default_factory=dict)  # what the layout measured (the pipeline's bubble)
     _settled: Optional[StepResult] = None
 
     def settle(self) -> StepResult:
@@ -188,12 +184,18 @@ class OptimizedTrainer:
         names = {id(p): n for n, p in self.model.named_parameters()}
         self.par = parallelize(self.model, parallel, self.device, compressor=self.compressor,
                                bucket_cap_mb=bucket_cap_mb, min_numel=min_numel, sync=sync,
-                               activation_checkpointing=activation_checkpointing, compile=compile, tp_plan=tp_plan)
-        rebind_optimizer(optimizer, names, self.model)  # FSDP2 / TP put sharded parameters in the model's place
+                               activation_checkpointing=activation_checkpointing, compile=compile, tp_plan=tp_plan,
+                               loss_fn=loss_fn)
+        self.model = self.par.model  # under pipeline parallel: this rank's stages only
+        # FSDP2 / TP put sharded parameters in the model's place; a pipeline stage keeps some of them.
+        rebind_optimizer(optimizer, names, self.model, keep_only_present=self.par.pipeline is not None)
         self.sync = self.par.sync  # the reduced-sync strategy the step drives (None: every-step sync)
         self.sync_spec = self.sync.spec.spec if self.sync is not None else "every-step"
         self.optimizer, self.lr_scheduler, self.loss_fn = optimizer, lr_scheduler, loss_fn
         self.amp_dtype = self._amp_dtype(mixed_precision)
+        if self.amp_dtype == torch.float16 and self.par.pipeline is not None:
+            raise ConfigError("mixed_precision", mixed_precision, "bf16 or none with pipeline parallel: fp16 needs "
+                              "GradScaler's loss scaling, which cannot wrap the schedule's own backward")
         # fp16 needs loss scaling; bf16 and fp32 do not.
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype == torch.float16)
         self.val_loader, self.run_dir, self.show_progress = val_loader, run_dir, show_progress
@@ -435,7 +437,11 @@ class OptimizedTrainer:
         total, count = torch.zeros((), device=self.device), 0
         for inputs, targets in self.val_loader:
             with self._autocast():
-                total += self.loss_fn(self.model(inputs.to(self.device)), targets.to(self.device)).float()
+                inputs, targets = inputs.to(self.device), targets.to(self.device)
+                if self.par.pipeline is not None:  # every stage runs its part; the last one's loss is broadcast
+                    total += self.par.pipeline.eval_loss(inputs, targets).float()
+                else:
+                    total += self.loss_fn(self.model(inputs), targets).float()
             count += 1
         self.model.train()
         return self._mean_across_ranks(total / max(count, 1))
@@ -461,6 +467,10 @@ class OptimizedTrainer:
             inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
             with self.par.micro_batch(syncing=last and sync_grads):
                 self.phase = "forward/backward (gradient sync)"
+                if self.par.pipeline is not None:  # the schedule runs every microbatch's forward and backward
+                    self.phase = "pipeline schedule"
+                    with self._autocast():
+                        return self.par.pipeline.step(inputs, targets, weight=weight * (math.nan if poison else 1.0))
                 with self._autocast():
                     loss = self.loss_fn(self.par.module(inputs), targets) * weight
                 if poison:
@@ -511,7 +521,8 @@ class OptimizedTrainer:
                            step_time_s=time.perf_counter() - t_start, data_wait_s=data_wait,
                            comm_waited_s=comm_waited, exposed_comm=exposed_comm,
                            comm_bytes=comm_bytes, tokens=tokens * self.par.dp_size, lr=self._lr_used,
-                           micro_batch=self.batcher.size if self.batcher is not None else None)
+                           micro_batch=self.batcher.size if self.batcher is not None else None,
+                           parallel_metrics=self.par.step_metrics())
 
     def _apply_update(self, step: int) -> "tuple[torch.Tensor, bool | torch.Tensor]":
         """Unscale, clip, skip a non-finite step (on every rank), optimizer and LR step: (grad norm, skipped).
@@ -574,6 +585,7 @@ class OptimizedTrainer:
             row["mfu"] = util
         if queued.micro_batch is not None:
             row["micro_batch"] = queued.micro_batch
+        row.update(queued.parallel_metrics)  # e.g. the pipeline's measured bubble (pp_bubble)
         if r.skipped:
             row["skipped"] = True
         return row
