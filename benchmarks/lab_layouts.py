@@ -1,12 +1,15 @@
 """Parallel layouts across the network lab: 2 nodes × 2 ranks, tensor parallel inside a node, data parallel
-across, at two link rates, side by side in one run (issue 15).
+across, at two link rates, side by side in one run (issue 15); expert and pipeline parallel layouts of a MoE preset
+and the expert dispatch precision (issue 16: --preset small --layouts dp4,fsdp4,ep2×dp2,pp2×dp2,pp2×ep2,ep4-fp32,
+ep4-bf16,ep4-fp8).
 
 Each (rate, layout) is one `syncwise train --lab --nproc 2` job (4 ranks: ranks 0-1 on node 0, 2-3 on node 1;
 `tp` is the innermost mesh dimension, so a tp group never crosses the shaped link). Reported per job: the
 steady step time (the trainer's summary) at one global batch for every layout (--global-batch sequences:
 data.batch_size is per data-parallel rank, so tp layouts read twice as many per rank), the bytes that crossed the inter-node link (the lab's tbf egress
 counters of both nodes, read from the kernel before and after: every collective included, FSDP2's and
-DTensor's too), syncwise's own data-parallel byte count where it has one (DDP), and the final loss.
+DTensor's too), rank 0's bytes per parallel dimension (metrics.jsonl: comm_bytes_dp / _tp / _pp / _ep), the
+measured pipeline bubble, peak memory, and the final loss.
 
     syncwise cluster down; python benchmarks/lab_layouts.py [--rates 100mbit,1gbit] [--steps 20]
 
@@ -25,7 +28,12 @@ from pathlib import Path
 from syncwise import lab
 
 LAYOUTS = {"dp4": {}, "fsdp4": {"dp_shard": 4}, "tp2×dp2": {"tp": 2, "dp_replicate": 2},
-           "tp2×fsdp2": {"tp": 2, "dp_shard": 2}}
+           "tp2×fsdp2": {"tp": 2, "dp_shard": 2},
+           # issue 16 (MoE presets): ep borrows data-parallel ranks; ep2 stays inside a node, ep4 crosses the link
+           "ep2×dp2": {"ep": 2}, "ep4-fp32": {"ep": 4, "ep_dispatch": "fp32"},
+           "ep4-bf16": {"ep": 4, "ep_dispatch": "bf16"}, "ep4-fp8": {"ep": 4, "ep_dispatch": "fp8"},
+           "pp2×dp2": {"pp": 2}, "pp2×ep2": {"pp": 2, "ep": 2}}
+DIMS = ("dp", "tp", "pp", "ep")
 
 
 def _link_bytes(state) -> int:
@@ -36,7 +44,7 @@ def _link_bytes(state) -> int:
 def run_one(out: Path, preset: str, steps: int, layout: dict, extra: list[str], global_batch: int) -> dict:
     state = lab.require()
     # The same global batch for every layout: data.batch_size is per data-parallel rank, and tp ranks share one.
-    dp = 4 // layout.get("tp", 1)
+    dp = 4 // (layout.get("tp", 1) * layout.get("pp", 1))
     before = _link_bytes(state)
     argv = [sys.executable, "-m", "syncwise.cli", "train", "--lab", "--nproc", "2", "--preset", preset,
             "--steps", str(steps), "--run-dir", str(out), "--train.val_interval=0", "--train.val_batches=1",
@@ -48,7 +56,15 @@ def run_one(out: Path, preset: str, steps: int, layout: dict, extra: list[str], 
     if proc.returncode != 0:
         return {"failed": (proc.stderr or proc.stdout)[-2000:]}
     summary = json.loads((out / "summary.json").read_text())
-    return {"batch_per_dp_rank": global_batch // dp, "step_s": summary["mean_step_time_s"], "link_bytes_per_step": (_link_bytes(state) - before) / steps,
+    rows = [r for r in (json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()) if "step" in r]
+    steady = rows[len(rows) // 5:] or rows  # rank 0's rows; the first steps include set-up
+
+    def mean(key):
+        values = [r[key] for r in steady if r.get(key) is not None]
+        return sum(values) / len(values) if values else None
+
+    return {"bytes_per_dim_rank0": {d: mean(f"comm_bytes_{d}") for d in DIMS if mean(f"comm_bytes_{d}") is not None},
+            "pp_bubble_rank0": mean("pp_bubble"),"batch_per_dp_rank": global_batch // dp, "step_s": summary["mean_step_time_s"], "link_bytes_per_step": (_link_bytes(state) - before) / steps,
             "syncwise_dp_bytes_per_step": summary["comm_bytes_per_step"],
             "comm_exposed_share": summary["comm_exposed_share"], "final_loss": summary["final_loss"],
             "layout": summary["layout"], "peak_mem_mb": summary["peak_mem_mb"], "wall_s": wall}
@@ -76,9 +92,9 @@ def main() -> None:
                 if "failed" in r:
                     print(f"{rate:8s} {name:10s} FAILED: {r['failed'][-300:]}", flush=True)
                     continue
-                dp = r["syncwise_dp_bytes_per_step"]
+                dims = " ".join(f"{d} {v / 2**20:.1f}" for d, v in r["bytes_per_dim_rank0"].items())
                 print(f"{rate:8s} {name:10s} step {r['step_s'] * 1e3:8.0f} ms   link {r['link_bytes_per_step'] / 2**20:7.1f}"
-                      f" MiB/step   syncwise dp bytes {dp / 2**20 if dp else float('nan'):7.1f} MiB"
+                      f" MiB/step   rank 0 MiB/step: {dims}   peak {r['peak_mem_mb']:.0f} MB"
                       f"   loss {r['final_loss']:.4f}", flush=True)
         finally:
             lab.down()

@@ -22,6 +22,17 @@ from syncwise.cli import main
     (["--parallel.dp_shard=2", "--compress", "topk:ratio=0.1"], "compress.method"),
     (["--parallel.tp=2", "--sync", "localsgd:period=4"], "parallel.sync"),
     (["--parallel.dp_shard=2", "--train.dynamic_batch=true"], "train.dynamic_batch"),
+    # issue 16: pipeline and expert parallel (the default preset: 4 layers, 16 routed experts; 2 workers)
+    (["--nproc", "1", "--parallel.pp=2"], "parallel.pp"),                          # product ≠ world
+    (["--parallel.pp=2", "--preset", "tiny", "--parallel.stages_per_rank=2",
+      "--parallel.pp_schedule=interleaved-1f1b"], "parallel.stages_per_rank"),    # 4 stages > tiny's 2 layers
+    (["--parallel.pp=2", "--parallel.microbatches=1"], "parallel.microbatches"),   # 1F1B needs M ≥ pp
+    (["--parallel.pp=2", "--parallel.pp_schedule=chimera"], "parallel.pp_schedule"),
+    (["--parallel.pp=2", "--train.grad_accum=2"], "train.grad_accum"),
+    (["--parallel.ep=3"], "parallel.ep"),                                          # not a divisor of dp (2)
+    (["--nproc", "3", "--parallel.ep=3"], "parallel.ep"),                          # not a divisor of 16 experts
+    (["--parallel.ep=2", "--preset", "tiny"], "parallel.ep"),                      # no routed experts
+    (["--parallel.ep=2", "--parallel.ep_dispatch=fp4"], "parallel.ep_dispatch"),
 ])
 def test_bad_config_fails_before_any_worker_with_a_clear_message(argv, field, tmp_path, capsys):
     code = main(["train", "--run-dir", str(tmp_path / "run"), *argv])
@@ -29,6 +40,18 @@ def test_bad_config_fails_before_any_worker_with_a_clear_message(argv, field, tm
     assert code == 2
     assert field in err and "accepted" in err and "Traceback" not in err
     assert not (tmp_path / "run").exists()  # nothing was started or written
+
+
+def test_a_pipeline_schedule_missing_from_this_torch_is_named(monkeypatch):
+    """A schedule syncwise knows but the installed torch does not ship: refused, naming the torch version."""
+    from syncwise.errors import ConfigError
+    from syncwise.parallel import pipeline
+
+    older = {k: v for k, v in pipeline.torch_schedules().items() if k != "dualpipev"}  # e.g. torch 2.6
+    monkeypatch.setattr(pipeline, "torch_schedules", lambda: older)
+    with pytest.raises(ConfigError, match="not available in this torch version") as e:
+        pipeline.check_pipeline(8, 2, "dualpipev", 8, 2)
+    assert e.value.field == "parallel.pp_schedule"
 
 
 def test_bad_toml_file_is_reported(tmp_path, capsys):
