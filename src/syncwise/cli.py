@@ -13,6 +13,7 @@ COMMANDS = {
     "bench": ("bench", "baseline vs optimized: compressors side by side, parallel efficiency, loss"),
     "comm-bench": ("comm_bench", "nccl-tests style collective sweep: time, algbw, busbw"),
     "cluster": ("cluster", "the network lab: emulated multi-node cluster on this machine"),
+    "plan": ("plan", "which layout to use on a cluster: predicted step time, MFU and memory per layout"),
 }
 
 

@@ -1,0 +1,22 @@
+"""syncwise.plan: which layout to use on a cluster, before paying for it (pure Python, no torch.distributed).
+
+``CloudConfig`` (+ cluster TOML and a hardware catalog with sources), model descriptions (presets, Hugging Face
+``config.json``, TOML), memory per rank, step time per layout, ``predict`` and ``search``. Assumptions:
+docs/plan.md. ``import syncwise.plan`` loads no torch; deciding whether syncwise can run a layout
+(``syncwise_rules=True``) and reading a preset import syncwise.parallel / syncwise.models on first use.
+"""
+from .cloud import ACCELERATORS, FABRICS, Accelerator, CloudConfig, Fabric, cloud_from_dict, cluster, load_cluster
+from .cost import Prediction, bus_factor, collective_time, compressor_wire, predict
+from .emit import train_config, train_config_toml
+from .layout import MEGATRON, SYNCWISE, Layout, Training, parse_layout, syncwise_refusal
+from .memory import Memory, memory_per_rank
+from .model import ModelSpec, from_hf_config, from_model_config, from_preset, from_toml_dict, load_model
+from .search import explain, search
+
+__all__ = [
+    "CloudConfig", "Accelerator", "Fabric", "ACCELERATORS", "FABRICS", "cluster", "cloud_from_dict", "load_cluster",
+    "ModelSpec", "load_model", "from_hf_config", "from_preset", "from_model_config", "from_toml_dict",
+    "Layout", "parse_layout", "Training", "SYNCWISE", "MEGATRON", "syncwise_refusal",
+    "Memory", "memory_per_rank", "Prediction", "predict", "bus_factor", "collective_time", "compressor_wire",
+    "search", "explain", "train_config", "train_config_toml",
+]

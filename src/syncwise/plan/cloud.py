@@ -1,0 +1,344 @@
+"""``CloudConfig``: the cluster a layout runs on, its TOML form, and the built-in hardware catalog.
+
+A cluster is ``nodes`` × ``gpus_per_node`` accelerators of one kind, an intra-node fabric (NVLink, PCIe, the
+lab's loopback) and an inter-node fabric (InfiniBand, RoCE, Ethernet, the lab's shaped links) with
+``nics_per_node`` NICs per node. Every catalog number carries its source: a vendor datasheet for peaks,
+memory and link rates; "assumed" for efficiencies and latencies that no datasheet gives (they are the
+planner's calibration knobs, see docs/plan.md). Units inside the dataclasses are SI (FLOP/s, bytes,
+bytes/s, seconds); the TOML form names its unit in each key (``peak_bf16_tflops``, ``bandwidth_gbit_s``).
+
+Pure Python: reads TOML with ``tomllib``, imports nothing of torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from ..errors import ConfigError
+
+TOPOLOGIES = ("fat_tree", "rail_optimized", "single_switch", "oversubscribed")
+NETWORK_PRIORITIES = ("balanced", "low_latency", "bandwidth")
+GIB = 2**30
+FABRIC_KINDS = ("nvlink", "xgmi", "pcie", "infiniband", "roce", "ethernet", "efa", "lab", "none")
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """One accelerator: dense peaks (no 2:4 sparsity), memory, HBM bandwidth and the achievable share of peak."""
+
+    name: str
+    peak_bf16_flops: float
+    peak_fp16_flops: float
+    peak_fp8_flops: float          # 0: no fp8 tensor cores
+    memory_bytes: float            # GPU memory is binary: an "80GB" H100 reports 81,559 MiB ≈ 80 GiB
+    hbm_bandwidth: float           # bytes/s
+    matmul_efficiency: float       # achieved / peak on a transformer's GEMMs (assumed; calibrate it)
+    reserved_bytes: float = 3 * 2**30  # CUDA context, allocator fragmentation, NCCL buffers (assumed)
+    source: str = ""
+
+    def peak(self, dtype: str = "bf16") -> float:
+        """Dense peak FLOP/s for ``dtype`` (bf16, fp16, fp8)."""
+        value = {"bf16": self.peak_bf16_flops, "fp16": self.peak_fp16_flops, "fp8": self.peak_fp8_flops}[dtype]
+        if not value:
+            raise ConfigError("cluster.accelerator", self.name, f"an accelerator with {dtype} tensor cores "
+                              f"({self.name} has no {dtype} peak in the catalog)")
+        return value
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """A link: per-direction bandwidth per GPU (intra-node) or per NIC (inter-node), latency, achievable share."""
+
+    name: str
+    kind: str
+    bandwidth: float               # bytes/s, one direction
+    latency: float                 # seconds per message step (assumed order of magnitude)
+    efficiency: float              # achievable bus bandwidth / line rate (nccl-tests style; assumed or measured)
+    nics_per_node: int = 1         # inter-node only
+    source: str = ""
+
+    @property
+    def effective(self) -> float:
+        """Achievable bytes/s of one link (one direction)."""
+        return self.bandwidth * self.efficiency
+
+
+# ------------------------------------------------------------------------------------------------ the catalog
+_NV_A100 = ("NVIDIA A100 Tensor Core GPU datasheet (nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
+            "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf): BF16/FP16 tensor 312 TFLOPS dense (624 with "
+            "sparsity)")
+_NV_H100 = ("NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100/), SXM5: BF16/FP16 1,979 "
+            "TFLOPS and FP8 3,958 TFLOPS with sparsity, i.e. 989 / 1,979 dense; 80 GB HBM3 at 3.35 TB/s")
+_EFF = ("matmul_efficiency assumed (typical achieved share of dense peak on transformer GEMMs; "
+        "calibrate with measured runs)")
+
+ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in (
+    Accelerator("a100-40gb", 312e12, 312e12, 0.0, 40 * GIB, 1.555e12, 0.70,
+                source=_NV_A100 + "; 40 GB HBM2 at 1,555 GB/s; no FP8. " + _EFF),
+    Accelerator("a100-80gb", 312e12, 312e12, 0.0, 80 * GIB, 2.039e12, 0.70,
+                source=_NV_A100 + "; 80 GB HBM2e at 2,039 GB/s (SXM); no FP8. " + _EFF),
+    Accelerator("h100-sxm", 989e12, 989e12, 1979e12, 80 * GIB, 3.35e12, 0.65, source=_NV_H100 + ". " + _EFF),
+    Accelerator("h800", 989e12, 989e12, 1979e12, 80 * GIB, 3.35e12, 0.65,
+                source="NVIDIA H800 SXM (export variant of H100 SXM: same compute and HBM3 per NVIDIA's product "
+                       "brief; NVLink cut to 400 GB/s bidirectional). " + _EFF),
+    Accelerator("h200", 989e12, 989e12, 1979e12, 140 * GIB, 4.8e12, 0.65,
+                source="NVIDIA H200 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h200/), SXM: BF16 1,979 "
+                       "and FP8 3,958 TFLOPS with sparsity (989 / 1,979 dense); 141 GB HBM3e at 4.8 TB/s (nvidia-smi reports 143,771 MiB ≈ 140 GiB). " + _EFF),
+    Accelerator("l40s", 362e12, 362e12, 733e12, 48 * GIB, 0.864e12, 0.60,
+                source="NVIDIA L40S datasheet (nvidia.com/en-us/data-center/l40s/): BF16/FP16 tensor 362.05 TFLOPS "
+                       "dense (733 with sparsity), FP8 733 dense (1,466 with sparsity); 48 GB GDDR6 at 864 GB/s. "
+                       + _EFF),
+    Accelerator("mi300x", 1307e12, 1307e12, 2615e12, 192 * GIB, 5.3e12, 0.50,
+                source="AMD Instinct MI300X data sheet (amd.com/en/products/accelerators/instinct/mi300/mi300x.html): "
+                       "peak BF16/FP16 dense 1,307.4 TFLOPS, FP8 2,614.9 TFLOPS; 192 GB HBM3 at 5.3 TB/s. "
+                       "matmul_efficiency assumed lower than NVIDIA's (published MI300X training runs reach a "
+                       "smaller share of the larger peak); calibrate"),
+    # The network lab (DESIGN.md §5): one worker process on this project's 2-core VM. 'peak' is the measured
+    # effective training throughput (efficiency 1.0), not a hardware peak.
+    Accelerator("cpu-lab", 60e9, 60e9, 0.0, 5.5 * GIB, 10e9, 1.0, reserved_bytes=0.4e9,
+                source="measured, benchmarks/RESULTS.md §3: `small` preset compute-only steps, 16 × 128 tokens in "
+                       "538 ms and 96 × 128 in 2.9-3.3 s = 59-66 GFLOP/s of PaLM-convention training FLOPs per "
+                       "worker (1 thread); memory: a share of the VM's 23 GiB; 10 GB/s memory bandwidth assumed; "
+                       "reserved 0.4 GB = the Python/torch baseline RSS of RESULTS.md §7"),
+)}
+
+_LAT = "latency assumed (order of magnitude of a NCCL / gloo message step, not a datasheet figure)"
+
+FABRICS: dict[str, Fabric] = {f.name: f for f in (
+    # intra-node (bandwidth per GPU, one direction)
+    Fabric("nvlink3", "nvlink", 300e9, 3e-6, 0.80,
+           source="NVIDIA A100 datasheet: NVLink 600 GB/s per GPU (bidirectional) = 300 GB/s each way; efficiency "
+                  "0.8 assumed (nccl-tests all-reduce busbw on DGX A100 is ~230-240 GB/s); " + _LAT),
+    Fabric("nvlink4", "nvlink", 450e9, 3e-6, 0.80,
+           source="NVIDIA H100/H200 datasheets: NVLink 900 GB/s per GPU (bidirectional) = 450 GB/s each way; "
+                  "efficiency 0.8 assumed; " + _LAT),
+    Fabric("nvlink-h800", "nvlink", 200e9, 3e-6, 0.80,
+           source="NVIDIA H800 product brief: NVLink 400 GB/s bidirectional = 200 GB/s each way (DeepSeek-V3 "
+                  "technical report §3.2.2 quotes 160 GB/s achieved, i.e. 0.8); " + _LAT),
+    Fabric("xgmi-mi300x", "xgmi", 448e9, 4e-6, 0.70,
+           source="AMD MI300X data sheet: 7 Infinity Fabric links of 64 GB/s each way to the other 7 GPUs "
+                  "(896 GB/s aggregate bidirectional) in a fully connected node; efficiency 0.7 assumed; " + _LAT),
+    Fabric("pcie4", "pcie", 32e9, 5e-6, 0.75,
+           source="PCI Express 4.0 x16: 16 GT/s × 16 lanes ≈ 32 GB/s each way (PCI-SIG); efficiency 0.75 assumed "
+                  "(GPU peer traffic through host bridges); " + _LAT),
+    Fabric("pcie5", "pcie", 64e9, 5e-6, 0.75,
+           source="PCI Express 5.0 x16 ≈ 64 GB/s each way (PCI-SIG); efficiency 0.75 assumed; " + _LAT),
+    Fabric("lab-loopback", "lab", 1.35e9, 100e-6, 1.0,
+           source="measured, benchmarks/RESULTS.md §2: gloo all-reduce between 2 local workers peaks at "
+                  "~10.8 Gbit/s busbw (1.35 GB/s); latency assumed (gloo over TCP loopback)"),
+    # inter-node (bandwidth per NIC, one direction)
+    Fabric("ib-hdr", "infiniband", 25e9, 5e-6, 0.90,
+           source="NVIDIA ConnectX-6 / HDR InfiniBand: 200 Gb/s per port = 25 GB/s each way; efficiency 0.9 "
+                  "assumed; " + _LAT),
+    Fabric("ib-ndr", "infiniband", 50e9, 5e-6, 0.90,
+           source="NVIDIA ConnectX-7 / NDR InfiniBand: 400 Gb/s per port = 50 GB/s each way; efficiency 0.9 "
+                  "assumed; " + _LAT),
+    Fabric("roce-400g", "roce", 50e9, 8e-6, 0.85,
+           source="400 GbE RoCEv2 NIC (e.g. ConnectX-7): 400 Gb/s = 50 GB/s each way; efficiency 0.85 assumed; "
+                  + _LAT),
+    Fabric("roce-200g", "roce", 25e9, 8e-6, 0.85,
+           source="200 GbE RoCEv2 NIC: 200 Gb/s = 25 GB/s each way; efficiency 0.85 assumed; " + _LAT),
+    Fabric("efa-100g", "efa", 12.5e9, 15e-6, 0.80,
+           source="AWS Elastic Fabric Adapter, 100 Gb/s per adapter (p4d: 4 per node, p5: 32 per node, AWS "
+                  "instance pages); efficiency 0.8 assumed; " + _LAT),
+    Fabric("eth-100g", "ethernet", 12.5e9, 30e-6, 0.80,
+           source="100 GbE (TCP sockets): 100 Gb/s = 12.5 GB/s each way; efficiency 0.8 assumed; " + _LAT),
+    Fabric("eth-25g", "ethernet", 3.125e9, 30e-6, 0.80,
+           source="25 GbE (TCP sockets): 3.125 GB/s each way; efficiency 0.8 assumed; " + _LAT),
+    Fabric("lab-tbf", "lab", 200e6 / 8, 200e-6, 0.95,
+           source="the network lab's tbf-shaped veth link (its rate is set by `syncwise cluster up --bandwidth`; "
+                  "200 Mbit/s here, override bandwidth_gbit_s); efficiency 0.93-0.957 measured "
+                  "(benchmarks/RESULTS.md §2, 64 MB all-reduce); latency assumed"),
+    Fabric("none", "none", 1e30, 0.0, 1.0, source="a single-node cluster has no inter-node fabric"),
+)}
+
+
+@dataclass(frozen=True)
+class CloudConfig:
+    """The cluster: ``nodes`` × ``gpus_per_node`` accelerators, how they connect, and what the network should
+    favour. ``topology``: fat_tree / rail_optimized / single_switch (full bisection, the default) or
+    oversubscribed (inter-node bandwidth divided by ``oversubscription`` for groups that span nodes).
+    ``network_priority``: balanced (rank by step time only), low_latency (among layouts within 2 % of the
+    best, prefer fewer inter-node messages) or bandwidth (prefer fewer inter-node bytes)."""
+
+    nodes: int
+    gpus_per_node: int
+    topology: str = "fat_tree"
+    network_priority: str = "balanced"
+    accelerator: Accelerator = field(default_factory=lambda: ACCELERATORS["h100-sxm"])
+    intra_node: Fabric = field(default_factory=lambda: FABRICS["nvlink4"])
+    inter_node: Fabric = field(default_factory=lambda: dataclasses.replace(FABRICS["ib-ndr"], nics_per_node=8))
+    oversubscription: float = 1.0
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        for key in ("nodes", "gpus_per_node"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"cluster.{key}", v, "an integer ≥ 1")
+        if self.topology not in TOPOLOGIES:
+            raise ConfigError("cluster.topology", self.topology, "one of: " + ", ".join(TOPOLOGIES))
+        if self.network_priority not in NETWORK_PRIORITIES:
+            raise ConfigError("cluster.network_priority", self.network_priority,
+                              "one of: " + ", ".join(NETWORK_PRIORITIES))
+        if not (isinstance(self.oversubscription, (int, float)) and 1 <= self.oversubscription < math.inf):
+            raise ConfigError("cluster.oversubscription", self.oversubscription, "a number ≥ 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def node_inter_bandwidth(self) -> float:
+        """Achievable bytes/s one node can send to other nodes (all its NICs), after oversubscription."""
+        if self.nodes == 1:
+            return math.inf
+        bw = self.inter_node.effective * self.inter_node.nics_per_node
+        return bw / (self.oversubscription if self.topology == "oversubscribed" else 1.0)
+
+    def describe(self) -> str:
+        return (f"{self.name + ': ' if self.name else ''}{self.nodes} × {self.gpus_per_node} {self.accelerator.name}, "
+                f"{self.intra_node.name} inside a node, {self.inter_node.nics_per_node} × {self.inter_node.name} "
+                f"per node, {self.topology}")
+
+
+# ------------------------------------------------------------------------------------------------ the TOML form
+_ACC_KEYS = {  # TOML key -> (Accelerator field, scale to SI)
+    "peak_bf16_tflops": ("peak_bf16_flops", 1e12), "peak_fp16_tflops": ("peak_fp16_flops", 1e12),
+    "peak_fp8_tflops": ("peak_fp8_flops", 1e12), "memory_gib": ("memory_bytes", 2**30),
+    "hbm_gbyte_s": ("hbm_bandwidth", 1e9), "matmul_efficiency": ("matmul_efficiency", 1.0),
+    "reserved_gib": ("reserved_bytes", 2**30),
+}
+_FAB_KEYS = {
+    "bandwidth_gbit_s": ("bandwidth", 1e9 / 8), "bandwidth_gbyte_s": ("bandwidth", 1e9),
+    "latency_us": ("latency", 1e-6), "efficiency": ("efficiency", 1.0),
+}
+_TOP_KEYS = ("name", "nodes", "gpus_per_node", "topology", "network_priority", "oversubscription",
+             "accelerator", "intra_node", "inter_node")
+
+
+def _number(path: str, value: Any, lo: float, lo_open: bool = True, hi: float = math.inf) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        and (value > lo if lo_open else value >= lo) and value <= hi
+    if not ok:
+        bound = f"> {lo:g}" if lo_open else f"≥ {lo:g}"
+        raise ConfigError(path, value, f"a finite number {bound}" + (f" and ≤ {hi:g}" if hi < math.inf else ""))
+    return float(value)
+
+
+def _table(path: str, value: Any, catalog: dict, keys: dict, extra: tuple[str, ...]) -> tuple[str, Any, dict]:
+    """(name, catalog entry or None, {field: SI value}) of an ``[accelerator]`` / ``[intra_node]`` /
+    ``[inter_node]`` table, or of a bare catalog name given as a string."""
+    if isinstance(value, str):
+        value = {"name": value}
+    if not isinstance(value, dict):
+        raise ConfigError(path, value, "a catalog name (" + ", ".join(catalog) + ") or a table of its keys")
+    accepted = ["name", *keys, *extra, "source"]
+    for key in value:
+        if key not in accepted:
+            raise ConfigError(f"{path}.{key}", value[key], f"a key of [{path.split('.')[-1]}]: " + ", ".join(accepted))
+    name = value.get("name")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{path}.name", name, "a catalog name (" + ", ".join(catalog) + ") or a new name "
+                          "with every number given")
+    base = catalog.get(name.lower())
+    fields: dict[str, Any] = {}
+    for key, (attr, scale) in keys.items():
+        if key in value:
+            hi = 1.0 if attr in ("matmul_efficiency", "efficiency") else math.inf
+            lo_open = attr not in ("peak_fp8_flops", "reserved_bytes", "latency")
+            fields[attr] = _number(f"{path}.{key}", value[key], 0.0, lo_open, hi) * scale
+    if base is None:
+        required = {"peak_bf16_flops": "peak_bf16_tflops", "memory_bytes": "memory_gib",
+                    "matmul_efficiency": "matmul_efficiency"} if keys is _ACC_KEYS else \
+            {"bandwidth": "bandwidth_gbit_s (or bandwidth_gbyte_s)"}
+        missing = [key for attr, key in required.items() if attr not in fields]
+        if missing:
+            raise ConfigError(f"{path}.name", name, "a catalog name (" + ", ".join(catalog) + "), or a new entry "
+                              "with its numbers: missing " + ", ".join(missing))
+    return name, base, fields
+
+
+def cloud_from_dict(values: dict[str, Any], source: str = "cluster") -> CloudConfig:
+    """Build a CloudConfig from the TOML tables (see ``examples/clusters/``); errors name the field."""
+    if not isinstance(values, dict):
+        raise ConfigError(source, values, "a table of cluster keys")
+    for key in values:
+        if key not in _TOP_KEYS:
+            raise ConfigError(f"cluster.{key}", values[key], "a cluster key: " + ", ".join(_TOP_KEYS))
+    for key in ("nodes", "gpus_per_node"):
+        if key not in values:
+            raise ConfigError(f"cluster.{key}", None, "an integer ≥ 1 (required)")
+    name, base, fields = _table("cluster.accelerator", values.get("accelerator", "h100-sxm"), ACCELERATORS,
+                                _ACC_KEYS, ())
+    if base is None:
+        acc = Accelerator(name, fields["peak_bf16_flops"], fields.get("peak_fp16_flops", fields["peak_bf16_flops"]),
+                          fields.get("peak_fp8_flops", 0.0), fields["memory_bytes"], fields.get("hbm_bandwidth", 2e12),
+                          fields["matmul_efficiency"], fields.get("reserved_bytes", 3 * GIB), source="cluster file")
+    else:
+        acc = dataclasses.replace(base, **fields)
+    fabrics = []
+    for key, default in (("intra_node", "nvlink4"), ("inter_node", "ib-ndr")):
+        extra = ("nics_per_node", "kind") if key == "inter_node" else ("kind",)
+        raw = values.get(key, default)
+        fname, base, fields = _table(f"cluster.{key}", raw, FABRICS, _FAB_KEYS, extra)
+        table = raw if isinstance(raw, dict) else {}
+        kind = table.get("kind", base.kind if base else "ethernet")
+        if kind not in FABRIC_KINDS:
+            raise ConfigError(f"cluster.{key}.kind", kind, "one of: " + ", ".join(FABRIC_KINDS))
+        nics = table.get("nics_per_node", base.nics_per_node if base else 1)
+        if isinstance(nics, bool) or not isinstance(nics, int) or nics < 1:
+            raise ConfigError(f"cluster.{key}.nics_per_node", nics, "an integer ≥ 1")
+        if base is None:
+            fab = Fabric(fname, kind, fields["bandwidth"], fields.get("latency", 10e-6),
+                         fields.get("efficiency", 0.8), nics, source="cluster file")
+        else:
+            fab = dataclasses.replace(base, kind=kind, nics_per_node=nics, **fields)
+        fabrics.append(fab)
+    kwargs = {k: values[k] for k in ("nodes", "gpus_per_node", "topology", "network_priority") if k in values}
+    if "oversubscription" in values:
+        kwargs["oversubscription"] = _number("cluster.oversubscription", values["oversubscription"], 1.0, False)
+    name = values.get("name", "")
+    if not isinstance(name, str):
+        raise ConfigError("cluster.name", name, "a string")
+    return CloudConfig(accelerator=acc, intra_node=fabrics[0], inter_node=fabrics[1], name=name, **kwargs)
+
+
+def load_cluster(path: str | Path) -> CloudConfig:
+    """Read a cluster TOML file (``examples/clusters/*.toml``) into a CloudConfig."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError("--cluster", str(path), "an existing cluster .toml file (see examples/clusters/)")
+    try:
+        values = tomllib.loads(p.read_text())
+    except (OSError, ValueError, RecursionError) as e:
+        raise ConfigError("--cluster", str(path), f"a readable, valid TOML file ({e})") from None
+    values.setdefault("name", p.stem)
+    return cloud_from_dict(values, str(path))
+
+
+def cluster(name: str, nodes: int, gpus_per_node: int = 8, *, intra: Optional[str] = None,
+            inter: Optional[str] = None, nics_per_node: Optional[int] = None, **kwargs: Any) -> CloudConfig:
+    """A CloudConfig from catalog names, e.g. ``cluster("a100-80gb", 4, 8, intra="nvlink3", inter="ib-hdr")``.
+    Defaults: the accelerator's usual intra-node fabric, NDR InfiniBand (the lab's link for cpu-lab; none on
+    one node), one NIC per GPU for InfiniBand / RoCE and one per node otherwise."""
+    if name not in ACCELERATORS:
+        raise ConfigError("cluster.accelerator", name, "one of: " + ", ".join(ACCELERATORS))
+    intra = intra or ("nvlink3" if name.startswith("a100") else "nvlink-h800" if name == "h800" else
+                      "pcie4" if name == "l40s" else "xgmi-mi300x" if name == "mi300x" else
+                      "lab-loopback" if name == "cpu-lab" else "nvlink4")
+    inter = inter or ("none" if nodes == 1 else "lab-tbf" if name == "cpu-lab" else "ib-ndr")
+    for which, fabric in (("intra_node", intra), ("inter_node", inter)):
+        if fabric not in FABRICS:
+            raise ConfigError(f"cluster.{which}", fabric, "one of: " + ", ".join(FABRICS))
+    inter_fabric = dataclasses.replace(FABRICS[inter], nics_per_node=nics_per_node or
+                                       (gpus_per_node if FABRICS[inter].kind in ("infiniband", "roce") else 1))
+    return CloudConfig(nodes, gpus_per_node, accelerator=ACCELERATORS[name], intra_node=FABRICS[intra],
+                       inter_node=inter_fabric, **kwargs)

@@ -1,0 +1,490 @@
+"""Step time of one layout: compute, each parallel dimension's communication over the fabric it crosses, the
+pipeline bubble, the data-parallel sync and how much of it backward hides, expert all-to-alls, compressor
+bytes and compute, sync strategies — and ``predict``, which puts them together with the memory model.
+
+Every assumption is stated where it is made and collected in docs/plan.md. In brief:
+
+* Compute: matmul FLOPs / (peak × matmul_efficiency) plus element-wise work (norms, activations, residual
+  adds, softmax without fused attention) as HBM traffic, ≈ 4 passes over each stored activation.
+* Collectives (nccl-tests' bus bandwidth): ring all-reduce moves 2(n−1)/n of the buffer per rank, all-gather /
+  reduce-scatter / all-to-all (n−1)/n. A dimension whose group fits in a node uses the intra-node fabric;
+  one that spans nodes is bounded by the node's NICs, shared by every group of that dimension on the node
+  (all ranks run the same collective at once, SPMD). Rank order as syncwise.parallel.mesh: tp innermost, then
+  dp_shard, dp_replicate, pp outermost; ep groups are ep neighbouring data-parallel ranks.
+* Latency: ⌈log2 n⌉ message steps per all-gather / reduce-scatter, twice that per all-reduce, n − 1 per
+  all-to-all, each at the fabric's latency.
+* Tensor parallel (with sequence parallel: 2 all-gathers + 2 reduce-scatters per block forward, the same in
+  backward, again in a full recompute) and expert all-to-alls are not overlapped with compute; pipeline p2p
+  sends are not overlapped either.
+* Pipeline: T = τ·(M + bubble) with τ one micro-batch's stage time; bubble = p − 1 for GPipe / 1F1B,
+  (p − 1)/v interleaved (and looped BFS), (p − 1)/(3v) for the zero-bubble schedules (ZB-H1's bound, Qi et
+  al. 2024, with T_F = T_B = T_W; ZB-V and DualPipeV can do better, we do not assume it).
+* Data-parallel gradient sync overlaps backward bucket by bucket: all but the last bucket hides behind the
+  last micro-batch's backward (syncwise under pp syncs after the schedule: nothing hides). FSDP2's gathers are
+  prefetched one block ahead: all but the first block's gather hides behind compute.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ..errors import ConfigError
+from ..specs import parse_spec, read_choice, read_float, read_int
+from .cloud import CloudConfig
+from .layout import SYNCWISE, Layout, Training, syncwise_refusal
+from .memory import Memory, activation_terms, memory_per_rank, stage_params
+from .model import ModelSpec
+
+GIB = 2**30
+
+
+# ------------------------------------------------------------------------------------------------ collectives
+def bus_factor(kind: str, n: int) -> float:
+    """nccl-tests' bus factor: bytes each rank moves per byte of the buffer."""
+    if n <= 1:
+        return 0.0
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    if kind == "p2p":
+        return 1.0
+    raise ValueError(kind)
+
+
+def _steps(kind: str, n: int) -> int:
+    if n <= 1:
+        return 0
+    log = max(1, math.ceil(math.log2(n)))
+    return {"all_reduce": 2 * log, "all_gather": log, "reduce_scatter": log, "all_to_all": n - 1, "p2p": 1}[kind]
+
+
+@dataclass
+class Traffic:
+    """What crossed node boundaries in one step (for network_priority) — bytes sent per node, messages."""
+
+    inter_bytes: float = 0.0
+    inter_messages: float = 0.0
+
+
+def group(cloud: CloudConfig, layout: Layout, dim: str) -> tuple[int, int, int]:
+    """(size, stride, members per node) of ``dim``'s groups: tp, dp_shard, dp_replicate, pp, dp (both
+    data-parallel dimensions), ep (neighbouring dp ranks), ep_replicate (ranks holding the same experts)."""
+    t, s, r = layout.tp, layout.dp_shard, layout.dp_replicate
+    size, stride = {"tp": (t, 1), "dp_shard": (s, t), "dp_replicate": (r, t * s), "pp": (layout.pp, t * s * r),
+                    "dp": (s * r, t), "ep": (layout.ep, t),
+                    "ep_replicate": (max(1, s * r // layout.ep), t * layout.ep)}[dim]
+    G = cloud.gpus_per_node
+    if stride * size <= G:
+        per_node = size
+    elif stride >= G:
+        per_node = 1
+    else:
+        per_node = max(1, G // stride)
+    return size, stride, per_node
+
+
+def collective_time(cloud: CloudConfig, kind: str, nbytes: float, n: int, per_node: int,
+                    traffic: Optional[Traffic] = None, count: float = 1.0) -> float:
+    """Seconds for ``count`` collectives of ``kind`` over ``n`` ranks (``per_node`` of them per node) on a
+    buffer of ``nbytes`` (an all-gather's output, an all-reduce's input, an all-to-all's send buffer; a p2p
+    message). Every group of the dimension on a node runs at once."""
+    if n <= 1 or nbytes <= 0 or count <= 0:
+        return 0.0
+    bus = bus_factor(kind, n)
+    intra, G = cloud.intra_node, cloud.gpus_per_node
+    if per_node >= n:
+        return count * (nbytes * bus / intra.effective + _steps(kind, n) * intra.latency)
+    t_intra = nbytes * bus / intra.effective if per_node > 1 else 0.0
+    groups_on_node = G / per_node
+    if kind == "all_to_all":
+        node_out = G * nbytes * (n - per_node) / n
+    elif kind == "p2p":
+        node_out = G * nbytes
+    else:
+        node_out = groups_on_node * nbytes * bus
+    t_inter = node_out / cloud.node_inter_bandwidth()
+    if traffic is not None:
+        traffic.inter_bytes += count * node_out
+        traffic.inter_messages += count * _steps(kind, n)
+    return count * (max(t_intra, t_inter) + _steps(kind, n) * cloud.inter_node.latency)
+
+
+def dim_time(cloud: CloudConfig, layout: Layout, dim: str, kind: str, nbytes: float,
+             traffic: Optional[Traffic] = None, count: float = 1.0) -> float:
+    n, _, per_node = group(cloud, layout, dim)
+    return collective_time(cloud, kind, nbytes, n, per_node, traffic, count)
+
+
+# ------------------------------------------------------------------------------------------------ compressors
+@dataclass(frozen=True)
+class Wire:
+    """How one gradient set travels: the collective, bytes on the wire per element (of the compressed part),
+    elements sent raw in fp32 beside it, and encode/decode HBM traffic per element (+ per received copy)."""
+
+    kind: str
+    bytes_per_element: float
+    raw_fraction: float = 0.0
+    compute_bytes: float = 0.0
+    compute_bytes_per_peer: float = 0.0
+    flops_per_element: float = 0.0
+    collectives_per_bucket: int = 1
+
+
+def _options(spec: str, field_name: str = "compress") -> tuple[str, dict[str, str]]:
+    return parse_spec(spec, field_name, f"a {field_name} spec NAME[:key=value,...]")
+
+
+def compressor_wire(spec: str, model: ModelSpec, training: Training) -> Wire:
+    """Bytes and compute of syncwise's compressors (compress/registry.py) and PyTorch's hooks, per element of
+    the gradient: none = the training recipe's reduce dtype (fp32 in syncwise) all-reduce; fp16 / bf16: 2 B
+    all-reduce; fp8: 1 B + one fp32 scale per ``block`` (128), all-gather; int8: 1 B + a scale per ``chunk``
+    (1024), all-gather; sign: 1/8 B, all-gather; topk: 8 B per kept element (value + index), all-gather;
+    randomk: 4 B per kept element, all-reduce; powersgd: (rows + cols)·rank fp32 per matrix in two all-reduces,
+    matrices that would not compress ``min_compression_rate`` × and 1-D tensors raw. Encode/decode costs are
+    rough HBM-traffic estimates (docs/plan.md)."""
+    name, opts = _options(spec)
+    f = lambda key, default: read_float(opts[key], "compress", spec, key, lo=0) if key in opts else default  # noqa
+    norms = (2 * model.n_layers + 1) * model.norm_params()
+    total = model.param_counts()[0]
+    raw = norms / total                       # small 1-D tensors stay fp32 (min_numel policy)
+    if name == "none":
+        return Wire("all_reduce", training.grad_reduce_bytes)
+    if name in ("fp16", "bf16", "torch-fp16", "torch-bf16"):
+        return Wire("all_reduce", 2.0, compute_bytes=12.0)
+    if name == "fp8":
+        block = f("block", 128)
+        return Wire("all_gather", 1 + 4 / block, raw, compute_bytes=10.0, compute_bytes_per_peer=9.0)
+    if name == "int8":
+        chunk = f("chunk", 1024)
+        return Wire("all_gather", 1 + 4 / chunk, raw, compute_bytes=14.0, compute_bytes_per_peer=9.0)
+    if name == "sign":
+        return Wire("all_gather", 1 / 8, raw, compute_bytes=16.0, compute_bytes_per_peer=8.5)
+    if name == "topk":
+        ratio = f("ratio", 0.01)
+        return Wire("all_gather", 8 * ratio, raw, compute_bytes=48.0, compute_bytes_per_peer=16 * ratio)
+    if name == "randomk":
+        ratio = f("ratio", 0.01)
+        return Wire("all_reduce", 4 * ratio, raw, compute_bytes=16.0)
+    if name in ("powersgd", "torch-powersgd"):
+        rank = f("rank", 4 if name == "powersgd" else 1)
+        min_rate = f("min_compression_rate", 2.0)
+        sent = rawm = elems = 0.0
+        for i in range(model.n_layers):
+            for count, rows, cols in model.matrices(i):
+                elems += count * rows * cols
+                if rows * cols / ((rows + cols) * rank) >= min_rate:
+                    sent += count * (rows + cols) * rank
+                else:
+                    rawm += count * rows * cols
+        elems = max(elems, 1.0)
+        # per element of the matrices: 4·(rows+cols)·r/(rows·cols) bytes; 4·rows·cols·r·2 FLOPs (P = MQ, Q = MᵀP)
+        return Wire("all_reduce", 4 * sent / elems + 4 * rawm / elems, raw, compute_bytes=24.0,
+                    flops_per_element=8 * rank, collectives_per_bucket=2)
+    raise ConfigError("compress", spec, "a compressor: none, fp16, bf16, fp8, int8, sign, topk, randomk, powersgd, "
+                      "torch-fp16, torch-bf16, torch-powersgd")
+
+
+def sync_bytes(nelements: float, n: int, wire: Wire, raw_bytes: float = 4.0) -> tuple[float, float]:
+    """(buffer bytes for ``collective_time``, of the compressed part; raw fp32 bytes, all-reduced beside it)."""
+    payload = nelements * (1 - wire.raw_fraction) * wire.bytes_per_element
+    if wire.kind == "all_gather":
+        payload *= n                     # the all-gather's output: every rank's payload
+    return payload, nelements * wire.raw_fraction * raw_bytes
+
+
+# ------------------------------------------------------------------------------------------------ the prediction
+@dataclass
+class Prediction:
+    """One layout's predicted step: times in seconds per optimizer step, memory in GiB on the most loaded rank."""
+
+    layout: Layout
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float          # model FLOPs (6N + attention; no recomputation) per second per GPU
+    mfu: float
+    hfu: float                     # hardware FLOPs (recomputation included) / peak
+    memory_gb_per_gpu: float       # GiB
+    memory_limit_gb: float         # GiB usable per GPU
+    fits: bool
+    breakdown: dict[str, float]
+    dominant: str
+    micro_batch: int
+    microbatches: int
+    memory: dict[str, float] = field(default_factory=dict)   # GiB by kind
+    runnable: Optional[bool] = None
+    not_runnable: str = ""
+    inter_node_bytes: float = 0.0
+    inter_node_messages: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def row(self) -> dict[str, Any]:
+        """The ``--json`` row."""
+        return {"layout": self.layout.describe(), "layout_fields": self.layout.as_dict(),
+                "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+                "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu, "hfu": self.hfu,
+                "memory_gb_per_gpu": self.memory_gb_per_gpu, "memory_limit_gb": self.memory_limit_gb,
+                "fits": self.fits, "breakdown": self.breakdown, "dominant": self.dominant,
+                "micro_batch": self.micro_batch, "microbatches": self.microbatches, "memory": self.memory,
+                "runnable": self.runnable, "not_runnable": self.not_runnable, "info": self.info}
+
+
+def _check(cond: bool, field_name: str, value: Any, accepted: str) -> None:
+    if not cond:
+        raise ConfigError(field_name, value, accepted)
+
+
+def batch_split(layout: Layout, global_batch: int) -> tuple[int, int]:
+    """(micro_batch, microbatches): sequences per micro-batch per data-parallel rank, and micro-batches per
+    step (pipeline M, or gradient accumulation when pp = 1); ConfigError when the batch does not split."""
+    dp = layout.dp
+    _check(global_batch % dp == 0, "--global-batch", global_batch,
+           f"a multiple of the data-parallel degree dp_replicate × dp_shard = {dp}")
+    per_rank = global_batch // dp
+    if layout.micro_batch:
+        _check(per_rank % layout.micro_batch == 0, "microbatch", layout.micro_batch,
+               f"a divisor of the sequences per data-parallel rank ({per_rank})")
+        mb = layout.micro_batch
+        M = per_rank // mb
+        _check(not layout.microbatches or layout.microbatches == M, "microbatches", layout.microbatches,
+               f"{M} (= {per_rank} sequences per rank / microbatch {mb}) or 0")
+        return mb, M
+    if layout.microbatches:
+        _check(per_rank % layout.microbatches == 0, "microbatches", layout.microbatches,
+               f"a divisor of the sequences per data-parallel rank ({per_rank})")
+        return per_rank // layout.microbatches, layout.microbatches
+    M = 2 * layout.pp * layout.stages_per_rank if layout.pp > 1 else 1   # ParallelSpec's default
+    M = math.gcd(M, per_rank) if per_rank % M else M
+    return per_rank // M, M
+
+
+def validate_layout(cloud: CloudConfig, model: ModelSpec, layout: Layout) -> None:
+    """Physical rules (not syncwise's): the product is the world size, the degrees divide what they split."""
+    world = cloud.world_size
+    _check(layout.world == world, "layout", layout.describe(),
+           f"degrees whose product pp × dp_replicate × dp_shard × tp equals the cluster's {cloud.nodes} × "
+           f"{cloud.gpus_per_node} = {world} GPUs (got {layout.world})")
+    _check(model.n_heads % layout.tp == 0, "tp", layout.tp, f"a divisor of the model's heads ({model.n_heads})")
+    _check(layout.pp * layout.stages_per_rank <= model.n_layers, "pp", layout.pp,
+           f"at most one stage per layer ({model.n_layers} layers)")
+    if layout.ep > 1:
+        _check(model.is_moe and model.n_routed_experts % layout.ep == 0, "ep", layout.ep,
+               f"a divisor of the routed experts ({model.n_routed_experts})" if model.is_moe else "1 (dense model)")
+        _check(layout.dp % layout.ep == 0, "ep", layout.ep, f"a divisor of dp = {layout.dp}")
+
+
+def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: int, seq_len: Optional[int] = None,
+            *, training: Training = SYNCWISE, syncwise_rules: bool = True, matmul_efficiency: Optional[float] = None
+            ) -> Prediction:
+    """Predict one optimizer step of ``layout`` on ``cloud`` for ``global_batch`` sequences of ``seq_len`` tokens.
+
+    ``syncwise_rules``: also decide whether syncwise can run the layout (``runnable`` / ``not_runnable``, from
+    ParallelSpec.resolve / check_model and the spec parsers; imports torch on first use)."""
+    seq_len = seq_len or model.seq_len
+    model = model.with_seq_len(seq_len) if model.seq_len != seq_len else model
+    validate_layout(cloud, model, layout)
+    mb, M = batch_split(layout, global_batch)
+    acc, t, pp, v = cloud.accelerator, layout.tp, layout.pp, layout.stages_per_rank
+    peak = acc.peak(training.peak_dtype)
+    eff = matmul_efficiency or acc.matmul_efficiency
+    traffic, mb_traffic = Traffic(), Traffic()      # per step; per micro-batch (× M at the end)
+    tokens_mb = mb * seq_len
+    tokens_step = global_batch * seq_len
+
+    # ---- compute of one micro-batch on one stage rank (fwd + bwd), recomputation extra
+    f_tok = model.flops_per_token(seq_len)
+    head_flops = 6 * model.vocab_size * model.d_model
+    layer_share = (f_tok - head_flops) / f_tok
+    recompute_tok = {"none": 0.0, "selective": model.attention_core_flops_per_token(seq_len) / 3,
+                     "full": (f_tok - head_flops) / 3}[layout.recompute]
+    flops_mb = f_tok * tokens_mb / (t * pp)
+    extra_mb = recompute_tok * tokens_mb / (t * pp)
+    act = activation_terms(model, seq_len, training)
+    rep_div = t if layout.sp else 1
+    elem_tok = sum(x["replicated"] / rep_div + (x["split"] + x["core"]) / t for x in act) / pp
+    elem_passes = 4.0 * (1.5 if layout.recompute == "full" else 1.0)
+    t_matmul = flops_mb / (peak * eff)
+    t_extra = extra_mb / (peak * eff)
+    t_elem = elem_passes * elem_tok * tokens_mb / acc.hbm_bandwidth
+    t_fwd = t_matmul / 3 + t_elem / 3
+    t_bwd = 2 * t_matmul / 3 + 2 * t_elem / 3 + t_extra
+
+    # ---- tensor parallel (per micro-batch, this rank's layers)
+    layers_rank = model.n_layers / pp
+    t_tp = 0.0
+    if t > 1:
+        full = tokens_mb * model.d_model
+        passes = 3 if layout.recompute == "full" else 2          # forward, backward (+ recomputed forward)
+        if layout.sp:
+            n = layers_rank * passes * 2                          # 2 all-gathers + 2 reduce-scatters per block
+            t_tp = dim_time(cloud, layout, "tp", "all_gather", full * training.residual_bytes, mb_traffic, n) \
+                + dim_time(cloud, layout, "tp", "reduce_scatter", full * training.activation_bytes, mb_traffic, n)
+        else:
+            t_tp = dim_time(cloud, layout, "tp", "all_reduce", full * training.activation_bytes, mb_traffic,
+                            layers_rank * passes * 2)
+    # ---- expert parallel all-to-alls (per micro-batch)
+    t_ep = 0.0
+    if layout.ep > 1:
+        d = model.d_model
+        dispatch = {"fp8": d + 4 * math.ceil(d / 128), "bf16": 2 * d, "fp32": 4 * d}[layout.ep_dispatch]
+        combine = 2 * d if layout.ep_dispatch == "fp8" else dispatch
+        combine_grad = 2 * d if layout.ep_dispatch == "fp8" else dispatch
+        # forward: dispatch, combine; backward: the combine's gradient (dispatch-shaped), the dispatch's gradient
+        # (combine-shaped), as expert_parallel.Wires; a full recompute repeats the forward pair
+        exchanges = [dispatch, combine, combine_grad, combine]
+        if layout.recompute == "full":
+            exchanges += [dispatch, combine]
+        rows = tokens_mb / (t if layout.sp else 1) * model.top_k
+        moe_rank = model.n_moe_layers / pp
+        t_ep = sum(dim_time(cloud, layout, "ep", "all_to_all", rows * b, mb_traffic, moe_rank) for b in exchanges)
+    # ---- pipeline p2p (per micro-batch: an activation forward and its gradient back, per stage held)
+    t_p2p = 0.0
+    if pp > 1:
+        msg = tokens_mb * model.d_model * training.residual_bytes / (t if layout.sp else 1)
+        t_p2p = dim_time(cloud, layout, "pp", "p2p", msg, mb_traffic, count=2 * v)
+
+    # ---- FSDP2 gathers per micro-batch (forward and backward), exposed beyond the first unit
+    sp_params = stage_params(model, layout)
+    local = sp_params.total
+    t_fsdp_mb = 0.0
+    fsdp_gather_total = 0.0
+    if layout.dp_shard > 1:
+        gather = local * training.gather_bytes
+        ag = dim_time(cloud, layout, "dp_shard", "all_gather", gather, mb_traffic, 2) / 2
+        unit = ag * sp_params.unit / max(local, 1.0)
+        passes = 2
+        fsdp_gather_total = passes * ag
+        t_fsdp_mb = max(unit, ag - t_fwd) + max(unit, ag - (t_bwd - t_extra))
+    tau = t_fwd + t_bwd + t_tp + t_ep + t_p2p + t_fsdp_mb
+    if pp > 1:
+        s = layout.pp_schedule
+        bubble_units = (pp - 1) / (v if s in ("interleaved-1f1b", "looped-bfs") else 1) \
+            if s in ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs") else (pp - 1) / (3 * max(v, 1))
+    else:
+        bubble_units = 0.0
+    t_pipe = tau * (M + bubble_units)
+    traffic.inter_bytes += M * mb_traffic.inter_bytes
+    traffic.inter_messages += M * mb_traffic.inter_messages
+
+    # ---- data-parallel gradient sync (once per step)
+    wire = compressor_wire(layout.compress, model, training)
+    sync_name = layout.sync.split(":")[0].strip().lower()
+    dp_total = dp_exposed = compress_compute = sync_exposed = 0.0
+    dense, expert = sp_params.dense, sp_params.expert
+    if layout.dp > 1:
+        if layout.dp_shard > 1:    # FSDP2 / HSDP: reduce-scatter in the reduce dtype, then the replicas' all-reduce
+            name = layout.compress.split(":")[0].strip().lower()
+            cast = name in ("bf16", "fp16")
+            red = 2.0 if cast else training.grad_reduce_bytes
+            dp_total += dim_time(cloud, layout, "dp_shard", "reduce_scatter", local * red, traffic)
+            if layout.dp_replicate > 1:
+                shard = local / layout.dp_shard
+                if cast or name == "none":
+                    dp_total += dim_time(cloud, layout, "dp_replicate", "all_reduce", shard * red, traffic)
+                else:
+                    payload, raw = sync_bytes(shard, layout.dp_replicate, wire)
+                    dp_total += dim_time(cloud, layout, "dp_replicate", wire.kind, payload, traffic)
+                    dp_total += dim_time(cloud, layout, "dp_replicate", "all_reduce", raw, traffic)
+                    compress_compute += _codec_time(cloud, wire, shard, layout.dp_replicate)
+            overlap_window = t_bwd - t_extra
+            last = dp_total * sp_params.unit / max(local, 1.0)
+            dp_exposed = max(last, dp_total - overlap_window)
+        elif layout.zero1:        # distributed optimizer: reduce-scatter the gradients, all-gather the weights
+            dp_total += dim_time(cloud, layout, "dp", "reduce_scatter", dense * training.grad_reduce_bytes, traffic)
+            dp_total += dim_time(cloud, layout, "dp", "all_gather", dense * training.weight_bytes, traffic)
+            if expert:
+                dp_total += dim_time(cloud, layout, "ep_replicate", "all_reduce", expert * training.grad_reduce_bytes,
+                                     traffic)
+            dp_exposed = _overlap(dp_total, training, layout, t_bwd - t_extra, local)
+        elif sync_name in ("every-step", "pipesgd"):
+            n = layout.dp_replicate
+            if sync_name == "pipesgd":
+                _, opts = _options(layout.sync, "sync")
+                dtype = read_choice(opts.get("dtype", "fp32"), "sync", layout.sync, "dtype", ("fp32", "bf16", "fp16"))
+                wire = dataclasses.replace(wire, kind="all_reduce", bytes_per_element=4 if dtype == "fp32" else 2)
+            payload, raw = sync_bytes(dense, n, wire)
+            dp_total += dim_time(cloud, layout, "dp", wire.kind, payload, traffic,
+                                 count=1) + dim_time(cloud, layout, "dp", "all_reduce", raw, traffic)
+            buckets = max(1.0, local * 4 / training.bucket_bytes)
+            n_, _, pn = group(cloud, layout, "dp")
+            lat = (cloud.intra_node.latency if pn >= n_ else cloud.inter_node.latency) * _steps(wire.kind, n_)
+            dp_total += (buckets - 1) * lat * wire.collectives_per_bucket
+            if expert:
+                pe, re = sync_bytes(expert, max(1, layout.dp // layout.ep), wire)
+                dp_total += dim_time(cloud, layout, "ep_replicate", wire.kind, pe, traffic)
+                dp_total += dim_time(cloud, layout, "ep_replicate", "all_reduce", re, traffic)
+            compress_compute += _codec_time(cloud, wire, local, n)
+            if sync_name == "pipesgd":        # overlapped with the next step's compute
+                dp_exposed = max(0.0, dp_total - t_pipe)
+            else:
+                dp_exposed = _overlap(dp_total, training, layout, t_bwd - t_extra, local)
+        else:                                    # local SGD / DiLoCo: parameters averaged every H steps
+            name, opts = _options(layout.sync, "sync")
+            if name not in ("localsgd", "diloco", "torch-localsgd"):
+                raise ConfigError("sync", layout.sync, "every-step, localsgd, diloco, torch-localsgd or pipesgd")
+            period = read_int(opts.get("period", "16"), "sync", layout.sync, "period", lo=1)
+            delay = read_int(opts.get("delay", "0"), "sync", layout.sync, "delay", lo=0)
+            dtype = read_choice(opts.get("dtype", "fp32"), "sync", layout.sync, "dtype", ("fp32", "bf16", "fp16"))
+            nbytes = local * {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
+            one = dim_time(cloud, layout, "dp", "all_reduce", nbytes, traffic)
+            dp_total = one / period
+            sync_exposed = max(0.0, one - delay * t_pipe) / period
+    t_opt = (local / layout.dp_shard) * training.optimizer_pass_bytes / acc.hbm_bandwidth
+    breakdown = {
+        "compute": M * (t_matmul + t_elem),
+        "recompute": M * t_extra,
+        "tp_comm": M * t_tp,
+        "ep_comm": M * t_ep,
+        "pp_p2p": M * t_p2p,
+        "pp_bubble": t_pipe - M * tau,
+        "fsdp_comm_exposed": M * t_fsdp_mb,
+        "dp_comm_exposed": dp_exposed,
+        "sync_exposed": sync_exposed,
+        "compress_compute": compress_compute,
+        "optimizer": t_opt,
+    }
+    step = sum(breakdown.values())
+    mem = memory_per_rank(model, layout, training, seq_len, mb, M)
+    limit = acc.memory_bytes - acc.reserved_bytes
+    world = cloud.world_size
+    model_flops = f_tok * tokens_step
+    hw_flops = (f_tok + recompute_tok) * tokens_step
+    pred = Prediction(
+        layout=dataclasses.replace(layout, micro_batch=mb, microbatches=M), step_time_s=step,
+        tokens_per_s=tokens_step / step, tflops_per_gpu=model_flops / step / world / 1e12,
+        mfu=model_flops / step / world / peak, hfu=hw_flops / step / world / peak,
+        memory_gb_per_gpu=mem.total / GIB, memory_limit_gb=limit / GIB, fits=mem.total <= limit,
+        breakdown=breakdown, dominant=max(breakdown, key=breakdown.get), micro_batch=mb, microbatches=M,
+        memory={k: v / GIB for k, v in mem.parts.items()},
+        inter_node_bytes=traffic.inter_bytes, inter_node_messages=traffic.inter_messages,
+        info={"dp_comm_total": dp_total, "fsdp_gather_total_per_microbatch": fsdp_gather_total,
+              "layer_share_of_flops": layer_share, "flops_per_token": f_tok, "bubble_fraction":
+              (t_pipe - M * tau) / t_pipe if t_pipe else 0.0, "matmul_efficiency": eff, "training": training.name})
+    if syncwise_rules:
+        why = syncwise_refusal(layout, model, world, M)
+        pred.runnable, pred.not_runnable = why is None, why or ""
+    return pred
+
+
+def _overlap(total: float, training: Training, layout: Layout, window: float, local: float) -> float:
+    """Exposed part of a bucketed gradient sync: the last bucket always, the rest beyond the backward window
+    (no overlap when the recipe does not overlap, or under pp in syncwise: StageGradientSync runs after the
+    schedule)."""
+    if not training.overlap_dp or (layout.pp > 1 and not training.overlap_dp_with_pp):
+        return total
+    last = total * min(1.0, training.bucket_bytes / max(local * 4, 1.0))
+    return max(last, total - window)
+
+
+def _codec_time(cloud: CloudConfig, wire: Wire, elements: float, n: int) -> float:
+    acc = cloud.accelerator
+    traffic = elements * (wire.compute_bytes + wire.compute_bytes_per_peer * n)
+    return traffic / acc.hbm_bandwidth + elements * wire.flops_per_element / (acc.peak_bf16_flops * 0.5)
+
+
+def memory_only(model: ModelSpec, layout: Layout, training: Training, seq_len: int, micro_batch: int,
+                microbatches: int) -> Memory:
+    """The memory model alone (the search prunes with it before timing)."""
+    return memory_per_rank(model, layout, training, seq_len, micro_batch, microbatches)

@@ -1,0 +1,213 @@
+"""``Layout``: one way to run a job (ParallelSpec's dimensions and pipeline settings, plus micro-batch size,
+activation recomputation, compression and sync strategy), its ``--layout`` text form, the training recipe
+(``Training``: bytes per parameter and what overlaps), and whether syncwise itself can run the layout.
+
+``--layout`` is read by the one spec parser (``syncwise.specs.parse_spec``: ``key=value`` options separated by
+commas) and its typed readers. Whether a layout is runnable is decided by syncwise's own rules —
+``ParallelSpec.resolve`` / ``check_model`` (syncwise.parallel.mesh) and the compressor / sync parsers — imported
+on first use only (they load torch), so ``import syncwise.plan`` stays pure Python.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from ..errors import ConfigError
+from ..specs import check_keys, parse_spec, read_bool, read_choice, read_int
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "tp")     # outermost first, as syncwise.parallel.mesh.DIMS
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
+RECOMPUTE = ("none", "selective", "full")
+DISPATCH = ("fp8", "bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Degrees (ParallelSpec's names: world = pp × dp_replicate × dp_shard × tp, ep borrowed from data
+    parallel), the pipeline's schedule, ``micro_batch`` sequences per micro-batch per data-parallel rank
+    (0: the planner picks), ``microbatches`` per step (pipeline M, or gradient accumulation when pp = 1; 0:
+    derived from the batch), recomputation, sequence parallel (syncwise's tensor parallel always shards the
+    sequence), the gradient compressor and the sync strategy. ``zero1``: a distributed optimizer (ZeRO-1,
+    optimizer state sharded over data parallel) — not a syncwise layout, for published runs."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    pp_schedule: str = "1f1b"
+    stages_per_rank: int = 1
+    microbatches: int = 0
+    micro_batch: int = 0
+    recompute: str = "none"
+    sequence_parallel: bool = True
+    ep_dispatch: str = "fp32"       # ParallelSpec's default (exact); fp8 is DeepSeek-V3's choice
+    compress: str = "none"
+    sync: str = "every-step"
+    zero1: bool = False
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    @property
+    def sp(self) -> bool:
+        return self.sequence_parallel and self.tp > 1
+
+    def describe(self) -> str:
+        """Compact text, the same keys ``--layout`` reads."""
+        parts = [f"dp={self.dp_replicate}"]
+        for key, default in (("dp_shard", 1), ("tp", 1), ("pp", 1), ("ep", 1)):
+            if getattr(self, key) != default:
+                parts.append(f"{key}={getattr(self, key)}")
+        if self.pp > 1:
+            parts.append(f"schedule={self.pp_schedule}")
+            if self.stages_per_rank > 1:
+                parts.append(f"v={self.stages_per_rank}")
+        if self.micro_batch:
+            parts.append(f"microbatch={self.micro_batch}")
+        if self.microbatches:
+            parts.append(f"microbatches={self.microbatches}")
+        parts.append(f"recompute={self.recompute}")
+        if self.tp > 1 and not self.sequence_parallel:
+            parts.append("sp=no")
+        if self.ep > 1:
+            parts.append(f"ep_dispatch={self.ep_dispatch}")
+        if self.compress != "none":
+            parts.append(f"compress={self.compress}")
+        if self.sync != "every-step":
+            parts.append(f"sync={self.sync}")
+        if self.zero1:
+            parts.append("zero1=yes")
+        return ",".join(parts)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Training:
+    """How the framework trains: bytes per parameter of weights, gradients and optimizer state, the dtypes on
+    the wire, and what overlaps. Two recipes ship: ``SYNCWISE`` (what ``syncwise train`` does: fp32 weights
+    under bf16 autocast, fp32 gradients, AdamW's two fp32 moments, fp32 FSDP2 gathers, DDP's bucket copy, the
+    gradient all-reduce overlapped with backward bucket by bucket except under pp) and ``MEGATRON``
+    (Megatron-LM style mixed precision: bf16/fp16 weights, fp32 main gradients, fp32 master weights and
+    moments; no flash attention and attention dropout as in 2021; gradient all-reduce after backward)."""
+
+    name: str = "syncwise"
+    weight_bytes: float = 4
+    grad_bytes: float = 4
+    optimizer_bytes: float = 8
+    gather_bytes: float = 4          # FSDP all-gather dtype
+    grad_reduce_bytes: float = 4     # gradient all-reduce / reduce-scatter dtype without a compressor
+    activation_bytes: float = 2      # matmul outputs under 16-bit autocast
+    residual_bytes: float = 4        # the residual stream (fp32 under autocast over fp32 weights)
+    ddp_bucket_copy: bool = True     # DDP's flat buckets hold a second copy of the gradients
+    overlap_dp: bool = True          # gradient sync overlaps backward (all but the last bucket)
+    overlap_dp_with_pp: bool = False  # ... also under pp (syncwise's StageGradientSync runs after the schedule)
+    fsdp_with_tp: bool = True        # FSDP2 holds the data-parallel ranks of a tensor-parallel model (syncwise)
+    bucket_bytes: float = 25e6       # dist.bucket_cap_mb
+    flash_attention: bool = True     # SDPA's fused kernels: no s² attention activations stored
+    dropout: bool = False
+    peak_dtype: str = "bf16"
+    optimizer_pass_bytes: float = 36  # HBM traffic per local parameter of one AdamW step
+
+
+SYNCWISE = Training()
+MEGATRON = Training(name="megatron", weight_bytes=2, grad_bytes=4, optimizer_bytes=12, gather_bytes=2,
+                    grad_reduce_bytes=4, activation_bytes=2, residual_bytes=2, ddp_bucket_copy=False,
+                    overlap_dp=False, fsdp_with_tp=False, flash_attention=False, dropout=True, optimizer_pass_bytes=40)
+
+LAYOUT_ACCEPTED = ("key=value options separated by commas: dp (= dp_replicate), dp_shard (or fsdp), tp, pp, ep, "
+                   "microbatch (sequences per micro-batch), microbatches (per step), schedule (" + "|".join(SCHEDULES)
+                   + "), v (stages per rank), recompute (none|selective|full), sp (yes|no), ep_dispatch "
+                   "(fp8|bf16|fp32), compress (a compressor spec without commas), sync (a sync spec without "
+                   "commas), zero1 (yes|no); e.g. dp=4,tp=2,pp=2,microbatch=2,recompute=selective")
+_INT_KEYS = {"dp": "dp_replicate", "dp_replicate": "dp_replicate", "dp_shard": "dp_shard", "fsdp": "dp_shard",
+             "tp": "tp", "pp": "pp", "ep": "ep", "microbatch": "micro_batch", "micro_batch": "micro_batch",
+             "microbatches": "microbatches", "v": "stages_per_rank", "stages_per_rank": "stages_per_rank"}
+_KEYS = (*_INT_KEYS, "schedule", "pp_schedule", "recompute", "sp", "ep_dispatch", "compress", "sync", "zero1")
+
+
+def parse_layout(text: str, world: Optional[int] = None, field: str = "--layout") -> Layout:
+    """``dp=..,tp=..,pp=..,ep=..,microbatch=..,recompute=..`` → Layout, through ``syncwise.specs.parse_spec``.
+    An absent ``dp`` takes the ranks the others leave of ``world`` (ParallelSpec's dp_replicate = 0)."""
+    if not isinstance(text, str) or not text.strip():
+        raise ConfigError(field, text, LAYOUT_ACCEPTED)
+    _, options = parse_spec("layout:" + text.strip(), field, LAYOUT_ACCEPTED)
+    check_keys(options, _KEYS, field, text, LAYOUT_ACCEPTED)
+    kwargs: dict[str, Any] = {}
+    for key, raw in options.items():
+        if key in _INT_KEYS:
+            lo = 0 if key in ("microbatch", "micro_batch", "microbatches") else 1
+            kwargs[_INT_KEYS[key]] = read_int(raw, field, text, key, lo=lo, hi=1 << 20)
+        elif key in ("schedule", "pp_schedule"):
+            kwargs["pp_schedule"] = read_choice(raw, field, text, key, SCHEDULES)
+        elif key == "recompute":
+            kwargs["recompute"] = read_choice(raw, field, text, key, RECOMPUTE)
+        elif key == "ep_dispatch":
+            kwargs["ep_dispatch"] = read_choice(raw, field, text, key, DISPATCH)
+        elif key == "sp":
+            kwargs["sequence_parallel"] = read_bool(raw, field, text, key)
+        elif key == "zero1":
+            kwargs["zero1"] = read_bool(raw, field, text, key)
+        else:
+            kwargs[key] = raw
+    if "dp_replicate" not in kwargs:
+        inner = kwargs.get("pp", 1) * kwargs.get("dp_shard", 1) * kwargs.get("tp", 1)
+        if world is None or world % inner:
+            raise ConfigError(field, text, f"dp=N, or degrees whose product divides the world size ({world}): "
+                              f"pp × dp_shard × tp = {inner}")
+        kwargs["dp_replicate"] = world // inner
+    if kwargs.get("stages_per_rank", 1) > 1 and "pp_schedule" not in kwargs:
+        kwargs["pp_schedule"] = "interleaved-1f1b"
+    return Layout(**kwargs)
+
+
+def parallel_spec(layout: Layout, microbatches: int = 0) -> Any:
+    """The layout as syncwise's ``ParallelSpec`` (imports syncwise.parallel, i.e. torch)."""
+    from ..parallel.mesh import ParallelSpec
+
+    return ParallelSpec(layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp, layout.ep,
+                        pp_schedule=layout.pp_schedule, microbatches=microbatches or layout.microbatches,
+                        stages_per_rank=layout.stages_per_rank, ep_dispatch=layout.ep_dispatch)
+
+
+def syncwise_refusal(layout: Layout, model: Any, world: int, microbatches: int) -> Optional[str]:
+    """Why syncwise cannot run ``layout`` (None when it can): ``ParallelSpec.resolve`` and ``check_model`` — the
+    rules every ``syncwise train`` run passes — plus the compressor's and the sync strategy's own parsers and
+    ``fsdp_gradient_sync``. Two rules live in syncwise.config (a layer above this one) and are restated here:
+    a sync strategy other than every-step needs plain replicas and no compressor (config._check_layout,
+    config.check_references)."""
+    from ..compress.registry import parse_compress_spec
+    from ..parallel.sync_spec import SyncSpec
+
+    try:
+        spec = parallel_spec(layout, microbatches).resolve(world)
+        spec.check_model(model)
+        if layout.zero1:
+            raise ConfigError("zero1", True, "no: syncwise shards optimizer state only with FSDP2 (dp_shard)")
+        if layout.tp > 1 and not layout.sequence_parallel:
+            raise ConfigError("sp", False, "yes: syncwise's tensor parallel always shards the sequence")
+        compress = layout.compress
+        if compress.strip().lower().startswith("torch-"):
+            if spec.fsdp:
+                raise ConfigError("compress", compress, "a syncwise compressor with dp_shard > 1 or tp > 1")
+        else:
+            parse_compress_spec(compress)
+            if spec.fsdp and compress != "none":
+                from ..parallel.fsdp import fsdp_gradient_sync
+                fsdp_gradient_sync(compress, spec.dp_replicate)
+        sync = SyncSpec.parse(layout.sync, "sync")
+        if sync is not None and not spec.replicas_only:
+            raise ConfigError("sync", layout.sync, "every-step with dp_shard, tp, pp or ep > 1")
+        if sync is not None and compress != "none":
+            raise ConfigError("sync", layout.sync, "every-step when a compressor is set")
+    except ConfigError as e:
+        return str(e).replace("invalid value for ", "")
+    return None

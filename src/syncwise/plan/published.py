@@ -1,0 +1,149 @@
+"""Published large-scale training runs (layout + measured throughput, each with its source) and the planner's
+prediction of each: the check of the cost model against runs nobody here can repeat.
+
+Each ``PublishedRun`` gives the model's shape, the cluster, the layout as published, the global batch and
+the reported figure in the publication's own unit (TFLOP/s per GPU by the paper's FLOP count, or seconds per
+iteration). ``confident`` is False where a number is quoted from memory with less certainty or the
+publication's FLOP convention is unknown; ``assumed`` lists what the publication does not say and we chose
+(micro-batch size, schedule, recomputation). benchmarks/plan_published.py prints and stores the comparison.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from .cloud import CloudConfig, cluster
+from .cost import Prediction, predict
+from .layout import MEGATRON, Layout, Training
+from .model import ModelSpec
+from .search import search
+
+#: Megatron-style mixed precision with fused attention and no dropout (2023-24 runs)
+MODERN = dataclasses.replace(MEGATRON, name="megatron-flash", flash_attention=True, dropout=False)
+
+
+def megatron_flops(B: int, s: int, L: int, h: int, V: int, recompute: bool = True) -> float:
+    """Narayanan et al. 2021, eq. (3): FLOPs per iteration, 96·B·s·l·h²·(1 + s/6h + V/16lh) with activation
+    recomputation (72·B·s·l·h²·(1 + s/6h + V/12lh) without)."""
+    if recompute:
+        return 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+    return 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    name: str
+    publication: str
+    source: str                     # table / section
+    model: ModelSpec
+    cloud: CloudConfig
+    layout: Layout
+    global_batch: int
+    seq_len: int
+    metric: str                     # "tflops_per_gpu" (by ``flops``) or "step_time_s"
+    reported: float
+    flops: Optional[Callable[[], float]] = None     # the publication's FLOPs per iteration (for tflops_per_gpu)
+    training: Training = MEGATRON
+    confident: bool = True
+    assumed: str = ""
+    fsdp_in_framework: bool = False  # whether the framework could have chosen FSDP (for the top-3 check)
+
+    def predicted(self, pred: Prediction) -> float:
+        """The prediction in the publication's unit."""
+        if self.metric == "step_time_s":
+            return pred.step_time_s
+        flops = self.flops() if self.flops else pred.tflops_per_gpu * 1e12 * pred.step_time_s * \
+            self.cloud.world_size
+        return flops / pred.step_time_s / self.cloud.world_size / 1e12
+
+
+def gpt(hidden: int, layers: int, heads: int, vocab: int = 51200, seq: int = 2048, name: str = "") -> ModelSpec:
+    """GPT as in Megatron-LM: GeLU MLP of 4h, learned positions, tied embedding, biases."""
+    return ModelSpec(name or f"gpt-h{hidden}-l{layers}", vocab, hidden, layers, heads, 4 * hidden, seq_len=seq,
+                     mlp="gelu", biases=True, learned_positions=seq, tie_embeddings=True)
+
+
+def _selene(gpus: int) -> CloudConfig:
+    # DGX A100 (80 GB) nodes: 8 GPUs on NVLink 3 / NVSwitch, 8 × HDR 200 Gb/s InfiniBand per node (Narayanan
+    # et al. §5: "8 NVIDIA Mellanox 200Gbps HDR Infiniband HCAs"); Selene / MT-NLG's cluster the same.
+    return cluster("a100-80gb", gpus // 8, 8, intra="nvlink3", inter="ib-hdr", nics_per_node=8)
+
+
+def runs() -> list[PublishedRun]:
+    """The published runs, with sources."""
+    out: list[PublishedRun] = []
+    # ---- 1. Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+    #      Megatron-LM", SC'21 (arXiv:2104.04473), Table 1 (weak scaling): TFLOP/s per GPU by eq. (3)
+    table1 = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+              (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+              (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+              (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+              (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)]
+    for P, a, h, L, tp, pp, n, B, tf in table1:
+        out.append(PublishedRun(
+            f"Megatron-LM GPT {P} B", "Narayanan et al. SC'21", "Table 1", gpt(h, L, a, name=f"gpt-{P}b"),
+            _selene(n), Layout(dp_replicate=n // (tp * pp), tp=tp, pp=pp, micro_batch=1, recompute="full",
+                               sequence_parallel=False), B, 2048, "tflops_per_gpu", tf,
+            flops=lambda B=B, L=L, h=h: megatron_flops(B, 2048, L, h, 51200),
+            assumed="micro-batch 1, non-interleaved 1F1B (the table gives neither); full recomputation (§5)"))
+    # ---- 2. Smith et al., "Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B" (arXiv:2201.11990),
+    #      §3 system performance: 280 / 350 / 420 DGX A100 nodes, tp 8 × pp 35, batch 1920, seconds per iteration
+    for nodes, dp, sec in ((280, 8, 60.1), (350, 10, 50.2), (420, 12, 44.4)):
+        out.append(PublishedRun(
+            f"MT-NLG 530B on {nodes * 8} GPUs", "Smith et al. 2022 (MT-NLG)", "§3.3 (iteration time)",
+            gpt(20480, 105, 128, name="mt-nlg-530b"), _selene(nodes * 8),
+            Layout(dp_replicate=dp, tp=8, pp=35, micro_batch=1, recompute="full", sequence_parallel=False),
+            1920, 2048, "step_time_s", sec, confident=False,
+            assumed="iteration times quoted from memory (60.1 / 50.2 / 44.4 s); micro-batch 1, 1F1B, full "
+                    "recomputation assumed; vocabulary 51,200 assumed"))
+    # ---- 3. Dubey et al., "The Llama 3 Herd of Models" (arXiv:2407.21783), Table 4: Llama 3 405B on H100
+    #      (8 per node, RoCE 400 Gb/s per GPU), 8,192-token sequences, 16 M tokens per batch, BF16 TFLOP/s per GPU
+    llama405 = ModelSpec("llama-3-405b", 128256, 16384, 126, 128, 53248, seq_len=8192, n_kv_heads=8)
+    for gpus, dp, per_dp, tf in ((8192, 64, 32, 430), (16384, 128, 16, 400)):
+        out.append(PublishedRun(
+            f"Llama 3 405B on {gpus} GPUs", "Dubey et al. 2024 (Llama 3)", "Table 4", llama405,
+            cluster("h100-sxm", gpus // 8, 8, intra="nvlink4", inter="roce-400g", nics_per_node=8),
+            Layout(dp_replicate=dp, tp=8, pp=16, pp_schedule="interleaved-1f1b", stages_per_rank=2, micro_batch=1,
+                   recompute="none", zero1=True), dp * per_dp, 8192, "tflops_per_gpu", tf, training=MODERN,
+            assumed="FLOP convention taken as 6N + full attention (Meta's own count is not given: a causal "
+                    "discount would lower ours by ~4 %); interleaved 1F1B with 2 stages per rank, micro-batch 1, "
+                    "no recomputation; sharded optimizer state as ZeRO-1"))
+    # ---- 4. BigScience, "BLOOM: A 176B-Parameter Open-Access Multilingual Language Model" (arXiv:2211.05100),
+    #      §3.4: 48 nodes × 8 A100 80 GB, tp 4 × pp 12 × dp 8, ZeRO-1, "156 TFLOPs" in the fastest configuration
+    out.append(PublishedRun(
+        "BLOOM 176B on 384 GPUs", "BigScience 2022 (BLOOM)", "§3.4", gpt(14336, 70, 112, vocab=250880,
+                                                                          name="bloom-176b"),
+        cluster("a100-80gb", 48, 8, intra="nvlink3", inter="ib-hdr", nics_per_node=4),
+        Layout(dp_replicate=8, tp=4, pp=12, micro_batch=2, recompute="full", sequence_parallel=False, zero1=True),
+        2048, 2048, "tflops_per_gpu", 156, flops=lambda: megatron_flops(2048, 2048, 70, 14336, 250880),
+        confident=False,
+        assumed="156 TFLOP/s quoted from memory; Megatron's eq. (3) assumed as their count; 4 HDR NICs per "
+                "node (Jean Zay), micro-batch 2, full recomputation assumed; ALiBi treated as RoPE-free MHA"))
+    return out
+
+
+def evaluate(run: PublishedRun, top_check: bool = True) -> dict[str, Any]:
+    """Predict ``run``; its error in the publication's unit; where its layout ranks in the planner's search
+    over the framework's space (no FSDP unless the framework had it; the run's micro-batch, recomputation
+    and schedule kept), by (tp, pp)."""
+    pred = predict(run.cloud, run.model, run.layout, run.global_batch, run.seq_len, training=run.training,
+                   syncwise_rules=False)
+    value = run.predicted(pred)
+    error = value / run.reported - 1
+    row: dict[str, Any] = {
+        "name": run.name, "publication": run.publication, "source": run.source, "confident": run.confident,
+        "assumed": run.assumed, "layout": run.layout.describe(), "gpus": run.cloud.world_size,
+        "global_batch": run.global_batch, "seq_len": run.seq_len, "metric": run.metric, "reported": run.reported,
+        "predicted": value, "error": error, "fits": pred.fits, "memory_gb_per_gpu": pred.memory_gb_per_gpu,
+        "mfu": pred.mfu, "breakdown": pred.breakdown, "dominant": pred.dominant}
+    if top_check:
+        lay = run.layout
+        found = search(run.cloud, run.model, run.global_batch, run.seq_len, top=10, training=run.training,
+                       syncwise_rules=False, compress=("none",), recompute=(lay.recompute,),
+                       micro_batches=(lay.micro_batch,), schedules=((lay.pp_schedule, lay.stages_per_rank),),
+                       fsdp=run.fsdp_in_framework, zero1=lay.zero1, sequence_parallel=lay.sequence_parallel)
+        ranks = [(p.layout.tp, p.layout.pp) for p in found]
+        row["planner_top3"] = [f"tp{t} pp{p}" for t, p in ranks[:3]]
+        row["paper_layout_rank"] = ranks.index((lay.tp, lay.pp)) + 1 if (lay.tp, lay.pp) in ranks else None
+    return row
