@@ -103,11 +103,11 @@ ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in (
                        "smaller share of the larger peak); calibrate"),
     # The network lab (DESIGN.md §5): one worker process on this project's 2-core VM. 'peak' is the measured
     # effective training throughput (efficiency 1.0), not a hardware peak.
-    Accelerator("cpu-lab", 60e9, 60e9, 0.0, 5.5 * GIB, 10e9, 1.0, reserved_bytes=0.4e9,
+    Accelerator("cpu-lab", 60e9, 60e9, 0.0, 5.5 * GIB, 10e9, 1.0, reserved_bytes=0.4 * GIB,
                 source="measured, benchmarks/RESULTS.md §3: `small` preset compute-only steps, 16 × 128 tokens in "
                        "538 ms and 96 × 128 in 2.9-3.3 s = 59-66 GFLOP/s of PaLM-convention training FLOPs per "
                        "worker (1 thread); memory: a share of the VM's 23 GiB; 10 GB/s memory bandwidth assumed; "
-                       "reserved 0.4 GB = the Python/torch baseline RSS of RESULTS.md §7"),
+                       "reserved 0.4 GiB = the Python/torch baseline RSS of RESULTS.md §7"),
 )}
 
 _LAT = "latency assumed (order of magnitude of a NCCL / gloo message step, not a datasheet figure)"
