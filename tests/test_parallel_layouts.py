@@ -107,7 +107,7 @@ def test_four_rank_layouts_match_one_process(layout):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset,layout", [("tiny", {"pp": 2, "microbatches": 2}),
+@pytest.mark.parametrize("preset,layout", [("tiny-moe", {"pp": 2, "microbatches": 2}),
                                            ("tiny-moe", {"ep": 2}),
                                            ("tiny-moe", {"pp": 2, "ep": 2, "microbatches": 2, "ep_dispatch": "fp32"})],
                          ids=lambda v: v if isinstance(v, str) else _name(v))
