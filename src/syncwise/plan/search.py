@@ -127,7 +127,19 @@ def search(cloud: CloudConfig, model: ModelSpec, global_batch: int, seq_len: Opt
                     results.append(pred)
                 break
     results = list(best.values()) if distinct else results
-    return rank(results, cloud.network_priority)[:top]
+    ranked = rank(results, cloud.network_priority)
+    if distinct:   # schedules the model cannot tell apart (the zero-bubble family): keep the first listed
+        seen: set = set()
+        kept = []
+        for p in ranked:
+            lay = p.layout
+            key = (lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.ep, lay.compress, lay.sync, lay.micro_batch,
+                   lay.recompute, round(p.step_time_s, 9), round(p.memory_gb_per_gpu, 6))
+            if key not in seen:
+                seen.add(key)
+                kept.append(p)
+        ranked = kept
+    return ranked[:top]
 
 
 def rank(preds: list[Prediction], priority: str = "balanced") -> list[Prediction]:
