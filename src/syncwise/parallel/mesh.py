@@ -61,13 +61,15 @@ class ParallelSpec:
                               f"{self.tp}")
         spec = dataclasses.replace(self, dp_replicate=replicate,
                                    microbatches=self.microbatches or 2 * self.pp * self.stages_per_rank)
-        for name in ("pp", "ep"):
-            if getattr(self, name) > 1 and spec.fsdp:
-                other = "parallel.dp_shard" if self.dp_shard > 1 else "parallel.tp"
-                raise ConfigError(f"parallel.{name}", getattr(self, name),
-                                  f"1 with {other}={getattr(self, other.split('.')[1])}: {name} > 1 composes with "
-                                  "data-parallel replicas (dp_replicate) so far; with FSDP2 or tensor parallel it "
-                                  "is not built yet")
+        # Built so far: pp with replicas (DDP-like) or FSDP2; ep with replicas. Not yet: pp × tp, ep × FSDP2 / tp.
+        if self.pp > 1 and self.tp > 1:
+            raise ConfigError("parallel.pp", self.pp, f"1 with parallel.tp={self.tp}: pipeline × tensor parallel is "
+                              "not built yet (pp composes with dp_replicate and dp_shard)")
+        if self.ep > 1 and spec.fsdp:
+            other = "parallel.dp_shard" if self.dp_shard > 1 else "parallel.tp"
+            raise ConfigError("parallel.ep", self.ep, f"1 with {other}={getattr(self, other.split('.')[1])}: expert "
+                              "parallel composes with data-parallel replicas (dp_replicate) and pp so far; with "
+                              "FSDP2 or tensor parallel it is not built yet")
         if spec.dp % self.ep:
             raise ConfigError("parallel.ep", self.ep, f"a divisor of the data-parallel ranks dp_replicate × dp_shard "
                               f"= {spec.dp}: expert parallel borrows its ranks from data parallel; divisors: "

@@ -82,10 +82,12 @@ class Parallelized:
         micro-batch of a step); then the time the backward waited on the network is measured."""
         with self._counter if self._counting else contextlib.nullcontext():
             if self.pipeline is not None:  # the schedule runs every microbatch; then the stage's replicas sync
-                yield
+                yield                      # (FSDP2 stages reduce-scatter in the last microbatch's backward)
                 if syncing and self.stage_sync is not None:
                     waited = self.stage_sync.sync()
                     self._exposed = lambda: waited
+                if syncing and self.dp.hook_state is not None:
+                    self.dp.hook_state.steps += 1
                 if syncing:
                     self._reduce_expert_gradients()
             elif self.fsdp:
@@ -247,14 +249,21 @@ def parallelize(model: nn.Module, spec: "ParallelSpec | dict | None" = None, dev
                               "FSDP2 holds the replicas, so there are no whole replicas to average")
         reduce_dtype, compress_replicas = fsdp_gradient_sync(
             getattr(compressor, "spec", None) or getattr(compressor, "name", None) or "none", spec.dp_replicate)
+        # Each pipeline stage is its own FSDP2 root (torch's PipelineStage defers its reduce-scatter to the last
+        # microbatch's backward).
+        roots = par.pipeline.stage_modules if par.pipeline is not None else [model]
         if compress_replicas:
             # FSDP2 inside each replica group; syncwise's compressor is the all-reduce across the groups.
-            apply_fsdp(model, mesh, ("dp_shard",), reduce_dtype=torch.float32)
-            par.dp = DataParallel(module=model, hook_state=_replica_hook_state(compressor, mesh, model, min_numel))
-            attach_compression(model, par.dp.hook_state)
+            par.dp = DataParallel(module=model, hook_state=None)
+            for root in roots:
+                apply_fsdp(root, mesh, ("dp_shard",), reduce_dtype=torch.float32)
+            par.dp.hook_state = _replica_hook_state(compressor, mesh, par.model, min_numel)
+            for root in roots:
+                attach_compression(root, par.dp.hook_state)
         else:
             # HSDP over both data-parallel dimensions; apply_fsdp treats one replica (1 × N) as plain FSDP2.
-            apply_fsdp(model, mesh, ("dp_replicate", "dp_shard"), reduce_dtype=reduce_dtype or torch.float32)
+            for root in roots:
+                apply_fsdp(root, mesh, ("dp_replicate", "dp_shard"), reduce_dtype=reduce_dtype or torch.float32)
         par.fsdp = True
     elif dp_dims and par.pipeline is not None:  # this rank's stages' gradients averaged over their replicas
         if isinstance(compressor, TorchHookSpec):
@@ -294,8 +303,14 @@ def _split_pipeline(par: Parallelized, model: nn.Module, mesh: Any, device: torc
                          loss_fn=loss_fn, group=mesh["pp"].get_group(), device=device)
     pipe.partition_model(model, split_fn)
     par.pipeline, par.model, par.module = pipe, pipe.module, pipe.module
-    # The stage's data-parallel ranks: its DDP group and the MoE load counts' sum (layers differ between stages).
-    par.dp_group = mesh["dp_replicate"].get_group()
+    # The stage's data-parallel ranks (replicas × shards): its gradient sync and the MoE load counts' sum (layers
+    # differ between stages, so the counts cannot be summed over the world).
+    if spec.dp_shard == 1:
+        par.dp_group = mesh["dp_replicate"].get_group()
+    elif spec.dp_replicate == 1:
+        par.dp_group = mesh["dp_shard"].get_group()
+    else:
+        par.dp_group = mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
 
 
 def _expert_names(model: nn.Module) -> list[str]:
