@@ -109,11 +109,12 @@ def test_four_rank_layouts_match_one_process(layout):
 @pytest.mark.slow
 @pytest.mark.parametrize("preset,layout", [("tiny-moe", {"pp": 2, "microbatches": 2}),
                                            ("tiny-moe", {"pp": 2, "dp_shard": 2, "microbatches": 2}),
+                                           ("tiny-moe", {"pp": 2, "tp": 2, "microbatches": 2}),
                                            ("tiny-moe", {"ep": 2}),
                                            ("tiny-moe", {"pp": 2, "ep": 2, "microbatches": 2, "ep_dispatch": "fp32"})],
                          ids=lambda v: v if isinstance(v, str) else _name(v))
 def test_four_rank_pipeline_and_expert_layouts_match_one_process(preset, layout):
-    """pp 2 × dp 2 (replicas averaged after the schedule), pp 2 × FSDP2 2, dp 4 with experts split in pairs (ep 2: each expert has a replica, its gradient
+    """pp 2 × dp 2 (replicas averaged after the schedule), pp 2 × FSDP2 2, pp 2 × tp 2, dp 4 with experts split in pairs (ep 2: each expert has a replica, its gradient
     summed over the pair of copies), pp 2 × ep 2."""
     _check(preset, layout, 4)
 

@@ -57,6 +57,7 @@ class DeepSeekLM(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+        self.sequence_shards = 1  # how many parts the residual stream's sequence is split into (sequence parallel)
         self._rope_dim = cfg.mla_dims()["qk_rope_head_dim"] if cfg.attention == "mla" else cfg.head_dim
         self.init_weights()
 
@@ -95,7 +96,8 @@ class DeepSeekLM(nn.Module):
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, vocab); hidden states in/out for pipeline stages."""
-        T = idx.shape[1]
+        # A stage that starts from hidden states under sequence parallel gets its 1/sequence_shards of the sequence.
+        T = idx.shape[1] * (self.sequence_shards if self.tok_embeddings is None else 1)
         if T > self.config.seq_len:
             raise SyncwiseError(f"input has {T} tokens but the model's seq_len is {self.config.seq_len}; "
                                 "use shorter sequences or build the model with a larger model.seq_len")

@@ -61,10 +61,7 @@ class ParallelSpec:
                               f"{self.tp}")
         spec = dataclasses.replace(self, dp_replicate=replicate,
                                    microbatches=self.microbatches or 2 * self.pp * self.stages_per_rank)
-        # Built so far: pp with replicas (DDP-like) or FSDP2; ep with replicas. Not yet: pp × tp, ep × FSDP2 / tp.
-        if self.pp > 1 and self.tp > 1:
-            raise ConfigError("parallel.pp", self.pp, f"1 with parallel.tp={self.tp}: pipeline × tensor parallel is "
-                              "not built yet (pp composes with dp_replicate and dp_shard)")
+        # Built so far: ep with replicas (and pp); not yet with FSDP2 or tensor parallel.
         if self.ep > 1 and spec.fsdp:
             other = "parallel.dp_shard" if self.dp_shard > 1 else "parallel.tp"
             raise ConfigError("parallel.ep", self.ep, f"1 with {other}={getattr(self, other.split('.')[1])}: expert "

@@ -3,14 +3,17 @@
 The order (torchtitan's ``parallelize_llama``, for the same reasons):
 
 1. activation checkpointing — wraps block forwards; must see the plain blocks, before any wrapper;
-2. tensor / sequence parallel (``tp``) — swaps parameters for DTensors sharded on the ``tp`` mesh dimension;
-   everything after it sees (and shards further) those DTensors;
-3. (expert parallel, pipeline split: next issue — after TP, before data parallel);
-4. data parallel over the ``dp_*`` dimensions: FSDP2 (``dp_shard > 1``; HSDP when ``dp_replicate > 1`` too),
-   or DDP with syncwise's gradient-sync hook (compressed, timed, counted) when the layout is replicas alone;
-5. a reduced-sync strategy (local SGD / DiLoCo / Pipe-SGD) — needs the replicas identical, i.e. after DDP's
+2. the pipeline split (``pp``) — this rank keeps its stages' layers (``AsyncPipeline``); everything below works on
+   those parts, so the other layers are never sharded or copied;
+3. tensor / sequence parallel (``tp``) on each part — swaps parameters for DTensors sharded on the ``tp`` mesh
+   dimension; everything after it sees (and shards further) those DTensors;
+4. expert parallel (``ep``) — each MoE layer's routed experts split over ``ep`` data-parallel neighbours;
+5. data parallel over the ``dp_*`` dimensions: FSDP2 (``dp_shard > 1`` or ``tp > 1``; HSDP when ``dp_replicate >
+   1`` too; each pipeline stage its own root), DDP with syncwise's gradient-sync hook (compressed, timed, counted)
+   when the layout is replicas, or a pipeline stage's replicas averaged after the schedule;
+6. a reduced-sync strategy (local SGD / DiLoCo / Pipe-SGD) — needs the replicas identical, i.e. after DDP's
    initial broadcast;
-6. ``torch.compile`` last, over the wrapped module.
+7. ``torch.compile`` last, over the wrapped module.
 
 The trainer talks only to the returned :class:`Parallelized`: ``module`` to run, ``micro_batch(syncing)``
 around each micro-batch's forward/backward (DDP's ``no_sync`` and FSDP2's ``set_requires_gradient_sync``
@@ -222,21 +225,24 @@ def parallelize(model: nn.Module, spec: "ParallelSpec | dict | None" = None, dev
     # 1. activation checkpointing
     if activation_checkpointing:
         apply_activation_checkpointing(model)
-    # 2. tensor / sequence parallel
+    par = Parallelized(model=model, module=model, spec=spec, mesh=mesh)
+    # 2. pipeline: this rank's stages; the other layers are dropped before anything below shards or copies them
+    if spec.pp > 1:
+        _split_pipeline(par, model, mesh, device, loss_fn, split_fn)
+    parts = par.pipeline.stage_modules if par.pipeline is not None else [model]
+    # 3. tensor / sequence parallel, on each part (a stage's plan covers the layers it has)
     if spec.tp > 1:
         from .tensor_parallel import apply_tensor_parallel
-        apply_tensor_parallel(model, mesh["tp"], plan=tp_plan)
-    par = Parallelized(model=model, module=model, spec=spec, mesh=mesh)
-    # 3. expert parallel: each MoE layer's routed experts split over ep data-parallel neighbours (all-to-all)
+        for part in parts:
+            apply_tensor_parallel(part, mesh["tp"], plan=tp_plan)
+    # 4. expert parallel: each MoE layer's routed experts split over ep data-parallel neighbours (all-to-all)
     if spec.ep > 1:
         from .expert_parallel import apply_expert_parallel
         from .mesh import build_expert_mesh
-        expert_mesh = build_expert_mesh(spec, device.type)
-        apply_expert_parallel(model, expert_mesh["ep"], dispatch=spec.ep_dispatch)
+        expert_mesh = build_expert_mesh(spec, device.type)  # (collective: every rank builds it)
+        if any(True for _ in getattr(par.model, "moe_layers", lambda: ())()):  # a stage may hold dense layers only
+            apply_expert_parallel(par.model, expert_mesh["ep"], dispatch=spec.ep_dispatch)
         par.expert_replicas = expert_mesh["ep_replicate"].get_group() if spec.dp > spec.ep else None
-    # 4. pipeline: this rank's stages of the (tensor/expert-parallel) model; the rest of its layers are dropped
-    if spec.pp > 1:
-        _split_pipeline(par, model, mesh, device, loss_fn, split_fn)
     # 5. data parallel
     dp_dims = tuple(n for n in ("dp_replicate", "dp_shard") if getattr(spec, n) > 1)
     # Replicas of a tensor-parallel model go through FSDP2 too (HSDP with shards of one): DDP would turn TP's
@@ -251,7 +257,7 @@ def parallelize(model: nn.Module, spec: "ParallelSpec | dict | None" = None, dev
             getattr(compressor, "spec", None) or getattr(compressor, "name", None) or "none", spec.dp_replicate)
         # Each pipeline stage is its own FSDP2 root (torch's PipelineStage defers its reduce-scatter to the last
         # microbatch's backward).
-        roots = par.pipeline.stage_modules if par.pipeline is not None else [model]
+        roots = parts
         if compress_replicas:
             # FSDP2 inside each replica group; syncwise's compressor is the all-reduce across the groups.
             par.dp = DataParallel(module=model, hook_state=None)

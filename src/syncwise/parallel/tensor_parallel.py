@@ -271,6 +271,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, plan: Optional[Mapping
             model.output.weight = model.tok_embeddings.weight
         if sequence_parallel:
             model.register_forward_pre_hook(_sequence_check(tp))
+            # A pipeline stage without the embedding receives the residual stream as this rank's sequence shard.
+            model.sequence_shards = tp
         model._syncwise_tp = {"size": tp, "sequence_parallel": sequence_parallel, "loss_parallel": loss_parallel}
         return model
     parallelize_module(model, tp_mesh, dict(plan))
@@ -281,7 +283,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, plan: Optional[Mapping
 def _sequence_check(tp: int):
     def hook(module: nn.Module, args: tuple) -> None:
         idx = args[0] if args else None
-        if isinstance(idx, torch.Tensor) and idx.dim() >= 2 and idx.shape[1] % tp:
+        if isinstance(idx, torch.Tensor) and not idx.is_floating_point() and idx.dim() >= 2 and idx.shape[1] % tp:
             raise ConfigError("tensor parallel", idx.shape[1], f"a sequence length divisible by tp ({tp}) under "
                               "sequence parallel (or apply_tensor_parallel(..., sequence_parallel=False))")
     return hook
