@@ -120,6 +120,13 @@ def test_four_rank_pipeline_and_expert_layouts_match_one_process(preset, layout)
 
 
 @pytest.mark.slow
+def test_expert_gradients_cross_compressed_too():
+    """ep 2 over dp 4 with fp8: dense gradients through DDP's hook, each expert's gradient averaged with the same
+    compressor over its two copies; within fp8's error of one process (as the tp case below)."""
+    _check("tiny-moe", {"ep": 2}, 4, compress="fp8", rtol=2e-3)
+
+
+@pytest.mark.slow
 def test_compressed_replicas_of_a_tensor_parallel_model():
     """dp_replicate 2 × tp 2 with fp8 across the replicas (FSDP2's all-reduce hook): within fp8's error of one
     process (measured: 4.2e-4 relative at most over 10 steps), and the replicas' bytes are fp8's."""

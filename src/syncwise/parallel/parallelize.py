@@ -116,10 +116,21 @@ class Parallelized:
 
     def _reduce_expert_gradients(self) -> None:
         """Expert parallel: each routed expert's gradient already sums its ep group's tokens; sum it over the
-        ranks holding the same experts and divide by dp, as DDP averages the dense ones."""
-        if self.spec.ep > 1:
-            from .expert_parallel import reduce_expert_gradients
+        ranks holding the same experts and divide by dp, as the dense ones are averaged. With a compressor, the
+        sum over the copies is the compressor's average over them (× copies), so expert gradients cross the
+        network compressed too (the hook's worker is idle once the syncing backward has returned)."""
+        if self.spec.ep == 1:
+            return
+        from .expert_parallel import expert_parameters, reduce_expert_gradients
+        state = self.dp.hook_state or (self.stage_sync.hook_state if self.stage_sync is not None else None)
+        if state is None or self.expert_replicas is None or state.compressor.name == "none":
             reduce_expert_gradients(self.model, self.spec.dp, self.expert_replicas)
+            return
+        named = [(n, p.grad) for n, p in expert_parameters(self.model).items() if p.grad is not None]
+        local = [g.to_local() if hasattr(g, "to_local") else g for _, g in named]
+        state.compressor.average(local, [n for n, _ in named], self.expert_replicas,
+                                 [state.policy.compress(g) for g in local])
+        torch._foreach_div_(local, float(self.spec.ep))  # average over dp/ep copies, then / ep = sum / dp
 
     def take_exposed(self) -> Callable[[], float]:
         """The reader of the last syncing backward's exposed communication (seconds); resets it."""
