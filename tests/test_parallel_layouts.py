@@ -134,3 +134,32 @@ def test_compressed_replicas_of_a_tensor_parallel_model():
         # an fp32 all-reduce of this rank's (tp-sharded) gradients would send fp32_bytes; tiny's tensors under
         # 4096 elements go as fp32 (compress.min_numel), so fp8 saves less than 4× here
         assert sent[-1]["dp"] < 0.5 * fp32_bytes
+
+
+def _user_model_worker(rank, world, layout):
+    """A user's nn.Sequential and loss under the trainer, split by syncwise (balanced by parameters)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                                torch.nn.Linear(32, 1))
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)) for _ in range(STEPS)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = OptimizedTrainer(model, opt, torch.nn.functional.mse_loss, parallel=layout, mixed_precision=False,
+                               show_progress=False)
+    losses = []
+    step = trainer._train_step
+
+    def record(batches_):
+        queued = step(batches_)
+        losses.append(queued.settle().loss)
+        return queued
+
+    trainer._train_step = record
+    trainer.train(data, steps=STEPS)
+    return losses
+
+
+def test_a_user_sequential_model_through_the_pipeline():
+    reference = _user_model_worker(0, 1, {})
+    for losses in run_workers(_user_model_worker, 2, {"pp": 2, "microbatches": 4}):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=RTOL, atol=0)

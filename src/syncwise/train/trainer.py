@@ -135,10 +135,12 @@ class OptimizedTrainer:
     one with a ``DistributedSampler`` is kept, an iterable dataset must shard itself (see
     ``syncwise.data.shard_loader``); the loader's position is checkpointed and resumes exactly.
 
-    ``parallel={"dp_shard": 2, "tp": 2}`` (a ``syncwise.parallel.ParallelSpec`` or its fields) lays the ranks
-    out as FSDP2 / HSDP / tensor parallel through ``syncwise.parallel.parallelize`` (default: every rank a
-    DDP replica); loaders are then sharded by data-parallel rank. ``tp_plan=`` gives a user model's
-    tensor-parallel plan (docs/parallelism.md). ``dynamic_batch=DynamicBatcher(...)`` runs micro-batches that
+    ``parallel={"dp_shard": 2, "tp": 2}`` (a ``syncwise.parallel.ParallelSpec`` or its fields: also ``pp``,
+    ``pp_schedule``, ``microbatches``, ``ep``, ``ep_dispatch``) lays the ranks out as FSDP2 / HSDP / tensor /
+    pipeline / expert parallel through ``syncwise.parallel.parallelize`` (default: every rank a DDP replica);
+    loaders are then sharded by data-parallel rank. ``tp_plan=`` gives a user model's tensor-parallel plan,
+    ``pipeline_split=`` its pipeline split (``split_fn(model, stage_index, n_stages) -> stage module``; syncwise's
+    model and ``nn.Sequential`` need none) (docs/parallelism.md). ``dynamic_batch=DynamicBatcher(...)`` runs micro-batches that
     fit in memory at an unchanged global batch (docs/dynamic-batch.md).
     """
 
@@ -152,7 +154,8 @@ class OptimizedTrainer:
                  checkpointer: Optional[SmartCheckpointer] = None, inject_faults: Optional[list[str]] = None,
                  collective_timeout_s: Optional[float] = None, sync: Any = None, data_seed: int = 0,
                  tf32: bool = True, dynamic_batch: Optional[DynamicBatcher] = None,
-                 parallel: "ParallelSpec | dict | None" = None, tp_plan: Optional[dict] = None):
+                 parallel: "ParallelSpec | dict | None" = None, tp_plan: Optional[dict] = None,
+                 pipeline_split: Optional[Callable[[nn.Module, int, int], nn.Module]] = None):
         mixed_precision = arguments.mixed_precision_mode(mixed_precision)
         self.grad_accum_steps = arguments.count("grad_accum_steps", grad_accum_steps)
         self.clip_grad_norm = arguments.finite("clip_grad_norm", clip_grad_norm)
@@ -185,7 +188,7 @@ class OptimizedTrainer:
         self.par = parallelize(self.model, parallel, self.device, compressor=self.compressor,
                                bucket_cap_mb=bucket_cap_mb, min_numel=min_numel, sync=sync,
                                activation_checkpointing=activation_checkpointing, compile=compile, tp_plan=tp_plan,
-                               loss_fn=loss_fn)
+                               loss_fn=loss_fn, split_fn=pipeline_split)
         self.model = self.par.model  # under pipeline parallel: this rank's stages only
         # FSDP2 / TP put sharded parameters in the model's place; a pipeline stage keeps some of them.
         rebind_optimizer(optimizer, names, self.model, keep_only_present=self.par.pipeline is not None)
