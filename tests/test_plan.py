@@ -279,7 +279,7 @@ def test_search_returns_fitting_runnable_layouts_sorted(llama):
 
     for p in top:   # every layout passes syncwise's own rules (ParallelSpec.resolve / check_model)
         parallel_spec(p.layout, p.microbatches).resolve(c.world_size).check_model(llama)
-    assert syncwise_refusal(Layout(dp_replicate=4, tp=2, pp=2), llama, 16, 8) is not None   # pp × tp: not built
+    assert "n_routed_experts" in syncwise_refusal(Layout(dp_replicate=8, ep=2), llama, 8, 1)  # ep on a dense model
     assert syncwise_refusal(Layout(dp_replicate=8, pp=2), llama, 16, 8) is None
     best = top[0]
     assert best.tokens_per_s == pytest.approx(64 * 4096 / best.step_time_s)
