@@ -201,6 +201,13 @@ class Parallelized:
             out["sync"] = (self.sync, True)
         return out
 
+    def close(self) -> None:
+        """Stop the compression hook's worker thread between runs (it restarts on the next bucket): a thread left
+        blocked at interpreter exit, while the process groups are torn down, is one more thing that can abort it."""
+        for state in (self.dp.hook_state, self.stage_sync.hook_state if self.stage_sync is not None else None):
+            if state is not None:
+                state.close()
+
     @property
     def dp_rank(self) -> int:
         """Which data shard this rank reads (ranks in one tensor-parallel group read the same)."""

@@ -317,6 +317,7 @@ class OptimizedTrainer:
             if self.watchdog is not None:
                 self.watchdog.close()
                 self.watchdog = None
+            self.par.close()
         summary = self._summary(history, val_loss, time.perf_counter() - started)
         if self.checkpointer is not None:
             # This rank's save costs (rank 0's total_s runs until the checkpoint is published).
