@@ -679,7 +679,7 @@ def _check_layout(cfg: RunConfig, specs: Any, fewest: int, most: int) -> None:
     if spec.pp > 1 and cfg.train.grad_accum != 1:
         raise ConfigError("train.grad_accum", cfg.train.grad_accum, f"1 with parallel.pp={spec.pp}: the "
                           "pipeline's microbatches are its accumulation (set parallel.microbatches)")
-    microbatches = spec.microbatches or 2 * spec.pp * spec.stages_per_rank
+    microbatches = spec.microbatches_per_step
     if spec.pp > 1 and cfg.data.batch_size % microbatches:
         key = "parallel.microbatches" if spec.microbatches else "data.batch_size"
         raise ConfigError(key, _get(cfg, key), f"data.batch_size ({cfg.data.batch_size}) split evenly into "

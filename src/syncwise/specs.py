@@ -22,6 +22,13 @@ BOOL_ACCEPTED = "yes/no, true/false, on/off or 1/0"
 INT64 = (-2**63, 2**63 - 1)  # what a torch tensor or generator can hold
 
 
+def count(name: str, value: Any, minimum: int = 1) -> int:
+    """An integer value ≥ ``minimum`` (bools are not counts), else a ConfigError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(name, value, f"an integer ≥ {minimum}")
+    return value
+
+
 def parse_spec(text: Any, field: str, accepted: str) -> tuple[str, dict[str, str]]:
     """Split ``NAME[:key=value,...]`` into (lower-case name, {key: raw value text}).
 

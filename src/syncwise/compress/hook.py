@@ -98,6 +98,12 @@ class CompressionHookState:
             self._keep_alive.append(p)
         return key
 
+    def average(self, tensors: list[torch.Tensor], keys: list[str], group: Any = None) -> None:
+        """Average ``tensors`` (named ``keys``) in place over ``group`` (default: this state's communicator) with
+        the compressor, each compressed or sent as fp32 by the policy — synchronously, on the calling thread."""
+        self.compressor.average(tensors, keys, self.comm_group if group is None else group,
+                                [self.policy.compress(t) for t in tensors])
+
     # ---- checkpointing -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Compressor state plus the step counter."""

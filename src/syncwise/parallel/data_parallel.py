@@ -245,31 +245,21 @@ class StageGradientSync:
         self.hook_state = CompressionHookState(compressor or NoneCompressor(), process_group=group,
                                                param_names={p: n for n, p in self.params},
                                                policy=CompressionPolicy(min_numel=min_numel), dedicated_group=False)
-        self.bucket_bytes = int(bucket_cap_mb * 2**20)
+        self.bucket_cap_mb = bucket_cap_mb
         with torch.no_grad():
             for _, p in self.params:
                 dist.broadcast(p.data, src=dist.get_global_rank(group, 0), group=group)
 
     def sync(self) -> float:
         """Average every gradient over the group (missing ones as zeros); the seconds it took."""
+        from ..compress.profile import ddp_like_buckets
+
         start = time.perf_counter()
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, p in self.params:
+        for _, p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            bucket.append((name, p.grad))
-            size += p.grad.numel() * p.grad.element_size()
-            if size >= self.bucket_bytes:
-                self._average(bucket)
-                bucket, size = [], 0
-        if bucket:
-            self._average(bucket)
+        named = [(n, p.grad) for n, p in self.params]
+        for bucket in ddp_like_buckets(named, self.bucket_cap_mb):
+            self.hook_state.average([named[i][1] for i in bucket], [named[i][0] for i in bucket])
         self.hook_state.steps += 1
         return time.perf_counter() - start
-
-    def _average(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        grads = [g for _, g in bucket]
-        policy = self.hook_state.policy
-        self.hook_state.compressor.average(grads, [n for n, _ in bucket], self.group,
-                                           [policy.compress(g) for g in grads])

@@ -42,6 +42,7 @@ from torch import nn
 from ..comm import ops
 from ..comm.stats import STATS, CommStats
 from ..errors import ConfigError
+from ..specs import count
 from ..models.moe import GroupedExperts, MoE, _local
 
 __all__ = ["apply_expert_parallel", "ExpertParallelExperts", "Wires", "EP_STATS", "DISPATCH_DTYPES", "COMBINE_DTYPES",
@@ -64,8 +65,7 @@ FP8_BLOCK = 128   # elements per fp32 scale along a row (DeepSeek-V3's 1x128 act
 # ------------------------------------------------------------------------------------------- checks
 def check_expert_parallel(n_routed_experts: int, ep: int) -> None:
     """Raise ConfigError (field ``parallel.ep``) unless ``ep`` ≥ 1 divides the routed experts per layer."""
-    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
-        raise ConfigError("parallel.ep", ep, "an integer ≥ 1")
+    count("parallel.ep", ep)
     if ep == 1:
         return
     if n_routed_experts <= 0:
@@ -338,17 +338,25 @@ def expert_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
 
 @torch.no_grad()
 def reduce_expert_gradients(model: nn.Module, dp_size: int, replica_group: Any = None,
-                            stats: CommStats = STATS) -> None:
+                            stats: CommStats = STATS, compressed: Any = None) -> None:
     """Make expert gradients what the job's loss (the mean over all ``dp_size`` data-parallel ranks) asks.
 
     After backward each expert's gradient already sums every ep-group rank's tokens (the dispatch brought them
     to it); ranks with the same ep coordinate hold copies of the same experts (``replica_group``, dp / ep of
     them; None when there is only one). The rule: sum over ``replica_group``, divide by ``dp_size`` — the factor
-    dense gradients are averaged by. Call once per optimizer step, after the last micro-batch's backward."""
-    grads = [p.grad for p in expert_parameters(model).values() if p.grad is not None]
-    if not grads:
+    dense gradients are averaged by. Call once per optimizer step, after the last micro-batch's backward.
+
+    ``compressed``: a ``CompressionHookState`` whose compressor carries the sum instead of an fp32 all-reduce: its
+    average over the R copies, divided by dp / R (the compressor's state is keyed by the experts' names)."""
+    named = [(n, p.grad) for n, p in expert_parameters(model).items() if p.grad is not None]
+    if not named:
         return
-    local = [_local(g) for g in grads]
+    local = [_local(g) for _, g in named]
+    if compressed is not None and replica_group is not None:
+        import torch.distributed as dist
+        compressed.average(local, [n for n, _ in named], replica_group)
+        torch._foreach_div_(local, float(dp_size // dist.get_world_size(replica_group)))
+        return
     if replica_group is not None:
         import torch.distributed as dist
         if dist.get_world_size(replica_group) > 1:

@@ -188,7 +188,7 @@ def attach_compression(model: nn.Module, state: Any) -> None:
 
             def hook(flat: torch.Tensor, params: list = params, keys: list = keys) -> None:
                 views = _shard_views(flat, params)
-                state.compressor.average(views, keys, state.comm_group, [state.policy.compress(v) for v in views])
+                state.average(views, keys)
 
             unit.set_all_reduce_hook(hook)
 

@@ -59,8 +59,7 @@ class ParallelSpec:
                               f"a layout whose product pp × dp_replicate × dp_shard × tp equals the world size "
                               f"({world_size}); got {self.pp} × {self.dp_replicate or '(rest)'} × {self.dp_shard} × "
                               f"{self.tp}")
-        spec = dataclasses.replace(self, dp_replicate=replicate,
-                                   microbatches=self.microbatches or 2 * self.pp * self.stages_per_rank)
+        spec = dataclasses.replace(self, dp_replicate=replicate, microbatches=self.microbatches_per_step)
         # Built so far: ep with replicas (and pp); not yet with FSDP2 or tensor parallel.
         if self.ep > 1 and spec.fsdp:
             other = "parallel.dp_shard" if self.dp_shard > 1 else "parallel.tp"
@@ -72,6 +71,11 @@ class ParallelSpec:
                               f"= {spec.dp}: expert parallel borrows its ranks from data parallel; divisors: "
                               f"{_divisors(spec.dp)}")
         return spec
+
+    @property
+    def microbatches_per_step(self) -> int:
+        """The pipeline's microbatches per step: ``microbatches``, or by default 2 × pp × stages_per_rank."""
+        return self.microbatches or 2 * self.pp * self.stages_per_rank
 
     @property
     def dp(self) -> int:
@@ -126,8 +130,7 @@ class ParallelSpec:
         c = model_config
         if self.pp > 1:
             from .pipeline import check_pipeline
-            check_pipeline(c.n_layers, self.pp, self.pp_schedule, self.microbatches or 2 * self.pp * self.stages_per_rank,
-                           self.stages_per_rank)
+            check_pipeline(c.n_layers, self.pp, self.pp_schedule, self.microbatches_per_step, self.stages_per_rank)
         if self.ep > 1:
             from .expert_parallel import check_dispatch, check_expert_parallel
             check_expert_parallel(getattr(c, "n_routed_experts", 0) if any(

@@ -23,7 +23,6 @@ dimension, ``state_components()`` for checkpoints, ``clip_grad_norm`` that works
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
@@ -32,8 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm.counting import CollectiveCounter, mesh_groups
-from ..comm import ops
-from ..comm.stats import STATS, CommStats
+from ..comm.stats import STATS
 from ..errors import ConfigError
 from .activation_checkpoint import apply_activation_checkpointing
 from .data_parallel import DataParallel, StageGradientSync, TorchHookSpec, apply_data_parallel
@@ -42,7 +40,6 @@ from .sync import build_sync
 from .sync_spec import SyncStrategy
 
 
-PIPELINE_CONTROL = CommStats()  # the gradient norm's sum over the stages: control traffic, not the step's bytes
 COUNTED_STEPS = 2  # steps whose FSDP2 / tensor-parallel collectives are counted (see Parallelized.begin_step)
 
 
@@ -121,16 +118,10 @@ class Parallelized:
         network compressed too (the hook's worker is idle once the syncing backward has returned)."""
         if self.spec.ep == 1:
             return
-        from .expert_parallel import expert_parameters, reduce_expert_gradients
-        state = self.dp.hook_state or (self.stage_sync.hook_state if self.stage_sync is not None else None)
-        if state is None or self.expert_replicas is None or state.compressor.name == "none":
-            reduce_expert_gradients(self.model, self.spec.dp, self.expert_replicas)
-            return
-        named = [(n, p.grad) for n, p in expert_parameters(self.model).items() if p.grad is not None]
-        local = [g.to_local() if hasattr(g, "to_local") else g for _, g in named]
-        state.compressor.average(local, [n for n, _ in named], self.expert_replicas,
-                                 [state.policy.compress(g) for g in local])
-        torch._foreach_div_(local, float(self.spec.ep))  # average over dp/ep copies, then / ep = sum / dp
+        from .expert_parallel import reduce_expert_gradients
+        state = self.compression_state
+        reduce_expert_gradients(self.model, self.spec.dp, self.expert_replicas,
+                                compressed=state if state is not None and state.compressor.name != "none" else None)
 
     def take_exposed(self) -> Callable[[], float]:
         """The reader of the last syncing backward's exposed communication (seconds); resets it."""
@@ -174,29 +165,20 @@ class Parallelized:
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip all gradients to ``max_norm`` (inf: only measure); the total norm as a plain tensor."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.pipeline is not None:  # this rank holds some layers: the norm sums the squares over the stages
+        # DTensors mixed with plain tensors (torch's clip refuses the mix), or a pipeline stage's layers (the norm
+        # combines over the stages)
+        if self.spec.tp > 1 or self.spec.ep > 1 or self.pipeline is not None:
             from .tensor_parallel import clip_grad_norm
-            local = clip_grad_norm(params, math.inf)
-            total = local.double().square().reshape(1)
-            ops.all_reduce(total, "sum", group=self.mesh["pp"].get_group(), stats=PIPELINE_CONTROL)
-            total = total.sqrt()[0].float()
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            for p in params:
-                p.grad.mul_(coef.to(p.grad.dtype))
-            return total
-        if self.spec.tp > 1 or self.spec.ep > 1:  # DTensors mixed with plain tensors: torch's clip refuses the mix
-            from .tensor_parallel import clip_grad_norm
-            return clip_grad_norm(params, max_norm)
+            across = self.mesh["pp"].get_group() if self.pipeline is not None else None
+            return clip_grad_norm(params, max_norm, across=across)
         from .fsdp import full_grad_norm
         return full_grad_norm(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
     def state_components(self) -> dict[str, tuple[Any, bool]]:
         """Checkpointable state the parallel wrappers own: name → (component, per rank)."""
         out: dict[str, tuple[Any, bool]] = {}
-        if self.dp.hook_state is not None:
-            out["compressor"] = (self.dp.hook_state, True)
-        if self.stage_sync is not None:
-            out["compressor"] = (self.stage_sync.hook_state, True)
+        if self.compression_state is not None:
+            out["compressor"] = (self.compression_state, True)
         if self.sync is not None:
             out["sync"] = (self.sync, True)
         return out
@@ -204,9 +186,14 @@ class Parallelized:
     def close(self) -> None:
         """Stop the compression hook's worker thread between runs (it restarts on the next bucket): a thread left
         blocked at interpreter exit, while the process groups are torn down, is one more thing that can abort it."""
-        for state in (self.dp.hook_state, self.stage_sync.hook_state if self.stage_sync is not None else None):
-            if state is not None:
-                state.close()
+        if self.compression_state is not None:
+            self.compression_state.close()
+
+    @property
+    def compression_state(self) -> Any:
+        """The run's gradient-compression state (CompressionHookState), wherever the layout keeps it: DDP's hook,
+        FSDP2's all-reduce hook or a pipeline stage's sync; None without one."""
+        return self.dp.hook_state or (self.stage_sync.hook_state if self.stage_sync is not None else None)
 
     @property
     def dp_rank(self) -> int:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError, SyncwiseError
+from ..specs import count
 
 
 # ------------------------------------------------------------------------------------------------ the schedules
@@ -115,12 +116,6 @@ def _schedule_spec(schedule: str, pp: int, backend: Optional[str]) -> ScheduleSp
     return spec
 
 
-def _positive(field: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(field, value, "an integer ≥ 1")
-    return value
-
-
 def _check_stages_per_rank(spec: ScheduleSpec, stages_per_rank: int) -> None:
     ok = {"1": stages_per_rank == 1, ">=2": stages_per_rank >= 2, "2": stages_per_rank == 2}[spec.stages_per_rank]
     if not ok:
@@ -144,9 +139,9 @@ def check_pipeline(n_layers: int, pp: int, schedule: str, microbatches: int, sta
     1f1b M ≥ pp, dualpipev M ≥ 2·pp, interleaved-1f1b and interleaved-zb M a multiple of max(1, M // pp), the
     others any M ≥ 1). With ``pp == 1`` only the values themselves are checked (nothing is pipelined).
     """
-    pp = _positive("parallel.pp", pp)
-    microbatches = _positive("parallel.microbatches", microbatches)
-    stages_per_rank = _positive("parallel.stages_per_rank", stages_per_rank)
+    pp = count("parallel.pp", pp)
+    microbatches = count("parallel.microbatches", microbatches)
+    stages_per_rank = count("parallel.stages_per_rank", stages_per_rank)
     spec = _schedule_spec(schedule, pp, backend)
     if pp == 1:
         return spec
@@ -334,7 +329,7 @@ def build_stage_modules(model: nn.Module, n_stages: int, stage_ids: Sequence[int
       parameter names of the full model (delete or set to None what a stage does not own, as above) if its
       checkpoints must load without pipeline parallel.
     """
-    n_stages = _positive("parallel.pp", n_stages)
+    n_stages = count("parallel.pp", n_stages)
     if any(not 0 <= s < n_stages for s in stage_ids):
         raise ConfigError("parallel.stages_per_rank", list(stage_ids), f"stage indices in 0..{n_stages - 1}")
     if split_fn is not None:
@@ -518,9 +513,9 @@ class AsyncPipeline:
             raise ConfigError("parallel.microbatches", microbatches, "exactly one of microbatch_size (rows per "
                               "microbatch) and microbatches (microbatches per step)")
         if microbatch_size is not None:
-            _positive("parallel.microbatch_size", microbatch_size)
+            count("parallel.microbatch_size", microbatch_size)
         if microbatches is not None:
-            _positive("parallel.microbatches", microbatches)
+            count("parallel.microbatches", microbatches)
         self.group = group
         self.pp = dist.get_world_size(group)
         self.pp_rank = dist.get_rank(group)
@@ -543,7 +538,7 @@ class AsyncPipeline:
         self.stage_modules: list[nn.Module] = []
         self._module: Optional[nn.Module] = None
         if isinstance(stages, int) and not isinstance(stages, bool):
-            self.n_stages = _positive("parallel.pp", stages)
+            self.n_stages = count("parallel.pp", stages)
             if self.n_stages % self.pp:
                 raise ConfigError("parallel.stages_per_rank", self.n_stages, f"a number of stages divisible by pp "
                                   f"({self.pp})")

@@ -36,6 +36,8 @@ from typing import Any, Iterable, Mapping, Optional
 import torch
 from torch import nn
 
+from ..comm import ops
+from ..comm.stats import CommStats
 from ..errors import ConfigError
 
 __all__ = ["apply_tensor_parallel", "deepseek_tp_plan", "ReplicateParallel", "MLAKVDownParallel", "clip_grad_norm",
@@ -289,6 +291,20 @@ def _sequence_check(tp: int):
     return hook
 
 
+NORM_STATS = CommStats()  # the norm's combination across stages: control traffic, not a step's gradient bytes
+
+
+def _combine_norms(local: torch.Tensor, norm_type: float, group: Any) -> torch.Tensor:
+    """The norm over ``group``'s ranks of their local norms (the max for inf; sums of powers in fp64)."""
+    if math.isinf(norm_type):
+        out = local.reshape(1).clone()
+        ops.all_reduce(out, "max", group=group, stats=NORM_STATS)
+        return out[0]
+    out = local.double().pow(norm_type).reshape(1)
+    ops.all_reduce(out, "sum", group=group, stats=NORM_STATS)
+    return (out.sqrt() if norm_type == 2 else out.pow(1.0 / norm_type))[0].float()
+
+
 def loss_parallel():
     """``torch.distributed.tensor.parallel.loss_parallel``: cross-entropy on vocab-sharded logits."""
     from torch.distributed.tensor.parallel import loss_parallel as lp
@@ -298,19 +314,21 @@ def loss_parallel():
 # ----------------------------------------------------------------------------------------- clipping
 @torch.no_grad()
 def clip_grad_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
-                   norm_type: float = 2.0, foreach: Optional[bool] = None) -> torch.Tensor:
+                   norm_type: float = 2.0, foreach: Optional[bool] = None, across: Any = None) -> torch.Tensor:
     """``clip_grad_norm_`` for parameters that mix DTensors (any placements, one or several meshes)
     and plain tensors. Returns the total norm as a plain tensor, identical on every rank.
 
     Each DTensor's norm is the global norm of its full tensor (a sharded gradient's shards combine
     across its mesh; a replicated one counts once); plain tensors count as they are (replicated
-    parameters, or parameters the caller already reduced)."""
+    parameters, or parameters the caller already reduced). ``across``: a process group whose ranks hold
+    the model's other parameters (pipeline stages): their norms combine into the model's (every rank of
+    it must call, with or without gradients)."""
     DTensor, *_ = _tp_imports()
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     grads = [p.grad for p in parameters if p.grad is not None]
     norm_type = float(norm_type)
-    if not grads:
+    if not grads and across is None:
         return torch.tensor(0.0)
     norms = []
     for g in grads:
@@ -318,8 +336,10 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: 
         if isinstance(n, DTensor):
             n = n.full_tensor()
         norms.append(n.float())
-    stacked = torch.stack(norms)
+    stacked = torch.stack(norms) if norms else torch.zeros(1)
     total = stacked.max() if math.isinf(norm_type) else torch.linalg.vector_norm(stacked, norm_type)
+    if across is not None:
+        total = _combine_norms(total, norm_type, across)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coef.to(g.dtype))

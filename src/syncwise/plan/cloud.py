@@ -23,6 +23,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from ..errors import ConfigError
+from ..specs import count
 
 TOPOLOGIES = ("fat_tree", "rail_optimized", "single_switch", "oversubscribed")
 NETWORK_PRIORITIES = ("balanced", "low_latency", "bandwidth")
@@ -181,9 +182,7 @@ class CloudConfig:
 
     def __post_init__(self) -> None:
         for key in ("nodes", "gpus_per_node"):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"cluster.{key}", v, "an integer ≥ 1")
+            count(f"cluster.{key}", getattr(self, key))
         if self.topology not in TOPOLOGIES:
             raise ConfigError("cluster.topology", self.topology, "one of: " + ", ".join(TOPOLOGIES))
         if self.network_priority not in NETWORK_PRIORITIES:
@@ -294,8 +293,7 @@ def cloud_from_dict(values: dict[str, Any], source: str = "cluster") -> CloudCon
         if kind not in FABRIC_KINDS:
             raise ConfigError(f"cluster.{key}.kind", kind, "one of: " + ", ".join(FABRIC_KINDS))
         nics = table.get("nics_per_node", base.nics_per_node if base else 1)
-        if isinstance(nics, bool) or not isinstance(nics, int) or nics < 1:
-            raise ConfigError(f"cluster.{key}.nics_per_node", nics, "an integer ≥ 1")
+        count(f"cluster.{key}.nics_per_node", nics)
         if base is None:
             fab = Fabric(fname, kind, fields["bandwidth"], fields.get("latency", 10e-6),
                          fields.get("efficiency", 0.8), nics, source="cluster file")

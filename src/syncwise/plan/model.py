@@ -21,6 +21,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from ..errors import ConfigError
+from ..specs import count
 
 MLPS = ("swiglu", "gelu")
 ATTENTIONS = ("mha", "mla")
@@ -59,13 +60,11 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "d_model", "n_layers", "n_heads", "ffn_hidden", "seq_len"):
-            _positive_int(f"model.{key}", getattr(self, key))
+            count(f"model.{key}", getattr(self, key))
         for key in ("n_kv_heads", "head_dim", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                     "v_head_dim", "n_routed_experts", "n_shared_experts", "top_k", "moe_hidden", "n_dense_layers",
                     "learned_positions"):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ConfigError(f"model.{key}", v, "an integer ≥ 0")
+            count(f"model.{key}", getattr(self, key), minimum=0)
         if self.mlp not in MLPS:
             raise ConfigError("model.mlp", self.mlp, "one of: " + ", ".join(MLPS))
         if self.attention not in ATTENTIONS:
@@ -75,7 +74,7 @@ class ModelSpec:
         if self.n_routed_experts:
             if not 1 <= self.top_k <= self.n_routed_experts:
                 raise ConfigError("model.top_k", self.top_k, f"an integer in 1..{self.n_routed_experts} (experts)")
-            _positive_int("model.moe_hidden", self.moe_hidden)
+            count("model.moe_hidden", self.moe_hidden)
             if self.n_dense_layers > self.n_layers:
                 raise ConfigError("model.n_dense_layers", self.n_dense_layers, f"an integer in 0..{self.n_layers}")
 
@@ -204,9 +203,9 @@ class ModelSpec:
         d = self.d_model
         if self.layer_is_moe(i):
             out.append((1, self.n_routed_experts, d))
-            for count in (self.n_shared_experts, self.n_routed_experts):
-                if count:
-                    out += [(count, d, self.moe_hidden)] * (self.mlp_matrices - 1) + [(count, self.moe_hidden, d)]
+            for n in (self.n_shared_experts, self.n_routed_experts):
+                if n:
+                    out += [(n, d, self.moe_hidden)] * (self.mlp_matrices - 1) + [(n, self.moe_hidden, d)]
         else:
             out += [(1, d, self.ffn_hidden)] * (self.mlp_matrices - 1) + [(1, self.ffn_hidden, d)]
         return out
@@ -219,12 +218,6 @@ class ModelSpec:
         moe = f", MoE {self.n_routed_experts} experts top-{self.top_k}" if self.is_moe else ""
         act = f" ({active / 1e9:.2f} B active)" if self.is_moe else ""
         return f"{self.name}: {total / 1e9:.2f} B params{act}, {self.n_layers} layers, d={self.d_model}{moe}"
-
-
-def _positive_int(path: str, v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ConfigError(path, v, "a positive integer")
-    return v
 
 
 # ------------------------------------------------------------------------------------------------ presets
@@ -364,7 +357,7 @@ def load_model(arg: str | ModelSpec, seq_len: Optional[int] = None) -> ModelSpec
         else:
             spec = from_preset(str(arg))
     if seq_len is not None:
-        _positive_int("--seq-len", seq_len)
+        count("--seq-len", seq_len)
         spec = spec.with_seq_len(seq_len)
     return spec
 

@@ -62,13 +62,6 @@ def resume_mode(value: Any) -> Optional[str]:
                       "of a checkpoint directory")
 
 
-def count(name: str, value: Any, minimum: int = 1) -> int:
-    """An integer argument ≥ ``minimum`` (bools are not counts)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(name, value, f"an integer ≥ {minimum}")
-    return value
-
-
 def finite(name: str, value: Any, minimum: float = 0.0, inclusive: bool = True) -> float:
     """A finite number ≥ ``minimum`` (> when not ``inclusive``)."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and (

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
 import torch
 
 from ..errors import ConfigError, SyncwiseError
-from . import arguments
+from ..specs import count
 
 __all__ = ["DynamicBatcher", "DynamicBatchOOMError", "SizeChange", "is_oom_error"]
 
@@ -154,8 +154,8 @@ class DynamicBatcher:
     def __init__(self, initial_size: int, max_size: int, growth_factor: float = 2.0, memory_threshold: float = 0.9,
                  device: Any = None, *, mode: str = "binsearch", grow_after: int = 0,
                  memory_limit_bytes: Optional[int] = None):
-        self.initial_size = arguments.count("initial_size", initial_size)
-        self.max_size = arguments.count("max_size", max_size)
+        self.initial_size = count("initial_size", initial_size)
+        self.max_size = count("max_size", max_size)
         if self.max_size < self.initial_size:
             raise ConfigError("max_size", max_size, f"an integer ≥ initial_size ({self.initial_size})")
         ok = isinstance(growth_factor, (int, float)) and not isinstance(growth_factor, bool) \
@@ -172,9 +172,9 @@ class DynamicBatcher:
             raise ConfigError("mode", mode, "'binsearch' (exact largest size) or 'power' (largest power of "
                               "growth_factor times initial_size)")
         self.mode = mode
-        self.grow_after = arguments.count("grow_after", grow_after, minimum=0)
+        self.grow_after = count("grow_after", grow_after, minimum=0)
         if memory_limit_bytes is not None:
-            arguments.count("memory_limit_bytes", memory_limit_bytes)
+            count("memory_limit_bytes", memory_limit_bytes)
         self.memory_limit_bytes = memory_limit_bytes
         try:
             if device is None:
@@ -212,8 +212,8 @@ class DynamicBatcher:
         agree (the trainer passes an all-reduce of the minimum); every rank must call ``find``. Raises
         :class:`DynamicBatchOOMError` when not even one row fits (on every rank, after agreeing).
         """
-        self._repeats = arguments.count("repeats", repeats)
-        cap = self.max_size if batch_size is None else min(self.max_size, arguments.count("batch_size", batch_size))
+        self._repeats = count("repeats", repeats)
+        cap = self.max_size if batch_size is None else min(self.max_size, count("batch_size", batch_size))
         n = min(self.initial_size, cap)
         fit, fail = 0, None
         while True:

@@ -37,6 +37,7 @@ from ..comm.watchdog import Watchdog
 from ..data.sharding import shard_loader
 from ..errors import ConfigError, SyncwiseError
 from ..models import lm_loss
+from ..specs import count
 from ..metrics import MetricsLogger, detect_peak, mfu, peak_memory_mb, read_jsonl
 from ..parallel import ParallelSpec, TorchHookSpec, describe_layout, parallelize, rebind_optimizer
 from . import arguments
@@ -157,10 +158,10 @@ class OptimizedTrainer:
                  parallel: "ParallelSpec | dict | None" = None, tp_plan: Optional[dict] = None,
                  pipeline_split: Optional[Callable[[nn.Module, int, int], nn.Module]] = None):
         mixed_precision = arguments.mixed_precision_mode(mixed_precision)
-        self.grad_accum_steps = arguments.count("grad_accum_steps", grad_accum_steps)
+        self.grad_accum_steps = count("grad_accum_steps", grad_accum_steps)
         self.clip_grad_norm = arguments.finite("clip_grad_norm", clip_grad_norm)
-        self.val_interval = arguments.count("val_interval", val_interval, minimum=0)
-        self.data_seed = arguments.count("data_seed", data_seed, minimum=0)  # shuffle order of a sharded loader
+        self.val_interval = count("val_interval", val_interval, minimum=0)
+        self.data_seed = count("data_seed", data_seed, minimum=0)  # shuffle order of a sharded loader
         arguments.finite("bucket_cap_mb", bucket_cap_mb, inclusive=False)
         if collective_timeout_s is not None:
             arguments.finite("collective_timeout_s", collective_timeout_s, inclusive=False)
@@ -621,8 +622,8 @@ class OptimizedTrainer:
         if (epochs is None) == (steps is None):
             raise ConfigError("epochs/steps", {"epochs": epochs, "steps": steps}, "exactly one of them")
         if steps is not None:
-            return arguments.count("steps", steps)
-        arguments.count("epochs", epochs)
+            return count("steps", steps)
+        count("epochs", epochs)
         try:
             batches = len(loader)  # type: ignore[arg-type]
         except TypeError:
