@@ -686,7 +686,7 @@ def _check_layout(cfg: RunConfig, specs: Any, fewest: int, most: int) -> None:
                           f"{microbatches} pipeline microbatches (parallel.microbatches; 0 = 2 × pp × stages_per_rank)")
     if spec.fsdp and cfg.compress.method != "none":
         try:
-            fsdp_gradient_sync(cfg.compress.method, spec.dp_replicate or fewest // (spec.dp_shard * spec.tp))
+            fsdp_gradient_sync(cfg.compress.method, spec.dp_replicate or fewest // (spec.pp * spec.dp_shard * spec.tp))
         except ConfigError as e:
             raise ConfigError("compress.method", cfg.compress.method, f"{e.accepted} (with {key}={_get(cfg, key)} "
                               "FSDP2 reduces the gradients)") from None
