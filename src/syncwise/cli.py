@@ -14,6 +14,8 @@ COMMANDS = {
     "comm-bench": ("comm_bench", "nccl-tests style collective sweep: time, algbw, busbw"),
     "cluster": ("cluster", "the network lab: emulated multi-node cluster on this machine"),
     "plan": ("plan", "which layout to use on a cluster: predicted step time, MFU and memory per layout"),
+    "doctor": ("doctor", "why a run is slow: where the step goes, the causes ranked by time lost, what to change"),
+    "launch": ("launch", "write (and optionally submit) a Slurm sbatch script or a Kubernetes manifest for a run"),
 }
 
 
