@@ -3,6 +3,7 @@
     syncwise plan --cluster examples/clusters/h100-8x4-ib.toml --model xl-dense --global-batch 256 --seq-len 1024
     syncwise plan ... --layout dp=4,tp=2,microbatch=2,recompute=full      # evaluate one layout
     syncwise plan ... --json rows.json --emit-config train.toml
+    syncwise plan --calibrate [--lab] [--out cluster.toml]             # measure this machine / the lab
 """
 from __future__ import annotations
 
@@ -25,11 +26,12 @@ _EPILOG = ("Predictions come from an analytical cost model (docs/plan.md lists e
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register `syncwise plan`'s options on ``parser``."""
     parser.epilog = _EPILOG
-    parser.add_argument("--cluster", required=True, help="cluster TOML (examples/clusters/*.toml)")
-    parser.add_argument("--model", required=True, help="a syncwise preset, a Hugging Face config.json (or its "
-                        "folder; read locally, nothing downloaded), or a model .toml")
-    parser.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
-    parser.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    parser.add_argument("--cluster", default=None, help="cluster TOML (examples/clusters/*.toml, or one "
+                        "--calibrate wrote); required unless --calibrate")
+    parser.add_argument("--model", default=None, help="a syncwise preset, a Hugging Face config.json (or its "
+                        "folder; read locally, nothing downloaded), or a model .toml; required unless --calibrate")
+    parser.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
     parser.add_argument("--top", type=int, default=5, help="layouts to show (default 5)")
     parser.add_argument("--layout", default=None, help="evaluate one layout: dp=..,dp_shard=..,tp=..,pp=..,ep=..,"
                         "microbatch=..,recompute=none|selective|full[,schedule=..,v=..,compress=..,sync=..]")
@@ -45,9 +47,61 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, metavar="FILE", help="write the rows as JSON")
     parser.add_argument("--emit-config", default=None, metavar="FILE",
                         help="write the `syncwise train` TOML that runs the best layout")
+    cal = parser.add_argument_group("calibration (--calibrate: measure, write a cluster TOML; about 10-60 s)")
+    cal.add_argument("--calibrate", action="store_true",
+                     help="measure this machine (or the network lab with --lab): GEMM FLOP/s over sizes, memory "
+                          "bandwidth, a reference training step, and comm-bench's collectives; write a cluster TOML")
+    cal.add_argument("--lab", action="store_true", help="with --calibrate: across the running network lab's nodes "
+                     "(`syncwise cluster up` first)")
+    cal.add_argument("--lab-prefix", default=None, help="the lab's name prefix (as `syncwise cluster --prefix`)")
+    cal.add_argument("--nproc", type=int, default=None, help="workers (per node with --lab; default 2 locally, "
+                     "the lab's procs_per_node with --lab)")
+    cal.add_argument("--reference", default="small-dense:8:128", metavar="PRESET:BATCH:SEQ",
+                     help="the reference training step that sets matmul_efficiency (default small-dense:8:128)")
+    cal.add_argument("--iters", type=int, default=5, help="timed iterations per collective and size (default 5)")
+    cal.add_argument("--out", default=None, metavar="FILE",
+                     help="write the cluster TOML here (default: print it); the raw measurements go next to it "
+                          "as FILE.json")
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from ..plan.calibrate import calibrate, cloud_toml
+
+    parts = args.reference.split(":")
+    if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit() or int(parts[1]) < 1 or int(parts[2]) < 2:
+        raise ConfigError("--reference", args.reference, "PRESET:BATCH:SEQ, e.g. small-dense:8:128")
+    load_model(parts[0], int(parts[2]))                 # an unknown preset fails here, before any worker starts
+    if args.nproc is not None and args.nproc < 1:
+        raise ConfigError("--nproc", args.nproc, "an integer ≥ 1")
+    if args.iters < 1:
+        raise ConfigError("--iters", args.iters, "an integer ≥ 1")
+    result = calibrate(lab=args.lab, prefix=args.lab_prefix, nproc=args.nproc,
+                       reference=(parts[0], int(parts[1]), int(parts[2])), iters=args.iters)
+    command = "syncwise plan --calibrate" + (" --lab" if args.lab else "") + \
+        (f" --lab-prefix {args.lab_prefix}" if args.lab_prefix else "") + (f" --nproc {args.nproc}" if args.nproc else "")
+    text = cloud_toml(result, command)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        out.with_suffix(out.suffix + ".json").write_text(json.dumps(result, indent=1) + "\n")
+        cloud = load_cluster(out)
+        print(f"wrote {out} ({cloud.describe()}; raw measurements in {out}.json): "
+              f"syncwise plan --cluster {out} --model ... --global-batch ... --seq-len ...")
+    else:
+        print(text, end="")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.calibrate:
+        return _calibrate(args)
+    if args.lab:
+        raise ConfigError("--lab", True, "only with --calibrate")
+    for flag, value in (("--cluster", args.cluster), ("--model", args.model), ("--global-batch", args.global_batch),
+                        ("--seq-len", args.seq_len)):
+        if value is None:
+            raise ConfigError(flag, None, "a value (required unless --calibrate)")
     cloud = load_cluster(args.cluster)
     model = load_model(args.model, args.seq_len)
     if args.global_batch < 1:

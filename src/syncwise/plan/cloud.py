@@ -44,6 +44,14 @@ class Accelerator:
     matmul_efficiency: float       # achieved / peak on a transformer's GEMMs (assumed; calibrate it)
     reserved_bytes: float = 3 * 2**30  # CUDA context, allocator fragmentation, NCCL buffers (assumed)
     source: str = ""
+    # GEMM-size efficiency: a GEMM of F FLOPs runs at matmul_efficiency × F / (F + gemm_half_flops), i.e. each
+    # GEMM costs a fixed gemm_half_flops / (peak × matmul_efficiency) on top of its FLOPs (launch, tail wave,
+    # cache warm-up). Measured by `syncwise plan --calibrate`; 0 = size-independent.
+    gemm_half_flops: float = 0.0
+
+    def gemm_efficiency(self, flops: float) -> float:
+        """Achieved / peak for one GEMM of ``flops`` FLOPs (monotone non-decreasing in ``flops``)."""
+        return self.matmul_efficiency * flops / (flops + self.gemm_half_flops) if flops > 0 else 0.0
 
     def peak(self, dtype: str = "bf16") -> float:
         """Dense peak FLOP/s for ``dtype`` (bf16, fp16, fp8)."""
@@ -65,11 +73,18 @@ class Fabric:
     efficiency: float              # achievable bus bandwidth / line rate (nccl-tests style; assumed or measured)
     nics_per_node: int = 1         # inter-node only
     source: str = ""
+    # measured bus-bandwidth efficiency of other collectives where they differ from the all-reduce's (gloo's
+    # reduce-scatter and all-gather are not NCCL's rings): ((kind, efficiency), ...); absent kinds use efficiency
+    op_efficiency: tuple[tuple[str, float], ...] = ()
 
     @property
     def effective(self) -> float:
         """Achievable bytes/s of one link (one direction)."""
         return self.bandwidth * self.efficiency
+
+    def effective_for(self, kind: str) -> float:
+        """Achievable bytes/s of one link for collective ``kind`` (all_reduce, all_gather, ...)."""
+        return self.bandwidth * dict(self.op_efficiency).get(kind, self.efficiency)
 
 
 # ------------------------------------------------------------------------------------------------ the catalog
@@ -195,11 +210,12 @@ class CloudConfig:
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
 
-    def node_inter_bandwidth(self) -> float:
-        """Achievable bytes/s one node can send to other nodes (all its NICs), after oversubscription."""
+    def node_inter_bandwidth(self, kind: str = "all_reduce") -> float:
+        """Achievable bytes/s one node can send to other nodes (all its NICs) in collective ``kind``, after
+        oversubscription."""
         if self.nodes == 1:
             return math.inf
-        bw = self.inter_node.effective * self.inter_node.nics_per_node
+        bw = self.inter_node.effective_for(kind) * self.inter_node.nics_per_node
         return bw / (self.oversubscription if self.topology == "oversubscribed" else 1.0)
 
     def describe(self) -> str:
@@ -213,12 +229,15 @@ _ACC_KEYS = {  # TOML key -> (Accelerator field, scale to SI)
     "peak_bf16_tflops": ("peak_bf16_flops", 1e12), "peak_fp16_tflops": ("peak_fp16_flops", 1e12),
     "peak_fp8_tflops": ("peak_fp8_flops", 1e12), "memory_gib": ("memory_bytes", 2**30),
     "hbm_gbyte_s": ("hbm_bandwidth", 1e9), "matmul_efficiency": ("matmul_efficiency", 1.0),
-    "reserved_gib": ("reserved_bytes", 2**30),
+    "reserved_gib": ("reserved_bytes", 2**30), "gemm_half_gflop": ("gemm_half_flops", 1e9),
 }
 _FAB_KEYS = {
     "bandwidth_gbit_s": ("bandwidth", 1e9 / 8), "bandwidth_gbyte_s": ("bandwidth", 1e9),
     "latency_us": ("latency", 1e-6), "efficiency": ("efficiency", 1.0),
 }
+#: per-collective efficiencies a fabric table may give (TOML key -> collective kind)
+OP_EFFICIENCY_KEYS = {"all_gather_efficiency": "all_gather", "reduce_scatter_efficiency": "reduce_scatter",
+                      "all_to_all_efficiency": "all_to_all", "p2p_efficiency": "p2p"}
 _TOP_KEYS = ("name", "nodes", "gpus_per_node", "topology", "network_priority", "oversubscription",
              "accelerator", "intra_node", "inter_node")
 
@@ -252,7 +271,7 @@ def _table(path: str, value: Any, catalog: dict, keys: dict, extra: tuple[str, .
     for key, (attr, scale) in keys.items():
         if key in value:
             hi = 1.0 if attr in ("matmul_efficiency", "efficiency") else math.inf
-            lo_open = attr not in ("peak_fp8_flops", "reserved_bytes", "latency")
+            lo_open = attr not in ("peak_fp8_flops", "reserved_bytes", "latency", "gemm_half_flops")
             fields[attr] = _number(f"{path}.{key}", value[key], 0.0, lo_open, hi) * scale
     if base is None:
         required = {"peak_bf16_flops": "peak_bf16_tflops", "memory_bytes": "memory_gib",
@@ -280,12 +299,13 @@ def cloud_from_dict(values: dict[str, Any], source: str = "cluster") -> CloudCon
     if base is None:
         acc = Accelerator(name, fields["peak_bf16_flops"], fields.get("peak_fp16_flops", fields["peak_bf16_flops"]),
                           fields.get("peak_fp8_flops", 0.0), fields["memory_bytes"], fields.get("hbm_bandwidth", 2e12),
-                          fields["matmul_efficiency"], fields.get("reserved_bytes", 3 * GIB), source="cluster file")
+                          fields["matmul_efficiency"], fields.get("reserved_bytes", 3 * GIB), source="cluster file",
+                          gemm_half_flops=fields.get("gemm_half_flops", 0.0))
     else:
         acc = dataclasses.replace(base, **fields)
     fabrics = []
     for key, default in (("intra_node", "nvlink4"), ("inter_node", "ib-ndr")):
-        extra = ("nics_per_node", "kind") if key == "inter_node" else ("kind",)
+        extra = (("nics_per_node", "kind") if key == "inter_node" else ("kind",)) + tuple(OP_EFFICIENCY_KEYS)
         raw = values.get(key, default)
         fname, base, fields = _table(f"cluster.{key}", raw, FABRICS, _FAB_KEYS, extra)
         table = raw if isinstance(raw, dict) else {}
@@ -294,9 +314,15 @@ def cloud_from_dict(values: dict[str, Any], source: str = "cluster") -> CloudCon
             raise ConfigError(f"cluster.{key}.kind", kind, "one of: " + ", ".join(FABRIC_KINDS))
         nics = table.get("nics_per_node", base.nics_per_node if base else 1)
         count(f"cluster.{key}.nics_per_node", nics)
+        ops = dict(base.op_efficiency) if base else {}
+        for okey, kind_name in OP_EFFICIENCY_KEYS.items():
+            if okey in table:
+                ops[kind_name] = _number(f"cluster.{key}.{okey}", table[okey], 0.0, True, 1.0)
+        fields["op_efficiency"] = tuple(sorted(ops.items()))
         if base is None:
             fab = Fabric(fname, kind, fields["bandwidth"], fields.get("latency", 10e-6),
-                         fields.get("efficiency", 0.8), nics, source="cluster file")
+                         fields.get("efficiency", 0.8), nics, source="cluster file",
+                         op_efficiency=fields["op_efficiency"])
         else:
             fab = dataclasses.replace(base, kind=kind, nics_per_node=nics, **fields)
         fabrics.append(fab)

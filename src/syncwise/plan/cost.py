@@ -96,8 +96,8 @@ def collective_time(cloud: CloudConfig, kind: str, nbytes: float, n: int, per_no
     bus = bus_factor(kind, n)
     intra, G = cloud.intra_node, cloud.gpus_per_node
     if per_node >= n:
-        return count * (nbytes * bus / intra.effective + _steps(kind, n) * intra.latency)
-    t_intra = nbytes * bus / intra.effective if per_node > 1 else 0.0
+        return count * (nbytes * bus / intra.effective_for(kind) + _steps(kind, n) * intra.latency)
+    t_intra = nbytes * bus / intra.effective_for(kind) if per_node > 1 else 0.0
     groups_on_node = G / per_node
     if kind == "all_to_all":
         node_out = G * nbytes * (n - per_node) / n
@@ -105,7 +105,7 @@ def collective_time(cloud: CloudConfig, kind: str, nbytes: float, n: int, per_no
         node_out = G * nbytes
     else:
         node_out = groups_on_node * nbytes * bus
-    t_inter = node_out / cloud.node_inter_bandwidth()
+    t_inter = node_out / cloud.node_inter_bandwidth(kind)
     if traffic is not None:
         traffic.inter_bytes += count * node_out
         traffic.inter_messages += count * _steps(kind, n)
@@ -305,8 +305,14 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
     rep_div = t if layout.sp else 1
     elem_tok = sum(x["replicated"] / rep_div + (x["split"] + x["core"]) / t for x in act) / pp
     elem_passes = 4.0 * (1.5 if layout.recompute == "full" else 1.0)
-    t_matmul = flops_mb / (peak * eff)
-    t_extra = extra_mb / (peak * eff)
+    # GEMM-size efficiency (Accelerator.gemm_efficiency): every GEMM costs gemm_half_flops / (peak × eff) on
+    # top of its FLOPs; forward 1 GEMM per weight matrix (+ QKᵀ and AV), backward 2 each, a recompute the
+    # forward's again
+    n_fwd = gemms_per_forward(model, pp)
+    t_gemm0 = acc.gemm_half_flops / (peak * eff)
+    t_matmul = flops_mb / (peak * eff) + 3 * n_fwd * t_gemm0
+    recomputed = {"none": 0.0, "selective": 2 * model.n_layers / pp, "full": n_fwd}[layout.recompute]
+    t_extra = extra_mb / (peak * eff) + recomputed * t_gemm0
     t_elem = elem_passes * elem_tok * tokens_mb / acc.hbm_bandwidth
     t_fwd = t_matmul / 3 + t_elem / 3
     t_bwd = 2 * t_matmul / 3 + 2 * t_elem / 3 + t_extra
@@ -466,6 +472,14 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
         why = syncwise_refusal(layout, model, world, M)
         pred.runnable, pred.not_runnable = why is None, why or ""
     return pred
+
+
+def gemms_per_forward(model: ModelSpec, pp: int = 1) -> float:
+    """GEMM kernels in one forward of a stage rank's share of the model (1/pp of the layers, the head once per
+    model spread over the stages): one per weight matrix (a MoE layer's experts as one grouped GEMM per
+    matrix: ``ModelSpec.matrices``' entries), two for the attention core (QKᵀ, AV)."""
+    per_layer = sum(len(model.matrices(i)) + 2 for i in range(model.n_layers))
+    return (per_layer + 1) / pp
 
 
 def _overlap(total: float, training: Training, layout: Layout, window: float, local: float) -> float:
