@@ -1,0 +1,195 @@
+"""The planner against the network lab: `syncwise plan --calibrate --lab` at each link rate, then predicted vs
+measured step time of `syncwise train` jobs across the lab (issue 17).
+
+For each rate the script reshapes its own lab's links (2 nodes × 2 workers, prefix `planlab`, subnet
+10.78.0.0/24, taken down at the end), calibrates it (`syncwise.plan.calibrate.calibrate(lab=True)`: GEMM
+FLOP/s, memory bandwidth, a single-process `small-dense` 8 × 128 reference step on every worker at once —
+this sets the compute side, `matmul_efficiency` — and comm-bench's collectives over the link and inside each
+node), then runs every configuration of that rate as a real 4-worker training job over the shaped link and
+compares its measured steady step time (median of rank 0's steps after the first two) with
+`syncwise.plan.predict` on the calibrated CloudConfig. Nothing of the training rows feeds the prediction.
+
+    python benchmarks/planner_lab.py                       # ~8-10 min on the 2-core VM, quiet machine
+    python benchmarks/planner_lab.py --only dp4-none@200mbit --steps 4      # a smoke test of one row
+
+Writes benchmarks/results/planner-lab.json (every row, the calibrations, the summary) and prints the table.
+Needs root and the lab's tools (ip netns, veth, bridge, tc tbf); the lab's 4 workers share this machine's
+2 cores, so run it on a quiet machine: other load changes both the calibration and the rows.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from syncwise.config import build_config  # noqa: E402
+from syncwise.lab import cluster  # noqa: E402
+from syncwise.lab.launch import lab_torchrun  # noqa: E402
+from syncwise.plan import Layout, cloud_from_dict, load_model, predict  # noqa: E402
+from syncwise.plan.calibrate import calibrate, recipe_for  # noqa: E402
+
+PREFIX, SUBNET, NODES, PER_NODE = "planlab", "10.78.0.0/24", 2, 2
+WORLD = NODES * PER_NODE
+SEQ = 128
+#: name -> (preset, global batch, parallel fields, compressor, sync)
+CONFIGS = {
+    "dp4-none": ("small-dense", 32, {}, "none", "every-step"),
+    "dp4-bf16": ("small-dense", 32, {}, "bf16", "every-step"),
+    "dp4-fp8": ("small-dense", 32, {}, "fp8", "every-step"),
+    "dp4-powersgd": ("small-dense", 32, {}, "powersgd:rank=4", "every-step"),
+    "dp4-localsgd4": ("small-dense", 32, {}, "none", "localsgd:period=4"),
+    "fsdp4": ("small-dense", 32, {"dp_shard": 4}, "none", "every-step"),
+    "dp2xfsdp2": ("small-dense", 32, {"dp_replicate": 2, "dp_shard": 2}, "none", "every-step"),
+    "tp2xdp2": ("small-dense", 32, {"tp": 2, "dp_replicate": 2}, "none", "every-step"),
+    "pp2xdp2": ("small-dense", 32, {"pp": 2, "dp_replicate": 2, "microbatches": 4}, "none", "every-step"),
+    "ep2xdp2": ("small", 32, {"ep": 2}, "none", "every-step"),
+    "ep4-bf16": ("small", 32, {"ep": 4, "ep_dispatch": "bf16"}, "none", "every-step"),
+}
+#: rate -> configurations run at it
+PLAN = {
+    "200mbit": ["dp4-none", "dp4-fp8", "dp4-localsgd4", "fsdp4", "dp2xfsdp2", "tp2xdp2", "pp2xdp2", "ep2xdp2",
+                "ep4-bf16"],
+    "100mbit": ["dp4-none", "dp4-bf16", "dp4-powersgd", "tp2xdp2"],
+}
+
+
+def layout_of(fields: dict, compress: str, sync: str) -> Layout:
+    """The planner's Layout of a `syncwise train` [parallel] table (a left-out dp_replicate takes the rest)."""
+    f = dict(fields)
+    inner = f.get("pp", 1) * f.get("dp_shard", 1) * f.get("tp", 1)
+    f.setdefault("dp_replicate", WORLD // inner)
+    return Layout(**f, compress=compress, sync=sync)
+
+
+def run_job(work: Path, name: str, preset: str, batch: int, fields: dict, compress: str, sync: str,
+            steps: int) -> dict:
+    """One real training job across the lab; its median steady step time (rank 0's metrics.jsonl)."""
+    lay = layout_of(fields, compress, sync)
+    dp = lay.dp
+    run_dir = work / name
+    overrides = {"run_dir": str(run_dir), "model.preset": preset, "train.steps": str(steps),
+                 "train.val_interval": "0", "train.val_batches": "1", "ckpt.interval": "0", "dist.lab": "true",
+                 "dist.nproc": str(PER_NODE), "data.seq_len": str(SEQ),
+                 # data.batch_size is sequences per worker per micro-batch (per data-parallel rank: tp ranks share
+                 # one); under pp it is the rank's batch and parallel.microbatches splits it
+                 "data.batch_size": str(batch // dp), "compress.method": compress, "parallel.sync": sync,
+                 **{f"parallel.{k}": str(v) for k, v in fields.items()}}
+    saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    os.environ.update(WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(PER_NODE))   # check the job as its workers will
+    try:
+        cfg = build_config(overrides=overrides)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    run_dir.mkdir(parents=True)
+    cfg.save(run_dir / "config.json")
+    t0 = time.perf_counter()
+    with open(os.devnull, "wb") as quiet:      # node 0's output is in logs/node0.log too
+        code = lab_torchrun(["-m", "syncwise.commands.worker", "--config", str(run_dir / "config.json")],
+                            nproc_per_node=PER_NODE, prefix=PREFIX, log_dir=run_dir / "logs", timeout=300,
+                            console=quiet)
+    wall = time.perf_counter() - t0
+    if code != 0 or not (run_dir / "metrics.jsonl").exists():
+        log = run_dir / "logs" / "node0.log"
+        return {"failed": f"exit code {code}: " + (log.read_text(errors="replace")[-1500:] if log.exists() else "")}
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    times = [r["step_time_s"] for r in rows if "step_time_s" in r][2:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"measured_step_s": statistics.median(times), "step_times_s": times, "wall_s": wall,
+            "layout_trained": summary.get("layout"), "final_loss": summary.get("final_loss"),
+            "comm_exposed_share": summary.get("comm_exposed_share")}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=6, help="training steps per job (the first two are not timed)")
+    p.add_argument("--only", default=None, help="comma list of NAME@RATE rows to run (default: every row)")
+    p.add_argument("--json", default=str(Path(__file__).parent / "results" / "planner-lab.json"))
+    p.add_argument("--keep", action="store_true", help="keep the run directories (printed)")
+    a = p.parse_args()
+    plan = {rate: list(names) for rate, names in PLAN.items()}
+    if a.only:
+        wanted = [x.strip() for x in a.only.split(",") if x.strip()]
+        for w in wanted:
+            name, _, rate = w.partition("@")
+            if name not in CONFIGS or not rate:
+                raise SystemExit(f"--only: {w!r} is not NAME@RATE with NAME one of {', '.join(CONFIGS)}")
+        plan = {}
+        for w in wanted:
+            name, _, rate = w.partition("@")
+            plan.setdefault(rate, []).append(name)
+    work = Path(tempfile.mkdtemp(prefix="syncwise-planner-lab-"))
+    rows, calibrations = [], {}
+    started = time.perf_counter()
+    cluster.up(NODES, next(iter(plan)), procs_per_node=PER_NODE, prefix=PREFIX, subnet=SUBNET)
+    try:
+        for rate, names in plan.items():
+            cluster.shape(inter_node=rate, prefix=PREFIX)
+            result = calibrate(lab=True, prefix=PREFIX, nproc=PER_NODE)
+            cloud = cloud_from_dict(result["cluster"], f"calibration at {rate}")
+            calibrations[rate] = {"cluster": result["cluster"], "seconds": result["seconds"],
+                                  "measured_at": result["measured_at"],
+                                  "reference_step_s": [w["reference_step_s"] for w in result["workers"]]}
+            training = recipe_for(cloud.accelerator)
+            print(f"--- {rate}: calibrated in {result['seconds']:.0f} s: {cloud.describe()}, "
+                  f"{cloud.accelerator.peak_bf16_flops / 1e9:.1f} GFLOP/s per worker × efficiency "
+                  f"{cloud.accelerator.matmul_efficiency:.2f}, link {cloud.inter_node.effective * 8 / 1e6:.0f} Mbit/s "
+                  "achieved", flush=True)
+            for name in names:
+                preset, batch, fields, compress, sync = CONFIGS[name]
+                lay = layout_of(fields, compress, sync)
+                model = load_model(preset, SEQ)
+                pred = predict(cloud, model, lay, batch, SEQ, training=training, syncwise_rules=True)
+                row = {"name": name, "rate": rate, "preset": preset, "global_batch": batch, "seq_len": SEQ,
+                       "layout": pred.layout.describe(), "runnable": pred.runnable,
+                       "predicted_step_s": pred.step_time_s, "predicted_breakdown": pred.breakdown,
+                       "predicted_dominant": pred.dominant}
+                row.update(run_job(work / rate, name, preset, batch, fields, compress, sync, a.steps))
+                if "measured_step_s" in row:
+                    row["error"] = row["predicted_step_s"] / row["measured_step_s"] - 1
+                    print(f"{rate:8s} {name:14s} predicted {row['predicted_step_s'] * 1e3:7.0f} ms   measured "
+                          f"{row['measured_step_s'] * 1e3:7.0f} ms   error {row['error']:+6.1%}   "
+                          f"(dominant: {pred.dominant})", flush=True)
+                else:
+                    print(f"{rate:8s} {name:14s} FAILED: {row['failed'][-400:]}", flush=True)
+                rows.append(row)
+    finally:
+        cluster.down(prefix=PREFIX)
+        if a.keep:
+            print(f"run directories: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    ok = [r for r in rows if "error" in r]
+    summary = {"rows": len(rows), "measured": len(ok), "failed": len(rows) - len(ok),
+               "mean_abs_error": sum(abs(r["error"]) for r in ok) / len(ok) if ok else None,
+               "max_abs_error": max((abs(r["error"]) for r in ok), default=None),
+               "mean_error": sum(r["error"] for r in ok) / len(ok) if ok else None,
+               "steps": a.steps, "wall_s": time.perf_counter() - started, "nodes": NODES, "procs_per_node": PER_NODE,
+               "compute_from": "each rate's calibration: GEMM microbenchmark (peak, GEMM-size efficiency) and a "
+                               "single-process small-dense 8x128 reference step (matmul_efficiency), all workers "
+                               "at once; comm from the calibration's comm-bench"}
+    print(f"\n{'rate':8s} {'config':14s} {'layout':58s} {'predicted':>10s} {'measured':>10s} {'error':>7s}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['rate']:8s} {r['name']:14s} {r['layout'][:58]:58s} {r['predicted_step_s'] * 1e3:8.0f}ms "
+                  f"{r['measured_step_s'] * 1e3:8.0f}ms {r['error']:+7.1%}")
+        else:
+            print(f"{r['rate']:8s} {r['name']:14s} FAILED")
+    print(json.dumps(summary, indent=2))
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps({"summary": summary, "calibrations": calibrations, "rows": rows}, indent=2)
+                            + "\n")
+    print(f"wrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
