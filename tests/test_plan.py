@@ -439,3 +439,159 @@ def test_the_planner_imports_no_torch_at_module_level():
                 assert not name.startswith("torch"), path
                 assert name.lstrip(".") not in ("models", "parallel", "compress") and \
                     not name.lstrip(".").startswith(("models.", "parallel.", "compress.")), (path, name)
+
+
+# ------------------------------------------------------------------------------------------------ calibration
+def test_gemm_size_efficiency_is_monotone_and_fits_what_it_measured():
+    from syncwise.plan.calibrate import fit_gemm
+
+    acc = dataclasses.replace(ACCELERATORS["cpu-lab"], gemm_half_flops=2e5)
+    sizes = [2 * s ** 3 for s in (16, 32, 64, 128, 256, 1024, 4096)]
+    effs = [acc.gemm_efficiency(f) for f in sizes]
+    assert effs == sorted(effs) and effs[0] < 0.1 * acc.matmul_efficiency and effs[-1] > 0.99 * acc.matmul_efficiency
+    assert acc.gemm_efficiency(2e5) == pytest.approx(acc.matmul_efficiency / 2)      # half the peak at half_flops
+    # t = F / peak + t0 is recovered from its own samples
+    peak, half = fit_gemm([(f, f / 90e9 + 1.5e-6) for f in sizes])
+    assert peak == pytest.approx(90e9, rel=1e-6) and half == pytest.approx(1.5e-6 * 90e9, rel=1e-6)
+    assert fit_gemm([(f, f / 90e9) for f in sizes]) == pytest.approx((90e9, 0.0))
+    # the cost model charges small GEMMs: a tiny model's step grows with gemm_half_flops, a wide one's barely
+    c0 = cluster("cpu-lab", 1, 1)
+    c1 = dataclasses.replace(c0, accelerator=acc)
+    tiny, wide = load_model("tiny", 64), load_model("xl-dense", 64)
+    ratio = lambda m: (predict(c1, m, Layout(), 1, 64, syncwise_rules=False).step_time_s  # noqa: E731
+                       / predict(c0, m, Layout(), 1, 64, syncwise_rules=False).step_time_s)
+    assert ratio(tiny) > ratio(wide) > 1.0
+
+
+def _fake_calibration(nodes: int = 2, per_node: int = 2, rate_bps: int = 200_000_000) -> dict:
+    """A calibration result as the workers return it (numbers of the order the lab measures)."""
+    from syncwise.plan.cost import _steps
+
+    world = nodes * per_node
+
+    def rows(n, bw, lat, kinds=("all_reduce", "all_gather", "reduce_scatter", "all_to_all")):
+        out = []
+        for op in kinds:
+            bus = bus_factor(op, n)
+            slow = 2.0 if op == "reduce_scatter" else 1.0       # gloo's reduce-scatter moves an all-reduce's bytes
+            if op == "all_to_all" and n > per_node:             # a node sends its 2 ranks' halves for the other node
+                bus = per_node * (n - per_node) / n
+            for size in (4096, 8 * 2**20):
+                out.append({"op": op, "bytes": size, "time_s": _steps(op, n) * lat + size * bus * slow / bw,
+                            "world_size": n})
+        return out
+    gemm = [{"size": s, "flops": 2 * s ** 3, "seconds": 2 * s ** 3 / 50e9 + 2e-6, "flop_s": 0, "dtype": "float32"}
+            for s in (32, 64, 128, 256, 512, 1024)]
+    worker = {"gemm": gemm, "memory_bytes_s": 10e9, "reference_step_s": 0.9}
+    return {"workers": [worker] * world, "world": rows(world, rate_bps / 8 * 0.95, 1e-3),
+            "intra": rows(per_node, 1e9, 3e-4) if nodes > 1 else [], "nodes": nodes, "procs_per_node": per_node,
+            "world_size": world, "reference": ["small-dense", 8, 128], "torch": "x", "device": "cpu",
+            "lab": {"prefix": "t", "nodes": nodes, "inter_node": "200mbit", "inter_node_bps": rate_bps,
+                    "intra_node": None} if nodes > 1 else None,
+            "measured_at": "now", "host": "h", "cpu_count": 2, "seconds": 1.0}
+
+
+def test_calibration_toml_loads_and_reproduces_its_measurements(tmp_path):
+    from syncwise.plan.calibrate import cloud_toml, derive_cluster
+
+    result = _fake_calibration()
+    result["cluster"] = derive_cluster(result)
+    path = tmp_path / "lab.toml"
+    path.write_text(cloud_toml(result, "syncwise plan --calibrate --lab"))
+    text = path.read_text()
+    assert text.startswith("# Measured by `syncwise plan --calibrate --lab`") and "comm-bench" in text
+    c = load_cluster(path)
+    assert (c.nodes, c.gpus_per_node) == (2, 2) and c.accelerator.peak_bf16_flops == pytest.approx(50e9, rel=1e-3)
+    assert c.accelerator.gemm_half_flops == pytest.approx(2e-6 * 50e9, rel=1e-3)
+    assert c.inter_node.bandwidth == pytest.approx(25e6) and c.inter_node.efficiency == pytest.approx(0.95, rel=1e-3)
+    assert dict(c.inter_node.op_efficiency)["reduce_scatter"] == pytest.approx(0.475, rel=1e-3)
+    # the planner's collective formula gives back the measured large-message times
+    for r in result["world"]:
+        if r["bytes"] > 4096:
+            t = collective_time(c, r["op"], r["bytes"], 4, 2)
+            assert t == pytest.approx(r["time_s"], rel=0.02), r["op"]
+    # matmul_efficiency makes the single-process reference step what was measured
+    one = dataclasses.replace(c, nodes=1, gpus_per_node=1)
+    from syncwise.plan.calibrate import recipe_for
+    p = predict(one, load_model("small-dense", 128), Layout(), 8, 128, training=recipe_for(c.accelerator),
+                syncwise_rules=False)
+    assert p.step_time_s == pytest.approx(0.9, rel=1e-3)
+    with pytest.raises(ConfigError, match="all_gather_efficiency"):
+        cloud_from_dict({"nodes": 1, "gpus_per_node": 2, "intra_node": {"name": "x", "bandwidth_gbyte_s": 1,
+                                                                       "all_gather_efficiency": 2}})
+
+
+def test_calibrate_measures_this_machine(tmp_path, capsys):
+    """The real thing, kept small: 2 local workers, the tiny preset as the reference step, 2 iterations."""
+    from syncwise.cli import main
+
+    out = tmp_path / "here.toml"
+    rc = main(["plan", "--calibrate", "--nproc", "2", "--reference", "tiny:2:32", "--iters", "2", "--out", str(out)])
+    assert rc == 0 and "wrote" in capsys.readouterr().out
+    c = load_cluster(out)
+    assert (c.nodes, c.gpus_per_node) == (1, 2) and 1e8 < c.accelerator.peak_bf16_flops < 1e13
+    assert 0 < c.accelerator.matmul_efficiency <= 1 and c.intra_node.bandwidth > 1e6
+    assert json.loads((tmp_path / "here.toml.json").read_text())["world"]
+    rc = main(["plan", "--cluster", str(out), "--model", "small", "--global-batch", "8", "--seq-len", "128"])
+    assert rc == 0
+    assert main(["plan", "--calibrate", "--reference", "nope:1:2"]) == 2
+
+
+# ------------------------------------------------------------------------------------------------ layout check
+def test_check_layout_warns_far_from_the_best_only():
+    from syncwise.plan.check import THRESHOLD, check_layout
+
+    c = cluster("cpu-lab", 2, 1, inter="lab-tbf")
+    m = load_model("small-dense", 128)
+    bad = check_layout(c, m, Layout(dp_replicate=2, micro_batch=8), 16, 128)
+    assert bad.ratio > THRESHOLD and bad.best.layout.pp == 2
+    assert "pp=2" in bad.warning and f"{bad.ratio - 1:.0%}" in bad.warning and "1.25" in bad.warning
+    good = check_layout(c, m, bad.best.layout, 16, 128)
+    assert good.ratio == pytest.approx(1.0) and not good.warning
+
+
+def _tiny_trainer(**kw):
+    import torch
+
+    from syncwise.models import build_model
+    from syncwise.train import OptimizedTrainer
+
+    torch.manual_seed(0)
+    model = build_model("tiny")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = [(torch.randint(0, 256, (4, 64)), torch.randint(0, 256, (4, 64))) for _ in range(2)]
+    return OptimizedTrainer(model, opt, show_progress=False, **kw), data
+
+
+def test_trainer_warns_on_a_clearly_slower_layout(tmp_path):
+    """One process on a 1-GPU cluster: full activation recomputation is predicted 1.3× the best (none fits)."""
+    import warnings
+
+    path = tmp_path / "one.toml"
+    path.write_text('nodes = 1\ngpus_per_node = 1\naccelerator = "cpu-lab"\n')
+    trainer, data = _tiny_trainer(activation_checkpointing=True)
+    with pytest.warns(UserWarning, match=r"predicted .* 1\.\d+× the best .*recompute=none"):
+        summary = trainer.train(data, steps=1, cloud_config=str(path))
+    check = summary["layout_check"]
+    assert check["ratio"] > 1.25 and "recompute=full" in check["chosen"] and check["warning"]
+    trainer, data = _tiny_trainer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        summary = trainer.train(data, steps=1, cloud_config=cluster("cpu-lab", 1, 1))
+    assert summary["layout_check"]["ratio"] == pytest.approx(1.0) and not summary["layout_check"]["warning"]
+
+
+def test_describe_module_from_parameter_count():
+    from torch import nn
+
+    from syncwise.plan.check import describe_module
+
+    d, vocab, layers = 256, 1000, 4
+    net = nn.Sequential(nn.Embedding(vocab, d), *[nn.Sequential(nn.Linear(d, 4 * d), nn.Linear(4 * d, d),
+                                                                 nn.Linear(d, 3 * d), nn.Linear(d, d))
+                                                   for _ in range(layers)], nn.Linear(d, vocab))
+    spec = describe_module(net, 128)
+    assert (spec.d_model, spec.vocab_size, spec.n_layers, spec.seq_len) == (d, vocab, layers, 128)
+    assert "approximated" in spec.source
+    from syncwise.models import build_model
+    assert describe_module(build_model("tiny"), 64).param_counts() == load_model("tiny", 64).param_counts()

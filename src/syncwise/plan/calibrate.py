@@ -425,12 +425,12 @@ def _fabric(rows: list[dict], n: int, per_node: int, gpus_per_node: int, inter: 
     for op, rs in by.items():
         big = max(rs, key=lambda r: r["bytes"])
         achieved[op] = solve_fabric(op, big["bytes"], big["time_s"], n, per_node, gpus_per_node, latency, inter)
-    ref = max(line, *achieved.values())
+    ref = line or max(achieved.values())      # an op faster than the line rate is capped at efficiency 1
     out: dict[str, Any] = {("bandwidth_gbit_s" if line else "bandwidth_gbyte_s"): ref * (8 if line else 1) / 1e9,
-                           "latency_us": latency * 1e6, "efficiency": round(achieved["all_reduce"] / ref, 4)}
+                           "latency_us": latency * 1e6, "efficiency": round(min(1.0, achieved["all_reduce"] / ref), 4)}
     for op in ("all_gather", "reduce_scatter", "all_to_all"):
         if op in achieved:
-            out[f"{op}_efficiency"] = round(achieved[op] / ref, 4)
+            out[f"{op}_efficiency"] = round(min(1.0, achieved[op] / ref), 4)
     return out
 
 

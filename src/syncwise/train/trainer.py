@@ -239,8 +239,10 @@ class OptimizedTrainer:
         """Run until ``steps`` optimizer steps (or ``epochs`` passes over ``loader``); return the summary.
 
         ``checkpoint_dir`` (or a ``checkpointer`` given to the constructor) enables checkpoints; ``resume``
-        is 'auto' (newest valid checkpoint there, if any), a checkpoint path, or None. ``cloud_config`` is
-        accepted for the seed API and recorded in the summary.
+        is 'auto' (newest valid checkpoint there, if any), a checkpoint path, or None. ``cloud_config`` (a
+        ``syncwise.plan.CloudConfig`` or a cluster TOML path) has the planner predict this layout and the best
+        one for this model and batch, and warn when this one is predicted > 1.25× slower (summary
+        ``layout_check``; docs/plan.md).
         """
         resume = arguments.resume_mode(resume)
         checkpoint_dir = arguments.as_path("checkpoint_dir", checkpoint_dir)
@@ -264,6 +266,14 @@ class OptimizedTrainer:
         batches = _forever(loader)
         if self.batcher is not None and not self.batcher.found:
             batches = self._find_micro_batch(batches, logger)
+        layout_check = None
+        if cloud_config is not None:  # the planner's verdict on this layout (syncwise.plan.check; warns > 1.25×)
+            from ..plan.check import check_trainer
+            first = next(batches)
+            batches = itertools.chain([first], batches)
+            layout_check = check_trainer(self, cloud_config, first)
+            if layout_check.get("warning"):
+                logger.note(layout_check["warning"])
         if self.world_size > 1 and self.collective_timeout_s:
             self.watchdog = Watchdog(self.collective_timeout_s, self.rank, self.world_size,
                                      Path(self.run_dir) / "heartbeats" if self.run_dir else None)
@@ -327,6 +337,7 @@ class OptimizedTrainer:
                 for s in self.checkpointer.history]
         if cloud_config is not None:
             summary["cloud_config"] = repr(cloud_config)
+            summary["layout_check"] = layout_check
         logger.finish(summary)
         return summary
 
