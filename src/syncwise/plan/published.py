@@ -146,4 +146,8 @@ def evaluate(run: PublishedRun, top_check: bool = True) -> dict[str, Any]:
         ranks = [(p.layout.tp, p.layout.pp) for p in found]
         row["planner_top3"] = [f"tp{t} pp{p}" for t, p in ranks[:3]]
         row["paper_layout_rank"] = ranks.index((lay.tp, lay.pp)) + 1 if (lay.tp, lay.pp) in ranks else None
+        # how far the paper's layout is predicted from the planner's best (same settings, same search)
+        row["paper_vs_best"] = pred.step_time_s / found[0].step_time_s - 1 if found else None
+        row["planner_best"] = found[0].layout.describe() if found else None
+        row["planner_best_dominant"] = found[0].dominant if found else None
     return row
