@@ -287,6 +287,13 @@ class CheckpointSection:
     compression: bool = option(False, "compress checkpoint files", "true or false")
     mtbf_s: float = option(14400.0, "mean time between failures for the 'dynamic' interval",
                            f"a number of seconds from 1 to {_seconds(_MAX_SECONDS)}", _in(1, _MAX_SECONDS))
+    preempt_grace_s: float = option(60.0, "on SIGTERM or SIGUSR1 (a scheduler's preemption or time-limit warning) "
+                                    "every worker finishes its step, saves a checkpoint and exits with code 83 "
+                                    "within this many seconds, else exits with 84 (docs/launch.md); 0 = the "
+                                    "signals end the run at once, unsaved",
+                                    "a number of seconds from 0 to 86,400 (keep it below the scheduler's own grace: "
+                                    "Slurm's KillWait or --signal lead time, Kubernetes' terminationGracePeriodSeconds)",
+                                    _in(0, 86_400))
 
 
 @dataclass

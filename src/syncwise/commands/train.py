@@ -30,6 +30,14 @@ class RunFinished(SyncwiseError):
     """``--resume auto`` on a run that already reached its ``--steps``: nothing to do (not a failure)."""
 
 
+class RunPreempted(Exception):
+    """The workers stopped for SIGTERM/SIGUSR1 and said so in ``RUN_DIR/preempted.json`` (``record``)."""
+
+    def __init__(self, record: dict):
+        super().__init__(record)
+        self.record = record
+
+
 def prepare_run_dir(cfg: RunConfig) -> RunDirLock:
     """Choose the run directory, take its lock (held until released or this process exits), refuse to
     overwrite anything in it unless resuming, and write ``config.json``. Returns the held lock."""
@@ -140,14 +148,22 @@ def interrupted_message(cfg: RunConfig, signal_name: str = "SIGINT") -> str:
 
 def launch(cfg: RunConfig) -> dict:
     """Start the workers for ``cfg`` and return rank 0's summary."""
+    from ..train.preemption import read_marker, signals_raise
     from .worker import run_worker, train_worker
 
+    grace = cfg.ckpt.preempt_grace_s
     if cfg.dist.lab:
         from ..lab.launch import lab_torchrun
 
-        code = lab_torchrun(["-m", "syncwise.commands.worker", "--config", str(Path(cfg.run_dir) / "config.json")],
-                            nproc_per_node=cfg.dist.nproc, max_restarts=cfg.dist.max_restarts)
+        # SIGTERM/SIGUSR1 here stop the lab's agents with SIGTERM; each forwards it to its workers, which save
+        # within the grace (the agents wait that long, and so does the lab launcher before it kills anything).
+        with signals_raise():
+            code = lab_torchrun(["-m", "syncwise.commands.worker", "--config", str(Path(cfg.run_dir) / "config.json")],
+                                nproc_per_node=cfg.dist.nproc, max_restarts=cfg.dist.max_restarts,
+                                env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(int(grace) + 5)}, stop_grace=grace + 10)
         if code != 0:
+            if read_marker(cfg.run_dir):
+                raise RunPreempted(read_marker(cfg.run_dir))
             raise SyncwiseError(f"the lab job failed (exit code {code}); see the worker output above")
         return json.loads((Path(cfg.run_dir) / "summary.json").read_text())
     if cfg.dist.nproc == 1 and cfg.dist.max_restarts == 0 and cfg.dist.nnodes == "1":
@@ -158,8 +174,11 @@ def launch(cfg: RunConfig) -> dict:
 
     try:
         results = run_local(run_worker, cfg.dist.nproc, cfg, max_restarts=cfg.dist.max_restarts,
-                            log_dir=str(Path(cfg.run_dir) / "logs"), nnodes=cfg.dist.nnodes)
+                            log_dir=str(Path(cfg.run_dir) / "logs"), nnodes=cfg.dist.nnodes,
+                            shutdown_grace_s=grace + 5 if grace else None)
     except ChildFailedError as e:
+        if read_marker(cfg.run_dir):  # a worker was signalled (not this launcher): the workers stopped and saved
+            raise RunPreempted(read_marker(cfg.run_dir)) from None
         rank, failure = e.get_first_failure()
         message = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
         raise SyncwiseError(f"worker rank {rank} failed: {message or 'exit code ' + str(failure.exitcode)}"
@@ -174,8 +193,25 @@ def launch(cfg: RunConfig) -> dict:
     return results[0]
 
 
+def _stopped(cfg: RunConfig, signal_name: str) -> int:
+    """After SIGTERM/SIGUSR1/SIGINT reached this launcher: the preemption report (the workers saved and wrote
+    preempted.json) with its exit code, else where the run was interrupted (128 + the signal's number)."""
+    import signal
+
+    from ..train.preemption import describe, read_marker
+
+    record = read_marker(cfg.run_dir)
+    if record:
+        print(f"syncwise: {describe(record, cfg.run_dir)}", file=sys.stderr)
+        return int(record.get("exit_code", 83))
+    print(f"syncwise: {interrupted_message(cfg, signal_name)}", file=sys.stderr)
+    return 128 + int(getattr(signal, signal_name, signal.SIGTERM))
+
+
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from ..train.preemption import Preempted, StopSignal, describe
 
     cfg = resolve_config(load_file(args.config) if args.config else None, overrides_from_args(args, extra))
     if args.check:  # the run directory's checks are read-only; it is neither created nor locked
@@ -203,9 +239,15 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     except KeyboardInterrupt:
         print(f"syncwise: {interrupted_message(cfg)}", file=sys.stderr)
         return 130
-    except SignalException as e:  # torchrun's agent turns SIGINT/SIGTERM/... into this
-        print(f"syncwise: {interrupted_message(cfg, e.sigval.name)}", file=sys.stderr)
-        return 128 + int(e.sigval)
+    except SignalException as e:  # torchrun's agent turns SIGINT/SIGTERM/SIGUSR1/... into this
+        return _stopped(cfg, e.sigval.name)
+    except StopSignal as e:  # the lab launcher's own SIGTERM/SIGUSR1
+        return _stopped(cfg, e.signal_name)
+    except Preempted as e:  # one process, in this process
+        return _stopped(cfg, e.signal_name)
+    except RunPreempted as e:
+        print(f"syncwise: {describe(e.record, cfg.run_dir)}", file=sys.stderr)
+        return int(e.record.get("exit_code", 83))
     finally:
         lock.release()
     print(f"run directory: {cfg.run_dir}  (final loss {_num(summary.get('final_loss'))}, "

@@ -32,6 +32,7 @@ from ..models import build_model, count_params, flops_per_token
 from ..rundir import RunDirLock, held_by_launcher
 from ..train.arguments import join_torchrun
 from ..train.dynamic_batch import DynamicBatcher
+from ..train.preemption import Preempted
 from ..train.schedule import adamw, warmup_cosine
 from ..train.trainer import CONTROL_STATS, OptimizedTrainer
 
@@ -99,6 +100,10 @@ def run_worker(cfg: RunConfig) -> dict[str, Any]:
         signal.signal(signal.SIGINT, _quiet_exit)
     try:
         return train_worker(cfg)
+    except Preempted as e:  # a SystemExit: this worker ends with EXIT_PREEMPTED (83), the launcher reports it
+        if os.environ.get("RANK", "0") == "0":
+            print(f"syncwise: {e}; exiting with code {e.code} (resume: --resume auto)", flush=True)
+        raise
     except SyncwiseError as e:
         sys.stderr.write(f"syncwise: rank {os.environ.get('RANK', 0)}: {e}\n")  # one write: ranks share the console
         sys.stderr.flush()
@@ -151,7 +156,7 @@ def train_worker(cfg: RunConfig) -> dict[str, Any]:
             val_loader=val, val_interval=cfg.train.val_interval, run_dir=cfg.run_dir,
             flops_per_token=flops_per_token(model.config), checkpointer=checkpointer,
             inject_faults=specs.faults, collective_timeout_s=cfg.dist.timeout_s,
-            sync=specs.sync, parallel=parallel,
+            sync=specs.sync, parallel=parallel, preempt_grace_s=cfg.ckpt.preempt_grace_s,
             dynamic_batch=DynamicBatcher(1, cfg.data.batch_size, memory_threshold=cfg.train.memory_threshold,
                                          device=device) if cfg.train.dynamic_batch else None)
         summary = trainer.train(batches, steps=cfg.train.steps, resume=resume_target(cfg, rank))

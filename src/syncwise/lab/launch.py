@@ -95,7 +95,7 @@ def lab_torchrun(module_args: Sequence[str], nproc_per_node: int | None = None, 
                  run_id: str | None = None, max_restarts: int = 0,
                  extra_torchrun_args: Sequence[str] | None = None, *, script: bool = False,
                  log_dir: str | os.PathLike | None = None, port: int | None = None, timeout: float | None = None,
-                 prefix: str = PREFIX, console: IO[bytes] | None = None) -> int:
+                 prefix: str = PREFIX, console: IO[bytes] | None = None, stop_grace: float = 10.0) -> int:
     """Run ``torchrun ... -m module_args`` on every lab node; return the first non-zero exit code or 0.
 
     ``module_args`` is ``["pkg.module", "arg", ...]`` (a leading ``"-m"`` is accepted too).
@@ -103,7 +103,10 @@ def lab_torchrun(module_args: Sequence[str], nproc_per_node: int | None = None, 
     element of ``module_args`` is a script path (torchrun's script mode) instead of a module.
     Node 0's output streams to ``console`` (default: this process's stdout); other nodes write to
     ``log_dir/node<i>.log`` if ``log_dir`` is given, else to the console prefixed ``[node i]``.
-    If one node fails, the others are stopped. ``timeout`` (seconds) stops everything and raises.
+    If one node fails, the others are stopped. ``timeout`` (seconds) stops everything and raises. Stopping
+    sends SIGTERM to each agent's process group (agent and workers) and waits ``stop_grace`` seconds before
+    SIGKILL — also when this launcher is interrupted (an exception here, e.g. a signal turned into one): workers
+    that handle SIGTERM (syncwise's trainer: finish the step, save) get that long.
     """
     state = require(prefix)
     nproc = state.procs_per_node if nproc_per_node is None else nproc_per_node
@@ -166,12 +169,12 @@ def lab_torchrun(module_args: Sequence[str], nproc_per_node: int | None = None, 
                 raise SyncwiseError(f"the lab job did not finish within {timeout:g} s and was stopped "
                                     f"(logs: {logs or 'console'}).")
             time.sleep(0.1)
-        _stop(procs)  # no-op if all exited; else stops the survivors of a failed node
+        _stop(procs, stop_grace)  # no-op if all exited; else stops the survivors of a failed node
         if not first_failure:
             first_failure = next((p.returncode for p in procs if p.returncode != 0), 0)
         return first_failure
     except BaseException:
-        _stop(procs)
+        _stop(procs, stop_grace)
         raise
     finally:
         for t in pumps:

@@ -1,6 +1,7 @@
 """Start N local workers through torchrun's elastic launch API (never hand-rolled multiprocessing)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -8,6 +9,8 @@ import uuid
 from typing import Any, Callable
 
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from ..train.preemption import TORCHRUN_SIGNALS
 
 
 def free_port() -> int:
@@ -29,14 +32,16 @@ def parse_nnodes(nnodes: str) -> tuple[int, int]:
 
 
 def run_local(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0,
-              run_id: str | None = None, log_dir: str | None = None, nnodes: str = "1") -> dict[int, Any]:
+              run_id: str | None = None, log_dir: str | None = None, nnodes: str = "1",
+              shutdown_grace_s: float | None = None) -> dict[int, Any]:
     """Run ``fn(*args)`` in ``nproc`` workers started by torchrun's elastic agent; return {rank: result}.
 
     ``nnodes='1:2'`` makes this agent one node of an elastic job that may grow to 2 (other nodes join
     through the same c10d rendezvous); ``max_restarts`` lets the agent restart the group after a failure.
 
     Workers find RANK/WORLD_SIZE/MASTER_ADDR in their environment as under ``torchrun``.
-    ``fn`` must be a module-level function (workers are spawned).
+    ``fn`` must be a module-level function (workers are spawned). On SIGTERM or SIGUSR1 the agent forwards the
+    signal to the workers and waits ``shutdown_grace_s`` seconds (torch's default: 30) before killing them.
     """
     # Field notes: sharing the rendezvous TCP store makes restarts flaky on gloo; a separate store is reliable.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
@@ -48,12 +53,18 @@ def run_local(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int 
             if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
                 logging.getLogger(name).setLevel(logging.CRITICAL)
     min_nodes, max_nodes = parse_nnodes(nnodes)
+    known = {f.name for f in dataclasses.fields(LaunchConfig)}  # torch >= 2.9 has both
+    # The agent forwards SIGTERM, SIGINT, SIGHUP, SIGQUIT by default; SIGUSR1 (Slurm's "time is nearly up") is added,
+    # else it kills the agent: the workers then stop and save (train/preemption.py).
+    signals = {"signals_to_handle": TORCHRUN_SIGNALS} if "signals_to_handle" in known else {}
+    if shutdown_grace_s and "shutdown_timeout" in known:
+        signals["shutdown_timeout"] = int(shutdown_grace_s + 0.999)
     config = LaunchConfig(
         min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc,
         # Field notes: with an elastic range each rendezvous otherwise waits 30 s for optional nodes.
         rdzv_configs={"last_call_timeout": 3} if max_nodes > min_nodes else {}, run_id=run_id or uuid.uuid4().hex[:8],
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
-        monitor_interval=0.5, start_method="spawn", **({"logs_specs": _logs(log_dir)} if log_dir else {}),
+        monitor_interval=0.5, start_method="spawn", **({"logs_specs": _logs(log_dir)} if log_dir else {}), **signals,
     )
     return elastic_launch(config, fn)(*args)
 

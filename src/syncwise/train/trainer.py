@@ -43,6 +43,7 @@ from ..parallel import ParallelSpec, TorchHookSpec, describe_layout, parallelize
 from . import arguments
 from .dynamic_batch import DynamicBatcher
 from .faults import FaultPlan
+from .preemption import DEFAULT_GRACE_S, PreemptionGuard
 
 # Collectives that are not gradient sync (loss averaging, validation, router-load sums) are counted here, so
 # the per-step ``comm_bytes`` is exactly the gradient traffic.
@@ -156,7 +157,8 @@ class OptimizedTrainer:
                  collective_timeout_s: Optional[float] = None, sync: Any = None, data_seed: int = 0,
                  tf32: bool = True, dynamic_batch: Optional[DynamicBatcher] = None,
                  parallel: "ParallelSpec | dict | None" = None, tp_plan: Optional[dict] = None,
-                 pipeline_split: Optional[Callable[[nn.Module, int, int], nn.Module]] = None):
+                 pipeline_split: Optional[Callable[[nn.Module, int, int], nn.Module]] = None,
+                 preempt_grace_s: Optional[float] = DEFAULT_GRACE_S):
         mixed_precision = arguments.mixed_precision_mode(mixed_precision)
         self.grad_accum_steps = count("grad_accum_steps", grad_accum_steps)
         self.clip_grad_norm = arguments.finite("clip_grad_norm", clip_grad_norm)
@@ -207,6 +209,10 @@ class OptimizedTrainer:
         self.peak = detect_peak(self.device)  # the part's dense bf16 peak, for MFU (None on a CPU)
         self.checkpointer = checkpointer
         self.faults = FaultPlan(inject_faults or [], run_dir)
+        # SIGTERM / SIGUSR1 during train(): stop after a step every rank agrees on, save, raise Preempted
+        # (train/preemption.py); None or 0 leaves the signals alone.
+        self.preemption = PreemptionGuard(arguments.finite("preempt_grace_s", preempt_grace_s or 0.0),
+                                          self.rank, self.world_size)
         self.collective_timeout_s = collective_timeout_s
         if dynamic_batch is not None and not isinstance(dynamic_batch, DynamicBatcher):
             raise ConfigError("dynamic_batch", dynamic_batch, "None or a syncwise.train.DynamicBatcher")
@@ -282,6 +288,8 @@ class OptimizedTrainer:
         changes_seen = len(self.batcher.history) if self.batcher is not None else 0
         val_loss = None
         started = time.perf_counter()
+        self.preemption.install(self.run_dir or (self.checkpointer.directory if self.checkpointer else None),
+                                self.checkpointer.directory if self.checkpointer else None)
         try:
             while self.step < total:
                 self.faults.maybe_kill(self.step + 1, self.rank)
@@ -297,10 +305,12 @@ class OptimizedTrainer:
                     changes_seen = len(self.batcher.history)
                 validate = self.val_loader is not None and (self.step == total or (
                     self.val_interval and self.step % self.val_interval == 0))
-                save = self.checkpointer is not None and self.step < total and \
+                # A SIGTERM/SIGUSR1 on any rank: every rank stops after this same step (the save is the final one).
+                stop = self.step < total and self.preemption.stop_after(self.step)
+                save = not stop and self.checkpointer is not None and self.step < total and \
                     self.checkpointer.should_save(self.step, unlogged[-1][0].step_time_s)
                 # Rows are read `log_lag` steps late (see PendingStep), at once when this step's row is needed.
-                keep = 0 if validate or save or self.step == total else self.log_lag
+                keep = 0 if validate or save or stop or self.step == total else self.log_lag
                 while len(unlogged) > keep:
                     queued, in_flight = unlogged.popleft()
                     result = queued.settle()
@@ -316,6 +326,8 @@ class OptimizedTrainer:
                     self._settle_skip()
                     self.phase = "checkpoint save"
                     self.checkpointer.save(self.step, state)
+                if stop:
+                    break
             self._settle_skip()
             if self.checkpointer is not None:
                 self.phase = "final checkpoint save"
@@ -325,6 +337,7 @@ class OptimizedTrainer:
         except RuntimeError as e:
             raise self._explain_hang(e) from e
         finally:
+            self.preemption.uninstall()
             if self.watchdog is not None:
                 self.watchdog.close()
                 self.watchdog = None
@@ -338,8 +351,10 @@ class OptimizedTrainer:
         if cloud_config is not None:
             summary["cloud_config"] = repr(cloud_config)
             summary["layout_check"] = layout_check
+        if self.preemption.stopping_step is not None:  # saved above; rank 0 writes RUN_DIR/preempted.json
+            summary["preempted"] = self.preemption.record(self.checkpointer)
         logger.finish(summary)
-        return summary
+        return self.preemption.finish(summary)  # raises Preempted (exit code 83) after a stop
 
     def _find_micro_batch(self, batches: Iterator, logger: MetricsLogger) -> Iterator:
         """Probe the largest micro-batch on the first loader batch (on the plain module: no collectives, so
