@@ -571,7 +571,7 @@ def test_trainer_warns_on_a_clearly_slower_layout(tmp_path):
     path.write_text('nodes = 1\ngpus_per_node = 1\naccelerator = "cpu-lab"\n')
     trainer, data = _tiny_trainer(activation_checkpointing=True)
     with pytest.warns(UserWarning, match=r"predicted .* 1\.\d+× the best .*recompute=none"):
-        summary = trainer.train(data, steps=1, cloud_config=str(path))
+        summary = trainer.train(data, steps=1, cloud_config=load_cluster(path))
     check = summary["layout_check"]
     assert check["ratio"] > 1.25 and "recompute=full" in check["chosen"] and check["warning"]
     trainer, data = _tiny_trainer()
@@ -579,6 +579,9 @@ def test_trainer_warns_on_a_clearly_slower_layout(tmp_path):
         warnings.simplefilter("error")
         summary = trainer.train(data, steps=1, cloud_config=cluster("cpu-lab", 1, 1))
     assert summary["layout_check"]["ratio"] == pytest.approx(1.0) and not summary["layout_check"]["warning"]
+    trainer, data = _tiny_trainer()          # a path is not loaded by the trainer (train sits below plan)
+    summary = trainer.train(data, steps=1, cloud_config=str(path))
+    assert "load_cluster" in summary["layout_check"]["skipped"] and summary["cloud_config"] == repr(str(path))
 
 
 def test_describe_module_from_parameter_count():

@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from ..errors import ConfigError, SyncwiseError
 from .cloud import Accelerator, CloudConfig, Fabric, cloud_from_dict
@@ -326,9 +326,10 @@ def _pow2_at_most(x: float) -> int:
 
 def calibrate(lab: bool = False, prefix: Optional[str] = None, nproc: Optional[int] = None,
               reference: tuple[str, int, int] = (REFERENCE_PRESET, REFERENCE_BATCH, REFERENCE_SEQ),
-              iters: int = 5) -> dict:
+              iters: int = 5, launcher: Optional[Callable[..., dict]] = None) -> dict:
     """Run the measurements (local workers, or a torchrun job across the lab's nodes) and return the raw result
-    plus the derived cluster (``result["cluster"]``, the TOML tables as a dict)."""
+    plus the derived cluster (``result["cluster"]``, the TOML tables as a dict). Locally the workers start
+    through ``launcher`` (``syncwise.launch.run_local``, which the command passes in: launch sits above plan)."""
     options: dict[str, Any] = {"reference": list(reference), "iters": iters}
     started = time.time()
     if lab:
@@ -351,11 +352,11 @@ def calibrate(lab: bool = False, prefix: Optional[str] = None, nproc: Optional[i
         result["lab"] = {"prefix": state.prefix, "nodes": state.num_nodes, "inter_node": state.inter_node,
                          "inter_node_bps": state.inter_node_bps, "intra_node": state.intra_node}
     else:
-        from ..launch import run_local
-
+        if launcher is None:
+            raise ValueError("calibrate(lab=False) needs launcher=syncwise.launch.run_local")
         per_node = nproc or 2
         options["procs_per_node"] = per_node
-        result = run_local(_local_worker, per_node, options)[0]
+        result = launcher(_local_worker, per_node, options)[0]
         result["lab"] = None
     result["measured_at"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     result["host"] = platform.node()

@@ -246,8 +246,8 @@ class OptimizedTrainer:
 
         ``checkpoint_dir`` (or a ``checkpointer`` given to the constructor) enables checkpoints; ``resume``
         is 'auto' (newest valid checkpoint there, if any), a checkpoint path, or None. ``cloud_config`` (a
-        ``syncwise.plan.CloudConfig`` or a cluster TOML path) has the planner predict this layout and the best
-        one for this model and batch, and warn when this one is predicted > 1.25× slower (summary
+        ``syncwise.plan.CloudConfig``, e.g. ``load_cluster("cluster.toml")``) has the planner predict this layout
+        and the best one for this model and batch, and warn when this one is predicted > 1.25× slower (summary
         ``layout_check``; docs/plan.md).
         """
         resume = arguments.resume_mode(resume)
@@ -273,11 +273,13 @@ class OptimizedTrainer:
         if self.batcher is not None and not self.batcher.found:
             batches = self._find_micro_batch(batches, logger)
         layout_check = None
-        if cloud_config is not None:  # the planner's verdict on this layout (syncwise.plan.check; warns > 1.25×)
-            from ..plan.check import check_trainer
+        if cloud_config is not None:  # the planner's verdict on this layout (it warns when > 1.25× the best)
             first = next(batches)
             batches = itertools.chain([first], batches)
-            layout_check = check_trainer(self, cloud_config, first)
+            # plan sits above train (DESIGN.md §3): the CloudConfig the caller hands in runs the check itself
+            check = getattr(cloud_config, "check_training_run", None)
+            layout_check = check(self, first) if check else {"skipped": "cloud_config is not a syncwise.plan."
+                                                             "CloudConfig (load a TOML with syncwise.plan.load_cluster)"}
             if layout_check.get("warning"):
                 logger.note(layout_check["warning"])
         if self.world_size > 1 and self.collective_timeout_s:
