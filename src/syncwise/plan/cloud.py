@@ -162,6 +162,9 @@ FABRICS: dict[str, Fabric] = {f.name: f for f in (
                   + _LAT),
     Fabric("roce-200g", "roce", 25e9, 8e-6, 0.85,
            source="200 GbE RoCEv2 NIC: 200 Gb/s = 25 GB/s each way; efficiency 0.85 assumed; " + _LAT),
+    Fabric("opa-100", "omnipath", 12.5e9, 5e-6, 0.90,
+           source="Intel Omni-Path 100: 100 Gb/s per port = 12.5 GB/s each way (Jean Zay, BLOOM's cluster: 4 "
+                  "links per node, BLOOM paper §3.4.1); efficiency 0.9 assumed as for InfiniBand; " + _LAT),
     Fabric("efa-100g", "efa", 12.5e9, 15e-6, 0.80,
            source="AWS Elastic Fabric Adapter, 100 Gb/s per adapter (p4d: 4 per node, p5: 32 per node, AWS "
                   "instance pages); efficiency 0.8 assumed; " + _LAT),
@@ -248,6 +251,8 @@ OP_EFFICIENCY_KEYS = {"all_gather_efficiency": "all_gather", "reduce_scatter_eff
                       "all_to_all_efficiency": "all_to_all", "p2p_efficiency": "p2p"}
 _TOP_KEYS = ("name", "nodes", "gpus_per_node", "topology", "network_priority", "oversubscription",
              "accelerator", "intra_node", "inter_node")
+# Tables of the same file that syncwise.launch reads (scheduler settings: syncwise.launch.spec); ignored here.
+_LAUNCH_TABLES = ("launch", "slurm", "kubernetes")
 
 
 def _number(path: str, value: Any, lo: float, lo_open: bool = True, hi: float = math.inf) -> float:
@@ -297,8 +302,8 @@ def cloud_from_dict(values: dict[str, Any], source: str = "cluster") -> CloudCon
     if not isinstance(values, dict):
         raise ConfigError(source, values, "a table of cluster keys")
     for key in values:
-        if key not in _TOP_KEYS:
-            raise ConfigError(f"cluster.{key}", values[key], "a cluster key: " + ", ".join(_TOP_KEYS))
+        if key not in _TOP_KEYS and key not in _LAUNCH_TABLES:
+            raise ConfigError(f"cluster.{key}", values[key], "a cluster key: " + ", ".join(_TOP_KEYS + _LAUNCH_TABLES))
     for key in ("nodes", "gpus_per_node"):
         if key not in values:
             raise ConfigError(f"cluster.{key}", None, "an integer ≥ 1 (required)")

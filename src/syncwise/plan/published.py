@@ -91,11 +91,12 @@ def runs() -> list[PublishedRun]:
     #      §3 system performance: 280 / 350 / 420 DGX A100 nodes, tp 8 × pp 35, batch 1920, seconds per iteration
     for nodes, dp, sec in ((280, 8, 60.1), (350, 10, 50.2), (420, 12, 44.4)):
         out.append(PublishedRun(
-            f"MT-NLG 530B on {nodes * 8} GPUs", "Smith et al. 2022 (MT-NLG)", "§3.3 (iteration time)",
+            f"MT-NLG 530B on {nodes * 8} GPUs", "Smith et al. 2022 (MT-NLG)", "§2 system performance (iteration time)",
             gpt(20480, 105, 128, name="mt-nlg-530b"), _selene(nodes * 8),
             Layout(dp_replicate=dp, tp=8, pp=35, micro_batch=1, recompute="full", sequence_parallel=False),
-            1920, 2048, "step_time_s", sec, confident=False,
-            assumed="iteration times quoted from memory (60.1 / 50.2 / 44.4 s); micro-batch 1, 1F1B, full "
+            1920, 2048, "step_time_s", sec,
+            assumed="iteration times 60.1 / 50.2 / 44.4 s (also quoted with 126 / 121 / 113 TFLOP/s per GPU in "
+                    "llm-analysis's MT-NLG example, github.com/cli99/llm-analysis); micro-batch 1, 1F1B, full "
                     "recomputation assumed; vocabulary 51,200 assumed"))
     # ---- 3. Dubey et al., "The Llama 3 Herd of Models" (arXiv:2407.21783), Table 4: Llama 3 405B on H100
     #      (8 per node, RoCE 400 Gb/s per GPU), 8,192-token sequences, 16 M tokens per batch, BF16 TFLOP/s per GPU
@@ -114,12 +115,12 @@ def runs() -> list[PublishedRun]:
     out.append(PublishedRun(
         "BLOOM 176B on 384 GPUs", "BigScience 2022 (BLOOM)", "§3.4", gpt(14336, 70, 112, vocab=250880,
                                                                           name="bloom-176b"),
-        cluster("a100-80gb", 48, 8, intra="nvlink3", inter="ib-hdr", nics_per_node=4),
+        cluster("a100-80gb", 48, 8, intra="nvlink3", inter="opa-100", nics_per_node=4),
         Layout(dp_replicate=8, tp=4, pp=12, micro_batch=2, recompute="full", sequence_parallel=False, zero1=True),
         2048, 2048, "tflops_per_gpu", 156, flops=lambda: megatron_flops(2048, 2048, 70, 14336, 250880),
         confident=False,
-        assumed="156 TFLOP/s quoted from memory; Megatron's eq. (3) assumed as their count; 4 HDR NICs per "
-                "node (Jean Zay), micro-batch 2, full recomputation assumed; ALiBi treated as RoPE-free MHA"))
+        assumed="156 TFLOP/s quoted from memory (the BigScience project page says 'about 150'); Megatron's "
+                "eq. (3) assumed as their count; 4 Omni-Path 100 Gb/s links per node (Jean Zay), micro-batch 2, full recomputation assumed; ALiBi treated as RoPE-free MHA"))
     return out
 
 
