@@ -305,8 +305,10 @@ class RunConfig:
                           _run_dir_ok)
     resume: str = option("none", "'auto' (newest valid checkpoint in run_dir, if any), a checkpoint path, or 'none'",
                          "'auto', 'none', or a published checkpoint directory (RUN_DIR/checkpoints/step_N)")
-    inject_fault: list = option([], "fault injections for tests/demos, e.g. kill:rank=1,step=30 or nan:step=5",
-                                "a list of 'kill:rank=R,step=S' or 'nan:step=S[,rank=R]' with 1 ≤ S ≤ train.steps and "
+    inject_fault: list = option([], "fault injections for tests/demos, e.g. kill:rank=1,step=30, nan:step=5, "
+                                "slow:rank=1,factor=2, slowdata:ms=200 or skew:experts=2 (docs/doctor.md)",
+                                "a list of 'kill:rank=R,step=S', 'nan:step=S[,rank=R]', 'slow:rank=R,factor=F[,step=S]', "
+                                "'slowdata:ms=M[,rank=R][,step=S]' or 'skew:experts=K' with 1 ≤ S ≤ train.steps and "
                                 "R < the job's workers", lambda v: all(isinstance(s, str) for s in v))
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)

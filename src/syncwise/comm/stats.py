@@ -48,10 +48,25 @@ class CommStats:
     def total_calls(self) -> int:
         return sum(t.calls for t in self.by_op.values())
 
+    @property
+    def total_time_s(self) -> float:
+        """Seconds spent in (synchronous) or until completion of (asynchronous) every collective so far."""
+        return sum(t.time_s for t in self.by_op.values())
+
     def snapshot(self) -> dict[str, dict[str, float]]:
         """A plain-dict copy, for logging."""
         with self._lock:
             return {k: {"calls": v.calls, "bytes": v.bytes, "time_s": v.time_s} for k, v in self.by_op.items()}
+
+    def since(self, before: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+        """What was counted after ``before`` (an earlier :meth:`snapshot`), per op."""
+        out = {}
+        for op, now in self.snapshot().items():
+            was = before.get(op, {})
+            delta = {k: now[k] - was.get(k, 0) for k in now}
+            if delta["calls"] or delta["bytes"] or delta["time_s"]:
+                out[op] = delta
+        return out
 
     def reset(self) -> None:
         with self._lock:

@@ -21,6 +21,7 @@ seeded draw (int8, random-k, PowerSGD's warm-up), which waits for that step's ev
 # no `from __future__ import annotations`: DDP checks the hook's annotations as real objects
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -85,6 +86,9 @@ class CompressionHookState:
         self._names: dict[int, str] = {id(p): n for p, n in (param_names or {}).items()}
         self._keep_alive = list((param_names or {}).keys())  # ids stay valid while we hold the params
         self.steps = 0  # backward passes completed (last bucket processed)
+        # Host seconds spent compressing/decompressing (the compressor's work minus the collectives it waited on):
+        # read per step by syncwise.metrics.StepProbe for `syncwise doctor`. On CUDA this is launch time only.
+        self.compute_s = 0.0
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._worker: Optional[threading.Thread] = None
         self._lock = threading.Lock()
@@ -138,7 +142,9 @@ class CompressionHookState:
                 continue
             tensors, keys, flags, result, is_last, fut = job
             try:
+                start, waited = time.perf_counter(), ops.STATS.total_time_s
                 self.compressor.average(tensors, keys, self.comm_group, flags)
+                self.compute_s += max(0.0, time.perf_counter() - start - (ops.STATS.total_time_s - waited))
                 if is_last:
                     self.steps += 1
             except BaseException as exc:  # surface on the training thread instead of hanging it
@@ -172,8 +178,10 @@ def _direct_single_collective(state: CompressionHookState, bucket: dist.GradBuck
     comp, group, buffer = state.compressor, state.comm_group, bucket.buffer()
     world = dist.get_world_size(group)
     cast = comp.wire_dtype != buffer.dtype
+    start = time.perf_counter()
     # Pre-divide a cast copy so a 16-bit sum cannot overflow where the average would not.
     wire = buffer.to(comp.wire_dtype).div_(world) if cast else buffer
+    state.compute_s += time.perf_counter() - start
     comp.book(True, buffer.numel(), ())  # no state to protect: a NaN reaches every rank through the sum
     comp._counters["bytes_sent"] += wire.numel() * wire.element_size()
     comp._counters["collectives"] += 1
@@ -183,7 +191,12 @@ def _direct_single_collective(state: CompressionHookState, bucket: dist.GradBuck
 
     def finish(fut: torch.futures.Future) -> torch.Tensor:
         fut.value()  # re-raises a failed (timed-out) collective: DDP must not apply a half-received bucket
-        return buffer.copy_(wire) if cast else buffer.div_(world)
+        if not cast:
+            return buffer.div_(world)
+        start = time.perf_counter()
+        buffer.copy_(wire)
+        state.compute_s += time.perf_counter() - start
+        return buffer
 
     return work.get_future().then(finish)
 
@@ -198,7 +211,9 @@ def _direct_gather(state: CompressionHookState, bucket: dist.GradBucket):
     grads = bucket.gradients()
     tensors, keys, raw = split_by_policy(grads, [state.name_of(p) for p in bucket.parameters()],
                                          [state.policy.compress(g) for g in grads])
+    start = time.perf_counter()
     packed = comp.pack(tensors, keys, raw, dist.get_rank(group))
+    state.compute_s += time.perf_counter() - start
     work, gathered = comp._all_gather(packed.payload, group, world, async_op=True)
     if bucket.is_last():
         state.steps += 1
@@ -206,7 +221,9 @@ def _direct_gather(state: CompressionHookState, bucket: dist.GradBucket):
     def finish(fut: torch.futures.Future) -> torch.Tensor:
         fut.value()  # re-raises a failed (timed-out) collective: DDP must not apply a half-received bucket
         # the verdict stays on the device (this callback may run inline on the backward's thread)
+        start = time.perf_counter()
         comp.book(comp.unpack_sum(gathered, packed, tensors, raw, world), buffer.numel(), keys)
+        state.compute_s += time.perf_counter() - start
         return buffer
 
     return work.get_future().then(finish)

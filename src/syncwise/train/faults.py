@@ -1,43 +1,73 @@
-"""Fault injection for tests and demos: kill a rank at a step, or poison a step's loss with NaN.
+"""Fault injection for tests, demos and ``syncwise doctor``'s planted causes.
 
-Specs: ``kill:rank=R,step=S`` (rank R exits abruptly as step S begins — the elastic agent then restarts
-the group, which resumes from the newest checkpoint) and ``nan:step=S[,rank=R]`` (the loss of step S is
-NaN, so its gradients are too and the trainer must skip exactly that step). A kill fires once per run:
-a marker file in the run directory stops it from firing again after the restart that it causes.
+Specs (``syncwise.specs`` syntax, one parser):
+
+* ``kill:rank=R,step=S`` — rank R exits abruptly as step S begins (the elastic agent then restarts the group,
+  which resumes from the newest checkpoint). A kill fires once per run: a marker file in the run directory
+  stops it from firing again after the restart that it causes.
+* ``nan:step=S[,rank=R]`` — the loss of step S is NaN, so its gradients are too and the trainer must skip
+  exactly that step.
+* ``slow:rank=R,factor=F[,step=S]`` — a straggler: from step S (default 1) on, rank R's forward/backward is
+  stretched to F × its measured time (before its micro-batches it sleeps (F − 1) × their last measured time).
+* ``slowdata:ms=M[,rank=R][,step=S]`` — a starved data loader: from step S on, the loader of rank R (every rank
+  when left out) waits M milliseconds per optimizer step before its batches arrive.
+* ``skew:experts=K`` — MoE routing skew: the first K routed experts of every MoE layer get a selection bias of
+  +10 at the start of a run, so (with fewer experts than top-k choices) nearly every token picks them.
 """
 from __future__ import annotations
 
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from ..errors import ConfigError
-from ..specs import check_keys, parse_spec, read_int
+from ..specs import check_keys, parse_spec, read_float, read_int
 
-_ACCEPTED = "kill:rank=R,step=S or nan:step=S[,rank=R] with integers R ≥ 0, S ≥ 1"
+_ACCEPTED = ("kill:rank=R,step=S, nan:step=S[,rank=R], slow:rank=R,factor=F[,step=S], "
+             "slowdata:ms=M[,rank=R][,step=S] or skew:experts=K with integers R ≥ 0, S ≥ 1, K ≥ 1, "
+             "a factor F in [1, 100] and M in [0, 600000]")
 KILLED_EXIT_CODE = 71  # distinctive, so logs show an injected kill rather than a real crash
+SKEW_BIAS = 10.0       # added to the skewed experts' selection bias (biases move by ~1e-3 per step)
+
+# kind -> (option keys, required keys)
+_KINDS = {"kill": (("step", "rank"), ("step", "rank")), "nan": (("step", "rank"), ("step",)),
+          "slow": (("rank", "factor", "step"), ("rank", "factor")), "slowdata": (("ms", "rank", "step"), ("ms",)),
+          "skew": (("experts",), ("experts",))}
 
 
 @dataclass(frozen=True)
 class Fault:
-    """One injected fault."""
+    """One injected fault. ``step`` is the step it fires at (kill, nan) or from which it lasts (slow, slowdata);
+    ``value`` the slow-down factor (slow), the milliseconds (slowdata) or the number of experts (skew)."""
 
     kind: str
     step: int
     rank: Optional[int] = None
+    value: float = 0.0
 
     @staticmethod
     def parse(spec: str) -> "Fault":
-        """A ``kill:...`` / ``nan:...`` spec (``syncwise.specs`` syntax); anything else raises ConfigError."""
+        """A fault spec (``syncwise.specs`` syntax); anything else raises ConfigError."""
         kind, options = parse_spec(spec, "inject_fault", _ACCEPTED)
-        check_keys(options, ("step", "rank"), "inject_fault", spec, _ACCEPTED)
-        values = {k: read_int(v, "inject_fault", spec, k, accepted=_ACCEPTED) for k, v in options.items()}
-        if kind not in ("kill", "nan") or "step" not in values \
-                or values["step"] < 1 or values.get("rank", 0) < 0 or (kind == "kill" and "rank" not in values):
+        if kind not in _KINDS:
             raise ConfigError("inject_fault", spec, _ACCEPTED)
-        return Fault(kind, values["step"], values.get("rank"))
+        keys, required = _KINDS[kind]
+        check_keys(options, keys, "inject_fault", spec, _ACCEPTED)
+        if any(k not in options for k in required):
+            raise ConfigError("inject_fault", spec, _ACCEPTED)
+        ints = {k: read_int(v, "inject_fault", spec, k, accepted=_ACCEPTED)
+                for k, v in options.items() if k in ("step", "rank", "experts")}
+        if ints.get("step", 1) < 1 or ints.get("rank", 0) < 0 or ints.get("experts", 1) < 1:
+            raise ConfigError("inject_fault", spec, _ACCEPTED)
+        value = float(ints.get("experts", 0))
+        if kind == "slow":
+            value = read_float(options["factor"], "inject_fault", spec, "factor", lo=1, hi=100, accepted=_ACCEPTED)
+        elif kind == "slowdata":
+            value = read_float(options["ms"], "inject_fault", spec, "ms", lo=0, hi=600_000, accepted=_ACCEPTED)
+        return Fault(kind, ints.get("step", 1), ints.get("rank"), value)
 
     @property
     def marker(self) -> str:
@@ -51,6 +81,7 @@ class FaultPlan:
         self.faults = [s if isinstance(s, Fault) else Fault.parse(s) for s in specs]
         self.marker_dir = Path(run_dir) / "faults" if run_dir else None
         self._fired: set[Fault] = set()
+        self._micro_s = 0.0  # the last forward/backward time (slow)
 
     def poison_loss(self, step: int, rank: int) -> bool:
         """True if the loss of ``step`` must be NaN on this rank."""
@@ -64,6 +95,39 @@ class FaultPlan:
             self._record(f)
             print(f"syncwise: injected fault: killing rank {rank} at step {step}", file=sys.stderr, flush=True)
             os._exit(KILLED_EXIT_CODE)
+
+    def delay_data(self, step: int, rank: int) -> None:
+        """``slowdata``: wait as a starved loader would (called where the step waits for its batches)."""
+        ms = sum(f.value for f in self.faults if f.kind == "slowdata" and step >= f.step and f.rank in (None, rank))
+        if ms > 0:
+            time.sleep(ms / 1000)
+
+    def stretch(self, step: int, rank: int) -> float:
+        """``slow``: before the step's forward/backward, sleep (factor − 1) × the last measured forward/backward
+        time (the sleep comes before the gradient sync, so the other ranks wait for it there, as for a slow
+        GPU). Returns the clock to pass, once they are done, to :meth:`stretched`."""
+        for f in self.faults:
+            if f.kind == "slow" and step >= f.step and f.rank == rank and f.value > 1:
+                time.sleep((f.value - 1) * self._micro_s)
+        return time.perf_counter()
+
+    def stretched(self, seconds: float) -> None:
+        """The forward/backward time just measured (what the next ``slow`` stretch is based on)."""
+        self._micro_s = seconds
+
+    def skew_router(self, model: Any) -> None:
+        """``skew``: raise the selection bias of the first K routed experts of every MoE layer (once, at the start
+        of a run; the bias is part of the model, so a resumed run keeps it)."""
+        k = int(max((f.value for f in self.faults if f.kind == "skew"), default=0))
+        if not k:
+            return
+        import torch
+
+        with torch.no_grad():
+            for module in model.modules():
+                bias = getattr(module, "expert_bias", None)
+                if isinstance(bias, torch.Tensor):
+                    bias[:k] += SKEW_BIAS
 
     def _has_fired(self, f: Fault) -> bool:
         if self.marker_dir is not None:

@@ -39,6 +39,7 @@ from ..errors import ConfigError, SyncwiseError
 from ..models import lm_loss
 from ..specs import count
 from ..metrics import MetricsLogger, detect_peak, mfu, peak_memory_mb, read_jsonl
+from ..metrics.ranklog import RankLog, StepProbe, plain
 from ..parallel import ParallelSpec, TorchHookSpec, describe_layout, parallelize, rebind_optimizer
 from . import arguments
 from .dynamic_batch import DynamicBatcher
@@ -213,6 +214,7 @@ class OptimizedTrainer:
         # (train/preemption.py); None or 0 leaves the signals alone.
         self.preemption = PreemptionGuard(arguments.finite("preempt_grace_s", preempt_grace_s or 0.0),
                                           self.rank, self.world_size)
+        self._probe = StepProbe(self.model, self.par)  # per-step extras for `syncwise doctor` (no collectives)
         self.collective_timeout_s = collective_timeout_s
         if dynamic_batch is not None and not isinstance(dynamic_batch, DynamicBatcher):
             raise ConfigError("dynamic_batch", dynamic_batch, "None or a syncwise.train.DynamicBatcher")
@@ -269,6 +271,10 @@ class OptimizedTrainer:
                                start_step=self.step)
         if redone is not None:
             logger.note(f"resumed from step {self.step}; {redone} step(s) after it are redone")
+        rank_log = RankLog(self.run_dir, self.rank, self.world_size, start_step=self.step)  # every rank's own rows
+        rank_log.watch(CONTROL_STATS, self._probe.ep_stats)
+        if self.step == 0:
+            self.faults.skew_router(self.model)
         batches = _forever(loader)
         if self.batcher is not None and not self.batcher.found:
             batches = self._find_micro_batch(batches, logger)
@@ -324,6 +330,7 @@ class OptimizedTrainer:
                         self.phase = "validation"
                         val_loss = row["val_loss"] = self.evaluate()
                     logger.log_step(row)
+                    rank_log.log_step(row)
                 if save:
                     self._settle_skip()
                     self.phase = "checkpoint save"
@@ -356,6 +363,7 @@ class OptimizedTrainer:
         if self.preemption.stopping_step is not None:  # saved above; rank 0 writes RUN_DIR/preempted.json
             summary["preempted"] = self.preemption.record(self.checkpointer)
         logger.finish(summary)
+        rank_log.finish(summary)
         return self.preemption.finish(summary)  # raises Preempted (exit code 83) after a stop
 
     def _find_micro_batch(self, batches: Iterator, logger: MetricsLogger) -> Iterator:
@@ -492,6 +500,7 @@ class OptimizedTrainer:
         self.phase = "data loading"
         t_data = time.perf_counter()
         loaded = [next(batches) for _ in range(accum)]
+        self.faults.delay_data(self.step + 1, self.rank)  # slowdata: a starved loader (injected)
         data_wait = time.perf_counter() - t_data
         tokens = sum(x.numel() if not x.is_floating_point() else x.size(0) for x, _ in loaded)
 
@@ -511,11 +520,13 @@ class OptimizedTrainer:
                 self.scaler.scale(loss).backward()
             return loss.detach()
 
+        t_micro = self.faults.stretch(self.step + 1, self.rank)  # slow: a straggler (injected)
         if self.batcher is None:
             loss_sum = sum(run_micro(x, y, 1 / accum, i == accum - 1) for i, (x, y) in enumerate(loaded))
         else:  # micro-batches of the size that fits; an out-of-memory redoes the step from `loaded`
             loss_sum = self.batcher.accumulate(loaded, run_micro, lambda: self.optimizer.zero_grad(set_to_none=True),
                                                syncs=sync_grads, step=self.step + 1)
+        self.faults.stretched(time.perf_counter() - t_micro)
         exposed_comm = self.par.take_exposed()
         # The logged loss is the mean over ranks; its tiny all-reduce runs while the optimizer steps. Replicas
         # that diverge (local SGD) skip every per-step collective: each would hold the ranks in lockstep, and
@@ -555,7 +566,7 @@ class OptimizedTrainer:
                            comm_waited_s=comm_waited, exposed_comm=exposed_comm,
                            comm_bytes=comm_bytes, tokens=tokens * self.par.dp_size, lr=self._lr_used,
                            micro_batch=self.batcher.size if self.batcher is not None else None,
-                           parallel_metrics=self.par.step_metrics())
+                           parallel_metrics={**self.par.step_metrics(), **self._probe.take()})
 
     def _apply_update(self, step: int) -> "tuple[torch.Tensor, bool | torch.Tensor]":
         """Unscale, clip, skip a non-finite step (on every rank), optimizer and LR step: (grad norm, skipped).
@@ -618,7 +629,8 @@ class OptimizedTrainer:
             row["mfu"] = util
         if queued.micro_batch is not None:
             row["micro_batch"] = queued.micro_batch
-        row.update(queued.parallel_metrics)  # e.g. the pipeline's measured bubble (pp_bubble)
+        # the pipeline's measured bubble (pp_bubble); compression compute, expert all-to-all time and load imbalance
+        row.update({k: plain(v) for k, v in queued.parallel_metrics.items()})
         if r.skipped:
             row["skipped"] = True
         return row
