@@ -1,0 +1,53 @@
+"""`syncwise doctor RUN_DIR [OTHER_RUN_DIR] [--json FILE]`: why a run is slow, and what to change.
+
+Reads the run's metrics.jsonl, summary.json, config.json and every rank's own log (RUN_DIR/ranks/), prints where
+the step goes, the causes of lost efficiency ranked by the time they lose, and the change predicted to help most
+(docs/doctor.md). With a second run directory it explains how the two steps differ.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..errors import SyncwiseError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register `syncwise doctor`'s options on ``parser``."""
+    parser.add_argument("run_dir", help="a run directory (syncwise train --run-dir, or OptimizedTrainer(run_dir=))")
+    parser.add_argument("other_run_dir", nargs="?", default=None,
+                        help="a second run directory: explain how its step differs from the first's")
+    parser.add_argument("--json", dest="json_path", default=None, metavar="FILE",
+                        help="also write the diagnosis (or the comparison) as JSON to FILE ('-': standard output)")
+    parser.add_argument("--no-predict", action="store_true",
+                        help="do not ask the cost model (syncwise.plan) for the recommendations' gains")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from ..doctor import compare, diagnose, load_run, print_comparison, print_diagnosis
+
+    a = diagnose(load_run(args.run_dir), predict=not args.no_predict)
+    result = a
+    if args.other_run_dir is not None:
+        b = diagnose(load_run(args.other_run_dir), predict=not args.no_predict)
+        result = compare(a, b)
+    to_stdout = args.json_path == "-"
+    if not to_stdout:
+        console = Console()
+        if args.other_run_dir is not None:
+            print_comparison(result, console)
+        else:
+            print_diagnosis(result, console)
+    if args.json_path:
+        text = json.dumps(result.as_dict(), indent=2, default=str) + "\n"
+        if to_stdout:
+            print(text, end="")
+        else:
+            try:
+                Path(args.json_path).write_text(text)
+            except OSError as e:
+                raise SyncwiseError(f"doctor: cannot write --json {args.json_path} ({e.strerror or e})") from None
+    return 0

@@ -1,0 +1,538 @@
+"""Where a run's step goes, what lost it efficiency, and what change the cost model predicts helps most.
+
+The step is split (seconds per optimizer step, steady steps: the first ones are warm-up) into
+
+* ``compute`` — forward, backward and optimizer of the median rank, without waits (the useful work);
+* ``straggler_wait`` — how much longer the slowest rank computes than the others (they wait for it);
+* ``data_wait`` — the longest wait of any rank for its batches (the others wait for that rank);
+* ``compress`` — compression compute on the critical path (the hook's encode/decode after the last bucket);
+* ``comm_dp`` — exposed gradient communication on the wire (the least any rank waited: waiting for a peer is
+  the peer's cause, not the link's);
+* ``comm_ep`` / ``expert_wait`` — expert all-to-all time, and how much longer some ranks wait in it than others
+  (the experts they wait for got more tokens);
+* ``pp_bubble`` — the pipeline's idle share;
+* ``checkpoint`` — what saves blocked training, per step (saves happen between steps);
+* ``other`` — the rest (Python overhead, the loss all-reduce, noise).
+
+Parallel efficiency = compute / (step + checkpoint stall per step). Each cause is then a :class:`Finding` with the
+time it loses per step, the evidence in numbers, and a recommendation whose gain is predicted — by
+``syncwise.plan.whatif`` (the cost model calibrated on this run) where the change is one the model covers
+(compressor, bucket size, pipeline micro-batches), else by removing the measured loss.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .rundir import Run
+
+PARTS = ("compute", "straggler_wait", "data_wait", "compress", "comm_dp", "comm_ep", "expert_wait", "pp_bubble",
+         "checkpoint", "other")
+PART_WORDS = {"compute": "compute", "straggler_wait": "waiting for a slow rank", "data_wait": "waiting for data",
+              "compress": "compression compute", "comm_dp": "exposed gradient communication",
+              "comm_ep": "expert all-to-all", "expert_wait": "waiting for overloaded experts",
+              "pp_bubble": "pipeline bubble", "checkpoint": "checkpoint stall", "other": "other"}
+CAUSES = ("straggler", "data_loader", "checkpoint", "pipeline_bubble", "expert_imbalance", "compression",
+          "buckets_too_small", "buckets_too_large", "link")
+MIN_SHARE = 0.05          # a cause losing less than this share of the step is not reported
+STRAGGLER_RATIO = 0.25    # the slowest rank computes this much longer than the others
+SMALL_BUCKETS = 32        # gradient buckets per step above which per-bucket latency adds up
+COMPRESSORS = ("bf16", "fp8", "powersgd:rank=4")  # what the link finding asks the cost model about
+
+
+@dataclass
+class Finding:
+    """One cause of lost efficiency."""
+
+    cause: str
+    title: str
+    lost_s: float
+    evidence: str
+    recommendation: str = ""
+    flag: str = ""                          # the command-line change, e.g. "--compress fp8"
+    predicted_step_s: Optional[float] = None
+    predicted_efficiency: Optional[float] = None
+    predicted_by: str = ""                  # "cost model" | "measured loss removed"
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self, wall: float) -> dict[str, Any]:
+        return {"cause": self.cause, "title": self.title, "lost_s": self.lost_s,
+                "lost_share": self.lost_s / wall if wall else 0.0, "evidence": self.evidence,
+                "recommendation": self.recommendation, "flag": self.flag, "predicted_step_s": self.predicted_step_s,
+                "predicted_efficiency": self.predicted_efficiency, "predicted_by": self.predicted_by,
+                "details": self.details}
+
+
+@dataclass
+class Diagnosis:
+    """What doctor found in one run."""
+
+    run: Run
+    steps: int
+    steady_steps: list[int]
+    world_size: int
+    step_s: float                     # mean step time (rank 0, steady steps)
+    wall_s: float                     # step + checkpoint stall per step
+    parts: dict[str, float]           # seconds per step by PARTS
+    per_rank: dict[int, dict[str, float]]
+    findings: list[Finding]
+    facts: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def efficiency(self) -> float:
+        return self.parts["compute"] / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def top(self) -> Optional[Finding]:
+        return self.findings[0] if self.findings else None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The ``--json`` form."""
+        return {"run": str(self.run.path), "steps": self.steps, "steady_steps": len(self.steady_steps),
+                "world_size": self.world_size, "step_time_s": self.step_s, "wall_step_s": self.wall_s,
+                "efficiency": self.efficiency, "breakdown_s": self.parts,
+                "breakdown_share": {k: v / self.wall_s if self.wall_s else 0.0 for k, v in self.parts.items()},
+                "per_rank": {str(r): v for r, v in self.per_rank.items()},
+                "findings": [f.as_dict(self.wall_s) for f in self.findings],
+                "top_cause": self.top.cause if self.top else None, "facts": self.facts, "notes": self.notes}
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _num(row: dict[str, Any], key: str) -> float:
+    v = row.get(key)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else 0.0
+
+
+def steady(steps: list[int]) -> list[int]:
+    """The steps rates are taken over: the first ones (allocator warm-up, DDP's bucket rebuild) are left out."""
+    n = len(steps)
+    skip = 0 if n < 3 else 1 if n < 6 else max(2, n // 10)
+    return steps[skip:]
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:,.0f} ms" if s >= 0.01 else f"{s * 1e3:.1f} ms"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f} %"
+
+
+# ---------------------------------------------------------------------------------------------- the diagnosis
+def diagnose(run: Run, predict: bool = True) -> Diagnosis:
+    """Analyse ``run``: the step's breakdown, the causes of lost efficiency ranked by time lost, and the predicted
+    gain of each recommendation (``predict=False``: without the cost model)."""
+    summary = run.summary
+    by_rank = {r: {row["step"]: row for row in rows} for r, rows in run.ranks.items()}
+    common = sorted(set.intersection(*(set(d) for d in by_rank.values())))
+    if not common:
+        common = sorted(by_rank[min(by_rank)])
+        by_rank = {min(by_rank): by_rank[min(by_rank)]}
+    use = steady(common)
+    ranks = sorted(by_rank)
+    world = int(summary.get("world_size") or len(ranks))
+
+    def m(r: int, key: str) -> float:
+        return _mean([_num(by_rank[r][s], key) for s in use])
+
+    per_rank: dict[int, dict[str, float]] = {}
+    own: dict[int, float] = {}
+    for r in ranks:
+        step_r = m(r, "step_time_s")
+        vals = {k: m(r, k) for k in ("step_time_s", "compute_s", "data_wait_s", "comm_exposed_s", "compress_s",
+                                     "ep_comm_s", "pp_bubble", "expert_imbalance")}
+        own[r] = max(0.0, vals["compute_s"] - vals["ep_comm_s"] - vals["pp_bubble"] * step_r)
+        vals["own_compute_s"] = own[r]
+        per_rank[r] = vals
+    ref_rank = 0 if 0 in per_rank else ranks[0]
+    step = per_rank[ref_rank]["step_time_s"]
+
+    # the slowest rank against the others (with 2 ranks: against the other one)
+    slowest = max(ranks, key=lambda r: own[r])
+    others = [own[r] for r in ranks if r != slowest]
+    reference = statistics.median(others) if others else own[slowest]
+    excess = own[slowest] - reference if others else 0.0
+    data_rank = max(ranks, key=lambda r: per_rank[r]["data_wait_s"])
+    data_wait = per_rank[data_rank]["data_wait_s"]
+    comm_min = min(per_rank[r]["comm_exposed_s"] for r in ranks)
+    compress_total = _mean([per_rank[r]["compress_s"] for r in ranks])
+    compress_exposed = min(compress_total, comm_min)
+    wire = comm_min - compress_exposed
+    ep_values = [per_rank[r]["ep_comm_s"] for r in ranks]
+    ep_wire = min(ep_values)
+    expert_wait = max(ep_values) - ep_wire
+    bubble = _mean([per_rank[r]["pp_bubble"] for r in ranks]) * step
+    imbalance = max(per_rank[r]["expert_imbalance"] for r in ranks)
+    if len(ranks) > 1 and imbalance > 1.5 and expert_wait > 0 and per_rank[slowest]["ep_comm_s"] == ep_wire:
+        # the slow rank is the one holding the overloaded experts: its extra compute is what the others wait for
+        # in the all-to-alls (counted there), not a straggler
+        excess = 0.0
+
+    steps_done = int(summary.get("steps") or common[-1])
+    saves = max((t.get("checkpoint_saves") or [] for t in run.totals.values()),
+                key=lambda s: sum(x.get("blocking_s", 0) for x in s), default=None)
+    if saves is None:
+        saves = summary.get("checkpoint_saves") or []
+    # the final save happens after the last step: it delays the end of the run, not the steps
+    during = [s for s in saves if isinstance(s, dict) and s.get("step", 0) < steps_done]
+    stall = sum(float(s.get("blocking_s", 0.0)) for s in during) / max(steps_done, 1)
+    inflight = _inflight_cost(by_rank[ref_rank], use)
+    ckpt = stall + inflight
+
+    parts = {"compute": reference if others else own[slowest], "straggler_wait": max(0.0, excess),
+             "data_wait": data_wait, "compress": compress_exposed, "comm_dp": wire, "comm_ep": ep_wire,
+             "expert_wait": expert_wait, "pp_bubble": bubble, "checkpoint": ckpt}
+    parts["other"] = max(0.0, step + stall - sum(parts.values()))
+    wall = step + stall
+
+    facts = _facts(run, per_rank, use, world, wire)
+    facts.update(slowest_rank=slowest, slowest_excess_s=excess, data_rank=data_rank,
+                 checkpoint_saves_during_run=len(during), checkpoint_blocking_per_save_s=(
+                     stall * max(steps_done, 1) / len(during) if during else 0.0), checkpoint_inflight_s=inflight)
+    diag = Diagnosis(run, steps_done, use, world, step, wall, parts, per_rank, [], facts)
+    diag.findings = _findings(diag, by_rank, use, predict)
+    return diag
+
+
+def _inflight_cost(rows: dict[int, dict], use: list[int]) -> float:
+    """Extra step time while an asynchronous save is in flight, spread over all steps."""
+    flagged = [s for s in use if rows[s].get("ckpt_in_flight")]
+    clear = [s for s in use if not rows[s].get("ckpt_in_flight")]
+    if not flagged or not clear:
+        return 0.0
+    extra = _mean([rows[s]["step_time_s"] for s in flagged]) - _mean([rows[s]["step_time_s"] for s in clear])
+    return max(0.0, extra) * len(flagged) / len(use)
+
+
+def _facts(run: Run, per_rank: dict, use: list[int], world: int, wire: float) -> dict[str, Any]:
+    """The run's layout and its gradient traffic (bytes, buckets, effective bandwidth)."""
+    from ..plan.whatif import moved_bytes
+
+    rows0 = {r["step"]: r for r in run.rows}
+    dp_bytes = _mean([_num(rows0[s], "comm_bytes_dp") or _num(rows0[s], "comm_bytes") for s in use if s in rows0])
+    params = run.summary.get("params")
+    compressor = str(run.summary.get("compressor") or run.cfg("compress", "method", "none"))
+    cap = float(run.cfg("dist", "bucket_cap_mb", 25.0))
+    grad_bytes = 4.0 * params if isinstance(params, (int, float)) and params else (
+        dp_bytes if compressor == "none" else 0.0)
+    pp = int(run.cfg("parallel", "pp", 1) or 1)
+    dp = max(1, world // pp)
+    buckets = math.ceil(grad_bytes / (cap * 2**20)) if grad_bytes else None
+    # collective time and bytes moved per step, from every rank's totals (the fastest rank waited least)
+    steps = max(int(run.summary.get("steps") or 1), 1)
+    moved, timed = None, None
+    for t in run.totals.values() if compressor != "none" else ():  # DDP's own all-reduce is not timed
+        comm = t.get("comm") or {}
+        b = sum(moved_bytes(op, v.get("bytes", 0) / steps, dp) for op, v in comm.items())
+        s = sum(v.get("time_s", 0.0) for v in comm.values()) / steps
+        if b and (moved is None or b > moved):
+            moved = b
+        if s > 0 and (timed is None or s < timed):
+            timed = s
+    if moved is None and dp_bytes:
+        moved = moved_bytes("all_reduce", dp_bytes, dp)
+    if timed is None and buckets is not None and buckets <= 2 and wire > 0:
+        timed = wire  # one bucket, sent after the backward: the whole all-reduce is exposed
+    bandwidth = moved / timed if moved and timed else None
+    return {"compressor": compressor, "sync": run.summary.get("sync"), "layout": run.summary.get("layout"),
+            "preset": run.cfg("model", "preset"), "lab": bool(run.cfg("dist", "lab", False)),
+            "bucket_cap_mb": cap, "grad_bytes": grad_bytes or None, "buckets": buckets, "dp": dp, "pp": pp,
+            "ep": int(run.cfg("parallel", "ep", 1) or 1), "dp_bytes_per_step": dp_bytes or None,
+            "moved_bytes_per_step": moved, "wire_time_s": timed, "effective_bandwidth_bytes_s": bandwidth,
+            "params": params, "grad_accum": int(run.cfg("train", "grad_accum", 1) or 1),
+            "batch_size": run.cfg("data", "batch_size"), "seq_len": run.cfg("data", "seq_len"),
+            "ckpt_async": run.cfg("ckpt", "async_save"), "ckpt_interval": run.cfg("ckpt", "interval"),
+            "microbatches": run.cfg("parallel", "microbatches"), "pp_schedule": run.cfg("parallel", "pp_schedule"),
+            "expert_imbalance": max((per_rank[r]["expert_imbalance"] for r in per_rank), default=0.0)}
+
+
+# ---------------------------------------------------------------------------------------------- findings
+def _findings(d: Diagnosis, by_rank: dict, use: list[int], predict: bool) -> list[Finding]:
+    p, f, wall = d.parts, d.facts, d.wall_s
+    out: list[Finding] = []
+    model = _Model(d) if predict else None
+    if model is not None and model.error:
+        d.notes.append(f"no cost-model predictions for this run: {model.error}")
+
+    def removed(lost: float) -> tuple[float, float]:
+        after = max(1e-9, wall - lost)
+        return after, p["compute"] / after
+
+    # a straggler
+    if d.world_size > 1 and p["straggler_wait"] > STRAGGLER_RATIO * max(p["compute"], 1e-9):
+        r = f["slowest_rank"]
+        slow_steps = 0
+        for s in use:
+            owns = {q: _num(by_rank[q][s], "compute_s") - _num(by_rank[q][s], "ep_comm_s") for q in by_rank}
+            others = [v for q, v in owns.items() if q != r]
+            if owns[r] == max(owns.values()) and owns[r] > (1 + STRAGGLER_RATIO) * statistics.median(others):
+                slow_steps += 1
+        frac = slow_steps / max(len(use), 1)
+        stays = "it stays slow" if frac >= 0.75 else "it is slow only at times"
+        after, eff = removed(p["straggler_wait"])
+        out.append(Finding(
+            "straggler", f"rank {r} is a straggler", p["straggler_wait"],
+            f"rank {r} computes {_ms(d.per_rank[r]['own_compute_s'])} per step against {_ms(p['compute'])} on the "
+            f"others (+{_pct(p['straggler_wait'] / max(p['compute'], 1e-9))}); it was the slow one in {slow_steps} "
+            f"of {len(use)} steady steps: {stays}; the other ranks wait for it in the gradient sync",
+            f"find out why rank {r} is slow (its device's clocks or temperature, another job on its node) and "
+            "replace or leave out that node (an elastic restart with --nnodes MIN:MAX continues without it)",
+            predicted_step_s=after, predicted_efficiency=eff, predicted_by="measured loss removed",
+            details={"rank": r, "slow_steps": slow_steps, "steady_steps": len(use), "stays_slow": frac >= 0.75}))
+    # the data loader
+    if p["data_wait"] > 0:
+        r = f["data_rank"]
+        waiting = [q for q in d.per_rank if d.per_rank[q]["data_wait_s"] > 0.5 * p["data_wait"]]
+        who = f"rank {r}" if len(waiting) == 1 and d.world_size > 1 else "the ranks"
+        after, eff = removed(p["data_wait"])
+        out.append(Finding(
+            "data_loader", "the data loader cannot keep up", p["data_wait"],
+            f"{who} wait{'s' if who.startswith('rank') else ''} {_ms(p['data_wait'])} per step for batches "
+            f"({_pct(p['data_wait'] / wall)} of the step)" + (", and the other ranks wait for it" if
+                                                              who.startswith("rank") else ""),
+            "make the loader keep up: a deeper prefetch (--data.prefetch), more loader workers, pre-tokenized or "
+            "local data", "--data.prefetch=8", after, eff, "measured loss removed", {"ranks": waiting}))
+    # checkpoint stalls
+    if p["checkpoint"] > 0:
+        out.append(_checkpoint_finding(d, removed))
+    # the pipeline bubble
+    if p["pp_bubble"] > 0:
+        out.append(_bubble_finding(d, model, removed))
+    # expert load imbalance
+    if f["expert_imbalance"] > 1.5 or p["expert_wait"] > 0:
+        after, eff = removed(p["expert_wait"])
+        e = f["expert_imbalance"]
+        cost = (f"ranks wait {_ms(p['expert_wait'])} longer than others in the expert all-to-alls"
+                if f["ep"] > 1 else "with every expert on every rank (ep 1) it costs no waiting, but it would "
+                "under expert parallel")
+        out.append(Finding(
+            "expert_imbalance", "load imbalance across MoE experts", p["expert_wait"],
+            f"the most loaded expert gets {e:.1f}× the mean load (max/mean over routed tokens); {cost}",
+            "balance the routing: keep the router's bias update on (model bias_update_rate > 0) and give it "
+            "steps to act, or fewer experts per expert-parallel rank", "", after, eff, "measured loss removed",
+            {"imbalance": e}))
+    # compression compute on the critical path
+    if p["compress"] > 0:
+        out.append(_compression_finding(d, model, removed))
+    # gradient buckets and the link
+    out.extend(_bucket_and_link_findings(d, model, removed))
+    out = [x for x in out if x.lost_s >= MIN_SHARE * wall or (x.cause == "expert_imbalance" and
+                                                               f["expert_imbalance"] > 1.5 and x.lost_s > 0)]
+    out.sort(key=lambda x: (-x.lost_s, CAUSES.index(x.cause)))
+    return out
+
+
+def _checkpoint_finding(d: Diagnosis, removed) -> Finding:
+    p, f, wall = d.parts, d.facts, d.wall_s
+    per_save = f["checkpoint_blocking_per_save_s"]
+    saves = f["checkpoint_saves_during_run"]
+    sync = f["ckpt_async"] is False
+    evidence = (f"{saves} save(s) in {d.steps} steps blocked training {_ms(per_save)} each"
+                + (" (synchronous saves)" if sync else "")
+                + f": {_ms(p['checkpoint'])} per step, {_pct(p['checkpoint'] / wall)} of the step")
+    if f["checkpoint_inflight_s"] > 0:
+        evidence += f" (of which {_ms(f['checkpoint_inflight_s'])} are steps slowed while a save was in flight)"
+    # Young/Daly: interval sqrt(2 δ M) for the run's MTBF (the checkpointer's 'dynamic'); the stall shrinks by the
+    # ratio of intervals
+    mtbf = float(d.run.cfg("ckpt", "mtbf_s", 14400.0) or 14400.0)
+    interval_s = math.sqrt(2 * max(per_save, 1e-6) * mtbf)
+    interval_steps = max(1.0, interval_s / max(d.step_s, 1e-9))
+    predicted = per_save / interval_steps
+    flag = "--ckpt.interval=dynamic" + (" --ckpt.async_save=true" if sync else "")
+    after = max(1e-9, wall - p["checkpoint"] + min(predicted, p["checkpoint"]))
+    return Finding("checkpoint", "checkpoint stalls", p["checkpoint"], evidence,
+                   "save less often — Young/Daly's interval for this save cost and an MTBF of "
+                   f"{mtbf / 3600:.0f} h is {interval_s:,.0f} s (~{interval_steps:,.0f} steps)"
+                   + (" — and in the background" if sync else ""), flag, after, d.parts["compute"] / after,
+                   "Young/Daly interval (syncwise.checkpoint's 'dynamic')",
+                   {"blocking_per_save_s": per_save, "saves": saves, "synchronous": sync})
+
+
+def _bubble_finding(d: Diagnosis, model: "Optional[_Model]", removed) -> Finding:
+    p, f, wall = d.parts, d.facts, d.wall_s
+    M = int(f["microbatches"] or 0) or 2 * f["pp"]
+    batch = int(f["batch_size"] or M)
+    options = [m for m in (2 * M, 4 * M, 8 * M) if m <= batch and batch % m == 0]
+    evidence = (f"the pipeline's {f['pp']} stages idle {_pct(p['pp_bubble'] / max(d.step_s, 1e-9))} of the step "
+                f"({_ms(p['pp_bubble'])}) with {M} micro-batches ({f['pp_schedule'] or '1f1b'}); "
+                f"the bubble shrinks as (p − 1)/(M + p − 1)")
+    finding = Finding("pipeline_bubble", "pipeline bubble", p["pp_bubble"], evidence,
+                      "more micro-batches per step (or a zero-bubble schedule: --parallel.pp_schedule=interleaved-zb "
+                      "with 2 stages per rank)")
+    if options:
+        best = options[-1]
+        finding.flag = f"--parallel.microbatches={best}"
+        finding.recommendation = f"split the batch into {best} micro-batches instead of {M}"
+        pred = model.whatif(microbatches=best) if model is not None else None
+        if pred is not None:
+            finding.predicted_step_s, finding.predicted_by = pred, "cost model"
+        else:
+            frac = (f["pp"] - 1) / (best + f["pp"] - 1)
+            compute = d.step_s - p["pp_bubble"]
+            finding.predicted_step_s, finding.predicted_by = wall - p["pp_bubble"] + compute * frac / (1 - frac), \
+                "bubble formula"
+        finding.predicted_efficiency = p["compute"] / finding.predicted_step_s
+    return finding
+
+
+def _compression_finding(d: Diagnosis, model: "Optional[_Model]", removed) -> Finding:
+    p, f, wall = d.parts, d.facts, d.wall_s
+    finding = Finding("compression", "compression compute on the critical path", p["compress"],
+                      f"the {f['compressor']} compressor computes {_ms(p['compress'])} per step after the backward "
+                      f"({_pct(p['compress'] / wall)} of the step) while the wire time is {_ms(p['comm_dp'])}",
+                      "a cheaper compressor (or none) for this link and model size")
+    best = model.best_compressor(exclude=f["compressor"], also=("none",)) if model is not None else None
+    if best is not None:
+        spec, step = best
+        finding.flag, finding.predicted_step_s, finding.predicted_by = f"--compress {spec}", step, "cost model"
+        finding.recommendation = f"compress with {spec} instead of {f['compressor']}"
+    else:
+        finding.predicted_step_s, finding.predicted_by = removed(p["compress"])[0], "measured loss removed"
+    finding.predicted_efficiency = p["compute"] / finding.predicted_step_s
+    return finding
+
+
+def _bucket_and_link_findings(d: Diagnosis, model: "Optional[_Model]", removed) -> list[Finding]:
+    p, f, wall = d.parts, d.facts, d.wall_s
+    out = []
+    wire = p["comm_dp"]
+    if wire <= 0 or f["dp"] <= 1:
+        return out
+    buckets, cap = f["buckets"], f["bucket_cap_mb"]
+    fixable = 0.0
+    grad_mb = (f["grad_bytes"] or 0) / 2**20
+    if buckets is not None and buckets > SMALL_BUCKETS:
+        target = 25.0
+        step = model.whatif(bucket_cap_mb=target) if model is not None else None
+        lost = min(wire, max(0.0, wall - step)) if step is not None else 0.0
+        # the cost model's per-bucket latency is an assumption; the measured wire time per bucket is the evidence
+        per_bucket = wire / buckets
+        if step is None or lost < 0.5 * wire:
+            lost = max(lost, wire - per_bucket * max(1, math.ceil(grad_mb / target)))
+        fixable = lost
+        out.append(Finding(
+            "buckets_too_small", "gradient buckets too small", lost,
+            f"bucket_cap_mb={cap:g} splits {grad_mb:.2f} MB of gradients into up to {buckets} buckets (at least one "
+            f"per parameter tensor), one collective each: {_ms(wire)} of exposed communication per step for "
+            f"{(f['dp_bytes_per_step'] or 0) / 2**20:.2f} MB",
+            f"larger buckets: --dist.bucket_cap_mb={target:g}", f"--dist.bucket_cap_mb={target:g}",
+            max(1e-9, wall - lost), p["compute"] / max(1e-9, wall - lost),
+            "cost model" if step is not None else "measured per-bucket cost", {"buckets": buckets}))
+    elif buckets is not None and buckets <= 2 and grad_mb >= 1.0:
+        target = max(1.0, round(grad_mb / 4, 1))
+        step = model.whatif(bucket_cap_mb=target) if model is not None else None
+        backward = 2 / 3 * p["compute"] / max(f["grad_accum"], 1)
+        lost = max(0.0, wall - step) if step is not None else min(wire * (1 - 1 / 4), backward)
+        lost = min(lost, wire)
+        fixable = lost
+        out.append(Finding(
+            "buckets_too_large", "gradient buckets too large", lost,
+            f"bucket_cap_mb={cap:g} puts all {grad_mb:.1f} MB of gradients in {buckets} bucket"
+            f"{'s' if buckets > 1 else ''}: the all-reduce starts only when the backward has ended, so none of "
+            f"its {_ms(wire)} hides behind the ~{_ms(backward)} backward",
+            f"smaller buckets, so all but the last overlap the backward: --dist.bucket_cap_mb={target:g}",
+            f"--dist.bucket_cap_mb={target:g}", max(1e-9, wall - lost), p["compute"] / max(1e-9, wall - lost),
+            "cost model" if step is not None else "overlap estimate", {"buckets": buckets}))
+    link_lost = max(0.0, wire - fixable)
+    bw = f["effective_bandwidth_bytes_s"]
+    where = "the network lab's shaped link" if f["lab"] else "the link between the ranks"
+    evidence = (f"exposed gradient communication is {_ms(wire)} per step ({_pct(wire / wall)} of the step) for "
+                f"{(f['dp_bytes_per_step'] or 0) / 2**20:.2f} MB sent per rank")
+    if bw:
+        evidence += f"; {where} moves {bw * 8 / 1e6:,.0f} Mbit/s effective ({bw / 2**20:,.1f} MiB/s)"
+    finding = Finding("link", "slow or saturated link", link_lost, evidence,
+                      "send fewer bytes (a gradient compressor), or a faster / less shared link",
+                      details={"effective_bandwidth_bytes_s": bw})
+    best = model.best_compressor(exclude=f["compressor"]) if model is not None else None
+    if best is not None:
+        spec, step = best
+        finding.flag, finding.predicted_step_s, finding.predicted_by = f"--compress {spec}", step, "cost model"
+        finding.recommendation = f"compress the gradients: --compress {spec}"
+    else:
+        finding.predicted_step_s, finding.predicted_by = max(1e-9, wall - link_lost), "measured loss removed"
+    finding.predicted_efficiency = p["compute"] / finding.predicted_step_s
+    out.append(finding)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the cost model
+class _Model:
+    """``syncwise.plan.whatif`` on this run (None predictions when the run cannot be described to it)."""
+
+    def __init__(self, d: Diagnosis):
+        self.d, self.error, self.measured = d, "", None
+        try:
+            self.measured = _measured(d)
+        except Exception as e:  # a user model, an old config: doctor still diagnoses, without predictions
+            self.error = f"{type(e).__name__}: {e}"
+
+    def whatif(self, **change: Any) -> Optional[float]:
+        """The predicted wall step after ``change`` (the measured wall step moved by the model's difference). A new
+        compressor also drops the measured compression compute the model under- or over-predicted before."""
+        if self.measured is None:
+            return None
+        from ..plan.whatif import whatif
+        try:
+            w = whatif(self.measured, self.d.wall_s, **change)
+        except Exception as e:
+            self.d.notes.append(f"cost model: {change}: {type(e).__name__}: {e}")
+            return None
+        step = w.step_after_s
+        if "compress" in change:
+            step -= self.d.parts["compress"] - min(self.d.parts["compress"], w.before.breakdown["compress_compute"])
+        return max(step, 1e-9)
+
+    def best_compressor(self, exclude: str, also: tuple[str, ...] = ()) -> Optional[tuple[str, float]]:
+        best = None
+        for spec in (*also, *COMPRESSORS):
+            if spec.split(":")[0] == exclude.split(":")[0]:
+                continue
+            step = self.whatif(compress=spec)
+            if step is not None and (best is None or step < best[1]):
+                best = (spec, step)
+        return best if best is not None and best[1] < self.d.wall_s else None
+
+
+def _measured(d: Diagnosis):
+    """The run as ``syncwise.plan.whatif.Measured`` (its preset, layout, batch and measured numbers)."""
+    import dataclasses
+
+    from ..plan.layout import Layout
+    from ..plan.model import from_preset
+    from ..plan.whatif import Measured
+
+    run, f = d.run, d.facts
+    if not f["preset"] or not f["seq_len"] or not f["batch_size"]:
+        raise ValueError(f"{run.path} has no config.json naming a preset, seq_len and batch_size")
+    seq = int(f["seq_len"])
+    model = from_preset(f["preset"]).with_seq_len(seq)
+    par = run.config.get("parallel", {})
+    pp, tp, shard, ep = (int(par.get(k, 1) or 1) for k in ("pp", "tp", "dp_shard", "ep"))
+    replicate = max(1, d.world_size // (pp * tp * shard))
+    batch, accum = int(f["batch_size"]), f["grad_accum"]
+    if pp > 1:
+        M = int(par.get("microbatches") or 0) or 2 * pp * int(par.get("stages_per_rank", 1) or 1)
+        layout = Layout(dp_replicate=replicate, dp_shard=shard, tp=tp, pp=pp, ep=ep,
+                        pp_schedule=str(par.get("pp_schedule", "1f1b")),
+                        stages_per_rank=int(par.get("stages_per_rank", 1) or 1), microbatches=M,
+                        micro_batch=batch // M, ep_dispatch=str(par.get("ep_dispatch", "fp32")),
+                        compress=f["compressor"])
+        global_batch = batch * replicate * shard
+    else:
+        layout = Layout(dp_replicate=replicate, dp_shard=shard, tp=tp, ep=ep, microbatches=accum, micro_batch=batch,
+                        ep_dispatch=str(par.get("ep_dispatch", "fp32")), compress=f["compressor"])
+        global_batch = batch * accum * replicate * shard
+    layout = dataclasses.replace(layout)
+    compute = d.parts["compute"] + (d.parts["pp_bubble"] if pp > 1 else 0.0)
+    if pp > 1:  # the model predicts the bubble from the compute: give it the busy part only
+        compute = d.parts["compute"]
+    return Measured(model=model, layout=layout, global_batch=global_batch, seq_len=seq, compute_s=compute,
+                    moved_bytes=f["moved_bytes_per_step"], wire_s=f["wire_time_s"],
+                    bucket_cap_mb=f["bucket_cap_mb"])
