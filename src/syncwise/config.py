@@ -496,9 +496,11 @@ def upgrade_moved_keys(values: dict[str, Any] | None, source: str = "the configu
     return out
 
 
-def build_config(file_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
+def build_config(file_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None,
+                 *, here: bool = True) -> RunConfig:
     """Defaults ← file values ← command-line overrides (text), each validated as it is applied (a moved key
-    under its old name, see ``MOVED_KEYS``, is read as its new one)."""
+    under its old name, see ``MOVED_KEYS``, is read as its new one). ``here=False``: the job runs on another
+    machine (``syncwise launch``), so what only that machine can answer is left to it (see check_references)."""
     file_values = upgrade_moved_keys(file_values, "the configuration file")
     overrides = upgrade_moved_keys(overrides, "the command line")
     cfg = RunConfig()
@@ -511,7 +513,7 @@ def build_config(file_values: dict[str, Any] | None = None, overrides: dict[str,
             _set(cfg, key, value, from_text=False)
     for key, value in (overrides or {}).items():
         _set(cfg, key, value, from_text=True)
-    check_references(cfg)
+    check_references(cfg, here)
     return cfg
 
 
@@ -594,10 +596,11 @@ def _memory_per_worker(cfg: RunConfig, local_workers: int, where: "Placement") -
     return total // local_workers, f"memory ({total / 2**30:.1f} GiB shared by {local_workers} worker(s))"
 
 
-def check_references(cfg: RunConfig) -> None:
+def check_references(cfg: RunConfig, here: bool = True) -> None:
     """Rules between fields and rules that look outside the config: presets, specs (by their own parsers),
     faults, checkpoints, devices, nodes, the corpus (does a step's batch fit it) and memory (does it fit).
-    Nothing is written and no worker is started; the corpus loader reads at most its byte cap."""
+    Nothing is written and no worker is started; the corpus loader reads at most its byte cap. ``here=False``
+    (a job for a cluster) skips what depends on this machine: the resume path, devices, the corpus, memory."""
     from .models import PRESETS  # imported here: config must stay importable without torch work at import
 
     if cfg.model.preset not in PRESETS:
@@ -625,7 +628,7 @@ def check_references(cfg: RunConfig) -> None:
                               "nodes): no worker has that rank")
         if fault.kind == "kill" and cfg.dist.max_restarts == 0:
             raise ConfigError("inject_fault", spec, "a kill only with --max-restarts ≥ 1 (else the run just dies)")
-    if cfg.resume not in ("none", "auto"):
+    if here and cfg.resume not in ("none", "auto"):
         from .checkpoint.storage import verify_checkpoint  # the checkpoint store's own rule (no checksums here)
 
         try:
@@ -643,8 +646,8 @@ def check_references(cfg: RunConfig) -> None:
         raise ConfigError("dist.nnodes", cfg.dist.nnodes, "'1' or '1:MAX' on a local run: its rendezvous is on "
                           "127.0.0.1, so no other node can ever join and it would wait forever for MIN nodes "
                           "(multi-node: --lab, or torchrun on every node)")
-    where = placement(cfg)  # dist.device, dist.backend, dist.nproc against this machine's GPUs
-    if cfg.train.mixed_precision == "fp16" and where.device_type != "cuda":
+    where = placement(cfg) if here else None  # dist.device, dist.backend, dist.nproc against this machine's GPUs
+    if where is not None and cfg.train.mixed_precision == "fp16" and where.device_type != "cuda":
         raise ConfigError("train.mixed_precision", "fp16", "none, bf16 or auto when the workers run on the CPU "
                           f"(dist.device={cfg.dist.device} resolves to the CPU here; fp16 needs CUDA and a GradScaler)")
     _check_data_and_memory(cfg, local, fewest, where)
@@ -706,6 +709,11 @@ def _check_data_and_memory(cfg: RunConfig, local: int, fewest: int, where: "Plac
     from .data import check_fits, corpus_sizes
     from .models import resolve_config, train_memory_bytes
 
+    if where is None:  # a job for another machine (check_references(here=False)): the model's shape only
+        key = _blame(cfg, "model.attention", "model.preset")
+        with _as_field(key, _get(cfg, key)):
+            layout(cfg).check_model(resolve_config(cfg.model.preset, **model_overrides(cfg, 256)))
+        return
     d = cfg.data
     with _as_field("data.corpus", d.corpus):
         train_tokens, val_tokens, vocab = corpus_sizes(d.corpus, d.val_fraction)

@@ -1,0 +1,185 @@
+"""`syncwise launch slurm`: the generated sbatch script, and that script run by a real Slurm.
+
+The real-Slurm test uses a single-machine Slurm (``scripts/slurm-local.sh``: slurmctld + slurmd on this host,
+munge). It runs when one is up already, or when ``SYNCWISE_TEST_SLURM=1`` lets it set one up (apt-get install
+slurm-wlm munge; root); otherwise it is skipped with the reason. It submits the generated script twice — a run
+left alone, and a run that gets ``scancel --signal=USR1`` mid-way, stops and saves, requeues itself and finishes
+— and compares the two loss curves bit for bit.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from syncwise.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+SETUP = ROOT / "scripts" / "slurm-local.sh"
+
+
+def cluster_toml(path: Path, shared: Path, **launch) -> Path:
+    """A 1-node × 2-worker CPU cluster (the lab's accelerator) with launch tables for this machine's Slurm."""
+    extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in launch.items())
+    path.write_text(f"""nodes = 1
+gpus_per_node = 2
+[accelerator]
+name = "cpu-lab"
+[launch]
+shared_dir = {json.dumps(str(shared))}
+grace_s = 40
+max_restarts = 0
+python = {json.dumps(sys.executable)}
+env = {{ PYTHONPATH = {json.dumps(str(ROOT / "src"))} }}
+{extra}[slurm]
+partition = "debug"
+time = "00:15:00"
+cpus_per_task = 2
+""")
+    return path
+
+
+RUN_TOML = """[model]
+preset = "tiny"
+[data]
+seq_len = 128
+batch_size = 24
+[train]
+steps = 10
+deterministic = true
+val_interval = 0
+val_batches = 1
+[ckpt]
+interval = "4"
+"""
+
+
+def test_script_has_one_agent_per_node_rendezvous_requeue_and_the_signal(tmp_path):
+    cluster = cluster_toml(tmp_path / "c.toml", tmp_path / "shared", min_nodes=1, max_nodes=1,
+                           nccl_socket_ifname="^docker,lo", gloo_socket_ifname="eth0")
+    (tmp_path / "run.toml").write_text(RUN_TOML)
+    assert main(["launch", "slurm", "--cluster", str(cluster), "--config", str(tmp_path / "run.toml"),
+                 "--out", str(tmp_path / "out"), "--name", "demo"]) == 0
+    text = (tmp_path / "out" / "demo.sbatch").read_text()
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0  # valid bash
+    for line in ["#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=1", "#SBATCH --requeue", "#SBATCH --signal=USR1@40",
+                 "#SBATCH --open-mode=append", "#SBATCH --partition=debug", "#SBATCH --time=00:15:00",
+                 "export NCCL_SOCKET_IFNAME='^docker,lo'", "export GLOO_SOCKET_IFNAME=eth0",
+                 'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)', 'scontrol requeue "$SLURM_JOB_ID"']:
+        assert line in text, line
+    assert "--gpus-per-node" not in text  # a CPU cluster asks for no GPUs
+    srun = text[text.index("srun "):text.index("code=$?")]
+    for arg in ["--nnodes=1:1", "--nproc-per-node=2", "--rdzv-backend=c10d", '--rdzv-endpoint="$HEAD_NODE:$RDZV_PORT"',
+                "--max-restarts=0", "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown-timeout=40",
+                "-m syncwise.commands.worker", "--resume auto", "syncwise.launch.agent"]:
+        assert arg in srun, arg
+    # The embedded run configuration is the validated one, with the trainer's grace inside the scheduler's.
+    embedded = text[text.index("<<'SYNCWISE_RUN_TOML'\n") + 22:text.index("\nSYNCWISE_RUN_TOML\n")]
+    import tomllib
+
+    run = tomllib.loads(embedded)
+    assert run["model"]["preset"] == "tiny" and run["resume"] == "auto"
+    assert run["run_dir"] == str(tmp_path / "shared" / "runs" / "demo")
+    assert 0 < run["ckpt"]["preempt_grace_s"] < 40
+
+
+def test_elastic_range_and_gpus_reach_the_script(tmp_path):
+    cluster = tmp_path / "c.toml"
+    cluster.write_text("""nodes = 4
+gpus_per_node = 8
+[launch]
+shared_dir = "/shared/sw"
+min_nodes = 2
+max_nodes = 4
+max_restarts = 5
+grace_s = 300
+[slurm]
+time = "2-00:00:00"
+sbatch = ["--qos=high", "--exclusive"]
+""")
+    (tmp_path / "run.toml").write_text("[model]\npreset = \"small\"\n")
+    assert main(["launch", "slurm", "--cluster", str(cluster), "--config", str(tmp_path / "run.toml"),
+                 "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "run.sbatch").read_text()
+    assert "#SBATCH --nodes=2-4" in text and "#SBATCH --gpus-per-node=8" in text and "--nnodes=2:4" in text
+    assert "--max-restarts=5" in text and "#SBATCH --signal=USR1@300" in text and "#SBATCH --qos=high" in text
+    assert "#SBATCH --exclusive" in text
+
+
+# --------------------------------------------------------------------------------------------- a real Slurm
+def _slurm_or_skip() -> None:
+    if subprocess.run(["bash", str(SETUP), "--check"], capture_output=True).returncode == 0:
+        return
+    if os.environ.get("SYNCWISE_TEST_SLURM") != "1":
+        pytest.skip("no local Slurm is up: run `bash scripts/slurm-local.sh` (root, apt), or set SYNCWISE_TEST_SLURM=1 "
+                    "to let this test set one up")
+    proc = subprocess.run(["bash", str(SETUP)], capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        reason = (proc.stderr.strip().splitlines() or ["(no message)"])[-1]
+        pytest.skip(f"cannot start a local Slurm: {reason}")
+
+
+def _job(job_id: str) -> dict:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", out))
+
+
+def _rows(run_dir: Path) -> list:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _submit(tmp_path: Path, cluster: Path, name: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "syncwise.cli", "launch", "slurm", "--cluster", str(cluster),
+                          "--config", str(tmp_path / "run.toml"), "--out", str(tmp_path / "out"), "--name", name,
+                          "--submit"], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert out.returncode == 0, out.stderr
+    m = re.search(r"Submitted batch job (\d+)", out.stdout)
+    assert m, out.stdout
+    return m.group(1)
+
+
+def test_real_slurm_runs_the_script_and_a_preempted_job_requeues_and_finishes_identically(tmp_path):
+    _slurm_or_skip()
+    shared = tmp_path / "shared"
+    cluster = cluster_toml(tmp_path / "c.toml", shared)
+    (tmp_path / "run.toml").write_text(RUN_TOML)
+    jobs = {name: _submit(tmp_path, cluster, name) for name in ("straight", "preempted")}
+    runs = {name: shared / "runs" / name for name in jobs}
+    deadline = time.monotonic() + 420
+    signalled = False
+
+    def report(what: str) -> str:
+        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((shared / "logs").glob("*.out")))
+        return (f"{what}\n" + "\n".join(f"{n}: {_job(j)}" for n, j in jobs.items()) + "\n" + logs)
+
+    try:
+        while time.monotonic() < deadline:
+            if not signalled and len(_rows(runs["preempted"])) >= 2:
+                subprocess.run(["scancel", "--signal=USR1", jobs["preempted"]], check=True)
+                signalled = True
+            states = {n: _job(j).get("JobState") for n, j in jobs.items()}
+            if any(s in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY") for s in states.values()):
+                pytest.fail(report(f"a job ended badly: {states}"))
+            if signalled and all(s == "COMPLETED" for s in states.values()):
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(report("the jobs did not finish within 420 s"))
+    finally:
+        subprocess.run(["scancel", *jobs.values()], capture_output=True)
+    straight, preempted = _rows(runs["straight"]), _rows(runs["preempted"])
+    assert [r["step"] for r in straight] == list(range(1, 11))
+    assert [r["step"] for r in preempted] == list(range(1, 11)), report("one row per step")  # exactly once each
+    assert [r["loss"] for r in preempted] == [r["loss"] for r in straight]  # bit-identical curve
+    assert int(_job(jobs["preempted"])["Restarts"]) == 1 and int(_job(jobs["straight"])["Restarts"]) == 0
+    log = (shared / "logs" / f"preempted-{jobs['preempted']}.out").read_text()
+    assert "preempted (SIGUSR1) after step" in log and "requeueing job" in log, log[-3000:]
+    assert "resumed from step" in log
+    assert not (runs["preempted"] / "preempted.json").exists()  # the finished attempt cleared it
+    assert json.loads((runs["preempted"] / "summary.json").read_text())["steps"] == 10
