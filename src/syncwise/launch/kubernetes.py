@@ -1,0 +1,170 @@
+"""Kubernetes manifests of a syncwise job: a JobSet (jobset.x-k8s.io/v1alpha2), its checkpoint PVC, the
+rendezvous Service and the run's ConfigMap.
+
+Why JobSet (docs/launch.md): it is the Kubernetes SIG's API for multi-node training (Kubeflow Trainer v2 builds
+its TrainJob on it), needs no training runtime installed besides its controller, and is made of a plain batch/v1
+Job — so the Job's own ``podFailurePolicy`` can say what a preemption is: a pod evicted or preempted (condition
+``DisruptionTarget``) or one whose workers stopped and saved (exit code 83/84, ``syncwise.launch.agent``) is
+replaced without counting as a failure, and the replacement resumes (``--resume auto``). Real failures fail the
+Job (``backoffLimit: 0``) and the JobSet restarts all of it, ``launch.max_restarts`` times
+(``failurePolicy.maxRestarts``). Inside a pod, torchrun's agent restarts the worker group on its own
+(``--max-restarts``), elastic between ``min_nodes`` and ``max_nodes`` (``--nnodes MIN:MAX``).
+
+The rendezvous: an Indexed Job gives pod ``i`` the hostname ``NAME-node-0-i``; the headless Service ``NAME-rdzv``
+(the JobSet's network subdomain) makes ``NAME-node-0-0.NAME-rdzv`` resolve before the pods are ready, and pod 0's
+agent hosts the c10d store there.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from .. import __version__
+from ..train.preemption import EXIT_GRACE_EXPIRED, EXIT_PREEMPTED
+from .spec import ClusterLaunch, JobSpec, agent_argv, worker_argv
+
+SCHEMA_FILE = "jobset.x-k8s.io_v1alpha2.json"
+CONFIG_MOUNT = "/etc/syncwise"
+CONTAINER = "trainer"
+REPLICATED_JOB = "node"
+
+
+def manifests(cluster: ClusterLaunch, job: JobSpec) -> list[dict[str, Any]]:
+    """ConfigMap, PersistentVolumeClaim, Service and JobSet (in the order ``kubectl apply`` should create them)."""
+    la, k = cluster.launch, cluster.kubernetes
+    name, ns = job.name, k.namespace
+    labels = {"app.kubernetes.io/name": "syncwise", "app.kubernetes.io/instance": name,
+              "app.kubernetes.io/managed-by": "syncwise-launch"}
+    meta = lambda n: {"name": n, "namespace": ns, "labels": dict(labels)}  # noqa: E731
+    run_dir = job.run_dir(la.shared_dir)
+    service = f"{name}-rdzv"
+    head = f"{name}-{REPLICATED_JOB}-0-0.{service}"
+
+    config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta(f"{name}-config"),
+                  "data": {"run.toml": job.run_toml}}
+    pvc_spec: dict[str, Any] = {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": k.storage}}}
+    if k.storage_class:
+        pvc_spec["storageClassName"] = k.storage_class
+    pvc = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta(f"{name}-ckpt"), "spec": pvc_spec}
+    rdzv = {"apiVersion": "v1", "kind": "Service", "metadata": meta(service),
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                     "selector": {"jobset.sigs.k8s.io/jobset-name": name},
+                     "ports": [{"name": "c10d", "port": la.rdzv_port, "targetPort": la.rdzv_port,
+                                "protocol": "TCP"}]}}
+
+    command = agent_argv(la, job.nproc_per_node, f"{head}:{la.rdzv_port}", name) + worker_argv(run_dir)
+    command[command.index("--config") + 1] = f"{CONFIG_MOUNT}/run.toml"  # the ConfigMap, not the shared path
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}
+    if la.nccl_socket_ifname:
+        env["NCCL_SOCKET_IFNAME"] = la.nccl_socket_ifname
+    if la.gloo_socket_ifname:
+        env["GLOO_SOCKET_IFNAME"] = la.gloo_socket_ifname
+    env.update(la.env)
+    resources: dict[str, dict[str, Any]] = {"limits": {}, "requests": {}}
+    if cluster.gpus_per_node:
+        resources["limits"][k.gpu_resource] = cluster.gpus_per_node
+        resources["requests"][k.gpu_resource] = cluster.gpus_per_node
+    for key in ("cpu", "memory"):
+        if getattr(k, key):
+            resources["limits"][key] = resources["requests"][key] = getattr(k, key)
+    container = {
+        "name": CONTAINER, "image": k.image, "command": command,
+        "env": [{"name": n, "value": v} for n, v in env.items()],
+        "ports": [{"name": "c10d", "containerPort": la.rdzv_port, "protocol": "TCP"}],
+        "resources": {key: value for key, value in resources.items() if value},
+        "volumeMounts": [{"name": "shared", "mountPath": la.shared_dir},
+                         {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+                         {"name": "dshm", "mountPath": "/dev/shm"}],
+    }
+    pod = {"metadata": {"labels": dict(labels)},
+           "spec": {"restartPolicy": "Never",  # podFailurePolicy needs it; torchrun restarts workers in the pod
+                    "terminationGracePeriodSeconds": la.grace_s,
+                    "containers": [container],
+                    "volumes": [{"name": "shared", "persistentVolumeClaim": {"claimName": f"{name}-ckpt"}},
+                                {"name": "config", "configMap": {"name": f"{name}-config"}},
+                                {"name": "dshm", "emptyDir": {"medium": "Memory"}}]}}
+    job_spec = {
+        "parallelism": la.max_nodes, "completions": la.max_nodes, "completionMode": "Indexed",
+        "backoffLimit": 0,  # a real failure fails the Job; the JobSet then restarts everything (failurePolicy)
+        "podFailurePolicy": {"rules": [
+            # evicted, preempted, node drained: not the job's fault; a replacement pod resumes
+            {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+            # the workers stopped on SIGTERM and saved (83), or the grace ran out (84): resume, don't count it
+            {"action": "Ignore", "onExitCodes": {"containerName": CONTAINER, "operator": "In",
+                                                 "values": [EXIT_PREEMPTED, EXIT_GRACE_EXPIRED]}},
+        ]},
+        "template": pod,
+    }
+    jobset = {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+              "metadata": {**meta(name), "annotations": {"syncwise/version": __version__,
+                                                         "syncwise/cluster": cluster.cloud.describe()[:200]}},
+              "spec": {"network": {"enableDNSHostnames": True, "subdomain": service, "publishNotReadyAddresses": True},
+                       "failurePolicy": {"maxRestarts": la.max_restarts},
+                       "replicatedJobs": [{"name": REPLICATED_JOB, "replicas": 1,
+                                           "template": {"metadata": {"labels": dict(labels)}, "spec": job_spec}}]}}
+    return [config_map, pvc, rdzv, jobset]
+
+
+def jobset_schema() -> dict[str, Any]:
+    """The JobSet CRD's ``openAPIV3Schema`` (jobset.x-k8s.io/v1alpha2, release v0.12.0), shipped with syncwise:
+    ``{"source": ..., "release": ..., "openAPIV3Schema": {...}}`` (schemas/README.md says how it was made)."""
+    from importlib import resources
+
+    return json.loads(resources.files("syncwise.launch").joinpath("schemas", SCHEMA_FILE).read_text())
+
+
+# ------------------------------------------------------------------------------------------------ YAML out
+_PLAIN = re.compile(r"^[A-Za-z_/][A-Za-z0-9_./-]*$")
+_RESERVED = {"true", "false", "yes", "no", "on", "off", "null", "y", "n", "~"}
+
+
+def _scalar(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if v is None:
+        return "null"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    s = str(v)
+    return s if _PLAIN.match(s) and s.lower() not in _RESERVED else json.dumps(s, ensure_ascii=False)  # JSON strings are YAML
+
+
+def _emit(v: Any, indent: int, out: list[str]) -> None:
+    pad = " " * indent
+    if isinstance(v, dict):
+        for key, value in v.items():
+            k = _scalar(key)
+            if isinstance(value, (dict, list)) and value:
+                out.append(f"{pad}{k}:")
+                _emit(value, indent + 2, out)
+            elif isinstance(value, str) and "\n" in value:
+                out.append(f"{pad}{k}: |" + ("-" if not value.endswith("\n") else ""))
+                out.extend(f"{pad}  {line}" if line else "" for line in value.rstrip("\n").split("\n"))
+            else:
+                out.append(f"{pad}{k}: {_scalar(value) if not isinstance(value, (dict, list)) else '{}' if isinstance(value, dict) else '[]'}")
+    elif isinstance(v, list):
+        for item in v:
+            if isinstance(item, dict) and item:
+                sub: list[str] = []
+                _emit(item, indent + 2, sub)
+                out.append(f"{pad}- {sub[0].lstrip()}")
+                out.extend(sub[1:])
+            elif isinstance(item, list) and item:
+                out.append(f"{pad}-")
+                _emit(item, indent + 2, out)
+            else:
+                out.append(f"{pad}- {_scalar(item)}")
+    else:
+        out.append(f"{pad}{_scalar(v)}")
+
+
+def to_yaml(documents: list[dict[str, Any]]) -> str:
+    """Multi-document YAML (``kubectl apply -f`` reads it); strings quoted where YAML could misread them."""
+    parts = []
+    for doc in documents:
+        lines: list[str] = []
+        _emit(doc, 0, lines)
+        parts.append("\n".join(lines))
+    header = f"# syncwise {__version__}: written by `syncwise launch k8s`; apply with kubectl apply -f THIS_FILE\n"
+    return header + "---\n" + "\n---\n".join(parts) + "\n"
