@@ -3,7 +3,8 @@
 The step is split (seconds per optimizer step, steady steps: the first ones are warm-up) into
 
 * ``compute`` — forward, backward and optimizer of the median rank, without waits (the useful work);
-* ``straggler_wait`` — how much longer the slowest rank computes than the others (they wait for it);
+* ``straggler_wait`` — how much longer the slowest rank computes than the others (they wait for it): the median
+  over steps, so a few noisy steps do not make a straggler;
 * ``data_wait`` — the longest wait of any rank for its batches (the others wait for that rank);
 * ``compress`` — compression compute on the critical path (the hook's encode/decode after the last bucket);
 * ``comm_dp`` — exposed gradient communication on the wire (the least any rank waited: waiting for a peer is
@@ -154,11 +155,18 @@ def diagnose(run: Run, predict: bool = True) -> Diagnosis:
     ref_rank = 0 if 0 in per_rank else ranks[0]
     step = per_rank[ref_rank]["step_time_s"]
 
-    # the slowest rank against the others (with 2 ranks: against the other one)
+    # the slowest rank against the others (with 2 ranks: against the other one); its excess is the median over
+    # steps of how much longer it computed, so a rank that was slow in a few noisy steps is not a straggler
     slowest = max(ranks, key=lambda r: own[r])
     others = [own[r] for r in ranks if r != slowest]
     reference = statistics.median(others) if others else own[slowest]
-    excess = own[slowest] - reference if others else 0.0
+    excess = 0.0
+    if others:
+        def own_at(r: int, s: int) -> float:
+            row = by_rank[r][s]
+            return _num(row, "compute_s") - _num(row, "ep_comm_s") - _num(row, "pp_bubble") * _num(row, "step_time_s")
+        excess = max(0.0, statistics.median(
+            own_at(slowest, s) - statistics.median(own_at(r, s) for r in ranks if r != slowest) for s in use))
     data_rank = max(ranks, key=lambda r: per_rank[r]["data_wait_s"])
     data_wait = per_rank[data_rank]["data_wait_s"]
     comm_min = min(per_rank[r]["comm_exposed_s"] for r in ranks)
