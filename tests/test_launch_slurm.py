@@ -147,6 +147,7 @@ def _submit(tmp_path: Path, cluster: Path, name: str) -> str:
 def test_real_slurm_runs_the_script_and_a_preempted_job_requeues_and_finishes_identically(tmp_path):
     _slurm_or_skip()
     shared = tmp_path / "shared"
+    shared.mkdir()  # the cluster's shared path, mounted here
     cluster = cluster_toml(tmp_path / "c.toml", shared)
     (tmp_path / "run.toml").write_text(RUN_TOML)
     jobs = {name: _submit(tmp_path, cluster, name) for name in ("straight", "preempted")}

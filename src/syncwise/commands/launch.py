@@ -144,6 +144,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("kubernetes.image", "", f"a container image with syncwise and torch (required for "
                           f"`syncwise launch k8s`; set it in [kubernetes] of {args.cluster})")
     name = _job_name(args)
+    if args.submit and scheduler == "slurm" and not Path(cluster.launch.shared_dir).is_dir():
+        raise ConfigError("launch.shared_dir", cluster.launch.shared_dir, "a directory mounted where the job is "
+                          "submitted (--submit): the job's log, run directory and checkpoints go there")
     cfg, run_toml = run_config_for(cluster, args.config, name)
     job = JobSpec(name=name, run_toml=run_toml, nproc_per_node=cluster.cloud.gpus_per_node, source=args.config)
     out = Path(args.out)
@@ -161,13 +164,14 @@ def run(args: argparse.Namespace) -> int:
           f"{la.min_nodes}-{la.max_nodes} node(s) x {job.nproc_per_node} worker(s), run directory "
           f"{cfg.run_dir}, grace {la.grace_s} s")
     if scheduler == "slurm":
-        # Slurm opens the job's output file before the script runs and does not create its directory.
+        # Slurm opens the job's log file before the script runs, and does not create its directory: make it where
+        # the shared path is mounted here (never the shared path itself), else say so.
         logs = Path(job.log_dir(la.shared_dir))
-        try:
+        if Path(la.shared_dir).is_dir():
             logs.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            print(f"note: {logs} cannot be created here; create it where the job is submitted (Slurm writes the "
-                  "job's log there and does not create the directory)", file=sys.stderr)
+        else:
+            print(f"note: {la.shared_dir} is not mounted here: create {logs} on the cluster before sbatch (Slurm "
+                  "writes the job's log there and does not create the directory)", file=sys.stderr)
     if not args.submit:
         how = f"sbatch {written[0]}" if scheduler == "slurm" else f"kubectl apply -f {written[0]}"
         print(f"submit with: {how}  (or add --submit)")
