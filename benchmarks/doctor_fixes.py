@@ -1,0 +1,173 @@
+"""Does doctor's recommendation help? For each planted cause: run, ask `syncwise doctor`, apply its top
+recommendation, run again, and print step time before / after side by side with doctor's prediction.
+
+    python benchmarks/doctor_fixes.py                      # every cause except the link, the default sizes below
+    python benchmarks/doctor_fixes.py --lab 20mbit         # + the link, on a 2-node network lab at that rate (root)
+    python benchmarks/doctor_fixes.py --smoke              # tiny settings, to check the script (not a result)
+    python benchmarks/doctor_fixes.py --causes straggler,checkpoint
+
+Each run is a real `syncwise train` (2 workers, gloo, CPU) into its own run directory under --out. "fix" is the
+flag doctor printed for the top cause, applied to the same command line. Where doctor's change is not a flag
+(replace a straggler's node, make the loader keep up, rebalance experts), the rerun removes the planted fault
+instead and the row says so: that measures what doctor says the cause costs, not a flag's effect.
+Step = wall time per optimizer step including checkpoint stalls (doctor's wall_step_s), steady steps.
+Results: benchmarks/results/doctor-fixes.json (or --json).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from syncwise.doctor import diagnose, load_run  # noqa: E402
+
+# cause -> (flags that plant it, the cause doctor should name)
+CAUSES = {
+    "straggler": (["--inject-fault", "slow:rank=1,factor=2"], "straggler"),
+    "data_loader": (["--inject-fault", "slowdata:ms={data_ms},rank=1"], "data_loader"),
+    "buckets_too_small": (["--dist.bucket_cap_mb=0.001"], "buckets_too_small"),
+    "buckets_too_large": (["--dist.bucket_cap_mb=1000"], "buckets_too_large"),
+    "compression": (["--compress", "topk:ratio=0.01"], "compression"),
+    "checkpoint": (["--ckpt.interval=1", "--ckpt.async_save=false"], "checkpoint"),
+    "pipeline_bubble": (["--parallel.pp=2", "--parallel.microbatches=2", "--parallel.pp_schedule=gpipe"],
+                        "pipeline_bubble"),
+    "expert_imbalance": (["--preset", "small", "--parallel.ep=2", "--inject-fault", "skew:experts=2"],
+                         "expert_imbalance"),
+}
+NOT_A_FLAG = {"straggler": "node replaced (fault removed)", "data_loader": "loader fixed (fault removed)",
+              "expert_imbalance": "routing rebalanced (skew removed)"}
+
+
+def train(run_dir: Path, argv: list[str], lab: str | None, log: Path) -> None:
+    """One `syncwise train` run (on the lab's nodes with --lab)."""
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    if lab:
+        from syncwise.commands.train import prepare_run_dir
+        from syncwise.config import config_from_argv
+        from syncwise.lab.launch import lab_torchrun
+
+        cfg = config_from_argv(argv + ["--run-dir", str(run_dir), "--dist.lab=true", "--dist.nproc=1"])
+        prepare_run_dir(cfg).release()
+        rc = lab_torchrun(["-m", "syncwise.commands.worker", "--config", str(run_dir / "config.json")],
+                          log_dir=log.parent / f"{run_dir.name}-logs", timeout=1800, prefix="swdb")
+    else:
+        with open(log, "w") as out:
+            rc = subprocess.run([sys.executable, "-m", "syncwise.cli", "train", "--run-dir", str(run_dir), *argv],
+                                stdout=out, stderr=subprocess.STDOUT, env=env).returncode
+    if rc != 0:
+        raise SystemExit(f"training failed ({rc}): {run_dir} (log {log})")
+
+
+def without_fault(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--inject-fault":
+            skip = True
+            continue
+        out.append(a)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="small-dense")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--data-ms", type=int, default=200, help="the planted loader delay")
+    ap.add_argument("--causes", default=",".join(CAUSES), help="comma-separated subset")
+    ap.add_argument("--lab", default=None, metavar="RATE", help="also the link cause, on a 2-node lab at RATE")
+    ap.add_argument("--smoke", action="store_true", help="tiny preset, 6 steps: checks the script, not a result")
+    ap.add_argument("--out", default="/tmp/syncwise-doctor-fixes", help="run directories go here")
+    ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "doctor-fixes.json"))
+    args = ap.parse_args()
+    if args.smoke:
+        args.preset, args.steps, args.seq_len = "tiny", 6, 32
+    base = ["--nproc", "2", "--preset", args.preset, "--steps", str(args.steps), f"--data.seq_len={args.seq_len}",
+            f"--data.batch_size={args.batch_size}", "--train.val_interval=0", "--train.val_batches=1",
+            "--ckpt.interval=0"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plan = [(name, [f.format(data_ms=args.data_ms) for f in CAUSES[name][0]], CAUSES[name][1])
+            for name in args.causes.split(",") if name]
+    if args.lab:
+        plan.append(("link", [], "link"))
+    rows, console = [], Console(width=max(160, Console().width))
+    if args.lab:
+        from syncwise.lab import cluster as lab
+        lab.up(2, args.lab, prefix="swdb")
+    try:
+        for name, flags, cause in plan:
+            if args.smoke and name == "expert_imbalance":
+                flags = ["--preset", "tiny-moe", *flags[2:]]
+            argv = base + flags
+            lab = args.lab if name == "link" else None
+            t0 = time.time()
+            train(out / f"{name}-before", argv, lab, out / f"{name}-before.log")
+            d = diagnose(load_run(out / f"{name}-before"))
+            top = d.top
+            if name in NOT_A_FLAG:
+                fix, how = without_fault(argv), NOT_A_FLAG[name]
+            elif top is not None and top.flag:
+                fix, how = argv + shlex.split(top.flag), top.flag
+            else:
+                fix, how = None, "no flag to apply"
+            after = None
+            if fix is not None:
+                train(out / f"{name}-after", fix, lab, out / f"{name}-after.log")
+                after = diagnose(load_run(out / f"{name}-after"), predict=False)
+            row = {"cause": name, "planted": flags, "named_first": top.cause if top else None,
+                   "named_correctly": bool(top and top.cause == cause), "fix": how,
+                   "step_before_s": d.wall_s, "step_after_s": after.wall_s if after else None,
+                   "ratio": d.wall_s / after.wall_s if after else None,
+                   "predicted_step_s": top.predicted_step_s if top else None,
+                   "predicted_by": top.predicted_by if top else None,
+                   "efficiency_before": d.efficiency, "efficiency_after": after.efficiency if after else None,
+                   "predicted_efficiency": top.predicted_efficiency if top else None,
+                   "seconds": time.time() - t0}
+            rows.append(row)
+            console.print(f"{name}: doctor names {row['named_first']}; {how}: {d.wall_s * 1e3:,.0f} → "
+                          f"{(after.wall_s * 1e3 if after else float('nan')):,.0f} ms")
+    finally:
+        if args.lab:
+            lab.down("swdb")
+    table = Table(title=f"doctor's fixes ({args.preset}, {args.steps} steps, seq {args.seq_len}, 2 workers)")
+    for col in ("cause", "doctor names", "fix applied", "step before ms", "after ms", "before/after",
+                "predicted ms", "efficiency before → after (predicted)"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["cause"], r["named_first"] or "-", r["fix"], f"{r['step_before_s'] * 1e3:,.1f}",
+                      f"{r['step_after_s'] * 1e3:,.1f}" if r["step_after_s"] else "-",
+                      f"{r['ratio']:.2f}×" if r["ratio"] else "-",
+                      f"{r['predicted_step_s'] * 1e3:,.1f}" if r["predicted_step_s"] else "-",
+                      f"{r['efficiency_before']:.2f} → {r['efficiency_after']:.2f} ({r['predicted_efficiency']:.2f})"
+                      if r["efficiency_after"] is not None and r["predicted_efficiency"] is not None else "-")
+    console.print(table)
+    result = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "smoke": args.smoke,
+              "preset": args.preset, "steps": args.steps, "seq_len": args.seq_len, "batch_size": args.batch_size,
+              "lab_rate": args.lab, "rows": rows}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    console.print(f"results: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
