@@ -9,7 +9,7 @@ node), then runs every configuration of that rate as a real 4-worker training jo
 compares its measured steady step time (median of rank 0's steps after the first two) with
 `syncwise.plan.predict` on the calibrated CloudConfig. Nothing of the training rows feeds the prediction.
 
-    python benchmarks/planner_lab.py                       # ~8-10 min on the 2-core VM, quiet machine
+    python benchmarks/planner_lab.py                       # ~10 min on the 2-core VM, quiet machine
     python benchmarks/planner_lab.py --only dp4-none@200mbit --steps 4      # a smoke test of one row
 
 Writes benchmarks/results/planner-lab.json (every row, the calibrations, the summary) and prints the table.
@@ -44,7 +44,7 @@ CONFIGS = {
     "dp4-none": ("small-dense", 32, {}, "none", "every-step"),
     "dp4-bf16": ("small-dense", 32, {}, "bf16", "every-step"),
     "dp4-fp8": ("small-dense", 32, {}, "fp8", "every-step"),
-    "dp4-powersgd": ("small-dense", 32, {}, "powersgd:rank=4", "every-step"),
+    "dp4-powersgd": ("small-dense", 32, {}, "powersgd:rank=4,start_iter=2", "every-step"),  # compressed from step 3: the timed steps
     "dp4-localsgd4": ("small-dense", 32, {}, "none", "localsgd:period=4"),
     "fsdp4": ("small-dense", 32, {"dp_shard": 4}, "none", "every-step"),
     "dp2xfsdp2": ("small-dense", 32, {"dp_replicate": 2, "dp_shard": 2}, "none", "every-step"),
@@ -53,6 +53,11 @@ CONFIGS = {
     "ep2xdp2": ("small", 32, {"ep": 2}, "none", "every-step"),
     "ep4-bf16": ("small", 32, {"ep": 4, "ep_dispatch": "bf16"}, "none", "every-step"),
 }
+#: rows whose measurement is known in advance not to be a timing reference on this machine (FIELD-NOTES.md:
+#: "FSDP2's reduce-scatter on gloo is emulated (pytorch PR 149869): correct, not a timing reference"); shown and
+#: counted in the overall error, and also left out of a second mean so the rest can be read on its own
+CAVEATS = {"fsdp4": "FSDP2 on gloo: reduce-scatter emulated by PyTorch (all-reduce + slice), not a timing reference",
+           "dp2xfsdp2": "FSDP2 on gloo: reduce-scatter emulated by PyTorch (all-reduce + slice), not a timing reference"}
 #: rate -> configurations run at it
 PLAN = {
     "200mbit": ["dp4-none", "dp4-fp8", "dp4-localsgd4", "fsdp4", "dp2xfsdp2", "tp2xdp2", "pp2xdp2", "ep2xdp2",
@@ -101,16 +106,18 @@ def run_job(work: Path, name: str, preset: str, batch: int, fields: dict, compre
         log = run_dir / "logs" / "node0.log"
         return {"failed": f"exit code {code}: " + (log.read_text(errors="replace")[-1500:] if log.exists() else "")}
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    times = [r["step_time_s"] for r in rows if "step_time_s" in r][2:]
+    times = [r["step_time_s"] for r in rows if "step_time_s" in r][2:]  # steps 3..: whole local-SGD periods
     summary = json.loads((run_dir / "summary.json").read_text())
-    return {"measured_step_s": statistics.median(times), "step_times_s": times, "wall_s": wall,
+    # the mean (not the median): a local-SGD step that averages the replicas is one of every `period` steps
+    return {"measured_step_s": statistics.fmean(times), "step_times_s": times, "wall_s": wall,
             "layout_trained": summary.get("layout"), "final_loss": summary.get("final_loss"),
             "comm_exposed_share": summary.get("comm_exposed_share")}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=6, help="training steps per job (the first two are not timed)")
+    p.add_argument("--steps", type=int, default=10, help="training steps per job (the first two are not timed; "
+                   "10 leaves 8, two whole periods of localsgd:period=4)")
     p.add_argument("--only", default=None, help="comma list of NAME@RATE rows to run (default: every row)")
     p.add_argument("--json", default=str(Path(__file__).parent / "results" / "planner-lab.json"))
     p.add_argument("--keep", action="store_true", help="keep the run directories (printed)")
@@ -152,6 +159,8 @@ def main() -> int:
                        "layout": pred.layout.describe(), "runnable": pred.runnable,
                        "predicted_step_s": pred.step_time_s, "predicted_breakdown": pred.breakdown,
                        "predicted_dominant": pred.dominant}
+                if name in CAVEATS:
+                    row["caveat"] = CAVEATS[name]
                 row.update(run_job(work / rate, name, preset, batch, fields, compress, sync, a.steps))
                 if "measured_step_s" in row:
                     row["error"] = row["predicted_step_s"] / row["measured_step_s"] - 1
@@ -172,6 +181,9 @@ def main() -> int:
                "mean_abs_error": sum(abs(r["error"]) for r in ok) / len(ok) if ok else None,
                "max_abs_error": max((abs(r["error"]) for r in ok), default=None),
                "mean_error": sum(r["error"] for r in ok) / len(ok) if ok else None,
+               "mean_abs_error_without_caveats": (lambda rs: sum(abs(r["error"]) for r in rs) / len(rs) if rs else None)(
+                   [r for r in ok if "caveat" not in r]),
+               "caveats": CAVEATS,
                "steps": a.steps, "wall_s": time.perf_counter() - started, "nodes": NODES, "procs_per_node": PER_NODE,
                "compute_from": "each rate's calibration: GEMM microbenchmark (peak, GEMM-size efficiency) and a "
                                "single-process small-dense 8x128 reference step (matmul_efficiency), all workers "
@@ -180,7 +192,7 @@ def main() -> int:
     for r in rows:
         if "error" in r:
             print(f"{r['rate']:8s} {r['name']:14s} {r['layout'][:58]:58s} {r['predicted_step_s'] * 1e3:8.0f}ms "
-                  f"{r['measured_step_s'] * 1e3:8.0f}ms {r['error']:+7.1%}")
+                  f"{r['measured_step_s'] * 1e3:8.0f}ms {r['error']:+7.1%}{'  (*)' if 'caveat' in r else ''}")
         else:
             print(f"{r['rate']:8s} {r['name']:14s} FAILED")
     print(json.dumps(summary, indent=2))

@@ -14,8 +14,10 @@ Every assumption is stated where it is made and collected in docs/plan.md. In br
 * Latency: ⌈log2 n⌉ message steps per all-gather / reduce-scatter, twice that per all-reduce, n − 1 per
   all-to-all, each at the fabric's latency.
 * Tensor parallel (with sequence parallel: 2 all-gathers + 2 reduce-scatters per block forward, the same in
-  backward, again in a full recompute) and expert all-to-alls are not overlapped with compute; pipeline p2p
-  sends are not overlapped either.
+  backward, again in a full recompute) and expert all-to-alls are not overlapped with compute. Pipeline p2p
+  sends under torch.distributed.pipelining are asynchronous: in the steady state they overlap the stage's other
+  micro-batches and cost only what exceeds its compute, plus one hop each way while the pipeline fills and
+  drains (``Training.overlap_p2p``; the Megatron recipe pays every send/recv pair on the critical path).
 * Pipeline: T = τ·(M + bubble) with τ one micro-batch's stage time; bubble = p − 1 for GPipe / 1F1B,
   (p − 1)/v interleaved (and looped BFS), (p − 1)/(3v) for the zero-bubble schedules (ZB-H1's bound, Qi et
   al. 2024, with T_F = T_B = T_W; ZB-V and DualPipeV can do better, we do not assume it).
@@ -363,14 +365,23 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
         passes = 2
         fsdp_gather_total = passes * ag
         t_fsdp_mb = max(unit, ag - t_fwd) + max(unit, ag - (t_bwd - t_extra))
-    tau = t_fwd + t_bwd + t_tp + t_ep + t_p2p + t_fsdp_mb
+    tau = t_fwd + t_bwd + t_tp + t_ep + t_fsdp_mb
+    # Stage-to-stage sends are asynchronous (isend): in the steady state a micro-batch's activations and gradients
+    # travel while the stage computes other micro-batches, so the link costs time only where it is slower than
+    # the compute, plus one hop each way while the pipeline fills and drains.
+    # (Training.overlap_p2p; Megatron-LM's schedule waits on each send/recv pair: every micro-batch pays it.)
+    if not training.overlap_p2p:
+        tau += t_p2p
+        t_p2p_exposed = 0.0
+    else:
+        t_p2p_exposed = M * max(0.0, t_p2p - tau) + ((pp - 1) * t_p2p / v if pp > 1 else 0.0)
     if pp > 1:
         s = layout.pp_schedule
         bubble_units = (pp - 1) / (v if s in ("interleaved-1f1b", "looped-bfs") else 1) \
             if s in ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs") else (pp - 1) / (3 * max(v, 1))
     else:
         bubble_units = 0.0
-    t_pipe = tau * (M + bubble_units)
+    t_pipe = tau * (M + bubble_units) + t_p2p_exposed
     traffic.inter_bytes += M * mb_traffic.inter_bytes
     traffic.inter_messages += M * mb_traffic.inter_messages
 
@@ -443,8 +454,8 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
         "recompute": M * t_extra,
         "tp_comm": M * t_tp,
         "ep_comm": M * t_ep,
-        "pp_p2p": M * t_p2p,
-        "pp_bubble": t_pipe - M * tau,
+        "pp_p2p": t_p2p_exposed if training.overlap_p2p else M * t_p2p,
+        "pp_bubble": tau * bubble_units,
         "fsdp_comm_exposed": M * t_fsdp_mb,
         "dp_comm_exposed": dp_exposed,
         "sync_exposed": sync_exposed,
@@ -467,7 +478,7 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
         inter_node_bytes=traffic.inter_bytes, inter_node_messages=traffic.inter_messages,
         info={"dp_comm_total": dp_total, "fsdp_gather_total_per_microbatch": fsdp_gather_total,
               "layer_share_of_flops": layer_share, "flops_per_token": f_tok, "bubble_fraction":
-              (t_pipe - M * tau) / t_pipe if t_pipe else 0.0, "matmul_efficiency": eff, "training": training.name})
+              bubble_units / (M + bubble_units), "matmul_efficiency": eff, "training": training.name})
     if syncwise_rules:
         why = syncwise_refusal(layout, model, world, M)
         pred.runnable, pred.not_runnable = why is None, why or ""

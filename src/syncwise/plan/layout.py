@@ -97,7 +97,8 @@ class Training:
     under bf16 autocast, fp32 gradients, AdamW's two fp32 moments, fp32 FSDP2 gathers, DDP's bucket copy, the
     gradient all-reduce overlapped with backward bucket by bucket except under pp) and ``MEGATRON``
     (Megatron-LM style mixed precision: bf16/fp16 weights, fp32 main gradients, fp32 master weights and
-    moments; no flash attention and attention dropout as in 2021; gradient all-reduce after backward)."""
+    moments; no flash attention and attention dropout as in 2021; gradient all-reduce after backward; the 1F1B
+    schedule waits on its send/recv pairs between micro-batches)."""
 
     name: str = "syncwise"
     weight_bytes: float = 4
@@ -110,6 +111,7 @@ class Training:
     ddp_bucket_copy: bool = True     # DDP's flat buckets hold a second copy of the gradients
     overlap_dp: bool = True          # gradient sync overlaps backward (all but the last bucket)
     overlap_dp_with_pp: bool = False  # ... also under pp (syncwise's StageGradientSync runs after the schedule)
+    overlap_p2p: bool = True         # pipeline sends are isends (torch.distributed.pipelining): hidden in the steady state
     fsdp_with_tp: bool = True        # FSDP2 holds the data-parallel ranks of a tensor-parallel model (syncwise)
     bucket_bytes: float = 25e6       # dist.bucket_cap_mb
     flash_attention: bool = True     # SDPA's fused kernels: no s² attention activations stored
@@ -121,7 +123,7 @@ class Training:
 SYNCWISE = Training()
 MEGATRON = Training(name="megatron", weight_bytes=2, grad_bytes=4, optimizer_bytes=12, gather_bytes=2,
                     grad_reduce_bytes=4, activation_bytes=2, residual_bytes=2, ddp_bucket_copy=False,
-                    overlap_dp=False, fsdp_with_tp=False, flash_attention=False, dropout=True, optimizer_pass_bytes=40)
+                    overlap_dp=False, overlap_p2p=False, fsdp_with_tp=False, flash_attention=False, dropout=True, optimizer_pass_bytes=40)
 
 LAYOUT_ACCEPTED = ("key=value options separated by commas: dp (= dp_replicate), dp_shard (or fsdp), tp, pp, ep, "
                    "microbatch (sequences per micro-batch), microbatches (per step), schedule (" + "|".join(SCHEDULES)
