@@ -7,7 +7,6 @@ with ``kubernetes-validate`` (Kubernetes 1.37's OpenAPI schemas, strict: unknown
 wherever the CRD does not preserve them, as the API server's strict field validation does.
 """
 import copy
-import json
 import tomllib
 
 import jsonschema

@@ -14,7 +14,6 @@ import textwrap
 import threading
 import time
 
-import pytest
 import torch
 
 from distributed import run_workers

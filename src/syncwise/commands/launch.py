@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from ..config import RunConfig, build_config, format_config, load_file
-from ..errors import ConfigError, SyncwiseError
+from ..errors import ConfigError
 
 SCHEDULERS = {"slurm": "slurm", "k8s": "k8s", "kubernetes": "k8s"}
 

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from ..errors import ConfigError, SyncwiseError
+from ..errors import SyncwiseError
 from .cloud import Accelerator, CloudConfig, Fabric, cloud_from_dict
 
 GEMM_SIZES = (32, 64, 128, 256, 512, 1024)

@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
-import torch.distributed as dist
 
 from ..comm import ops
 
