@@ -85,6 +85,18 @@ def without_fault(argv: list[str]) -> list[str]:
     return out
 
 
+def same_settings(after: Path, before: Path) -> bool:
+    """Whether the rerun ``after`` has the model, steps and sequence length of ``before`` (for --rediagnose: a
+    directory left by an earlier run with other settings is not this row's rerun)."""
+    try:
+        a, b = (json.loads((d / "config.json").read_text()) for d in (after, before))
+    except (OSError, ValueError):
+        return False
+    key = lambda c: (c.get("model", {}).get("preset"), c.get("train", {}).get("steps"),  # noqa: E731
+                     c.get("data", {}).get("seq_len"))
+    return key(a) == key(b)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="small-dense")
@@ -97,6 +109,8 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny preset, 6 steps: checks the script, not a result")
     ap.add_argument("--out", default="/tmp/syncwise-doctor-fixes", help="run directories go here")
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "doctor-fixes.json"))
+    ap.add_argument("--rediagnose", action="store_true", help="train nothing: diagnose the run directories a "
+                    "previous run of this script left in --out (same settings) and rewrite the table and JSON")
     args = ap.parse_args()
     if args.smoke:
         args.preset, args.steps, args.seq_len = "tiny", 6, 32
@@ -110,9 +124,9 @@ def main() -> int:
     if args.lab:
         plan.append(("link", [], "link"))
     rows, console = [], Console(width=max(160, Console().width))
-    if args.lab:
-        from syncwise.lab import cluster as lab
-        lab.up(2, args.lab, prefix="swdb")
+    if args.lab and not args.rediagnose:
+        from syncwise.lab import cluster as lab_cluster
+        lab_cluster.up(2, args.lab, prefix="swdb")
     try:
         for name, flags, cause in plan:
             if args.smoke and name == "expert_imbalance":
@@ -120,7 +134,8 @@ def main() -> int:
             argv = base + flags
             lab = args.lab if name == "link" else None
             t0 = time.time()
-            train(out / f"{name}-before", argv, lab, out / f"{name}-before.log")
+            if not args.rediagnose:
+                train(out / f"{name}-before", argv, lab, out / f"{name}-before.log")
             d = diagnose(load_run(out / f"{name}-before"))
             top = d.top
             if name in NOT_A_FLAG:
@@ -130,8 +145,12 @@ def main() -> int:
             else:
                 fix, how = None, "no flag to apply"
             after = None
+            if fix is not None and args.rediagnose and not same_settings(out / f"{name}-after",
+                                                                   out / f"{name}-before"):
+                fix, how = None, how + " (no rerun with these settings in --out)"
             if fix is not None:
-                train(out / f"{name}-after", fix, lab, out / f"{name}-after.log")
+                if not args.rediagnose:
+                    train(out / f"{name}-after", fix, lab, out / f"{name}-after.log")
                 after = diagnose(load_run(out / f"{name}-after"), predict=False)
             row = {"cause": name, "planted": flags, "named_first": top.cause if top else None,
                    "named_correctly": bool(top and top.cause == cause), "fix": how,
@@ -146,8 +165,8 @@ def main() -> int:
             console.print(f"{name}: doctor names {row['named_first']}; {how}: {d.wall_s * 1e3:,.0f} → "
                           f"{(after.wall_s * 1e3 if after else float('nan')):,.0f} ms")
     finally:
-        if args.lab:
-            lab.down("swdb")
+        if args.lab and not args.rediagnose:
+            lab_cluster.down("swdb")
     table = Table(title=f"doctor's fixes ({args.preset}, {args.steps} steps, seq {args.seq_len}, 2 workers)")
     for col in ("cause", "doctor names", "fix applied", "step before ms", "after ms", "before/after",
                 "predicted ms", "efficiency before → after (predicted)"):
@@ -160,7 +179,8 @@ def main() -> int:
                       f"{r['efficiency_before']:.2f} → {r['efficiency_after']:.2f} ({r['predicted_efficiency']:.2f})"
                       if r["efficiency_after"] is not None and r["predicted_efficiency"] is not None else "-")
     console.print(table)
-    result = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "smoke": args.smoke,
+    result = {"command": " ".join([Path(sys.argv[0]).name, *[a for a in sys.argv[1:] if a != "--rediagnose"]]),
+              "smoke": args.smoke,
               "preset": args.preset, "steps": args.steps, "seq_len": args.seq_len, "batch_size": args.batch_size,
               "lab_rate": args.lab, "rows": rows}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

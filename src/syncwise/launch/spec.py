@@ -46,13 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
-
 from ..errors import ConfigError
-from ..plan.cloud import CloudConfig, cloud_from_dict
+from ..plan.cloud import CloudConfig, cloud_from_dict, read_cluster_toml
 
 #: The cluster file's tables this module owns (the planner ignores them).
 LAUNCH_TABLES = ("launch", "slurm", "kubernetes")
@@ -265,16 +260,8 @@ def launch_from_dict(values: dict[str, Any], cloud: CloudConfig) -> tuple[Launch
 
 def load_cluster_launch(path: "str | Path") -> ClusterLaunch:
     """Read a cluster TOML file: the ``CloudConfig`` (by the planner's own parser) and the launch tables."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError("--cluster", str(path), "an existing cluster .toml file (see examples/clusters/)")
-    try:
-        values = tomllib.loads(p.read_text())
-    except (OSError, ValueError, RecursionError) as e:
-        raise ConfigError("--cluster", str(path), f"a readable, valid TOML file ({e})") from None
-    hardware = {k: v for k, v in values.items() if k not in LAUNCH_TABLES}
-    hardware.setdefault("name", p.stem)
-    cloud = cloud_from_dict(hardware, str(path))
+    values = read_cluster_toml(path)
+    cloud = cloud_from_dict({k: v for k, v in values.items() if k not in LAUNCH_TABLES}, str(path))
     launch, slurm, k8s = launch_from_dict(values, cloud)
     return ClusterLaunch(cloud, launch, slurm, k8s, str(path))
 

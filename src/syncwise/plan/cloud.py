@@ -348,8 +348,8 @@ def cloud_from_dict(values: dict[str, Any], source: str = "cluster") -> CloudCon
     return CloudConfig(accelerator=acc, intra_node=fabrics[0], inter_node=fabrics[1], name=name, **kwargs)
 
 
-def load_cluster(path: str | Path) -> CloudConfig:
-    """Read a cluster TOML file (``examples/clusters/*.toml``) into a CloudConfig."""
+def read_cluster_toml(path: str | Path) -> dict[str, Any]:
+    """The tables of a cluster TOML file (``name`` defaults to the file's stem); errors name ``--cluster``."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError("--cluster", str(path), "an existing cluster .toml file (see examples/clusters/)")
@@ -358,7 +358,12 @@ def load_cluster(path: str | Path) -> CloudConfig:
     except (OSError, ValueError, RecursionError) as e:
         raise ConfigError("--cluster", str(path), f"a readable, valid TOML file ({e})") from None
     values.setdefault("name", p.stem)
-    return cloud_from_dict(values, str(path))
+    return values
+
+
+def load_cluster(path: str | Path) -> CloudConfig:
+    """Read a cluster TOML file (``examples/clusters/*.toml``) into a CloudConfig."""
+    return cloud_from_dict(read_cluster_toml(path), str(path))
 
 
 def cluster(name: str, nodes: int, gpus_per_node: int = 8, *, intra: Optional[str] = None,
