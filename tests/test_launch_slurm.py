@@ -1,9 +1,9 @@
 """`syncwise launch slurm`: the generated sbatch script, and that script run by a real Slurm.
 
 The real-Slurm test uses a single-machine Slurm (``scripts/slurm-local.sh``: slurmctld + slurmd on this host,
-munge). It is opt-in, ``SYNCWISE_TEST_SLURM=1`` (``bash scripts/test.sh`` then sets Slurm up first; so does the
-test itself when none is up: apt-get install slurm-wlm munge, root); where Slurm cannot be started it is skipped
-with the reason. It submits the generated script twice — a run
+munge). ``bash scripts/test.sh`` (CI) sets Slurm up first and then sets ``SYNCWISE_TEST_SLURM=1``; a plain pytest
+run needs that variable set by hand (the test then starts Slurm itself when none is up: apt-get install slurm-wlm
+munge, root); where Slurm cannot be started it is skipped with the reason. It submits the generated script twice — a run
 left alone, and a run that gets ``scancel --signal=USR1`` mid-way, stops and saves, requeues itself and finishes
 — and compares the two loss curves bit for bit.
 """
@@ -114,7 +114,8 @@ sbatch = ["--qos=high", "--exclusive"]
 # --------------------------------------------------------------------------------------------- a real Slurm
 def _slurm_or_skip() -> None:
     if os.environ.get("SYNCWISE_TEST_SLURM") != "1":
-        pytest.skip("opt-in (35-50 s, plus ~15 s to install and start Slurm the first time): set SYNCWISE_TEST_SLURM=1")
+        pytest.skip("SYNCWISE_TEST_SLURM is not 1: scripts/test.sh sets it once scripts/slurm-local.sh has started a "
+                    "local Slurm (its output says why it could not); under plain pytest set it by hand (35-50 s)")
     if subprocess.run(["bash", str(SETUP), "--check"], capture_output=True).returncode == 0:
         return
     proc = subprocess.run(["bash", str(SETUP)], capture_output=True, text=True, timeout=600)

@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("cli", ("syncwise.cli", "syncwise.commands")),
     ("config", ("syncwise.config",)),
     ("launch", ("syncwise.launch",)),
+    ("doctor", ("syncwise.doctor",)),
     ("plan", ("syncwise.plan",)),
     ("train", ("syncwise.train", "syncwise.metrics")),
     ("checkpoint", ("syncwise.checkpoint",)),

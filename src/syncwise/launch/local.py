@@ -4,7 +4,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import socket
+import threading
 import uuid
 from typing import Any, Callable
 
@@ -66,7 +68,15 @@ def run_local(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int 
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
         monitor_interval=0.5, start_method="spawn", **({"logs_specs": _logs(log_dir)} if log_dir else {}), **signals,
     )
-    return elastic_launch(config, fn)(*args)
+    # The agent installs its handlers for those signals in this process and leaves them there: put back the
+    # caller's, so a later train() in this process (or a test) finds the signals as they were.
+    saved = {sig: signal.getsignal(sig) for sig in (getattr(signal, n) for n in TORCHRUN_SIGNALS.split(","))}
+    try:
+        return elastic_launch(config, fn)(*args)
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in saved.items():
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def _logs(log_dir: str):
