@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import shutil
-import subprocess
 import traceback
 
 import pytest
@@ -22,6 +20,8 @@ from syncwise.doctor import compare, diagnose, load_run
 from syncwise.doctor.analyze import MIN_SHARE
 from syncwise.errors import ConfigError, SyncwiseError
 from syncwise.train.faults import Fault
+
+from helpers import lab_unavailable
 
 BASE = ["--preset", "tiny", "--steps", "8", "--data.seq_len=32", "--train.val_interval=0", "--train.val_batches=1",
         "--ckpt.interval=0"]
@@ -229,18 +229,8 @@ def test_fault_specs_are_parsed_by_the_one_parser():
 
 
 # ---------------------------------------------------------------------------------------------- the link (lab)
-def _lab_unavailable() -> str | None:
-    if os.geteuid() != 0:
-        return "the network lab needs root"
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "iproute2 (ip, tc) is not installed"
-    if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
-        return "`ip netns` is not usable here"
-    return None
-
-
 @pytest.mark.lab
-@pytest.mark.skipif(_lab_unavailable() is not None, reason=_lab_unavailable() or "")
+@pytest.mark.skipif(lab_unavailable() is not None, reason=lab_unavailable() or "")
 def test_doctor_names_a_slow_link_on_the_lab(tmp_path, monkeypatch):
     from syncwise.commands.train import prepare_run_dir
     from syncwise.config import config_from_argv

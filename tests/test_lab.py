@@ -22,20 +22,12 @@ from syncwise.lab import cluster as lab
 from syncwise.lab.launch import lab_torchrun
 from syncwise.lab.sizing import equivalent_rate
 
+from helpers import lab_unavailable
+
 PREFIX = "swlt"
 
 
-def _lab_unavailable() -> str | None:
-    if os.geteuid() != 0:
-        return "the network lab needs root"
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "iproute2 (ip, tc) is not installed"
-    if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
-        return "`ip netns` is not usable here"
-    return None
-
-
-_SKIP = _lab_unavailable()
+_SKIP = lab_unavailable()
 
 
 def _sh(*argv: str) -> str:

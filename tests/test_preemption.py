@@ -17,6 +17,7 @@ import time
 import torch
 
 from distributed import run_workers
+from helpers import GatedCheckpointer
 from syncwise.checkpoint import SmartCheckpointer
 from syncwise.checkpoint.storage import latest_valid, published_checkpoints, verify_checkpoint
 from syncwise.cli import main
@@ -26,18 +27,6 @@ from syncwise.train import OptimizedTrainer, adamw, warmup_cosine
 from syncwise.train.preemption import EXIT_GRACE_EXPIRED, EXIT_PREEMPTED, Preempted, read_marker
 
 STEPS = 8
-
-
-class GatedCheckpointer(SmartCheckpointer):
-    """Publishes a save only once ``gate`` is set: the test decides how long a save stays in flight."""
-
-    def __init__(self, *args, gate, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.gate = gate
-
-    def _finish(self, *args, **kwargs):
-        self.gate.wait(timeout=60)
-        return super()._finish(*args, **kwargs)
 
 
 def _fresh(rank, world, run_dir, gate=None):

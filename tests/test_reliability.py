@@ -6,7 +6,7 @@ import threading
 import torch
 
 from distributed import run_workers
-from syncwise.checkpoint import SmartCheckpointer
+from helpers import GatedCheckpointer
 from syncwise.config import build_config
 from syncwise.data import TokenBatchLoader
 from syncwise.models import build_model
@@ -27,18 +27,6 @@ def test_restart_seen_by_one_agent_makes_every_rank_resume():
     # its workers as a membership change and still says 0. Both ranks must resume, or neither.
     by_rank = run_workers(_resume_decisions, 2, [[0, 1], [0, 0]])
     assert by_rank == [["auto", "none"], ["auto", "none"]]
-
-
-class GatedCheckpointer(SmartCheckpointer):
-    """Publishes a save only once ``gate`` is set, so the test decides how long a save stays in flight."""
-
-    def __init__(self, *args, gate, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.gate = gate
-
-    def _finish(self, *args, **kwargs):
-        self.gate.wait(timeout=60)
-        return super()._finish(*args, **kwargs)
 
 
 def test_in_flight_flag_and_save_costs(tmp_path):

@@ -1,0 +1,32 @@
+"""Pieces several test modules share: whether the network lab can run here, and a checkpointer whose saves stay in
+flight until the test lets them finish."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+from syncwise.checkpoint import SmartCheckpointer
+
+
+def lab_unavailable() -> str | None:
+    """Why the network lab cannot run on this machine (a skip reason), or None if it can."""
+    if os.geteuid() != 0:
+        return "the network lab needs root"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "iproute2 (ip, tc) is not installed"
+    if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
+        return "`ip netns` is not usable here"
+    return None
+
+
+class GatedCheckpointer(SmartCheckpointer):
+    """Publishes a save only once ``gate`` is set, so the test decides how long a save stays in flight."""
+
+    def __init__(self, *args, gate, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gate = gate
+
+    def _finish(self, *args, **kwargs):
+        self.gate.wait(timeout=60)
+        return super()._finish(*args, **kwargs)
