@@ -1,0 +1,68 @@
+"""Issue 24 on the CPU: what a GPU run needs, checked where no GPU is (strict devices, backend strings, timing)."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import run_workers
+from syncwise import devices
+from syncwise.comm import ops
+from syncwise.comm.timing import Interval, timed
+from syncwise.config import build_config
+from syncwise.commands.worker import resume_target
+
+
+def test_nccl_jobs_get_a_cpu_communicator_too():
+    # the backend string both the worker and the Python API pass to init_process_group (join_torchrun)
+    assert devices.process_group_backend("nccl") == devices.NCCL_PROCESS_GROUP
+    assert ops._device_types(devices.process_group_backend("nccl")) == {"cpu", "cuda"}
+    assert ops._device_types("nccl") == {"cuda"}  # what issue 24's worker passed: no CPU communicator
+    assert devices.process_group_backend("gloo") == "gloo"
+
+
+def _resume_under(rank, world, declared):
+    """resume_target's agreement on a group declared ``declared`` ('nccl': the old worker's group)."""
+    assert ops.strict()
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(rank)
+    if declared == "join_torchrun":  # the real path: the Python API's / worker's own init
+        from syncwise.train.arguments import join_torchrun
+        dist.destroy_process_group()
+        assert join_torchrun(torch.device("cpu"))
+    else:
+        ops.declare_backend(declared)
+    try:
+        return resume_target(build_config(), rank)
+    except ops.StrictDeviceError as e:
+        return f"refused: {e}"
+    finally:
+        ops.declare_backend(None)
+
+
+def test_strict_devices_refuses_the_cpu_control_tensor_of_an_nccl_only_group():
+    old = run_workers(_resume_under, 2, "nccl")
+    assert all(r.startswith("refused: all_reduce of a cpu tensor") and "'nccl'" in r for r in old), old
+    assert run_workers(_resume_under, 2, "join_torchrun") == ["auto", "auto"]
+
+
+def _explicit_group(rank, world):
+    g = ops.new_group(backend="gloo", desc="t")
+    t = torch.ones(2)
+    ops.all_reduce(t, group=g)  # gloo takes CPU tensors: allowed
+    ops.declare_backend("nccl", g)  # as if made NCCL-only
+    with pytest.raises(ops.StrictDeviceError):
+        ops.all_reduce(t, group=g)
+    return t.tolist()
+
+
+def test_strict_devices_holds_explicit_groups_to_their_backend():
+    assert run_workers(_explicit_group, 2) == [[2.0, 2.0], [2.0, 2.0]]
+
+
+def test_interval_on_the_cpu_is_the_host_clock():
+    with timed("cpu") as iv:
+        torch.ones(1000).sum()
+    assert not iv.cuda and iv.done() and iv.seconds() >= 0.0
+    assert not Interval(None).stopped
+    with pytest.raises(RuntimeError):
+        Interval("cpu").seconds()
