@@ -26,8 +26,11 @@ def _resume_under(rank, world, declared):
     assert ops.strict()
     os.environ["TORCHELASTIC_RESTART_COUNT"] = str(rank)
     if declared == "join_torchrun":  # the real path: the Python API's / worker's own init
+        from syncwise.launch import free_port
         from syncwise.train.arguments import join_torchrun
+        port = ops.all_gather_object(free_port())[0]  # a fresh store: the old one may outlive rank 0's destroy
         dist.destroy_process_group()
+        os.environ["MASTER_PORT"] = str(port)
         assert join_torchrun(torch.device("cpu"))
     else:
         ops.declare_backend(declared)

@@ -291,6 +291,24 @@ def _issue_nccl(name: str, nbytes: int, fn, async_op: bool, stats: CommStats, gr
     return work
 
 
+class _TimedWork:
+    """A work handle without a future: records the duration when waited on."""
+
+    def __init__(self, work, name: str, start: float, stats: CommStats, token: int):
+        self._work, self._name, self._start, self._stats, self._token = work, name, start, stats, token
+
+    def wait(self, *args, **kwargs):
+        try:
+            out = self._work.wait(*args, **kwargs)
+        finally:
+            _in_flight.pop(self._token, None)
+        self._stats.add_time(self._name, time.perf_counter() - self._start)
+        return out
+
+    def __getattr__(self, attr):
+        return getattr(self._work, attr)
+
+
 def all_reduce(tensor: torch.Tensor, op: "ReduceOpName | dist.ReduceOp" = "sum", group=None,
                async_op: bool = False, stats: CommStats = STATS):
     """In-place all-reduce of ``tensor``."""
