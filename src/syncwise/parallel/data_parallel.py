@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ..comm import ops, timing
 from ..comm.stats import STATS
 from ..compress import CompressionHookState, CompressionPolicy, Compressor, compression_hook, torch_reference_hook
 from ..errors import ConfigError
@@ -248,13 +249,14 @@ class StageGradientSync:
         self.bucket_cap_mb = bucket_cap_mb
         with torch.no_grad():
             for _, p in self.params:
-                dist.broadcast(p.data, src=dist.get_global_rank(group, 0), group=group)
+                ops.broadcast_from(p.data, 0, group=group, stats=ops.CommStats())  # setup, not step traffic
 
-    def sync(self) -> float:
-        """Average every gradient over the group (missing ones as zeros); the seconds it took."""
+    def sync(self) -> "Callable[[], float]":
+        """Average every gradient over the group (missing ones as zeros); returns the reader of the seconds it
+        took (comm.timing: CUDA events on a GPU, read when the row is logged, so no host sync here)."""
         from ..compress.profile import ddp_like_buckets
 
-        start = time.perf_counter()
+        interval = timing.Interval(self.params[0][1].device if self.params else None).start()
         for _, p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -262,4 +264,5 @@ class StageGradientSync:
         for bucket in ddp_like_buckets(named, self.bucket_cap_mb):
             self.hook_state.average([named[i][1] for i in bucket], [named[i][0] for i in bucket])
         self.hook_state.steps += 1
-        return time.perf_counter() - start
+        interval.stop()
+        return interval.seconds

@@ -84,8 +84,7 @@ class Parallelized:
             if self.pipeline is not None:  # the schedule runs every microbatch; then the stage's replicas sync
                 yield                      # (FSDP2 stages reduce-scatter in the last microbatch's backward)
                 if syncing and self.stage_sync is not None:
-                    waited = self.stage_sync.sync()
-                    self._exposed = lambda: waited
+                    self._exposed = self.stage_sync.sync()  # a reader (CUDA events on a GPU)
                 if syncing and self.dp.hook_state is not None:
                     self.dp.hook_state.steps += 1
                 if syncing:
