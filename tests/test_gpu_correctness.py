@@ -69,3 +69,32 @@ def test_interval_on_the_cpu_is_the_host_clock():
     assert not Interval(None).stopped
     with pytest.raises(RuntimeError):
         Interval("cpu").seconds()
+
+
+def _inline_vs_thread(rank, world, spec):
+    """Two backwards of a 3-bucket DDP model, the compressor on its worker thread and inline (ep > 1's mode)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from syncwise.compress import CompressionHookState, CompressionPolicy, compression_hook, parse_compress_spec
+
+    grads = {}
+    for inline in (False, True):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 32))
+        model = DDP(net, bucket_cap_mb=0.004)
+        state = CompressionHookState(parse_compress_spec(spec), None, net, CompressionPolicy(min_numel=256))
+        state.inline = inline
+        model.register_comm_hook(state, compression_hook)
+        for step in range(2):
+            model.zero_grad()
+            x = torch.randn(8, 32, generator=torch.Generator().manual_seed(10 * step + rank))
+            model(x).pow(2).mean().backward()
+        grads[inline] = [p.grad.clone() for p in net.parameters()]
+        assert state._worker is None if inline else state._worker is not None
+        state.close()
+    return all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
+
+
+def test_inline_compression_equals_the_worker_thread():
+    # PowerSGD: two dependent collectives per bucket, error feedback and warm start carried across steps
+    assert run_workers(_inline_vs_thread, 2, "powersgd:rank=2,start_iter=1") == [True, True]

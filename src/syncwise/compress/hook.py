@@ -90,6 +90,14 @@ class CompressionHookState:
         # Host seconds spent compressing/decompressing (the compressor's work minus the collectives it waited on):
         # read per step by syncwise.metrics.StepProbe for `syncwise doctor`. On CUDA this is launch time only.
         self.compute_s = 0.0
+        # Inline (issue 24, the "check" row on expert parallel): with ep > 1 the backward also issues the experts'
+        # all-to-alls, on the autograd thread and the ep communicator. A worker thread would interleave its
+        # collectives (another communicator) with them in an order that depends on timing, so differently on
+        # different ranks — NCCL can deadlock on communicators launched in different orders. Inline, every
+        # collective of the backward is issued from one thread in autograd's order, the same on every rank
+        # (multi-collective compressors then do not overlap the backward on the CPU; on CUDA they still run on
+        # the side stream). Set by parallelize (apply_data_parallel(inline_compress=True)) when ep > 1.
+        self.inline = False
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._worker: Optional[threading.Thread] = None
         self._lock = threading.Lock()
@@ -145,23 +153,32 @@ class CompressionHookState:
             if isinstance(job, threading.Event):
                 job.set()
                 continue
-            tensors, keys, flags, result, is_last, fut, ready = job
-            side = streams.side_stream(result.device, "compress") if ready is not None else None
-            try:
-                with (torch.cuda.stream(side) if side is not None else contextlib.nullcontext()):
-                    if side is not None:
-                        side.wait_event(ready)
-                        streams.keep_for_stream([*tensors, result], side)  # made on the backward's stream
-                    start, waited = time.perf_counter(), ops.STATS.total_time_s
-                    self.compressor.average(tensors, keys, self.comm_group, flags)
-                    self.compute_s += max(0.0, time.perf_counter() - start - (ops.STATS.total_time_s - waited))
-                    if is_last:
-                        self.steps += 1
-                    fut.set_result(result)  # on the side stream: a CUDA-aware future records its events here
-            except BaseException as exc:  # surface on the training thread instead of hanging it
-                if not fut.done():
-                    fut.set_exception(exc)
-                continue
+            self._process(*job)
+
+    def _process(self, tensors, keys, flags, result, is_last, fut, ready) -> None:
+        """Average one bucket (on the worker, or inline) and complete ``fut``; on CUDA on the side stream."""
+        side = streams.side_stream(result.device, "compress") if ready is not None else None
+        try:
+            with (torch.cuda.stream(side) if side is not None else contextlib.nullcontext()):
+                if side is not None:
+                    side.wait_event(ready)
+                    streams.keep_for_stream([*tensors, result], side)  # made on the backward's stream
+                start, waited = time.perf_counter(), ops.STATS.total_time_s
+                self.compressor.average(tensors, keys, self.comm_group, flags)
+                self.compute_s += max(0.0, time.perf_counter() - start - (ops.STATS.total_time_s - waited))
+                if is_last:
+                    self.steps += 1
+                fut.set_result(result)  # on the side stream: a CUDA-aware future records its events here
+        except BaseException as exc:  # surface on the training thread instead of hanging it
+            if not fut.done():
+                fut.set_exception(exc)
+
+    def run_inline(self, tensors: list[torch.Tensor], keys: list[str], flags: list[bool], result: torch.Tensor,
+                   is_last: bool) -> "torch.futures.Future[torch.Tensor]":
+        """Average one bucket now, on the calling (backward's) thread: :attr:`inline` mode."""
+        fut = streams.device_future(result.device)
+        self._process(tensors, keys, flags, result, is_last, fut, streams.ready_event(result.device))
+        return fut
 
     def wait_idle(self) -> None:
         """Block until every queued bucket has been processed."""
@@ -263,6 +280,8 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
     keys = [state.name_of(p) for p in params]
     flags = [state.policy.compress(g) for g in grads]
     # the compressor writes the averages into the gradient views, i.e. into the bucket buffer itself
+    if state.inline:
+        return state.run_inline(list(grads), keys, flags, bucket.buffer(), bucket.is_last())
     return state.submit(list(grads), keys, flags, bucket.buffer(), bucket.is_last())
 
 

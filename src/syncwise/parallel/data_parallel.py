@@ -184,7 +184,7 @@ def _counted(bytes_per_element: int, hook):
 def apply_data_parallel(model: nn.Module, compressor: "Optional[Compressor | TorchHookSpec]" = None, bucket_cap_mb: float = 25.0,
                         min_numel: int = 4096, device: Optional[torch.device] = None,
                         find_unused_parameters: Optional[bool] = None, process_group: Any = None,
-                        ignore: "Optional[list[str]]" = None) -> DataParallel:
+                        ignore: "Optional[list[str]]" = None, inline_compress: bool = False) -> DataParallel:
     """Wrap ``model`` in DDP when a multi-rank process group exists; else return it as is.
 
     ``find_unused_parameters`` defaults to the model's ``has_sparse_params`` (MoE experts that received
@@ -221,6 +221,7 @@ def apply_data_parallel(model: nn.Module, compressor: "Optional[Compressor | Tor
     whole = process_group is None or dist.get_world_size(process_group) == dist.get_world_size()
     state = CompressionHookState(compressor, process_group=process_group, param_names=names,
                                  policy=CompressionPolicy(min_numel=min_numel), dedicated_group=whole)
+    state.inline = inline_compress  # ep > 1: one thread issues every collective (CompressionHookState.inline)
     timer = GradSyncTimer(state, compression_hook, device)
     ddp.register_comm_hook(timer, _timed_hook)
     return DataParallel(module=ddp, timer=timer, hook_state=state)

@@ -284,7 +284,7 @@ def parallelize(model: nn.Module, spec: "ParallelSpec | dict | None" = None, dev
     elif dp_dims:  # dp_replicate alone: DDP (the experts of expert parallel excluded: summed in their own group)
         ignore = _expert_names(model) if spec.ep > 1 else None
         par.dp = apply_data_parallel(model, compressor, bucket_cap_mb, min_numel, device, process_group=par.dp_group,
-                                     ignore=ignore)
+                                     ignore=ignore, inline_compress=spec.ep > 1)
         par.module = par.dp.module
         # 6. reduced-sync strategy, over the same ranks (whole replicas only)
         if sync is not None and not spec.replicas_only:
