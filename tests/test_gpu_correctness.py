@@ -98,3 +98,31 @@ def _inline_vs_thread(rank, world, spec):
 def test_inline_compression_equals_the_worker_thread():
     # PowerSGD: two dependent collectives per bucket, error feedback and warm start carried across steps
     assert run_workers(_inline_vs_thread, 2, "powersgd:rank=2,start_iter=1") == [True, True]
+
+
+def _fsdp_policy(rank, world):
+    from syncwise.models import build_model
+    from syncwise.parallel.fsdp import apply_fsdp, fsdp_units
+
+    model = build_model("tiny", seq_len=16)
+    units = [u for u in fsdp_units(model) if u is not model]
+    apply_fsdp(model, None, param_dtype=torch.bfloat16)
+    out = []
+    for u in units + [model]:
+        state = u._get_fsdp_state()
+        group = state._fsdp_param_group
+        out.append((str(state._mp_policy.param_dtype), str(state._mp_policy.reduce_dtype),
+                    group.post_forward_mesh_info is not None))  # True: resharded after forward
+    seen = []
+    hook = units[0].register_forward_pre_hook(lambda m, a: seen.append(next(m.parameters()).dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.zeros(1, 16, dtype=torch.long))
+    hook.remove()
+    return out, [str(d) for d in seen]
+
+
+def test_fsdp2_gathers_bf16_under_bf16_autocast_and_keeps_the_last_block_gathered():
+    (units, seen), = run_workers(_fsdp_policy, 1)
+    assert all(p == "torch.bfloat16" and r == "torch.float32" for p, r, _ in units)
+    assert [resharded for *_, resharded in units] == [True] * (len(units) - 2) + [False, False]
+    assert seen == ["torch.bfloat16"]  # the unit computes with bf16 parameters
