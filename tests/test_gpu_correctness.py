@@ -126,3 +126,30 @@ def test_fsdp2_gathers_bf16_under_bf16_autocast_and_keeps_the_last_block_gathere
     assert all(p == "torch.bfloat16" and r == "torch.float32" for p, r, _ in units)
     assert [resharded for *_, resharded in units] == [True] * (len(units) - 2) + [False, False]
     assert seen == ["torch.bfloat16"]  # the unit computes with bf16 parameters
+
+
+def _tp_clip(rank, world, norm_type):
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from syncwise.parallel.tensor_parallel import NORM_STATS, apply_tensor_parallel, clip_grad_norm
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8), nn.Linear(8, 24), nn.LayerNorm(24))
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel(), "3": ColwiseParallel(output_layouts=Replicate())}
+    apply_tensor_parallel(model, init_device_mesh("cpu", (world,)), plan=plan)
+    model(torch.randn(4, 8, generator=torch.Generator().manual_seed(1))).pow(2).sum().backward()
+    full = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()]
+    want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in full]), norm_type)
+    NORM_STATS.reset()
+    got = clip_grad_norm(model.parameters(), 1e9, norm_type=norm_type)
+    return float(got), float(want), NORM_STATS.total_calls
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_tp_clipping_is_one_all_reduce_per_sharded_mesh_dimension(norm_type):
+    for got, want, calls in run_workers(_tp_clip, 2, norm_type):
+        assert got == pytest.approx(want, rel=1e-6)
+        assert calls == 1  # three sharded gradients (and four biases / replicated ones): one all-reduce

@@ -176,6 +176,18 @@ def new_group(ranks: Optional[list[int]] = None, backend: Optional[str] = None, 
     return group
 
 
+def group_device(group=None) -> torch.device:
+    """Where a control tensor for ``group`` lives: this rank's GPU when the group's CUDA communicator is NCCL,
+    else the CPU (gloo; an NCCL job's groups also have a gloo half, devices.NCCL_PROCESS_GROUP)."""
+    try:
+        backend = str(dist.get_backend(group))
+    except (RuntimeError, ValueError):
+        return torch.device("cpu")
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def group_name(group=None) -> str:
     """'default [0, 1]', 'compress [0, 1]' ...: the group a report names."""
     try:
