@@ -153,3 +153,33 @@ def test_tp_clipping_is_one_all_reduce_per_sharded_mesh_dimension(norm_type):
     for got, want, calls in run_workers(_tp_clip, 2, norm_type):
         assert got == pytest.approx(want, rel=1e-6)
         assert calls == 1  # three sharded gradients (and four biases / replicated ones): one all-reduce
+
+
+def test_tiny_moe_compiles_to_one_graph():
+    # issue 24: torch._C._current_graph_task_id() in the MoE layer broke the graph once per layer (7 graphs)
+    import torch._dynamo
+
+    from syncwise.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("tiny-moe", seq_len=16).train()
+    explained = torch._dynamo.explain(model)(torch.randint(0, 256, (2, 16)))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot-eager"])
+def test_moe_counts_tokens_once_under_activation_checkpointing(compiled):
+    from syncwise.models import build_model
+    from syncwise.parallel.activation_checkpoint import apply_activation_checkpointing
+
+    counts = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = build_model("tiny-moe", seq_len=16).train()
+        if checkpointed:
+            apply_activation_checkpointing(model)
+        run = torch.compile(model, backend="aot_eager") if compiled and checkpointed else model
+        run(torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))).float().pow(2).mean().backward()
+        counts.append([m.tokens_per_expert.clone() for m in model.moe_layers()])
+        torch._dynamo.reset()
+    assert all(torch.equal(a, b) for a, b in zip(*counts)) and counts[0][0].sum() > 0
