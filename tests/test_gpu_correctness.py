@@ -183,3 +183,30 @@ def test_moe_counts_tokens_once_under_activation_checkpointing(compiled):
         counts.append([m.tokens_per_expert.clone() for m in model.moe_layers()])
         torch._dynamo.reset()
     assert all(torch.equal(a, b) for a, b in zip(*counts)) and counts[0][0].sum() > 0
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_async_saves_reuse_one_stager_and_publish_each_saves_values(tmp_path):
+    from syncwise.checkpoint import SmartCheckpointer, TrainState
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ck = SmartCheckpointer(tmp_path, interval=1, max_checkpoints=3, async_save=True)
+    saved = {}
+    stagers = []
+    for step in (1, 2):
+        with torch.no_grad():
+            model.weight.add_(1.0)  # in place: the cached staging storage of this parameter is reused
+        saved[step] = model.weight.detach().clone()
+        ck.save(step, TrainState.for_training(model, opt))
+        stagers.append(ck._async_stager)
+    ck.close()
+    assert stagers[0] is stagers[1] and ck._async_stager is None
+    for step in (1, 2):
+        fresh = torch.nn.Linear(8, 8)
+        ck2 = SmartCheckpointer(tmp_path, interval=1, max_checkpoints=3)
+        ck2.load(str(tmp_path / f"step_{step:08d}"), TrainState.for_training(fresh, torch.optim.SGD(
+            fresh.parameters(), lr=0.1)))
+        ck2.close()
+        assert torch.equal(fresh.weight, saved[step]), step
