@@ -71,13 +71,17 @@ def test_python_api_joins_nccl_with_a_cpu_communicator_on_its_own_gpu_and_trains
             if not out:
                 out["backend"] = str(dist.get_backend())
                 out["current"] = torch.cuda.current_device()
-                out["resume"] = resume_target(build_config(), 0)  # the CPU control all-reduce of issue 24
+                out["resume"] = resume_target(build_config(), 0)
+                ctl = torch.tensor([3], dtype=torch.int64)  # a CPU control tensor on the default group (issue 24)
+                ops.all_reduce(ctl, "max")
+                out["cpu_all_reduce"] = int(ctl)
             tokens = torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(1))
             s = trainer.train(TokenBatchLoader(tokens, 4, 32, 0, 1, seed=0), steps=3)
             out[spec] = s["final_loss"] if "final_loss" in s else s.get("loss")
         print(json.dumps(out, default=str))
     """, env={"SYNCWISE_STRICT_DEVICES": "1"})
     assert got["backend"] == "cuda:nccl,cpu:gloo" and got["current"] == 0 and got["resume"] == "none"
+    assert got["cpu_all_reduce"] == 3
     assert all(got[s] is not None for s in COMPRESSORS)
 
 

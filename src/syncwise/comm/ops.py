@@ -19,6 +19,7 @@ CPU, before any GPU sees it.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import threading
@@ -101,10 +102,11 @@ def declared_backend(group=None) -> str:
     return NCCL_PROCESS_GROUP
 
 
-def _device_types(backend: str) -> set[str]:
+@functools.lru_cache(maxsize=64)
+def _device_types(backend: str) -> frozenset:
     from torch.distributed.distributed_c10d import Backend, BackendConfig
 
-    return set(BackendConfig(Backend(backend)).get_device_backend_map())
+    return frozenset(BackendConfig(Backend(backend)).get_device_backend_map())
 
 
 def check_devices(op: str, tensors: "list[torch.Tensor]", group=None) -> None:
