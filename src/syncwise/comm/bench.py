@@ -22,12 +22,10 @@ import os
 import re
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 import torch
-import torch.distributed as dist
 
 from syncwise.errors import ConfigError, SyncwiseError
 

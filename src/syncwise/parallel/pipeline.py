@@ -25,7 +25,6 @@ import copy
 import dataclasses
 import functools
 import math
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
