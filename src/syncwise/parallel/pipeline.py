@@ -345,6 +345,9 @@ def build_stage_modules(model: nn.Module, n_stages: int, stage_ids: Sequence[int
 
 
 # ------------------------------------------------------------------------------------------------ measuring
+_P2P_STATS = comm_ops.CommStats()  # the meter counts the activations' bytes itself (pp, not the step's dp bytes)
+
+
 class _StepMeter:
     """What this rank's stages did in one step: compute seconds, bytes sent, sends still in flight."""
 
@@ -387,7 +390,7 @@ class _StepMeter:
         if self.overlap or not ops:
             return ops
         batch, self.unsent = self.unsent + ops, []
-        for work in comm_ops.batch_isend_irecv(batch):
+        for work in comm_ops.batch_isend_irecv(batch, stats=_P2P_STATS):
             work.wait()
         return []
 
@@ -396,7 +399,7 @@ class _StepMeter:
         the end of the step)."""
         if self.unsent:
             batch, self.unsent = self.unsent, []
-            self.pending += comm_ops.batch_isend_irecv(batch)
+            self.pending += comm_ops.batch_isend_irecv(batch, stats=_P2P_STATS)
         while self.pending:
             self.pending.pop(0).wait()
 
