@@ -150,7 +150,8 @@ _FP8_RUN = """
     torch.manual_seed(0)
     net = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)]).cuda()
     model = DDP(net, bucket_cap_mb=0.3)
-    state = CompressionHookState(parse_compress_spec("fp8"), None, net, CompressionPolicy(min_numel=1024))
+    state = CompressionHookState(parse_compress_spec("fp8:error_feedback=true"), None, net,
+                                 CompressionPolicy(min_numel=1024))
     model.register_comm_hook(state, compression_hook)
     for step in range(8):
         model.zero_grad()
