@@ -67,7 +67,8 @@ def test_python_api_joins_nccl_with_a_cpu_communicator_on_its_own_gpu_and_trains
         for spec in {COMPRESSORS!r}:
             torch.manual_seed(0)
             model = build_model("tiny", seq_len=32).cuda()
-            trainer = OptimizedTrainer(model, adamw(model, 1e-3, 0.0), compress_gradients=spec, device="cuda")
+            trainer = OptimizedTrainer(model, adamw(model, 1e-3, 0.0), compress_gradients=spec,
+                                       device=torch.device("cuda", 0))
             if not out:
                 out["backend"] = str(dist.get_backend())
                 out["current"] = torch.cuda.current_device()
