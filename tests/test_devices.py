@@ -329,10 +329,12 @@ def _setup(python: str, req: str, **env) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHON": python, **env})
 
 
-def _venv(path: Path, torch_version: str | None, system_site: bool = False) -> str:
-    """A virtual environment without pip; with a stand-in torch distribution (metadata and module) if asked."""
-    args = [sys.executable, "-m", "venv", "--without-pip", str(path)]
-    subprocess.run(args + (["--system-site-packages"] if system_site else []), check=True)
+def _venv(path: Path, torch_version: str | None, with_pip: bool = False) -> str:
+    """A virtual environment (its own pip, from the interpreter's bundled ensurepip, if asked); with a stand-in
+    torch distribution (metadata and module) if asked. Nothing from the system's or the test run's site-packages:
+    a fresh machine has neither ``wheel`` nor a setuptools that builds wheels by itself (< 70.1)."""
+    args = [sys.executable, "-m", "venv", *([] if with_pip else ["--without-pip"]), str(path)]
+    subprocess.run(args, check=True, capture_output=True)
     python = str(path / "bin" / "python")
     if torch_version:
         site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
@@ -367,11 +369,14 @@ def test_setup_installs_the_pinned_cpu_torch_where_there_is_none(tmp_path):
 
 @pytest.mark.slow
 def test_pip_itself_would_keep_a_cuda_torch(tmp_path):
-    """pip's own resolution (--dry-run --report), in an environment whose torch is a stand-in CUDA build."""
-    python = _venv(tmp_path / "cuda", "2.11.0+cu130", system_site=True)
+    """pip's own resolution (--dry-run --report), in an environment whose torch is a stand-in CUDA build.
+
+    As on a fresh machine: the venv's own pip (ensurepip) and pip's default build isolation, which installs
+    pyproject's build requirement (setuptools>=70.1, whose bdist_wheel needs no ``wheel``) to prepare syncwise's
+    editable metadata -- nothing borrowed from this interpreter's site-packages."""
+    python = _venv(tmp_path / "cuda", "2.11.0+cu130", with_pip=True)
     report = tmp_path / "report.json"
-    r = _setup(python, "requirements-dev.txt", SYNCWISE_SETUP_PIP_ARGS=f"--dry-run --no-build-isolation --report "
-               f"{report}")
+    r = _setup(python, "requirements-dev.txt", SYNCWISE_SETUP_PIP_ARGS=f"--dry-run --report {report}")
     assert r.returncode == 0, r.stdout + r.stderr
     names = {item["metadata"]["name"].lower() for item in json.loads(report.read_text())["install"]}
     assert "torch" not in names and "syncwise" in names, names
