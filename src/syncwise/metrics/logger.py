@@ -40,9 +40,11 @@ class MetricsLogger:
     """Writes one JSON object per optimizer step and shows progress; a no-op on ranks other than 0."""
 
     def __init__(self, run_dir: str | Path | None, total_steps: int, enabled: bool = True, start_step: int = 0,
-                 tensorboard: bool = True, console: Optional[Console] = None):
-        # Progress and the summary table show whenever enabled (rank 0); files only with a run directory.
+                 tensorboard: bool = True, console: Optional[Console] = None, show: bool = True):
+        # Files whenever enabled (rank 0) with a run directory; progress, notes and the summary table also need
+        # ``show`` (OptimizedTrainer's show_progress=False keeps the files and silences the console).
         self.enabled = enabled
+        self.show = show
         self.total_steps = total_steps
         self.console = console or Console(stderr=False)
         self._progress: Optional[Progress] = None
@@ -54,6 +56,8 @@ class MetricsLogger:
             return
         if self.run_dir is not None:
             self._open_files(start_step, tensorboard)
+        if not show:
+            return
         self._progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
             TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=self.console,
@@ -93,25 +97,30 @@ class MetricsLogger:
         info = f"loss {loss}  {row['tokens_per_s']:,.0f} tok/s  comm {row['comm_exposed_s'] * 1e3:.0f} ms"
         if row.get("val_loss") is not None:
             info += f"  val {row['val_loss']:.4f}"
+        if self._progress is None:
+            return
         self._progress.update(self._task, completed=row["step"], info=info)
         if self._plain and (row["step"] % 10 == 0 or row["step"] == self.total_steps or "val_loss" in row):
             print(f"step {row['step']:>6}/{self.total_steps}  {info}", file=sys.stdout, flush=True)
 
     def note(self, message: str) -> None:
         """A line for the user (e.g. 'resumed from step 40')."""
-        if self.enabled:
+        if self.enabled and self.show:
             self.console.print(message)
 
     def finish(self, summary: dict[str, Any]) -> None:
         """Write summary.json and print the summary table."""
         if not self.enabled:
             return
-        self._progress.stop()
+        if self._progress is not None:
+            self._progress.stop()
         if self._file is not None:
             self._file.close()
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if self._tb is not None:
             self._tb.close()
+        if not self.show:
+            return
         table = Table(title="syncwise train — summary", show_header=False)
         table.add_column("metric", style="bold")
         table.add_column("value", justify="right")

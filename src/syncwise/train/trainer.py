@@ -44,6 +44,7 @@ from ..parallel import ParallelSpec, TorchHookSpec, describe_layout, parallelize
 from . import arguments
 from .dynamic_batch import DynamicBatcher
 from .faults import FaultPlan
+from .claim import claim
 from .preemption import DEFAULT_GRACE_S, PreemptionGuard
 
 # Collectives that are not gradient sync (loss averaging, validation, router-load sums) are counted here, so
@@ -263,11 +264,15 @@ class OptimizedTrainer:
         if resume is not None and self.checkpointer is None:
             raise ConfigError("resume", resume, "None/False unless checkpoint_dir= is given to train() (or a "
                               "SmartCheckpointer to OptimizedTrainer): there is nothing to resume from")
+        # The run directory's lock, and no fresh run over an earlier one's files (as `syncwise train`): train/claim.py
+        self._run_dir_lock = claim(self.run_dir, self.checkpointer.directory if self.checkpointer else None, resume,
+                                   self.step > 0, self.rank, self.world_size, getattr(self, "_run_dir_lock", None))
         state = self.train_state(loader)
         redone = self._resume(resume, state)
         if self.step >= total:
             return self._already_finished(total)
-        logger = MetricsLogger(self.run_dir, total, enabled=self.rank == 0 and self.show_progress,
+        # Files on rank 0 whenever there is a run directory; show_progress=False only silences the console.
+        logger = MetricsLogger(self.run_dir, total, enabled=self.rank == 0, show=self.show_progress,
                                start_step=self.step)
         if redone is not None:
             logger.note(f"resumed from step {self.step}; {redone} step(s) after it are redone")
@@ -364,6 +369,8 @@ class OptimizedTrainer:
             summary["preempted"] = self.preemption.record(self.checkpointer)
         logger.finish(summary)
         rank_log.finish(summary)
+        if self._run_dir_lock is not None:
+            self._run_dir_lock.release()
         return self.preemption.finish(summary)  # raises Preempted (exit code 83) after a stop
 
     def _find_micro_batch(self, batches: Iterator, logger: MetricsLogger) -> Iterator:
@@ -396,6 +403,8 @@ class OptimizedTrainer:
         """Resumed at or past ``total``: train nothing and keep the run's files (its summary.json) as they are."""
         if self.checkpointer is not None:
             self.checkpointer.close()
+        if self._run_dir_lock is not None:
+            self._run_dir_lock.release()
         if self.rank == 0 and self.show_progress:
             print(f"syncwise: the run already finished at step {self.step} (steps={total}); nothing to train. "
                   "Pass a larger step count to train it further.", flush=True)
