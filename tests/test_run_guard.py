@@ -78,20 +78,49 @@ def test_resume_auto_on_a_finished_run_says_so_and_keeps_its_files(tmp_path, cap
     assert json.loads((run / "summary.json").read_text())["final_loss"] is not None
 
 
-def test_ctrl_c_ends_with_where_it_stopped_and_how_to_resume(tmp_path):
-    run = tmp_path / "run"
-    proc = _syncwise("--run-dir", str(run), "--nproc", "2", "--steps", "100000", *TINY, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (run / "checkpoints" / "step_00000002").exists():
+def _wait_for_rows(proc, run, n, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (run / "metrics.jsonl").exists() and len(_rows(run)) >= n:
+            return
         time.sleep(0.2)
     assert proc.poll() is None, proc.communicate()
+
+
+def test_ctrl_c_stops_after_the_step_saves_it_and_says_how_to_resume(tmp_path):
+    """Ctrl-C as SIGTERM: the workers (under torchrun's agent, which forwards it) finish the step and save it."""
+    run = tmp_path / "run"
+    proc = _syncwise("--run-dir", str(run), "--nproc", "2", "--steps", "100000", *TINY, "--ckpt.interval=1000",
+                     start_new_session=True)
+    _wait_for_rows(proc, run, 5)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends to the whole foreground group
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "SignalException" not in err
-    line = next(x for x in err.splitlines() if "interrupted" in x)
-    assert "interrupted (SIGINT) at step" in line and "last checkpoint step" in line
+    assert "press Ctrl-C again to stop at once" in err
+    line = next(x for x in err.splitlines() if "stopped by Ctrl-C (SIGINT)" in x)
+    last = max(r["step"] for r in _rows(run))
+    assert f"after step {last}; checkpoint of step {last} saved" in line  # nothing trained is lost
+    assert (run / "checkpoints" / f"step_{last:08d}").is_dir()
     assert f"syncwise train --run-dir {run} --resume auto" in line
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path):
+    run = tmp_path / "run"
+    # From step 4 on every batch takes 3 s to arrive: the first Ctrl-C's stop-and-save cannot finish before the second.
+    proc = _syncwise("--run-dir", str(run), "--nproc", "2", "--steps", "100000", *TINY,
+                     "--inject-fault", "slowdata:ms=3000,step=4", start_new_session=True)
+    _wait_for_rows(proc, run, 3)
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(1.5)  # a second Ctrl-C, not the terminal's and the agent's copies of the first
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "SignalException" not in err
+    line = next(x for x in err.splitlines() if "interrupted (SIGINT)" in x)
+    assert "last checkpoint step 2" in line and f"syncwise train --run-dir {run} --resume auto" in line
+    assert not (run / "preempted.json").exists()  # stopped at once: the first Ctrl-C's save never happened
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_00000002"]
 
 
 @pytest.fixture
