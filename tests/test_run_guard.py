@@ -164,3 +164,18 @@ def test_resume_continues_with_the_runs_saved_configuration(tmp_path, capsys):
     assert main([*base, "--steps", "8", "--resume", "auto", "--compress", "none"]) == 2
     err = capsys.readouterr().err
     assert "compress.method='powersgd:rank=2', not 'none'" in err and "Traceback" not in err
+
+
+def test_a_resumed_runs_summary_covers_every_step_of_the_run(tmp_path, capsys):
+    """20 steps, then --resume auto --steps 30: summary.json's step time and bytes/step are those of steps 1-30."""
+    run = tmp_path / "run"
+    args = ["train", "--run-dir", str(run), "--nproc", "2", *TINY, "--ckpt.interval=0"]
+    assert main([*args, "--steps", "20"]) == 0
+    assert main([*args, "--steps", "30", "--resume", "auto"]) == 0
+    rows = _rows(run)
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    summary = json.loads((run / "summary.json").read_text())
+    steady = rows[3:]  # the first tenth of the run's steps is warm-up, as in any summary
+    assert summary["steps"] == 30
+    assert summary["mean_step_time_s"] == pytest.approx(sum(r["step_time_s"] for r in steady) / len(steady))
+    assert summary["comm_bytes_per_step"] == pytest.approx(sum(r["comm_bytes"] for r in steady) / len(steady))

@@ -269,6 +269,7 @@ class OptimizedTrainer:
                                    self.step > 0, self.rank, self.world_size, getattr(self, "_run_dir_lock", None))
         state = self.train_state(loader)
         redone = self._resume(resume, state)
+        self._start_step = self.step  # > 0: resumed; the summary then covers the earlier steps too (_earlier_steps)
         if self.step >= total:
             return self._already_finished(total)
         # Files on rank 0 whenever there is a run directory; show_progress=False only silences the console.
@@ -644,7 +645,23 @@ class OptimizedTrainer:
             row["skipped"] = True
         return row
 
+    def _earlier_steps(self) -> list[StepResult]:
+        """After a resume, rank 0's steps before it as its metrics.jsonl recorded them: a summary covers the run."""
+        start = getattr(self, "_start_step", 0)
+        if not start or self.rank != 0 or not self.run_dir:
+            return []
+        rows = [r for r in read_jsonl(Path(self.run_dir) / "metrics.jsonl") if r.get("step", 0) <= start]
+        return [StepResult(loss=r["loss"] if r.get("loss") is not None else math.nan,
+                           step_time_s=r.get("step_time_s") or 0.0, compute_s=r.get("compute_s") or 0.0,
+                           comm_exposed_s=r.get("comm_exposed_s") or 0.0, data_wait_s=r.get("data_wait_s") or 0.0,
+                           comm_bytes=r.get("comm_bytes"),
+                           tokens=round((r.get("tokens_per_s") or 0.0) * (r.get("step_time_s") or 0.0)),
+                           grad_norm=r.get("grad_norm") or 0.0, skipped=bool(r.get("skipped")))
+                for r in sorted(rows, key=lambda r: r["step"])]
+
     def _summary(self, history: list[StepResult], val_loss: Optional[float], wall: float) -> dict[str, Any]:
+        # A resumed run's summary covers every step of the run, not only this invocation's (rank 0: metrics.jsonl).
+        history = self._earlier_steps() + history
         # The first steps include one-off costs (allocator warm-up, DDP bucket rebuild): leave them out of rates.
         steady = history[min(len(history) - 1, max(1, len(history) // 10)):] if history else []
         n = max(len(steady), 1)
