@@ -663,7 +663,16 @@ class OptimizedTrainer:
         # A resumed run's summary covers every step of the run, not only this invocation's (rank 0: metrics.jsonl).
         history = self._earlier_steps() + history
         # The first steps include one-off costs (allocator warm-up, DDP bucket rebuild): leave them out of rates.
-        steady = history[min(len(history) - 1, max(1, len(history) // 10)):] if history else []
+        # So are the compressor's / sync strategy's warm-up steps (PowerSGD's start_iter: full gradients): their
+        # figures are reported apart, and a run that never left its warm-up says so.
+        first_step = self.step - len(history) + 1
+        warm = warmup_steps(self.compressor, self.sync)
+        cut = min(len(history) - 1, max(1, len(history) // 10)) if history else 0
+        steady = [r for i, r in enumerate(history[cut:], first_step + cut) if i > warm]
+        in_warmup = [r for i, r in enumerate(history, first_step) if i <= warm]
+        never_left = bool(warm) and bool(history) and not steady
+        if never_left:
+            steady = history[cut:]
         n = max(len(steady), 1)
         step_time = sum(r.step_time_s for r in steady) / n
         parts = {k: sum(getattr(r, k) for r in steady) / n for k in ("compute_s", "comm_exposed_s", "data_wait_s")}
@@ -682,6 +691,8 @@ class OptimizedTrainer:
             "skipped_steps": self.skipped_steps, "peak_mem_mb": peak_memory_mb(self.device), "wall_time_s": wall,
             "device": str(self.device), "accelerator": self.peak.part,
             "mfu_peak_tflops": self.peak.flops / 1e12 if self.peak.flops else None,
+            **warmup_figures(warm, in_warmup, never_left, self.step, self.compress_spec
+                             if warmup_steps(self.compressor, None) == warm else self.sync_spec),
         }
 
     def _total_steps(self, loader: Iterable, epochs: Optional[int], steps: Optional[int]) -> int:
@@ -721,6 +732,32 @@ class OptimizedTrainer:
         """Sum over the ranks that hold the same layers (a pipeline stage's data-parallel ranks; every rank
         otherwise): the MoE load counts, whose layers differ between stages."""
         ops.all_reduce(tensor, "sum", group=self.par.dp_group, stats=CONTROL_STATS)
+
+
+def warmup_steps(compressor: Any, sync: Any) -> int:
+    """The steps a compressor or sync strategy runs uncompressed / every step before it starts (0: none):
+    syncwise's and PyTorch's PowerSGD (start_iter; torch's hook defaults to 10), local SGD's warmup."""
+    config = getattr(compressor, "config", None)
+    warm = int(getattr(config, "start_iter", 0) or 0)
+    if isinstance(compressor, TorchHookSpec) and compressor.name == "powersgd":
+        warm = int(compressor.options.get("start_iter", 10))
+    spec = getattr(sync, "spec", None)
+    return max(warm, int(getattr(spec, "warmup", 0) or 0))
+
+
+def warmup_figures(warm: int, in_warmup: list, never_left: bool, steps: int, what: Any) -> dict:
+    """Summary keys for the warm-up: its length, its bytes per step apart from the steady state's, a warning."""
+    if not warm:
+        return {}
+    counted = [r.comm_bytes for r in in_warmup if r.comm_bytes is not None]
+    out: dict[str, Any] = {"warmup_steps": warm,
+                           "warmup_comm_bytes_per_step": sum(counted) / len(counted) if counted and
+                           len(counted) == len(in_warmup) else None}
+    if never_left:
+        out["warning"] = (f"the run never left the warm-up of {what} ({warm} steps of full gradient traffic; the "
+                          f"run has {steps}): its bytes and times are the warm-up's, not the steady state's. "
+                          f"Run more than {warm} steps.")
+    return out
 
 
 def _forever(loader: Iterable) -> Iterator:
