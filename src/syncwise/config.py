@@ -604,7 +604,9 @@ def check_references(cfg: RunConfig, here: bool = True) -> None:
     from .models import PRESETS  # imported here: config must stay importable without torch work at import
 
     if cfg.model.preset not in PRESETS:
-        raise ConfigError("model.preset", cfg.model.preset, "one of: " + ", ".join(PRESETS))
+        raise ConfigError("model.preset", cfg.model.preset, "one of: " + ", ".join(PRESETS) + " (training a "
+                          "Hugging Face config is not supported yet: syncwise plan plans one, syncwise train builds "
+                          "syncwise's presets)")
     specs = cfg.specs()  # each spec by its owner's parser
     sync = specs.sync
     if sync is not None and cfg.compress.method != "none":
