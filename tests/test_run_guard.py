@@ -179,3 +179,16 @@ def test_a_resumed_runs_summary_covers_every_step_of_the_run(tmp_path, capsys):
     assert summary["steps"] == 30
     assert summary["mean_step_time_s"] == pytest.approx(sum(r["step_time_s"] for r in steady) / len(steady))
     assert summary["comm_bytes_per_step"] == pytest.approx(sum(r["comm_bytes"] for r in steady) / len(steady))
+
+
+def test_resume_given_a_run_directory_points_to_run_dir_and_resume_auto(tmp_path):
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), "--nproc", "1", "--steps", "2", *TINY]) == 0
+    for given in (run, run / "checkpoints"):
+        p = subprocess.run([sys.executable, "-m", "syncwise.cli", "train", "--resume", str(given), "--run-dir",
+                            str(tmp_path / "new"), *TINY], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2
+        err = p.stderr.strip()
+        assert len(err.splitlines()) == 1 and "'resume'" in err and "manifest.json is missing" not in err, err
+        assert f"to continue that run: --run-dir {run} --resume auto" in err
+        assert not (tmp_path / "new").exists()

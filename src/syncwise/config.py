@@ -638,6 +638,11 @@ def check_references(cfg: RunConfig, here: bool = True) -> None:
         except (OSError, ValueError) as e:
             problem = str(e)
         if problem:
+            path = Path(cfg.resume)
+            run = path.parent if path.name == "checkpoints" and (path.parent / "config.json").exists() else path
+            if any((run / name).exists() for name in ("config.json", "metrics.jsonl", "checkpoints")):
+                problem = (f"{cfg.resume} is a run directory, not one of its checkpoints; to continue that run: "
+                           f"--run-dir {run} --resume auto")  # (not "manifest.json is missing")
             raise ConfigError("resume", cfg.resume, "'auto', 'none', or a published checkpoint directory "
                               f"(RUN_DIR/checkpoints/step_N with its manifest.json): {problem}")
     min_nodes = _nnodes(cfg.dist.nnodes)[0]
