@@ -16,6 +16,7 @@ COMMANDS = {
     "plan": ("plan", "which layout to use on a cluster: predicted step time, MFU and memory per layout"),
     "doctor": ("doctor", "why a run is slow: where the step goes, the causes ranked by time lost, what to change"),
     "launch": ("launch", "write (and optionally submit) a Slurm sbatch script or a Kubernetes manifest for a run"),
+    "report": ("report", "look at runs: loss vs step and time, step-time split, bytes per step (PNG + HTML + text)"),
 }
 
 

@@ -187,6 +187,9 @@ class TrainSection:
     val_interval: int = option(50, "validate every N steps (0 = only at the end)",
                                f"an integer from 0 to {_MAX_STEPS:,}", _in(0, _MAX_STEPS))
     val_batches: int = option(4, "batches per validation", "an integer from 1 to 10,000", _in(1, 10_000))
+    log_interval: int = option(10, "plain output (not a terminal: a log file, a pipe, CI): a progress line every N "
+                               "steps, and always for the first step and the last",
+                               f"an integer from 1 to {_MAX_STEPS:,}", _in(1, _MAX_STEPS))
     deterministic: bool = option(False, "deterministic algorithms (bit-exact resume)", "true or false")
 
 

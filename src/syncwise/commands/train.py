@@ -231,6 +231,10 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     except RunFinished as e:
         print(f"syncwise: {e}", file=sys.stderr)
         return 0
+    # Where to look while it runs (metrics.jsonl grows a row per step; `syncwise doctor` and `syncwise report`
+    # read the directory at any time).
+    print(f"run directory: {cfg.run_dir}  (during the run: tail -f {Path(cfg.run_dir) / 'metrics.jsonl'}; "
+          f"syncwise doctor {cfg.run_dir}; syncwise report {cfg.run_dir})", flush=True)
     try:
         summary = launch(cfg)
     except KeyboardInterrupt:

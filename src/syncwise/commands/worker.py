@@ -157,6 +157,7 @@ def train_worker(cfg: RunConfig) -> dict[str, Any]:
             flops_per_token=flops_per_token(model.config), checkpointer=checkpointer,
             inject_faults=specs.faults, collective_timeout_s=cfg.dist.timeout_s,
             sync=specs.sync, parallel=parallel, preempt_grace_s=cfg.ckpt.preempt_grace_s,
+            log_interval=cfg.train.log_interval,
             dynamic_batch=DynamicBatcher(1, cfg.data.batch_size, memory_threshold=cfg.train.memory_threshold,
                                          device=device) if cfg.train.dynamic_batch else None)
         summary = trainer.train(batches, steps=cfg.train.steps, resume=resume_target(cfg, rank))

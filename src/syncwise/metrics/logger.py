@@ -40,11 +40,14 @@ class MetricsLogger:
     """Writes one JSON object per optimizer step and shows progress; a no-op on ranks other than 0."""
 
     def __init__(self, run_dir: str | Path | None, total_steps: int, enabled: bool = True, start_step: int = 0,
-                 tensorboard: bool = True, console: Optional[Console] = None, show: bool = True):
+                 tensorboard: bool = True, console: Optional[Console] = None, show: bool = True,
+                 log_interval: int = 10):
         # Files whenever enabled (rank 0) with a run directory; progress, notes and the summary table also need
         # ``show`` (OptimizedTrainer's show_progress=False keeps the files and silences the console).
         self.enabled = enabled
         self.show = show
+        self.log_interval = max(1, int(log_interval))
+        self._first_step = start_step + 1  # plain output prints it at once: the run is seen to be going
         self.total_steps = total_steps
         self.console = console or Console(stderr=False)
         self._progress: Optional[Progress] = None
@@ -100,7 +103,9 @@ class MetricsLogger:
         if self._progress is None:
             return
         self._progress.update(self._task, completed=row["step"], info=info)
-        if self._plain and (row["step"] % 10 == 0 or row["step"] == self.total_steps or "val_loss" in row):
+        step = row["step"]
+        if self._plain and (step % self.log_interval == 0 or step in (self._first_step, self.total_steps)
+                            or "val_loss" in row):
             print(f"step {row['step']:>6}/{self.total_steps}  {info}", file=sys.stdout, flush=True)
 
     def note(self, message: str) -> None:

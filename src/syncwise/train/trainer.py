@@ -160,11 +160,12 @@ class OptimizedTrainer:
                  tf32: bool = True, dynamic_batch: Optional[DynamicBatcher] = None,
                  parallel: "ParallelSpec | dict | None" = None, tp_plan: Optional[dict] = None,
                  pipeline_split: Optional[Callable[[nn.Module, int, int], nn.Module]] = None,
-                 preempt_grace_s: Optional[float] = DEFAULT_GRACE_S):
+                 preempt_grace_s: Optional[float] = DEFAULT_GRACE_S, log_interval: int = 10):
         mixed_precision = arguments.mixed_precision_mode(mixed_precision)
         self.grad_accum_steps = count("grad_accum_steps", grad_accum_steps)
         self.clip_grad_norm = arguments.finite("clip_grad_norm", clip_grad_norm)
         self.val_interval = count("val_interval", val_interval, minimum=0)
+        self.log_interval = count("log_interval", log_interval)  # plain output: a progress line every N steps
         self.data_seed = count("data_seed", data_seed, minimum=0)  # shuffle order of a sharded loader
         arguments.finite("bucket_cap_mb", bucket_cap_mb, inclusive=False)
         if collective_timeout_s is not None:
@@ -274,7 +275,7 @@ class OptimizedTrainer:
             return self._already_finished(total)
         # Files on rank 0 whenever there is a run directory; show_progress=False only silences the console.
         logger = MetricsLogger(self.run_dir, total, enabled=self.rank == 0, show=self.show_progress,
-                               start_step=self.step)
+                               start_step=self.step, log_interval=self.log_interval)
         if redone is not None:
             logger.note(f"resumed from step {self.step}; {redone} step(s) after it are redone")
         rank_log = RankLog(self.run_dir, self.rank, self.world_size, start_step=self.step)  # every rank's own rows
