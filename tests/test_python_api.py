@@ -90,9 +90,19 @@ def test_bad_constructor_arguments_name_the_argument(kwargs, field):
         OptimizedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), show_progress=False, **kwargs)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 is refused off a GPU only")
+def test_a_refusal_echoes_the_value_as_written():
+    model = _model()
+    with pytest.raises(ConfigError) as info:
+        OptimizedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), mixed_precision="half",
+                         show_progress=False)
+    assert info.value.value == "half" and "'mixed_precision': 'half'" in str(info.value)
+
+
 @pytest.mark.parametrize("kwargs, field", [
     ({"epochs": 0}, "epochs"), ({"steps": -1}, "steps"), ({"steps": 2, "epochs": 1}, "epochs/steps"),
     ({"steps": 2, "resume": True}, "resume"), ({"steps": 2, "resume": 5}, "resume"),
+    ({"steps": 2, "resume": "yes", "checkpoint_dir": "ckpt-not-there"}, "resume"),  # a ConfigError, as README says
 ])
 def test_bad_train_arguments_name_the_argument(kwargs, field):
     model = _model()

@@ -130,11 +130,44 @@ class MetricsLogger:
         table.add_column("metric", style="bold")
         table.add_column("value", justify="right")
         for k, v in summary.items():
-            if isinstance(v, float):
-                v = f"{v:,.4g}"
-            elif isinstance(v, list) and v and isinstance(v[0], dict):
-                v = f"{len(v)} (details in summary.json)"  # e.g. one record per checkpoint save
-            table.add_row(k, str(v))
+            shown = summary_value(k, v)
+            if shown is not None:
+                table.add_row(k, shown)
         self.console.print(table)
         if self.path is not None:
             self.console.print(f"metrics: {self.path}")
+
+
+def summary_value(key: str, v: Any) -> Optional[str]:
+    """How the summary table shows one value, or None to leave the row out (nothing to say: None, [])."""
+    from .units import human_bytes, human_seconds, loss
+
+    if v is None or v == [] or v == {}:
+        return None
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, list) and isinstance(v[0], dict):
+        return f"{len(v)} (details in summary.json)"  # e.g. one record per checkpoint save
+    if isinstance(v, dict):
+        if key == "preempted":  # its record: the signal, the step, the checkpoint (and a Unix time, not shown)
+            return f"{v.get('signal')} after step {v.get('step')}" + (", saved" if v.get("saved") else "")
+        return "details in summary.json"
+    if isinstance(v, list):
+        return ", ".join(str(x) for x in v[:10]) + (f" ... ({len(v)})" if len(v) > 10 else "")
+    if isinstance(v, (int, float)):
+        if "bytes" in key:
+            return human_bytes(v)
+        if "loss" in key:
+            return loss(v)
+        if key.endswith("_share"):
+            return f"{100 * v:.1f}%"
+        if key.endswith("_per_s"):
+            return f"{v:,.0f}"
+        if key.endswith("_s"):
+            return human_seconds(v)
+        if key.endswith("_mb"):
+            return human_bytes(v * 1e6)
+        if isinstance(v, float):
+            return f"{v:,.4g}" if abs(v) < 1e6 else f"{v:,.0f}"
+        return f"{v:,}"
+    return str(v)

@@ -161,6 +161,7 @@ class OptimizedTrainer:
                  parallel: "ParallelSpec | dict | None" = None, tp_plan: Optional[dict] = None,
                  pipeline_split: Optional[Callable[[nn.Module, int, int], nn.Module]] = None,
                  preempt_grace_s: Optional[float] = DEFAULT_GRACE_S, log_interval: int = 10):
+        given_precision = mixed_precision  # errors echo what the caller wrote ('half'), not its normal form
         mixed_precision = arguments.mixed_precision_mode(mixed_precision)
         self.grad_accum_steps = count("grad_accum_steps", grad_accum_steps)
         self.clip_grad_norm = arguments.finite("clip_grad_norm", clip_grad_norm)
@@ -201,9 +202,12 @@ class OptimizedTrainer:
         self.sync = self.par.sync  # the reduced-sync strategy the step drives (None: every-step sync)
         self.sync_spec = self.sync.spec.spec if self.sync is not None else "every-step"
         self.optimizer, self.lr_scheduler, self.loss_fn = optimizer, lr_scheduler, loss_fn
-        self.amp_dtype = self._amp_dtype(mixed_precision)
+        try:
+            self.amp_dtype = self._amp_dtype(mixed_precision)
+        except ConfigError as e:
+            raise ConfigError(e.field, given_precision, e.accepted) from None
         if self.amp_dtype == torch.float16 and self.par.pipeline is not None:
-            raise ConfigError("mixed_precision", mixed_precision, "bf16 or none with pipeline parallel: fp16 needs "
+            raise ConfigError("mixed_precision", given_precision, "bf16 or none with pipeline parallel: fp16 needs "
                               "GradScaler's loss scaling, which cannot wrap the schedule's own backward")
         # fp16 needs loss scaling; bf16 and fp32 do not.
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype == torch.float16)
