@@ -126,3 +126,15 @@ def test_tensor_parallel_job_from_the_command_line(tmp_path):
     assert summary["layout"].startswith("tp 2") and summary["steps"] == 3
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all("comm_bytes_tp" in r for r in rows)
+
+
+@pytest.mark.parametrize("argv, hint", [(["--stpes", "3"], "--steps"), (["--compres", "fp8"], "--compress")])
+def test_a_misspelt_flag_is_refused_with_the_flag_it_resembles(argv, hint):
+    """No prefix matching (--compres is not --compress) and a near miss is named, in one line."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "syncwise.cli", "train", "--check", *argv], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert f"(did you mean {hint}?)" in p.stderr

@@ -131,3 +131,14 @@ def test_a_missing_value_is_named_missing_not_none(tmp_path, capsys):
     assert code == 2 and "missing value for 'launch.shared_dir'" in err and "None" not in err, err
     p = _subprocess("plan", "--cluster", str(tmp_path / "c.toml"), "--model", "tiny", "--seq-len", "64")
     assert p.returncode == 2 and "missing value for '--global-batch'" in p.stderr and "None" not in p.stderr, p.stderr
+
+
+def test_the_sbatch_header_names_the_cluster_once(tmp_path):
+    (tmp_path / "x").mkdir()  # a file named cluster.toml: its name (the stem) is "cluster"
+    (tmp_path / "x" / "cluster.toml").write_text(CLUSTER)
+    (tmp_path / "x" / "run.toml").write_text(RUN)
+    assert main(["launch", "slurm", "--cluster", str(tmp_path / "x" / "cluster.toml"), "--config",
+                 str(tmp_path / "x" / "run.toml"), "--out", str(tmp_path / "x" / "out")]) == 0
+    script = (tmp_path / "x" / "out" / "run.sbatch").read_text()
+    assert "cluster: cluster:" not in script and "# cluster: 2 × 2 cpu-lab" in script
+    assert f"(cluster file {tmp_path / 'x' / 'cluster.toml'})" in script

@@ -656,3 +656,8 @@ def test_emitted_config_for_a_preset_trains_it_and_for_a_hf_config_says_it_canno
     err = check.stderr.strip()
     assert len(err.splitlines()) == 1 and "'model.preset'" in err and "model.attention" not in err, err
     assert "training a Hugging Face config is not supported yet" in err
+
+
+def test_model_description_counts_parameters_at_their_scale(llama):
+    assert load_model("small", 128).describe().startswith("small: 5.48 M params (2.39 M active)")
+    assert "6.74 B params" in llama.describe() and "0.00" not in load_model("tiny", 64).describe()

@@ -101,6 +101,8 @@ def test_ctrl_c_stops_after_the_step_saves_it_and_says_how_to_resume(tmp_path):
     line = next(x for x in err.splitlines() if "stopped by Ctrl-C (SIGINT)" in x)
     last = max(r["step"] for r in _rows(run))
     assert f"after step {last}; checkpoint of step {last} saved" in line  # nothing trained is lost
+    said = [x for x in (out + err).splitlines() if x.startswith("syncwise:") and f"after step {last}" in x]
+    assert len(said) == 1, said  # said once (by the launcher), not by a worker too
     assert (run / "checkpoints" / f"step_{last:08d}").is_dir()
     assert f"syncwise train --run-dir {run} --resume auto" in line
 

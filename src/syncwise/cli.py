@@ -21,7 +21,9 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="syncwise", description="Communication-efficient distributed training.")
+    # allow_abbrev=False: a prefix of an option is not that option (--compres fp8 is refused, not taken as --compress)
+    parser = argparse.ArgumentParser(prog="syncwise", description="Communication-efficient distributed training.",
+                                     allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in COMMANDS.items():
         try:
@@ -30,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
             if e.name != f"syncwise.commands.{module}":
                 raise
             continue
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         mod.add_arguments(p)
         p.set_defaults(func=mod.run, command=name)
     return parser

@@ -442,8 +442,10 @@ def _unknown_key(name: str, cfg: RunConfig) -> str:
     """What is accepted where ``name`` is neither a section nor a top-level key: both lists, and a near miss."""
     sections = _sections()
     top = [f.name for f in dataclasses.fields(cfg) if f.name not in sections]
+    flag = difflib.get_close_matches(name.replace("-", "_"), list(FLAG_KEYS), n=1)  # --stpes: --steps
     hint = difflib.get_close_matches(name, [*sections, *top], n=1)
-    guess = f" (did you mean {'[' + hint[0] + ']' if hint[0] in sections else hint[0]}?)" if hint else ""
+    guess = (f" (did you mean --{flag[0].replace('_', '-')}?)" if flag else
+             f" (did you mean {'[' + hint[0] + ']' if hint[0] in sections else hint[0]}?)" if hint else "")
     return ("a section " + ", ".join(f"[{s}]" for s in sections) + " (a [section] table in a file, "
             "--section.key=value on the command line) or a top-level key: " + ", ".join(top) + guess)
 

@@ -101,7 +101,8 @@ def run_worker(cfg: RunConfig) -> dict[str, Any]:
     try:
         return train_worker(cfg)
     except Preempted as e:  # a SystemExit: this worker ends with EXIT_PREEMPTED (83), the launcher reports it
-        if os.environ.get("RANK", "0") == "0":
+        # Under `syncwise train` its launcher reports the stop (once); under plain torchrun rank 0 does.
+        if os.environ.get("RANK", "0") == "0" and not (cfg.run_dir and held_by_launcher(cfg.run_dir)):
             print(f"syncwise: {e}; exiting with code {e.code} (resume: --resume auto)", flush=True)
         raise
     except SyncwiseError as e:
