@@ -249,14 +249,14 @@ class ParallelSection:
     pp_schedule: str = option("1f1b", "the pipeline schedule (torch.distributed.pipelining): gpipe, 1f1b, "
                               "interleaved-1f1b, looped-bfs (need stages_per_rank ≥ 2), interleaved-zb, zbv, dualpipev "
                               "(zero-bubble / DualPipe-style; zbv and dualpipev: stages_per_rank = 2); all run on "
-                              "gloo with torch 2.13 (docs/pipeline.md)",
+                              "gloo with torch 2.13 (docs/parallelism.md)",
                               *_one_of("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv",
                                        "dualpipev"))
     microbatches: int = option(0, "pipeline microbatches per step (each rank's batch is split into them; they "
                                "replace train.grad_accum under pp); 0 = 2 × pp × stages_per_rank",
                                "an integer from 0 to 65,536 dividing the per-rank batch (1f1b: ≥ pp)", _in(0, 65536))
     stages_per_rank: int = option(1, "pipeline stages each rank holds (interleaving: fewer bubbles, more messages)",
-                                  "an integer from 1 to 64 (the schedule's rule: docs/pipeline.md)", _in(1, 64))
+                                  "an integer from 1 to 64 (the schedule's rule: docs/parallelism.md)", _in(1, 64))
     ep: int = option(1, "expert parallel: each MoE layer's routed experts split over this many data-parallel ranks "
                      "(borrowed from dp_replicate, not extra ranks); tokens travel by all-to-all",
                      "an integer from 1 to 65,536 dividing the routed experts and dp_replicate", _in(1, 65536))
