@@ -143,3 +143,76 @@ def test_register_refuses_bad_input():
         compressor_from("gzip")
     with pytest.raises(ConfigError, match="compressor"):
         compressor_from(3)
+
+
+# ---- PyTorch Lightning --------------------------------------------------------------------------------------
+def _lightning_worker(rank, world, tmp):
+    import logging
+    import warnings
+
+    import lightning.pytorch as L
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from syncwise.integrations.lightning import SyncwiseCallback
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = Net()
+            self.losses = []
+            self.bytes = []
+
+        def training_step(self, batch, i):
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def on_train_batch_start(self, batch, i):
+            self.bytes.append(STATS.total_bytes)
+
+        def on_train_batch_end(self, outputs, batch, i):
+            self.losses.append(outputs["loss"].item())
+            self.bytes[-1] = STATS.total_bytes - self.bytes[-1]
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    g = torch.Generator().manual_seed(7)
+    # one step an epoch: wherever Lightning resumes in its loop, the next batch is the same one
+    xs = torch.randn(16, 32, generator=g)
+    data = torch.utils.data.TensorDataset(xs, xs[:, :8].sum(1, keepdim=True).expand(-1, 8).contiguous())
+
+    def fit(spec, steps, ckpt=None, save=None):
+        torch.manual_seed(0)
+        module, cb = Module(), SyncwiseCallback(spec, min_numel=MIN_NUMEL)
+        trainer = L.Trainer(accelerator="cpu", devices=world, strategy=DDPStrategy(process_group_backend="gloo"),
+                            max_steps=steps, callbacks=[cb], logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp)
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8), ckpt_path=ckpt)
+        if save:
+            trainer.save_checkpoint(save)
+        return {"losses": module.losses, "bytes": module.bytes, "params": _flat(module.net),
+                "fp32": _fp32_bytes(module.net), "state": cb.compressor.state_dict(), "registered": cb.registered}
+
+    ckpt = os.path.join(tmp, "lightning.ckpt")
+    full = fit(SPEC, 6)
+    first = fit(SPEC, 3, save=ckpt)
+    resumed = fit(SPEC, 6, ckpt=ckpt)
+    saved = torch.load(ckpt, weights_only=False)["callbacks"]
+    return {"full": full, "first": first, "resumed": resumed, "saved_ranks": len(next(iter(saved.values()))["ranks"])}
+
+
+def test_lightning_callback(tmp_path):
+    pytest.importorskip("lightning")
+    r0, r1 = run_workers(_lightning_worker, 2, str(tmp_path))
+    assert r0["full"]["registered"]
+    for name in ("full", "first", "resumed"):
+        assert torch.equal(r0[name]["params"], r1[name]["params"]), name
+    assert r0["full"]["bytes"][0] == r0["full"]["fp32"]  # PowerSGD's warm-up step (start_iter=1) sends fp32
+    assert max(r0["full"]["bytes"][1:]) < 0.2 * r0["full"]["fp32"]
+    assert r0["saved_ranks"] == 2  # rank 0's checkpoint file holds both ranks' compressor state
+    assert r0["resumed"]["losses"] == r0["full"]["losses"][3:]
+    assert torch.equal(r0["resumed"]["params"], r0["full"]["params"])
+    assert _same_state(r1["resumed"]["state"], r1["full"]["state"])
