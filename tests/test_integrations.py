@@ -216,3 +216,52 @@ def test_lightning_callback(tmp_path):
     assert r0["resumed"]["losses"] == r0["full"]["losses"][3:]
     assert torch.equal(r0["resumed"]["params"], r0["full"]["params"])
     assert _same_state(r1["resumed"]["state"], r1["full"]["state"])
+
+
+# ---- Hugging Face Accelerate --------------------------------------------------------------------------------
+def _accelerate_worker(rank, world, tmp):
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    from syncwise.integrations import accelerate as sw_accelerate
+
+    def run(steps, start=0, load=None, save_at=None):
+        acc = Accelerator(cpu=True)
+        assert acc.distributed_type == DistributedType.MULTI_CPU, acc.distributed_type
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        model, opt = acc.prepare(model, opt)
+        comp = sw_accelerate.register(acc, model, SPEC, min_numel=MIN_NUMEL)
+        if load:
+            acc.load_state(load)
+        losses, per_step = [], []
+        for step in range(start, steps):
+            x, y = _batch(step, rank)
+            before = STATS.total_bytes
+            loss = nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            acc.backward(loss)
+            opt.step()
+            per_step.append(STATS.total_bytes - before)
+            losses.append(loss.item())
+            if save_at == step + 1:
+                acc.save_state(os.path.join(tmp, "acc"))
+        return {"losses": losses, "bytes": per_step, "params": _flat(model), "fp32": _fp32_bytes(model),
+                "state": comp.state_dict()}
+
+    full = run(6, save_at=3)
+    resumed = run(6, start=3, load=os.path.join(tmp, "acc"))
+    return {"full": full, "resumed": resumed}
+
+
+def test_accelerate_register(tmp_path):
+    pytest.importorskip("accelerate")
+    r0, r1 = run_workers(_accelerate_worker, 2, str(tmp_path))
+    for name in ("full", "resumed"):
+        assert torch.equal(r0[name]["params"], r1[name]["params"]), name
+    assert r0["full"]["bytes"][0] == r0["full"]["fp32"]  # PowerSGD's warm-up step
+    assert max(r0["full"]["bytes"][1:]) < 0.2 * r0["full"]["fp32"]
+    assert r0["resumed"]["losses"] == r0["full"]["losses"][3:]
+    assert torch.equal(r0["resumed"]["params"], r0["full"]["params"])
+    assert _same_state(r1["resumed"]["state"], r1["full"]["state"])
