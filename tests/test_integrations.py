@@ -265,3 +265,60 @@ def test_accelerate_register(tmp_path):
     assert r0["resumed"]["losses"] == r0["full"]["losses"][3:]
     assert torch.equal(r0["resumed"]["params"], r0["full"]["params"])
     assert _same_state(r1["resumed"]["state"], r1["full"]["state"])
+
+
+# ---- transformers.Trainer -----------------------------------------------------------------------------------
+def _hf_worker(rank, world, tmp):
+    import logging
+    import warnings
+
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    from syncwise.integrations.transformers import FILENAME, attach
+
+    transformers.logging.set_verbosity_error()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    g = torch.Generator().manual_seed(3)
+    # one batch a rank an epoch (see the Lightning test): the next batch never depends on where a resume lands
+    ids = torch.randint(0, 64, (4, 16), generator=g)
+    data = [{"input_ids": row, "labels": row} for row in ids]
+
+    def run(out, steps, resume=None):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+        args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=2, learning_rate=1e-2,
+                                 use_cpu=True, ddp_backend="gloo", save_strategy="steps", save_steps=3,
+                                 logging_steps=1, report_to=[], seed=0, dataloader_num_workers=0,
+                                 disable_tqdm=True, lr_scheduler_type="constant", weight_decay=0.0,
+                                 ddp_find_unused_parameters=False)
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        cb = attach(trainer, SPEC, min_numel=MIN_NUMEL)
+        before = STATS.total_bytes
+        trainer.train(resume_from_checkpoint=resume)
+        # a resumed run's log_history starts with the checkpoint's: keep the steps this run took
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h and h["step"] > (3 if resume else 0)]
+        return {"losses": losses, "bytes_per_step": (STATS.total_bytes - before) / max(1, len(losses)),
+                "fp32": _fp32_bytes(model), "params": _flat(model), "state": cb.compressor.state_dict(),
+                "registered": cb.registered}
+
+    full = run(os.path.join(tmp, "full"), 6)
+    resumed = run(os.path.join(tmp, "full"), 6, resume=os.path.join(tmp, "full", "checkpoint-3"))
+    return {"full": full, "resumed": resumed,
+            "file": os.path.exists(os.path.join(tmp, "full", "checkpoint-3", FILENAME))}
+
+
+def test_transformers_trainer_callback(tmp_path):
+    pytest.importorskip("transformers")
+    r0, r1 = run_workers(_hf_worker, 2, str(tmp_path))
+    assert r0["full"]["registered"] and r0["file"]
+    for name in ("full", "resumed"):
+        assert torch.equal(r0[name]["params"], r1[name]["params"]), name
+    assert r0["full"]["bytes_per_step"] < 0.5 * r0["full"]["fp32"]
+    assert len(r0["full"]["losses"]) == 6 and len(r0["resumed"]["losses"]) == 3
+    assert r0["resumed"]["losses"] == r0["full"]["losses"][3:]
+    assert torch.equal(r0["resumed"]["params"], r0["full"]["params"])
+    assert _same_state(r1["resumed"]["state"], r1["full"]["state"])
