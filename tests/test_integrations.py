@@ -322,3 +322,21 @@ def test_transformers_trainer_callback(tmp_path):
     assert r0["resumed"]["losses"] == r0["full"]["losses"][3:]
     assert torch.equal(r0["resumed"]["params"], r0["full"]["params"])
     assert _same_state(r1["resumed"]["state"], r1["full"]["state"])
+
+
+@pytest.mark.parametrize("adapter, module, package", [("lightning", "lightning.pytorch", "lightning"),
+                                                      ("accelerate", "accelerate", "accelerate"),
+                                                      ("transformers", "transformers", "transformers")])
+def test_missing_framework_is_one_line_naming_the_package(adapter, module, package, monkeypatch):
+    import importlib
+    import sys
+
+    from syncwise.errors import SyncwiseError
+
+    monkeypatch.setitem(sys.modules, module, None)  # what Python does for a package that is not installed
+    monkeypatch.delitem(sys.modules, f"syncwise.integrations.{adapter}", raising=False)
+    with pytest.raises(SyncwiseError, match=f"pip install {package}$"):
+        importlib.import_module(f"syncwise.integrations.{adapter}")
+    import syncwise.integrations  # the package itself needs only torch
+
+    assert syncwise.integrations.compressor_from("fp16").compressor.name == "fp16"
