@@ -297,6 +297,18 @@ class CheckpointSection:
 
 
 @dataclass
+class MetricsSection:
+    """[metrics] live monitoring (docs/monitoring.md); metrics.jsonl is always written."""
+
+    prometheus_port: int = option(0, "serve the per-step metrics at http://HOST:PORT/metrics (Prometheus), one "
+                                  "endpoint per node, from its local rank 0; 0 = off",
+                                  "0 (off) or a TCP port from 1024 to 65535", lambda v: v == 0 or 1024 <= v <= 65535)
+    wandb: bool = option(False, "log the per-step metrics and the resolved config to Weights & Biases from rank 0 "
+                         "(WANDB_MODE=offline keeps the run on disk under RUN_DIR/wandb)", "true or false")
+    wandb_project: str = option("syncwise", "the W&B project", "a non-empty string", lambda v: bool(v.strip()))
+
+
+@dataclass
 class RunConfig:
     """Everything one `syncwise train` run needs."""
 
@@ -317,6 +329,7 @@ class RunConfig:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     compress: CompressSection = field(default_factory=CompressSection)
     ckpt: CheckpointSection = field(default_factory=CheckpointSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -27,6 +27,7 @@ from ..checkpoint import SmartCheckpointer
 from ..comm import ops
 from ..config import RunConfig, config_from_argv, layout, model_overrides
 from ..errors import SyncwiseError
+from ..metrics.sinks import close_sinks, open_sinks
 from ..data import SmartPrefetcher, TokenBatchLoader, evaluation_batches, load_corpus
 from ..models import build_model, count_params, flops_per_token
 from ..rundir import RunDirLock, held_by_launcher
@@ -159,7 +160,11 @@ def train_worker(cfg: RunConfig) -> dict[str, Any]:
             sync=specs.sync, parallel=parallel, preempt_grace_s=cfg.ckpt.preempt_grace_s,
             dynamic_batch=DynamicBatcher(1, cfg.data.batch_size, memory_threshold=cfg.train.memory_threshold,
                                          device=device) if cfg.train.dynamic_batch else None)
-        summary = trainer.train(batches, steps=cfg.train.steps, resume=resume_target(cfg, rank))
+        trainer.metric_sinks = open_sinks(cfg, rank, checkpointer)  # [metrics]: Prometheus, W&B
+        try:
+            summary = trainer.train(batches, steps=cfg.train.steps, resume=resume_target(cfg, rank))
+        finally:
+            close_sinks(trainer.metric_sinks)
         summary["params"] = count_params(model)
         if hasattr(batches, "close"):
             batches.close()
