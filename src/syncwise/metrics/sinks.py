@@ -149,7 +149,12 @@ def open_sinks(cfg: Any, rank: int, checkpointer: Any = None) -> list[Any]:
             node = int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")) or 0)
             sinks.append(PrometheusSink(metrics.prometheus_port, rank=rank, node=node, checkpointer=checkpointer))
         if metrics.wandb and rank == 0:
-            name = Path(cfg.run_dir).name if cfg.run_dir else None
+            name = None
+            if cfg.run_dir:  # one W&B run per run directory: a resumed run (--resume auto) continues it
+                import hashlib
+
+                where = str(Path(cfg.run_dir).resolve())
+                name = f"{Path(where).name}-{hashlib.sha1(where.encode()).hexdigest()[:8]}"
             sinks.append(WandbSink(metrics.wandb_project, cfg.to_dict(), cfg.run_dir or None, name=name))
     except BaseException:
         close_sinks(sinks)
