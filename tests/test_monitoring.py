@@ -1,9 +1,11 @@
 """[metrics]: during a live `syncwise train`, the Prometheus endpoint is scraped and W&B (offline) records the run;
 both are cross-checked with metrics.jsonl."""
 import json
+import re
 import struct
 import threading
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -105,6 +107,11 @@ def test_live_run_prometheus_and_wandb_match_metrics_jsonl(tmp_path, monkeypatch
         assert s["syncwise_data_wait_s"] >= 0.1  # the injected starved loader shows as data wait
         assert s["syncwise_restarts"] == 0 and s["syncwise_checkpoint_age_s"] >= 0
         assert s["syncwise_sent_bytes_total"] == sum(rows[i]["comm_bytes"] for i in range(1, int(s["syncwise_step"]) + 1))
+    # the Grafana dashboard in examples/ asks only for metrics the endpoint serves (MFU needs a known peak: GPUs)
+    dashboard = (Path(__file__).resolve().parents[1] / "examples" / "monitoring" / "grafana-syncwise.json").read_text()
+    asked = set(re.findall(r"syncwise_[a-z_]+", dashboard)) - {"syncwise_train"}
+    served = set().union(*scrapes) | {"syncwise_mfu"}
+    assert asked and asked <= served, asked - served
     # W&B: the same series, step by step, and the resolved config
     history, config = _wandb_history_and_config(run_dir)
     assert sorted(history) == sorted(rows)
