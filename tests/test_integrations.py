@@ -90,7 +90,10 @@ def _ddp_worker(rank, world, tmp):
     none = _ddp_run(rank, "none", 2)
     full = _ddp_run(rank, SPEC, 6, save_at=3)
     resumed = _ddp_run(rank, SPEC, 6, start=3, ckpt=os.path.join(tmp, f"3.rank{rank}.pt"))
-    return {"none": none, "full": full, "resumed": resumed, "fresh": _resume_without_compressor_state(rank)}
+    every = {spec: _ddp_run(rank, spec, 2) for spec in ("fp16", "bf16", "fp8", "int8", "sign", "topk:ratio=0.1",
+                                                         "randomk:ratio=0.1")}
+    return {"none": none, "full": full, "resumed": resumed, "fresh": _resume_without_compressor_state(rank),
+            "every": every}
 
 
 def _resume_without_compressor_state(rank):
@@ -129,6 +132,10 @@ def test_ddp_register_bytes_replicas_resume(tmp_path):
     assert r0["fresh"] != r0["full"]["losses"][3:]  # without the compressor state the curve does not continue
     assert _same_state(r0["resumed"]["state"], r0["full"]["state"])
     assert not _same_state(r0["full"]["state"]["compressor"], r1["full"]["state"]["compressor"])  # per-rank residuals
+    for spec, run in r0["every"].items():  # every other syncwise compressor through the same one call
+        assert torch.equal(run["params"], r1["every"][spec]["params"]), spec
+        assert run["bytes_per_step"] <= 0.6 * r0["none"]["bytes_per_step"], spec
+        assert run["state"]["steps"] == 2, spec
 
 
 def test_register_refuses_bad_input():
