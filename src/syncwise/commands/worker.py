@@ -124,7 +124,8 @@ def train_worker(cfg: RunConfig) -> dict[str, Any]:
     try:
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         seed_everything(cfg.train.seed, cfg.train.deterministic)
-        corpus = load_corpus(cfg.data.corpus, val_fraction=cfg.data.val_fraction)
+        corpus = load_corpus(cfg.data.corpus, val_fraction=cfg.data.val_fraction, tokenizer=cfg.data.tokenizer,
+                             text_column=cfg.data.text_column)
         overrides = model_overrides(cfg, corpus.vocab_size)
         model = build_model(cfg.model.preset, **overrides).to(device)  # on the device first: fused AdamW on GPUs
         optimizer = adamw(model, cfg.train.lr, cfg.train.weight_decay)
