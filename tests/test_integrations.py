@@ -347,3 +347,19 @@ def test_missing_framework_is_one_line_naming_the_package(adapter, module, packa
     import syncwise.integrations  # the package itself needs only torch
 
     assert syncwise.integrations.compressor_from("fp16").compressor.name == "fp16"
+
+
+def test_ranked_state_from_another_world_size_starts_fresh_with_a_warning():
+    from syncwise.errors import SyncwiseError
+    from syncwise.integrations import compressor_from
+    from syncwise.integrations._common import RankedCompressorState
+
+    comp = compressor_from("topk:ratio=0.1")
+    state = RankedCompressorState(comp)
+    saved = state.state_dict()  # no process group: this process alone
+    assert saved["world_size"] == 1 and len(saved["ranks"]) == 1
+    two = dict(saved, world_size=2, ranks=saved["ranks"] * 2)
+    with pytest.warns(UserWarning, match="holds 2 ranks' state, this run has 1"):
+        state.load_state_dict(two)
+    with pytest.raises(SyncwiseError, match="not a syncwise compressor checkpoint"):
+        state.load_state_dict({"compressor": {}})
