@@ -27,8 +27,8 @@ from ..checkpoint import SmartCheckpointer
 from ..comm import ops
 from ..config import RunConfig, config_from_argv, layout, model_overrides
 from ..errors import SyncwiseError
-from ..metrics.sinks import close_sinks, open_sinks
 from ..data import SmartPrefetcher, TokenBatchLoader, evaluation_batches, load_corpus
+from ..metrics.sinks import close_sinks, open_sinks
 from ..models import build_model, count_params, flops_per_token
 from ..rundir import RunDirLock, held_by_launcher
 from ..train.arguments import join_torchrun
