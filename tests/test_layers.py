@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("launch", ("syncwise.launch",)),
     ("doctor", ("syncwise.doctor",)),
     ("plan", ("syncwise.plan",)),
+    ("integrations", ("syncwise.integrations",)),  # syncwise inside other trainers (docs/integrations.md)
     ("train", ("syncwise.train", "syncwise.metrics")),
     ("checkpoint", ("syncwise.checkpoint",)),
     ("parallel", ("syncwise.parallel",)),

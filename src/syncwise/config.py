@@ -145,6 +145,12 @@ class DataSection:
                              "data.seq_len)", _in(1, _MAX_BATCH))
     val_fraction: float = option(0.05, "share of the corpus held out for validation", "a number in (0, 0.5]",
                                  lambda v: 0 < v <= 0.5)
+    tokenizer: str = option("", "a Hugging Face tokenizer (tokenizer.json or its folder): data.corpus is then JSON "
+                            "lines, parquet, text or a `datasets` folder, tokenized once into cached memory-mapped "
+                            "token shards (docs/data.md); '' = byte-level text",
+                            "'' or a tokenizer.json file / a folder holding one")
+    text_column: str = option("text", "the text field of JSON lines / the column of parquet and `datasets` sources "
+                              "(with data.tokenizer)", "a non-empty field name", lambda v: bool(v.strip()))
     prefetch: int = option(2, "batches prefetched by a background thread (0 = off)",
                            "an integer from 0 to 64 (batches held in memory ahead of the step)", _in(0, 64))
 
@@ -300,6 +306,18 @@ class CheckpointSection:
 
 
 @dataclass
+class MetricsSection:
+    """[metrics] live monitoring (docs/monitoring.md); metrics.jsonl is always written."""
+
+    prometheus_port: int = option(0, "serve the per-step metrics at http://HOST:PORT/metrics (Prometheus), one "
+                                  "endpoint per node, from its local rank 0; 0 = off",
+                                  "0 (off) or a TCP port from 1024 to 65535", lambda v: v == 0 or 1024 <= v <= 65535)
+    wandb: bool = option(False, "log the per-step metrics and the resolved config to Weights & Biases from rank 0 "
+                         "(WANDB_MODE=offline keeps the run on disk under RUN_DIR/wandb)", "true or false")
+    wandb_project: str = option("syncwise", "the W&B project", "a non-empty string", lambda v: bool(v.strip()))
+
+
+@dataclass
 class RunConfig:
     """Everything one `syncwise train` run needs."""
 
@@ -320,6 +338,7 @@ class RunConfig:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     compress: CompressSection = field(default_factory=CompressSection)
     ckpt: CheckpointSection = field(default_factory=CheckpointSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -727,8 +746,13 @@ def _check_data_and_memory(cfg: RunConfig, local: int, fewest: int, where: "Plac
             layout(cfg).check_model(resolve_config(cfg.model.preset, **model_overrides(cfg, 256)))
         return
     d = cfg.data
-    with _as_field("data.corpus", d.corpus):
-        train_tokens, val_tokens, vocab = corpus_sizes(d.corpus, d.val_fraction)
+    try:
+        train_tokens, val_tokens, vocab = corpus_sizes(d.corpus, d.val_fraction, tokenizer=d.tokenizer,
+                                                       text_column=d.text_column)
+    except ConfigError as e:  # the loader's errors are data.corpus's, but for the tokenizer's own fields
+        if e.field in ("data.tokenizer", "data.text_column"):
+            raise
+        raise ConfigError("data.corpus", d.corpus, e.accepted) from None
     rules = [((train_tokens, None), ("data.seq_len", "data.batch_size", "dist.nproc", "data.corpus")),
              ((None, val_tokens), ("data.val_fraction", "data.seq_len", "data.batch_size", "dist.nproc", "data.corpus"))]
     for (train, val), keys in rules:

@@ -28,6 +28,7 @@ from ..comm import ops
 from ..config import RunConfig, config_from_argv, layout, model_overrides
 from ..errors import SyncwiseError
 from ..data import SmartPrefetcher, TokenBatchLoader, evaluation_batches, load_corpus
+from ..metrics.sinks import close_sinks, open_sinks
 from ..models import build_model, count_params, flops_per_token
 from ..rundir import RunDirLock, held_by_launcher
 from ..train.arguments import join_torchrun
@@ -126,7 +127,8 @@ def train_worker(cfg: RunConfig) -> dict[str, Any]:
     try:
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         seed_everything(cfg.train.seed, cfg.train.deterministic)
-        corpus = load_corpus(cfg.data.corpus, val_fraction=cfg.data.val_fraction)
+        corpus = load_corpus(cfg.data.corpus, val_fraction=cfg.data.val_fraction, tokenizer=cfg.data.tokenizer,
+                             text_column=cfg.data.text_column)
         overrides = model_overrides(cfg, corpus.vocab_size)
         model = build_model(cfg.model.preset, **overrides).to(device)  # on the device first: fused AdamW on GPUs
         optimizer = adamw(model, cfg.train.lr, cfg.train.weight_decay)
@@ -163,7 +165,11 @@ def train_worker(cfg: RunConfig) -> dict[str, Any]:
             log_interval=cfg.train.log_interval,
             dynamic_batch=DynamicBatcher(1, cfg.data.batch_size, memory_threshold=cfg.train.memory_threshold,
                                          device=device) if cfg.train.dynamic_batch else None)
-        summary = trainer.train(batches, steps=cfg.train.steps, resume=resume_target(cfg, rank))
+        trainer.metric_sinks = open_sinks(cfg, rank, checkpointer)  # [metrics]: Prometheus, W&B
+        try:
+            summary = trainer.train(batches, steps=cfg.train.steps, resume=resume_target(cfg, rank))
+        finally:
+            close_sinks(trainer.metric_sinks)
         summary["params"] = count_params(model)
         if hasattr(batches, "close"):
             batches.close()

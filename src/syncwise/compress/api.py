@@ -49,6 +49,20 @@ class GradientCompressor:
         self.communication_backend = communication_backend
         self.compressor: Compressor = info.cls(**kwargs)
         self.hook_state: Optional[CompressionHookState] = None
+        self.policy: Optional[CompressionPolicy] = None  # register()'s default policy (None: CompressionPolicy())
+        self._steps = 0  # a state loaded before register() keeps its step counter for the hook
+
+    @classmethod
+    def from_spec(cls, spec: str, policy: Optional[CompressionPolicy] = None) -> "GradientCompressor":
+        """Build from a ``NAME[:key=value,...]`` spec, as ``--compress`` takes (e.g. ``powersgd:rank=4``)."""
+        from .registry import parse_compress_spec
+
+        compressor = parse_compress_spec(spec)
+        self = cls(sparsity_method=compressor.name)
+        self.compressor = compressor
+        self.compression_ratio = float(getattr(compressor.config, "ratio", self.compression_ratio) or 1.0)
+        self.policy = policy
+        return self
 
     def register(self, ddp_model: nn.Module, param_names: Union[dict[nn.Parameter, str], None] = None,
                  policy: Optional[CompressionPolicy] = None) -> CompressionHookState:
@@ -63,7 +77,9 @@ class GradientCompressor:
         if param_names is None:
             module = getattr(ddp_model, "module", ddp_model)
             param_names = {p: n for n, p in module.named_parameters()}
-        self.hook_state = CompressionHookState(self.compressor, group, param_names, policy)
+        self.hook_state = CompressionHookState(self.compressor, group, param_names,
+                                               policy if policy is not None else self.policy)
+        self.hook_state.steps = self._steps
         ddp_model.register_comm_hook(self.hook_state, compression_hook)
         return self.hook_state
 
@@ -71,7 +87,7 @@ class GradientCompressor:
         """Compressor (and hook) state for checkpoints."""
         if self.hook_state is not None:
             return self.hook_state.state_dict()
-        return {"compressor": self.compressor.state_dict(), "steps": 0}
+        return {"compressor": self.compressor.state_dict(), "steps": self._steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
@@ -79,6 +95,7 @@ class GradientCompressor:
             self.hook_state.load_state_dict(state)
         else:
             self.compressor.load_state_dict(state["compressor"])
+            self._steps = int(state.get("steps", 0))
 
     def __repr__(self) -> str:
         return (f"GradientCompressor({self.compressor!r}, ratio={self.compression_ratio}, "

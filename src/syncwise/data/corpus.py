@@ -59,7 +59,8 @@ class Corpus:
 
 
 def load_corpus(spec: str = "stdlib", val_fraction: float = 0.05,
-                max_bytes: int | None = DEFAULT_MAX_BYTES, cache_dir: str | os.PathLike | None = None) -> Corpus:
+                max_bytes: int | None = DEFAULT_MAX_BYTES, cache_dir: str | os.PathLike | None = None,
+                tokenizer: str = "", text_column: str = "text") -> Corpus:
     """Load a corpus by spec: ``"stdlib"``, a text file/folder, or nanoGPT ``train.bin``/``val.bin``.
 
     Text is byte-tokenized. Files go to val by a hash of their relative path (so the split does not
@@ -67,7 +68,16 @@ def load_corpus(spec: str = "stdlib", val_fraction: float = 0.05,
     stream is val. ``max_bytes`` caps bytes read from text sources (``None``: no cap); ``.bin``
     files are memory-mapped and never capped. The stdlib corpus is cached under ``cache_dir``
     (default ``$SYNCWISE_CACHE_DIR`` or ``~/.cache/syncwise``).
+
+    ``tokenizer`` (a Hugging Face tokenizer.json or its folder): ``spec`` is JSON lines, parquet, text or a
+    ``datasets`` folder, tokenized once into cached token shards (:mod:`.tokenized`, column ``text_column``).
     """
+    if tokenizer:
+        folder = _tokenized(spec, val_fraction, cache_dir, tokenizer, text_column)
+        corpus = _load_bin(folder / "train.bin", str(spec), val_fraction)
+        corpus.name = Path(str(spec)).expanduser().name or str(spec)
+        corpus.description = f"{spec} tokenized by {tokenizer} ({corpus.description})"
+        return corpus
     kind, path, files = _source(spec, val_fraction, max_bytes)
     if kind == "stdlib":
         return _load_stdlib(val_fraction, max_bytes, cache_dir)
@@ -80,12 +90,18 @@ def load_corpus(spec: str = "stdlib", val_fraction: float = 0.05,
 
 
 def corpus_sizes(spec: str = "stdlib", val_fraction: float = 0.05, max_bytes: int | None = DEFAULT_MAX_BYTES,
-                 cache_dir: str | os.PathLike | None = None) -> tuple[int, int, int | None]:
+                 cache_dir: str | os.PathLike | None = None, tokenizer: str = "",
+                 text_column: str = "text") -> tuple[int, int, int | None]:
     """(train tokens, val tokens, vocab size or None when only the tokens tell) of the corpus ``load_corpus``
     would load, after the same checks (the same ConfigError for a bad spec), but cheap and read-only, to
     validate a configuration before any worker starts: ``.bin`` files are only stat'ed (their meta is read,
     their tokens are not), text sources are read as ``load_corpus`` reads them (at most ``max_bytes``), the
-    stdlib's counts come from its cache if there is one and nothing is written."""
+    stdlib's counts come from its cache if there is one and nothing is written. With a ``tokenizer`` the source
+    is tokenized into its cache here (once; the workers then map it)."""
+    if tokenizer:
+        folder = _tokenized(spec, val_fraction, cache_dir, tokenizer, text_column)
+        train, val, _ = _bin_split(folder / "train.bin", str(spec), val_fraction)
+        return train.size, val.size, _read_vocab_size(folder)
     kind, path, files = _source(spec, val_fraction, max_bytes)
     if kind == "stdlib":
         return (*_stdlib_sizes(val_fraction, max_bytes, cache_dir), 256)
@@ -287,14 +303,45 @@ def _read_vocab_size(folder: Path) -> int | None:
     return vs
 
 
+def _tokenized(spec: str, val_fraction: float, cache_dir: str | os.PathLike | None, tokenizer: str,
+               text_column: str) -> Path:
+    """The token folder for ``spec`` under ``tokenizer``: a nanoGPT folder as it is (its vocabulary checked), else
+    the cache that :func:`.tokenized.prepare` builds."""
+    from .tokenized import SOURCES, check_vocab, load_tokenizer, prepare
+
+    load_tokenizer(tokenizer)  # the tokenizer's own errors first: they name data.tokenizer
+    if str(spec) == "stdlib":
+        raise ConfigError("data.tokenizer", tokenizer, f"'' with data.corpus=stdlib (byte-level); a tokenizer "
+                          f"needs data.corpus to be {SOURCES}")
+    path = Path(str(spec)).expanduser()
+    if path.is_dir() and (path / "train.bin").is_file():
+        check_vocab(path, tokenizer, str(spec))
+        return path
+    return prepare(str(spec), tokenizer, val_fraction, text_column, cache_dir)
+
+
+def _token_dtype(path: Path) -> np.dtype:
+    """uint16 (nanoGPT), or the ``dtype`` a meta.json next to the file names (uint32 for vocabularies > 65,536)."""
+    meta = path.parent / "meta.json"
+    if meta.is_file():
+        try:
+            name = json.loads(meta.read_text()).get("dtype", "uint16")
+        except (ValueError, OSError, AttributeError):
+            name = "uint16"
+        if name in ("uint16", "uint32"):
+            return np.dtype(name)
+    return np.dtype(np.uint16)
+
+
 def _memmap_tokens(path: Path, spec: str) -> np.ndarray:
     size = path.stat().st_size
-    if size == 0 or size % 2:
+    dtype = _token_dtype(path)
+    if size == 0 or size % dtype.itemsize:
         raise ConfigError("data.corpus", spec, f"{_ACCEPTED}; {path} is {size} bytes, not a non-empty "
-                          "array of uint16 tokens")
+                          f"array of {dtype.name} tokens")
     # mode "c" (copy-on-write) maps lazily like "r" but gives a writable array, which torch.from_numpy
     # accepts without a warning; nothing is ever written back to the file.
-    return np.memmap(path, dtype=np.uint16, mode="c")
+    return np.memmap(path, dtype=dtype, mode="c")
 
 
 def _bin_split(path: Path, spec: str, val_fraction: float) -> tuple[np.ndarray, np.ndarray, str]:

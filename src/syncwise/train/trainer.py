@@ -235,6 +235,7 @@ class OptimizedTrainer:
         self.total_steps = 0
         self.tokens_seen = 0
         self.skipped_steps: list[int] = []
+        self.metric_sinks: list[Any] = []  # each gets every metrics.jsonl row: syncwise.metrics.sinks (Prometheus, W&B)
         self.watchdog: Optional[Watchdog] = None  # hang reports; runs during train() when distributed
         self.phase = "start"  # what the step is doing, for the message when a collective hangs
         # Skip a non-finite step inside the optimizer (no host read of the gradient norm) where it can: fused
@@ -345,6 +346,8 @@ class OptimizedTrainer:
                         val_loss = row["val_loss"] = self.evaluate()
                     logger.log_step(row)
                     rank_log.log_step(row)
+                    for sink in self.metric_sinks:
+                        sink.log_step(row)
                 if save:
                     self._settle_skip()
                     self.phase = "checkpoint save"

@@ -1,0 +1,111 @@
+"""--data.tokenizer: JSON lines, parquet and `datasets` folders tokenized by a real (tiny, locally trained) BPE
+tokenizer into cached memory-mapped shards, and the errors a user can meet."""
+import json
+
+import numpy as np
+import pytest
+
+from syncwise.cli import main
+from syncwise.data import load_corpus
+from syncwise.errors import ConfigError
+
+pytest.importorskip("tokenizers")
+
+DOCS = [f"def function_{i}(x):\n    return x * {i} + {i % 7}  # document number {i}\n" for i in range(300)]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    t = Tokenizer(models.BPE(unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    t.train_from_iterator(DOCS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<|endoftext|>"]))
+    folder = tmp_path_factory.mktemp("tok")
+    t.save(str(folder / "tokenizer.json"))
+    return folder, t
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    d = tmp_path_factory.mktemp("src")
+    (d / "docs.jsonl").write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(DOCS)))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": DOCS, "id": list(range(len(DOCS)))}), d / "docs.parquet")
+    import datasets
+
+    datasets.Dataset.from_dict({"text": DOCS}).save_to_disk(str(d / "docs_ds"))
+    return d
+
+
+def test_every_source_gives_the_same_tokens_and_they_decode(tok, sources, tmp_path):
+    folder, t = tok
+    eos = t.token_to_id("<|endoftext|>")
+    expected = sum(len(t.encode(d).ids) + 1 for d in DOCS)
+    streams = {}
+    for name in ("docs.jsonl", "docs.parquet", "docs_ds"):
+        c = load_corpus(str(sources / name), 0.1, tokenizer=str(folder), cache_dir=tmp_path)
+        assert c.vocab_size == t.get_vocab_size() and not c.byte_level
+        assert c.train.numel() + c.val.numel() == expected
+        assert c.val.numel() > 0 and c.train.numel() > c.val.numel()
+        streams[name] = (c.train.numpy().copy(), c.val.numpy().copy())
+    assert all(np.array_equal(s[0], streams["docs.jsonl"][0]) for s in streams.values())
+    first = streams["docs.jsonl"][0]
+    cut = int(np.argmax(first == eos))  # the first document that went to train, decoded back
+    assert t.decode(first[:cut].tolist()) in DOCS
+
+
+def test_the_cache_is_reused_and_follows_the_source(tok, sources, tmp_path):
+    from syncwise.data.tokenized import prepare
+
+    folder, _ = tok
+    a = prepare(str(sources / "docs.jsonl"), str(folder), 0.1, cache_dir=tmp_path)
+    stamp = (a / "train.bin").stat().st_mtime_ns
+    assert prepare(str(sources / "docs.jsonl"), str(folder), 0.1, cache_dir=tmp_path) == a
+    assert (a / "train.bin").stat().st_mtime_ns == stamp  # not tokenized again
+    assert json.loads((a / "meta.json").read_text())["dtype"] == "uint16"
+    other = tmp_path / "more.jsonl"
+    other.write_text((sources / "docs.jsonl").read_text() + json.dumps({"text": "one more"}) + "\n")
+    assert prepare(str(other), str(folder), 0.1, cache_dir=tmp_path) != a
+
+
+def test_clear_errors(tok, sources, tmp_path):
+    folder, _ = tok
+    with pytest.raises(ConfigError, match="data.text_column.*line 1 has: text, id"):
+        load_corpus(str(sources / "docs.jsonl"), tokenizer=str(folder), text_column="body", cache_dir=tmp_path)
+    with pytest.raises(ConfigError, match="data.text_column.*a column of .*: text, id"):
+        load_corpus(str(sources / "docs.parquet"), tokenizer=str(folder), text_column="body", cache_dir=tmp_path)
+    with pytest.raises(ConfigError, match="data.text_column.*a column of .*: text"):
+        load_corpus(str(sources / "docs_ds"), tokenizer=str(folder), text_column="body", cache_dir=tmp_path)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match="data.corpus.*is empty"):
+        load_corpus(str(empty), tokenizer=str(folder), cache_dir=tmp_path)
+    with pytest.raises(ConfigError, match="data.tokenizer.*tokenizer.json"):
+        load_corpus(str(sources / "docs.jsonl"), tokenizer=str(tmp_path / "nope"), cache_dir=tmp_path)
+    nano = tmp_path / "nano"
+    nano.mkdir()
+    np.arange(1000, dtype=np.uint16).tofile(nano / "train.bin")
+    (nano / "meta.json").write_text(json.dumps({"vocab_size": 50304}))
+    with pytest.raises(ConfigError, match="data.tokenizer.*50304 ids.*this one has 300"):
+        load_corpus(str(nano), tokenizer=str(folder), cache_dir=tmp_path)
+
+
+def test_syncwise_train_on_a_tokenized_jsonl(tok, sources, tmp_path, monkeypatch, capsys):
+    folder, _ = tok
+    monkeypatch.setenv("SYNCWISE_CACHE_DIR", str(tmp_path / "cache"))
+    run_dir = tmp_path / "run"
+    assert main(["train", "--nproc", "1", "--preset", "tiny", "--steps", "3", "--run-dir", str(run_dir),
+                 "--data.corpus", str(sources / "docs.jsonl"), f"--data.tokenizer={folder}",
+                 "--data.seq_len=16", "--data.batch_size=2"]) == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["loss"] > 0 for r in rows)
+    assert "docs.jsonl" in capsys.readouterr().out
+    # a bad column fails before any worker, naming the field
+    assert main(["train", "--nproc", "1", "--preset", "tiny", "--steps", "3", "--run-dir", str(tmp_path / "r2"),
+                 "--data.corpus", str(sources / "docs.jsonl"), f"--data.tokenizer={folder}",
+                 "--data.text_column=body"]) == 2
+    assert "data.text_column" in capsys.readouterr().err
