@@ -528,17 +528,21 @@ def _layout_change(manifest: dict[str, Any], layout: str | None) -> str | None:
 
 def _read_rank_file(path: Path, train_state: TrainState, manifest: dict[str, Any],
                     layout: str | None = None) -> dict[str, Any] | None:
-    """This rank's per-rank payload of checkpoint ``path``, read and checked but not applied (None when
-    the run has no per-rank state or the checkpoint was written at another world size or layout)."""
+    """This rank's per-rank payload of checkpoint ``path``, read and checked but not applied (None when the run
+    has no per-rank state). Under another world size or layout, rank 0's payload when the run has portable
+    per-rank state (``TrainState.register(portable=True)``: only that part of it is applied), else None."""
     rank, world = _rank_world()
-    if not train_state.per_rank_components or _layout_change(manifest, layout) is not None:
+    if not train_state.per_rank_components:
         return None
-    f = path / storage.rank_filename(rank)
+    changed = _layout_change(manifest, layout) is not None
+    if changed and not train_state.portable:
+        return None
+    f = path / storage.rank_filename(0 if changed else rank)
     try:
         payload = torch.load(f, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise _Damaged(f"checkpoint {path} lacks {f.name}, the per-rank state of rank {rank}; the "
-                       "checkpoint is incomplete, use an earlier one.") from None
+        raise _Damaged(f"checkpoint {path} lacks {f.name}, the per-rank state of rank {0 if changed else rank}; "
+                       "the checkpoint is incomplete, use an earlier one.") from None
     except Exception as e:
         # weights_only refuses anything but tensors and plain data: never run code from a checkpoint
         raise _Damaged(
@@ -557,15 +561,22 @@ def _apply_rank_file(path: Path, train_state: TrainState, manifest: dict[str, An
     names = list(train_state.per_rank_components)
     if not names:
         return
-    if payload is None:
-        # a rank's state (a compressor's error feedback, its data position) belongs to its place in the
-        # layout: under another layout rank r is not the same worker, so nothing is mis-assigned to it
-        log.warning("checkpoint %s %s: per-rank state (%s) is not restored (it belongs to the ranks of the "
-                    "old layout); RNG streams and data positions are re-derived from the seed, compressor "
-                    "error feedback starts from zero", path, _layout_change(manifest, layout) or "differs",
-                    ", ".join(names))
+    change = _layout_change(manifest, layout)
+    comps = payload.get("components", {}) if payload is not None else {}
+    if change is not None:
+        # a rank's state (a compressor's error feedback, its RNG streams) belongs to its place in the layout:
+        # under another layout rank r is not the same worker, so nothing is mis-assigned to it. Portable state
+        # (a data position) is taken from the old rank 0 and adapts itself.
+        moved = [n for n in names if n in train_state.portable and n in comps]
+        for name in moved:
+            train_state.per_rank_components[name].load_state_dict(comps[name])
+        dropped = [n for n in names if n not in moved]
+        if dropped:
+            log.warning("checkpoint %s %s: per-rank state (%s) is not restored (it belongs to the ranks of the "
+                        "old layout); RNG streams are re-derived from the seed, compressor error feedback and "
+                        "local-SGD state start from zero%s", path, change, ", ".join(dropped),
+                        f"; {', '.join(moved)} continues from the old layout's position" if moved else "")
         return
-    comps = payload.get("components", {})
     for name, comp in train_state.per_rank_components.items():
         if name in comps:
             comp.load_state_dict(comps[name])

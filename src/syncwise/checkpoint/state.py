@@ -147,15 +147,24 @@ class TrainState:
     def __init__(self) -> None:
         self.global_components: dict[str, Stateful] = {}
         self.per_rank_components: dict[str, Stateful] = {}
+        self.portable: set[str] = set()  # per-rank components whose state any rank of another layout can load
 
-    def register(self, name: str, component: Stateful, *, per_rank: bool = False) -> Stateful:
-        """Add ``component`` under ``name``; ``per_rank=True`` for state that differs by rank."""
+    def register(self, name: str, component: Stateful, *, per_rank: bool = False,
+                 portable: bool = False) -> Stateful:
+        """Add ``component`` under ``name``; ``per_rank=True`` for state that differs by rank. ``portable=True``
+        (per-rank only): after a change of layout or world size, load the state rank 0 of the old layout saved
+        instead of dropping it — for state that is kept per rank but means the same on every rank and adapts
+        to the new layout itself (a data loader's position in the epoch: windows consumed by all ranks)."""
         if not isinstance(component, Stateful):
             raise ConfigError(f"train_state[{name!r}]", type(component).__name__,
                               "an object with state_dict() and load_state_dict()")
         if not name or "." in name or name in self.global_components or name in self.per_rank_components:
             raise ConfigError("name", name, "a new, non-empty component name without '.'")
+        if portable and not per_rank:
+            raise ConfigError("portable", portable, "False unless per_rank=True (global state always reshards)")
         (self.per_rank_components if per_rank else self.global_components)[name] = component
+        if portable:
+            self.portable.add(name)
         return component
 
     def __contains__(self, name: str) -> bool:

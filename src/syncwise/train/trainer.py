@@ -34,7 +34,7 @@ from ..checkpoint import ModelOptimizerState, RNGState, SmartCheckpointer, Train
 from ..comm import ops
 from ..comm.stats import CommStats
 from ..comm.watchdog import Watchdog
-from ..data.sharding import shard_loader
+from ..data.sharding import position_is_global, shard_loader
 from ..errors import ConfigError, SyncwiseError
 from ..models import lm_loss
 from ..specs import count
@@ -416,7 +416,7 @@ class OptimizedTrainer:
         state.register("trainer", self)
         state.register("rng", RNGState(), per_rank=True)
         if loader is not None and hasattr(loader, "state_dict"):
-            state.register("data", loader, per_rank=True)
+            state.register("data", loader, per_rank=True, portable=position_is_global(loader))  # -> a new layout
         if self.batcher is not None:  # the micro size found (resume does not probe again); ranks may differ
             state.register("batcher", self.batcher, per_rank=True)
         if self.sync is not None and self.sync.replicas_diverge:  # each rank keeps its own model and optimizer
