@@ -509,7 +509,8 @@ def hostile_corrupt(work: Path, config: list[str], trial: int, rng: random.Rando
 
 
 # Layouts for --hostile --layouts: each a `syncwise train` flag list on top of _hostile_cmd's tiny 2-rank defaults.
-_SMALL_PP2 = ["--preset", "small", "--parallel.pp", "2", "--parallel.stages_per_rank", "2", "--data.batch_size", "4"]
+_SMALL_PP2 = ["--preset", "small", "--parallel.pp", "2", "--parallel.stages_per_rank", "2", "--data.batch_size", "4",
+              "--parallel.microbatches", "4"]
 LAYOUTS: dict[str, list[str]] = {
     "ddp": ["--parallel.dp_replicate", "2"],
     "fsdp": ["--parallel.dp_shard", "2"],
@@ -517,8 +518,8 @@ LAYOUTS: dict[str, list[str]] = {
     "tp2": ["--parallel.tp", "2"],
     "pp2-1f1b": ["--parallel.pp", "2"],
     "pp2-interleaved-1f1b": [*_SMALL_PP2, "--parallel.pp_schedule", "interleaved-1f1b"],
-    "pp2-zbv": [*_SMALL_PP2, "--parallel.pp_schedule", "zbv", "--parallel.microbatches", "4"],
-    "pp2-dualpipev": [*_SMALL_PP2, "--parallel.pp_schedule", "dualpipev", "--parallel.microbatches", "4"],
+    "pp2-zbv": [*_SMALL_PP2, "--parallel.pp_schedule", "zbv"],
+    "pp2-dualpipev": [*_SMALL_PP2, "--parallel.pp_schedule", "dualpipev"],
     "ep2": ["--preset", "tiny-moe", "--parallel.ep", "2"],
     "pp2xep2": ["--nproc", "4", "--preset", "tiny-moe", "--parallel.pp", "2", "--parallel.ep", "2"],
     "localsgd": ["--sync", "localsgd:period=2"],

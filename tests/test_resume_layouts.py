@@ -31,7 +31,8 @@ COMMON = ["--steps", str(STEPS), "--data.seq_len=32", "--deterministic", "--ckpt
 FAMILIES = {
     "1f1b": ["--preset", "tiny", "--parallel.pp", "2"],
     "interleaved-1f1b": ["--preset", "small", "--parallel.pp", "2", "--parallel.stages_per_rank", "2",
-                         "--parallel.pp_schedule", "interleaved-1f1b", "--data.batch_size", "4"],
+                         "--parallel.pp_schedule", "interleaved-1f1b", "--data.batch_size", "4",
+                         "--parallel.microbatches", "4"],
     "zbv": ["--preset", "small", "--parallel.pp", "2", "--parallel.stages_per_rank", "2",
             "--parallel.pp_schedule", "zbv", "--data.batch_size", "4", "--parallel.microbatches", "4"],
     "dualpipev": ["--preset", "small", "--parallel.pp", "2", "--parallel.stages_per_rank", "2",
