@@ -251,3 +251,14 @@ def test_optimizer_saved_flattened_and_nested_checkpoints_still_load(tmp_path):
         for p, p2 in zip(model.parameters(), model2.parameters()):
             assert torch.equal(opt.state[p]["exp_avg_sq"], opt2.state[p2]["exp_avg_sq"]), form
         assert opt2.param_groups[0]["lr"] == 1e-3 and ts2["model"]._flat  # the next save is flattened again
+
+
+def test_nan_on_a_first_stage_rank_is_skipped_on_every_rank(tmp_path):
+    """A NaN injected on pp rank 0, which holds no loss (the last stage computes it), poisons that stage's gradients
+    instead: the step is skipped on both ranks (before, the injection on a first-stage rank did nothing)."""
+    run = tmp_path / "run"
+    _train(run, *FAMILIES["1f1b"], "--steps", "3", "--inject-fault", "nan:step=2,rank=0")
+    rows = _rows(run)
+    assert [r["step"] for r in rows if r.get("skipped")] == [2]
+    assert json.loads((run / "summary.json").read_text())["skipped_steps"] == [2]
+    assert all(r["loss"] is not None and r["loss"] == r["loss"] for r in rows if r["step"] != 2)
