@@ -108,6 +108,23 @@ def test_four_rank_pipeline_layouts_resume_bit_exact(tmp_path, capfd, layout):
     _resume_bit_exact(tmp_path, capfd, "--nproc", "4", *layout)
 
 
+@pytest.mark.slow
+def test_pipeline_stage_count_changes_at_resume(tmp_path, capfd):
+    """A 4-layer model saved as 2 stages (1f1b, one per rank) resumes as 4 stages in a V (zbv, two per rank) on the
+    same 2 ranks: DCP gives each new stage its layers by name; the same data, so the curve goes on (TOLERANCE)."""
+    run = tmp_path / "run"
+    _train(run, "--preset", "small", "--parallel.pp", "2", "--data.batch_size", "4", "--parallel.microbatches", "4")
+    straight = _losses(run)
+    _stop_after_first_checkpoint(run)
+    capfd.readouterr()
+    _train(run, *FAMILIES["zbv"], "--resume", "auto")
+    out = capfd.readouterr().out
+    assert "resumed from step 3" in out and "worker(s) (pp 2" in out
+    losses = _losses(run)
+    assert losses[:3] == straight[:3]
+    assert max(abs(a - b) for a, b in zip(losses[3:], straight[3:])) <= TOLERANCE, (losses, straight)
+
+
 def test_killed_pipeline_worker_is_restarted_and_finishes_identically(tmp_path, capfd, straight_1f1b):
     run = tmp_path / "killed"
     # Synchronous saves: the step-3 checkpoint is published before step 4 starts (an async save of these ~10 ms
