@@ -75,19 +75,22 @@ def _resume_bit_exact(tmp_path: Path, capfd, *layout: str) -> None:
 # ------------------------------------------------------------------------------------------ pipeline resume
 @pytest.fixture(scope="module")
 def straight_1f1b(tmp_path_factory):
+    """The uninterrupted 1f1b run: (its run directory, its losses)."""
     run = tmp_path_factory.mktemp("straight") / "run"
     _train(run, *FAMILIES["1f1b"])
-    return _losses(run)
+    return run, _losses(run)
 
 
 def test_pipeline_1f1b_resume_is_bit_exact(tmp_path, capfd, straight_1f1b):
+    source, straight = straight_1f1b
     run = tmp_path / "run"
-    _train(run, *FAMILIES["1f1b"])
-    assert _losses(run) == straight_1f1b  # (deterministic: the module's uninterrupted run)
+    shutil.copytree(source, run)
     _stop_after_first_checkpoint(run)
+    capfd.readouterr()
     _train(run, *FAMILIES["1f1b"], "--resume", "auto")
     assert "resumed from step 3" in capfd.readouterr().out
-    assert _losses(run) == straight_1f1b
+    assert [r["step"] for r in _rows(run)] == list(range(1, STEPS + 1))
+    assert _losses(run) == straight
 
 
 @pytest.mark.slow
@@ -134,7 +137,7 @@ def test_killed_pipeline_worker_is_restarted_and_finishes_identically(tmp_path, 
     out = capfd.readouterr().out
     assert "restarted" in out and "resumed from step 3" in out
     assert [r["step"] for r in _rows(run)] == list(range(1, STEPS + 1))  # one row per step after the resume
-    assert _losses(run) == straight_1f1b
+    assert _losses(run) == straight_1f1b[1]
 
 
 # ------------------------------------------------------------------------------------------ layout changes
@@ -173,9 +176,13 @@ def saved_runs(tmp_path_factory):
     return get
 
 
+# The same layout again, bit-identical, is tested elsewhere for DDP (test_resume.py, test_reliability.py), FSDP2
+# (test_reshard.py) and pp (above); the matrix keeps the diagonal for tp 2 and ep 2.
+CELLS = [(a, b) for a in LAYOUTS for b in LAYOUTS if a != b or a in ("tp2", "ep2")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("resumed", list(LAYOUTS))
-@pytest.mark.parametrize("saved", list(LAYOUTS))
+@pytest.mark.parametrize("saved, resumed", CELLS, ids=[f"{a}-{b}" for a, b in CELLS])
 def test_layout_change_at_resume(saved, resumed, saved_runs, tmp_path, capfd):
     source, straight = saved_runs(saved)
     run = tmp_path / "run"
@@ -195,7 +202,7 @@ def test_layout_change_at_resume(saved, resumed, saved_runs, tmp_path, capfd):
         assert worst <= TOLERANCE, (saved, resumed, losses, straight)
 
 
-def test_a_degree_given_at_resume_replaces_the_saved_layout_as_a_whole(tmp_path):
+def test_a_degree_given_at_resume_replaces_the_saved_layout_as_a_whole(tmp_path, capsys):
     """The issue's example: a run saved as FSDP2 (dp_shard 2) resumed with --parallel.tp 2 is tp 2 (dp_shard back
     to its default), not 'dp_shard 2 × tp 2' on 2 ranks. Flags that are not degrees still merge."""
     from syncwise.commands.train import resolve_config
@@ -211,6 +218,7 @@ def test_a_degree_given_at_resume_replaces_the_saved_layout_as_a_whole(tmp_path)
     changed = resolve_config(None, {**base, "parallel.tp": "2"})
     assert (changed.parallel.dp_shard, changed.parallel.tp) == (1, 2)
     assert changed.model.preset == "tiny-moe" and changed.parallel.ep_dispatch == "bf16"  # the rest is the run's
+    assert "the layout changes at resume, dp_shard=2 -> tp=2: giving any" in capsys.readouterr().err
     from_file = resolve_config({"parallel": {"pp": 2}}, dict(base))  # a TOML file's [parallel] degree, the same
     assert (from_file.parallel.dp_shard, from_file.parallel.pp) == (1, 2)
     schedule_only = resolve_config(None, {**base, "parallel.pp_schedule": "gpipe"})  # not a degree: merged

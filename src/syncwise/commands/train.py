@@ -128,7 +128,9 @@ def resolve_config(file_values: dict | None, overrides: dict) -> RunConfig:
         raise SyncwiseError(f"--resume: the saved configuration of {cfg.run_dir} does not load ({e}); start a "
                             "new run, or fix its config.json") from None
     base = {k: v for k, v in saved.items() if k not in _PER_INVOCATION}
-    if _gives_degree(file_values, overrides) and isinstance(base.get("parallel"), dict):
+    replaced = _gives_degree(file_values, overrides) and isinstance(base.get("parallel"), dict)
+    if replaced:
+        before = _layout_text(base["parallel"])
         base["parallel"] = {k: v for k, v in base["parallel"].items() if k not in LAYOUT_KEYS}
     for key, value in (file_values or {}).items():  # the user's file on top of the saved run, section by section
         if isinstance(value, dict) and isinstance(base.get(key), dict):
@@ -136,10 +138,29 @@ def resolve_config(file_values: dict | None, overrides: dict) -> RunConfig:
         else:
             base[key] = value
     try:
-        return build_config(base, overrides)
-    except SyncwiseError as e:  # e.g. a saved value this version no longer accepts
+        resolved = build_config(base, overrides)
+    except SyncwiseError as e:
+        if replaced:  # the new layout does not go with the run's saved settings (its compressor, say)
+            raise SyncwiseError(f"--resume with a new layout: {e} (the other settings are the run's, from "
+                                f"{cfg.run_dir}/config.json)") from None
+        # e.g. a saved value this version no longer accepts
         raise SyncwiseError(f"--resume: the saved configuration of {cfg.run_dir} does not load ({e}); start a "
                             "new run, or fix its config.json") from None
+    if replaced:
+        after = _layout_text(vars(resolved.parallel))
+        if after != before:
+            print(f"syncwise: note: the layout changes at resume, {before} -> {after}: {LAYOUT_RULE}",
+                  file=sys.stderr, flush=True)
+    return resolved
+
+
+def _layout_text(parallel: dict) -> str:
+    """The layout keys of a [parallel] table that differ from their defaults, as 'pp=2, pp_schedule=zbv'."""
+    from ..config import ParallelSection
+
+    defaults = vars(ParallelSection())
+    return ", ".join(f"{k}={parallel[k]}" for k in LAYOUT_KEYS if k in parallel and parallel[k] != defaults[k]) \
+        or "the default (DDP over every rank)"
 
 
 def _read_json(path: Path) -> dict:
