@@ -24,6 +24,14 @@ the hang within --dist.timeout_s + 5 s, naming the stopped rank), NaN on one ran
 every rank, the run finishes), a disk that fills during a save (a syncwise message, earlier checkpoints
 intact), and two runs started 0.3 s apart in one run directory (exactly one refused, the other whole):
     python benchmarks/reliability.py --hostile --trials 2
+
+Hostile across layouts (``--hostile --layouts all`` or a comma list of ``LAYOUTS`` names; issue 23): the same
+faults under DDP, FSDP2, HSDP (4 ranks), tp 2, pp 2 with one schedule per family (1f1b, interleaved-1f1b, zbv,
+dualpipev), ep 2, pp 2 × ep 2 (4 ranks) and local SGD, plus SIGTERM / SIGUSR1 preemption of the launcher (exit
+83, then ``--resume auto``: bit-exact) and a corrupted newest checkpoint (truncated or one flipped byte: the
+resume falls back to the previous checkpoint, bit-exact). ``--smoke`` shortens every run to prove the harness:
+    python benchmarks/reliability.py --hostile --layouts all --trials 1
+    python benchmarks/reliability.py --hostile --layouts pp2-1f1b --trials 1 --smoke
 """
 from __future__ import annotations
 
@@ -220,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work-dir", default="/tmp/syncwise-reliability", help="run directories (wiped first)")
     ap.add_argument("--hostile", action="store_true", help="the hostile suite (see above) instead of kill recovery")
     ap.add_argument("--trials", type=int, default=2, help="--hostile: trials of each fault per configuration")
+    ap.add_argument("--layouts", default=None, help="--hostile: 'all' or a comma list of layouts (" +
+                    ", ".join(LAYOUTS) + ") instead of the compressor configurations; adds preemption and a "
+                    "corrupted newest checkpoint")
+    ap.add_argument("--smoke", action="store_true", help="--hostile --layouts: short runs, to prove the harness")
     ap.add_argument("--out", default=None, help="JSON results (default benchmarks/results/reliability-<mode>.json)")
     args = ap.parse_args(argv)
     if args.hostile:
@@ -354,31 +366,38 @@ def _losses(run_dir: Path) -> list:
     return [r.get("loss") for r in read_rows(run_dir)]
 
 
-def hostile_kill(work: Path, config: list[str], trial: int, rng: random.Random, ref: list) -> dict:
-    run = work / f"kill-{trial}-{'-'.join(config)[2:].replace(':', '_')}"
-    job = _Job(_hostile_cmd(run, 40, *config, "--ckpt.interval=4", "--max-restarts", "2"))
+def _name(config: list[str]) -> str:
+    return '-'.join(config)[2:].replace(':', '_').replace('=', '_')
+
+
+def hostile_kill(work: Path, config: list[str], trial: int, rng: random.Random, ref: list, steps: int = 40) -> dict:
+    run = work / f"kill-{trial}-{_name(config)}"
+    job = _Job(_hostile_cmd(run, steps, *config, "--ckpt.interval=4", "--max-restarts", "2"))
     row: dict[str, Any] = {"fault": "SIGKILL", "config": " ".join(config), "trial": trial}
-    at = rng.randrange(6, 30)
+    at = rng.randrange(min(6, steps - 2), max(min(30, steps - 1), min(6, steps - 2) + 1))
     if not _wait_for_step(run, at, job):
         job.kill()
         return {**row, "tried": False, "err": job.err()[-2000:]}
-    rank = rng.randrange(2)
-    os.kill(job.workers()[rank], signal.SIGKILL)
+    workers = job.workers()
+    rank = rng.randrange(len(workers))
+    time.sleep(rng.random() * 0.5)  # a random moment inside the step, not only its start
+    os.kill(workers[rank], signal.SIGKILL)
     code = job.wait(300)
-    steps = [r["step"] for r in read_rows(run)]
+    done = [r["step"] for r in read_rows(run)]
     return {**row, "tried": True, "rank": rank, "after_step": at, "exit_code": code,
-            "recovered": code == 0 and steps == list(range(1, 41)), "bit_exact": _losses(run) == ref}
+            "recovered": code == 0 and done == list(range(1, steps + 1)), "bit_exact": _losses(run) == ref}
 
 
 def hostile_stop(work: Path, config: list[str], trial: int, rng: random.Random) -> dict:
-    run = work / f"stop-{trial}-{'-'.join(config)[2:].replace(':', '_')}"
+    run = work / f"stop-{trial}-{_name(config)}"
     job = _Job(_hostile_cmd(run, 100000, *config, "--ckpt.interval=0", f"--dist.timeout_s={HANG_TIMEOUT_S}"))
     row: dict[str, Any] = {"fault": "SIGSTOP", "config": " ".join(config), "trial": trial}
     if not _wait_for_step(run, rng.randrange(5, 40), job):
         job.kill()
         return {**row, "tried": False, "err": job.err()[-2000:]}
-    rank = rng.randrange(2)
-    os.kill(job.workers()[rank], signal.SIGSTOP)
+    workers = job.workers()
+    rank = rng.randrange(len(workers))
+    os.kill(workers[rank], signal.SIGSTOP)
     stopped = time.monotonic()
     deadline = stopped + HANG_TIMEOUT_S + 60
     report = None
@@ -393,9 +412,9 @@ def hostile_stop(work: Path, config: list[str], trial: int, rng: random.Random) 
             "report": report[1] if report else job.err()[-2000:]}
 
 
-def hostile_nan(work: Path, config: list[str], trial: int, rng: random.Random) -> dict:
-    run = work / f"nan-{trial}-{'-'.join(config)[2:].replace(':', '_')}"
-    step, rank = rng.randrange(3, 20), rng.randrange(2)
+def hostile_nan(work: Path, config: list[str], trial: int, rng: random.Random, world: int = 2) -> dict:
+    run = work / f"nan-{trial}-{_name(config)}"
+    step, rank = rng.randrange(3, 20), rng.randrange(world)
     job = _Job(_hostile_cmd(run, 20, *config, "--ckpt.interval=0", f"--dist.timeout_s={HANG_TIMEOUT_S}",
                             "--inject-fault", f"nan:step={step},rank={rank}"))
     code = job.wait(300)
@@ -440,17 +459,148 @@ def hostile_concurrent(work: Path, trial: int) -> dict:
             and "in use by another syncwise run" in refused[0].err()}
 
 
+def hostile_preempt(work: Path, config: list[str], trial: int, rng: random.Random, ref: list, sig: signal.Signals,
+                    steps: int = 40) -> dict:
+    """``sig`` (SIGTERM or SIGUSR1, as Slurm's scancel / a preemption sends) to the launcher at a random step: the
+    workers agree on a step, save, exit 83; ``--resume auto`` must then finish bit-identical to the reference."""
+    run = work / f"{sig.name.lower()}-{trial}-{_name(config)}"
+    cmd = _hostile_cmd(run, steps, *config, "--ckpt.interval=4")
+    job = _Job(cmd)
+    row: dict[str, Any] = {"fault": f"{sig.name} preemption", "config": " ".join(config), "trial": trial}
+    at = rng.randrange(2, max(3, steps // 2))  # early enough that the run is still going when the signal lands
+    if not _wait_for_step(run, at, job):
+        job.kill()
+        return {**row, "tried": False, "err": job.err()[-2000:]}
+    time.sleep(rng.random() * 0.5)
+    job.proc.send_signal(sig)
+    code = job.wait(300)
+    marker = json.loads((run / "preempted.json").read_text()) if (run / "preempted.json").exists() else {}
+    resumed = _Job([*cmd, "--resume", "auto"])
+    code2 = resumed.wait(300)
+    done = [r["step"] for r in read_rows(run)]
+    return {**row, "tried": True, "after_step": at, "exit_code": code, "stopped_at": marker.get("step"),
+            "saved": marker.get("saved"), "resume_exit_code": code2,
+            "recovered": code == 83 and bool(marker.get("saved")) and code2 == 0 and done == list(range(1, steps + 1)),
+            "bit_exact": _losses(run) == ref, "err": resumed.err()[-2000:] if code2 != 0 else None}
+
+
+def hostile_corrupt(work: Path, config: list[str], trial: int, rng: random.Random, ref_dir: Path, ref: list) -> dict:
+    """A copy of the finished reference run whose newest checkpoint is damaged (truncated, or one flipped byte) and
+    whose summary is gone (as if it died after that save): ``--resume auto`` must skip it with a warning, resume
+    from the previous one and finish bit-identical."""
+    from syncwise.checkpoint import corrupt_checkpoint
+    from syncwise.checkpoint.storage import published_checkpoints
+
+    run = work / f"corrupt-{trial}-{_name(config)}"
+    shutil.copytree(ref_dir, run)
+    newest = published_checkpoints(run / "checkpoints")[0]
+    mode = rng.choice(["truncate", "flip"])
+    corrupt_checkpoint(newest, mode=mode)
+    (run / "summary.json").unlink()
+    steps = len(ref)
+    job = _Job(_hostile_cmd(run, steps, *config, "--ckpt.interval=4", "--resume", "auto"))
+    code = job.wait(300)
+    err = job.err()
+    done = [r["step"] for r in read_rows(run)]
+    return {"fault": "corrupted newest checkpoint", "config": " ".join(config), "trial": trial, "tried": True,
+            "damage": mode, "checkpoint": newest.name, "exit_code": code, "skipped_it": newest.name in err,
+            "recovered": code == 0 and done == list(range(1, steps + 1)) and newest.name in err,
+            "bit_exact": _losses(run) == ref, "err": err[-2000:] if code != 0 else None}
+
+
+PACE_MS = 100
+# Layouts for --hostile --layouts: each a `syncwise train` flag list on top of _hostile_cmd's tiny 2-rank defaults.
+_SMALL_PP2 = ["--preset", "small", "--parallel.pp", "2", "--parallel.stages_per_rank", "2", "--data.batch_size", "4",
+              "--parallel.microbatches", "4"]
+LAYOUTS: dict[str, list[str]] = {
+    "ddp": ["--parallel.dp_replicate", "2"],
+    "fsdp": ["--parallel.dp_shard", "2"],
+    "hsdp": ["--nproc", "4", "--parallel.dp_replicate", "2", "--parallel.dp_shard", "2"],
+    "tp2": ["--parallel.tp", "2"],
+    "pp2-1f1b": ["--parallel.pp", "2"],
+    "pp2-interleaved-1f1b": [*_SMALL_PP2, "--parallel.pp_schedule", "interleaved-1f1b"],
+    "pp2-zbv": [*_SMALL_PP2, "--parallel.pp_schedule", "zbv"],
+    "pp2-dualpipev": [*_SMALL_PP2, "--parallel.pp_schedule", "dualpipev"],
+    "ep2": ["--preset", "tiny-moe", "--parallel.ep", "2"],
+    "pp2xep2": ["--nproc", "4", "--preset", "tiny-moe", "--parallel.pp", "2", "--parallel.ep", "2"],
+    "localsgd": ["--sync", "localsgd:period=2"],
+}
+LAYOUTS_WORLD = {name: int(c[c.index("--nproc") + 1]) if "--nproc" in c else 2 for name, c in LAYOUTS.items()}
+
+
+def hostile_layouts_main(args: argparse.Namespace) -> int:
+    names = list(LAYOUTS) if args.layouts == "all" else [n.strip() for n in args.layouts.split(",") if n.strip()]
+    unknown = [n for n in names if n not in LAYOUTS]
+    if unknown or not names:
+        raise SystemExit(f"--layouts {args.layouts!r}: 'all' or a comma list of {', '.join(LAYOUTS)}")
+    steps = 12 if args.smoke else 40
+    work = Path(args.work_dir)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    rng = random.Random(args.seed)
+    results: list[dict] = []
+
+    def record(row: dict) -> None:
+        row["layout"] = layout
+        results.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("err", "report")}), flush=True)
+
+    for layout in names:
+        # Every step waits PACE_MS for its data (an injected slow loader; the losses do not change), so a signal
+        # sent at a random step lands while the run is still going (a tiny model's step takes ~15 ms).
+        config = [*LAYOUTS[layout], "--inject-fault", f"slowdata:ms={PACE_MS}"]
+        world = LAYOUTS_WORLD[layout]
+        ref_dir = work / f"ref-{layout}"
+        ref_job = _Job(_hostile_cmd(ref_dir, steps, *config, "--ckpt.interval=4"))
+        if ref_job.wait(600) != 0:
+            record({"fault": "reference run", "config": " ".join(config), "tried": True, "recovered": False,
+                    "err": ref_job.err()[-2000:]})
+            continue
+        ref = _losses(ref_dir)
+        for trial in range(args.trials):
+            record(hostile_kill(work, config, trial, rng, ref, steps))
+            for sig in (signal.SIGTERM, signal.SIGUSR1):
+                record(hostile_preempt(work, config, trial, rng, ref, sig, steps))
+            record(hostile_stop(work, config, trial, rng))
+            record(hostile_nan(work, config, trial, rng, world))
+            record(hostile_corrupt(work, config, trial, rng, ref_dir, ref))
+    table: dict[str, dict[str, dict[str, int]]] = {}
+    for r in results:
+        t = table.setdefault(r["layout"], {}).setdefault(r["fault"], {"tried": 0, "ok": 0, "bit_exact": 0})
+        t["tried"] += bool(r.get("tried"))
+        t["ok"] += bool(r.get("recovered") if r["fault"] != "SIGSTOP" else r.get("reported_within")
+                        and r.get("names_rank"))
+        t["bit_exact"] += bool(r.get("bit_exact"))
+    out = Path(args.out) if args.out else RESULTS / ("reliability-hostile-layouts" + ("-smoke" if args.smoke else "")
+                                                     + ".json")
+    out.write_text(json.dumps({"command": f"python benchmarks/reliability.py --hostile --layouts {args.layouts} "
+                                          f"--trials {args.trials} --seed {args.seed}" + (" --smoke" if args.smoke else ""),
+                               "steps": steps, "hang_timeout_s": HANG_TIMEOUT_S, "summary": table, "runs": results},
+                              indent=1) + "\n")
+    faults = sorted({f for t in table.values() for f in t})
+    print("| layout | " + " | ".join(faults) + " |")
+    print("|---|" + "---|" * len(faults))
+    for layout, t in table.items():
+        cells = [f"{t[f]['ok']}/{t[f]['tried']}" + (f" ({t[f]['bit_exact']} exact)" if t[f]["bit_exact"] else "")
+                 if f in t else "–" for f in faults]
+        print(f"| {layout} | " + " | ".join(cells) + " |")
+    print("ok: recovered and finished (SIGSTOP: the hang reported within the timeout + 5 s, naming the rank); "
+          f"exact: the loss curve bit-identical to the layout's reference. results: {out}")
+    return 0 if all(r.get("tried") for r in results) else 1
+
+
 def hostile_main(args: argparse.Namespace) -> int:
+    if args.layouts:
+        return hostile_layouts_main(args)
     work = Path(args.work_dir)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     rng = random.Random(args.seed)
     results: list[dict] = []
     for config in HOSTILE_CONFIGS:
-        ref_job = _Job(_hostile_cmd(work / f"ref-{'-'.join(config)[2:].replace(':', '_')}", 40, *config,
-                                    "--ckpt.interval=4"))
+        ref_job = _Job(_hostile_cmd(work / f"ref-{_name(config)}", 40, *config, "--ckpt.interval=4"))
         ref_job.wait(300)
-        ref = _losses(work / f"ref-{'-'.join(config)[2:].replace(':', '_')}")
+        ref = _losses(work / f"ref-{_name(config)}")
         for trial in range(args.trials):
             for fn in (lambda: hostile_kill(work, config, trial, rng, ref), lambda: hostile_stop(work, config, trial, rng),
                        lambda: hostile_nan(work, config, trial, rng)):

@@ -854,7 +854,9 @@ def add_train_arguments(parser) -> None:
     parser.add_argument("--run-dir", dest="run_dir", help="run directory (run_dir)")
     parser.add_argument("--compress", help="gradient compression NAME[:key=value,...] (compress.method)")
     parser.add_argument("--sync", help="every-step | localsgd:period=H | diloco:period=H,delay=D,... (parallel.sync)")
-    parser.add_argument("--resume", help="auto | PATH | none (resume)")
+    parser.add_argument("--resume", help="auto | PATH | none (resume). The layout may change at resume: giving any "
+                        "--parallel.{dp_replicate,dp_shard,tp,pp,ep} replaces the saved layout as a whole (degrees "
+                        "not given take their defaults), not merged degree by degree (docs/resume.md)")
     parser.add_argument("--max-restarts", dest="max_restarts", help="elastic restarts (dist.max_restarts)")
     parser.add_argument("--nnodes", help="elastic node range N or MIN:MAX (dist.nnodes)")
     parser.add_argument("--inject-fault", dest="inject_fault", action="append",

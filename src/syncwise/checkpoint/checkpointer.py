@@ -467,8 +467,12 @@ class _Damaged(SyncwiseError):
     """
 
 
-def _check_compatible(path: Path, train_state: TrainState, manifest: dict[str, Any]) -> None:
-    """Compare the state to load with the checkpoint's DCP metadata; raise a clear error if they differ."""
+def _check_compatible(path: Path, train_state: TrainState,
+                      manifest: dict[str, Any]) -> tuple[list[str], set[str]]:
+    """Compare the state this rank loads with the checkpoint's DCP metadata; raise a clear error if this rank
+    needs an entry the checkpoint lacks, or an entry's shape differs. Returns (the checkpoint's entries under the
+    run's global components, sorted; the entries this rank loads) for ``_check_covered``: a pipeline stage loads
+    only its own layers, so "is every saved entry part of the run" is asked of the union over ranks."""
     saved = set(manifest.get("global_components", []))
     missing_components = [n for n in train_state.global_components if n not in saved]
     if missing_components:
@@ -484,10 +488,12 @@ def _check_compatible(path: Path, train_state: TrainState, manifest: dict[str, A
         raise _Damaged(f"checkpoint {path} has unreadable DCP metadata ({type(e).__name__}: {e}). "
                        "It is damaged or not a syncwise checkpoint; use another checkpoint.") from e
     saved_md = metadata.state_dict_metadata
+    for name, comp in train_state.global_components.items():  # e.g. the optimizer's form (ModelOptimizerState)
+        adapt = getattr(comp, "adapt_to_checkpoint", None)
+        if callable(adapt):
+            adapt({k[len(name) + 1:] for k in saved_md if k.startswith(name + ".")})
     ours = _flatten({n: c.state_dict() for n, c in train_state.global_components.items()})
     missing = [k for k in ours if k not in saved_md]
-    prefixes = tuple(f"{n}." for n in train_state.global_components)
-    unexpected = [k for k in saved_md if k.startswith(prefixes) and k not in ours]
     mismatched = []
     for k, v in ours.items():
         md = saved_md.get(k)
@@ -498,22 +504,41 @@ def _check_compatible(path: Path, train_state: TrainState, manifest: dict[str, A
                 mismatched.append(f"'{k}': checkpoint holds a non-tensor, the run has a tensor {list(shape)}")
             elif saved_size != shape:
                 mismatched.append(f"'{k}': checkpoint {list(saved_size)}, run {list(shape)}")
-    if missing or unexpected or mismatched:
-        def few(xs: list[str]) -> str:
-            return ", ".join(repr(x) if not x.startswith("'") else x for x in xs[:3]) + (" ..." if len(xs) > 3 else "")
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} entries of the run are missing from the checkpoint ({_few(missing)})")
+    if mismatched:
+        parts.append(f"{len(mismatched)} have a different shape ({_few(mismatched)})")
+    if parts:
+        raise _mismatch(path, manifest, parts)
+    prefixes = tuple(f"{n}." for n in train_state.global_components)
+    return sorted(k for k in saved_md if k.startswith(prefixes)), set(ours)
 
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} entries of the run are missing from the checkpoint ({few(missing)})")
-        if unexpected:
-            parts.append(f"{len(unexpected)} entries of the checkpoint do not exist in the run ({few(unexpected)})")
-        if mismatched:
-            parts.append(f"{len(mismatched)} have a different shape ({few(mismatched)})")
-        raise SyncwiseError(
-            f"checkpoint {path} (step {manifest.get('step')}, written by {manifest.get('world_size')} "
-            f"rank(s)) does not match the model being trained: {'; '.join(parts)}. It was saved from a "
-            "different model configuration. Load it with the configuration it was written with, or "
-            "start without resuming (or point the checkpoint directory elsewhere).")
+
+def _check_covered(path: Path, manifest: dict[str, Any], entries: list[str], ours: set[str]) -> None:
+    """Collective: every entry of the checkpoint (``entries``, the same list on every rank) must be loaded by
+    some rank — the union of the ranks' state is the saved model, whatever the layout (DCP reshards each
+    entry by its fully-qualified name, so pipeline stages, FSDP2 shards and tensor-parallel pieces each take
+    their part). An entry no rank loads belongs to another model (more layers, other modules): refused."""
+    mask = torch.tensor([k in ours for k in entries], dtype=torch.int32, device=_ctl_device())
+    if _dist_on() and entries:
+        ops.all_reduce(mask, "max")
+    unexpected = [k for k, hit in zip(entries, mask.tolist()) if not hit]
+    if unexpected:
+        raise _mismatch(path, manifest, [f"{len(unexpected)} entries of the checkpoint do not exist in the run "
+                                         f"({_few(unexpected)})"])
+
+
+def _few(xs: list[str]) -> str:
+    return ", ".join(repr(x) if not x.startswith("'") else x for x in xs[:3]) + (" ..." if len(xs) > 3 else "")
+
+
+def _mismatch(path: Path, manifest: dict[str, Any], parts: list[str]) -> SyncwiseError:
+    return SyncwiseError(
+        f"checkpoint {path} (step {manifest.get('step')}, written by {manifest.get('world_size')} "
+        f"rank(s)) does not match the model being trained: {'; '.join(parts)}. It was saved from a "
+        "different model configuration. Load it with the configuration it was written with, or "
+        "start without resuming (or point the checkpoint directory elsewhere).")
 
 
 def _layout_change(manifest: dict[str, Any], layout: str | None) -> str | None:
@@ -529,17 +554,21 @@ def _layout_change(manifest: dict[str, Any], layout: str | None) -> str | None:
 
 def _read_rank_file(path: Path, train_state: TrainState, manifest: dict[str, Any],
                     layout: str | None = None) -> dict[str, Any] | None:
-    """This rank's per-rank payload of checkpoint ``path``, read and checked but not applied (None when
-    the run has no per-rank state or the checkpoint was written at another world size or layout)."""
+    """This rank's per-rank payload of checkpoint ``path``, read and checked but not applied (None when the run
+    has no per-rank state). Under another world size or layout, rank 0's payload when the run has portable
+    per-rank state (``TrainState.register(portable=True)``: only that part of it is applied), else None."""
     rank, world = _rank_world()
-    if not train_state.per_rank_components or _layout_change(manifest, layout) is not None:
+    if not train_state.per_rank_components:
         return None
-    f = path / storage.rank_filename(rank)
+    changed = _layout_change(manifest, layout) is not None
+    if changed and not train_state.portable:
+        return None
+    f = path / storage.rank_filename(0 if changed else rank)
     try:
         payload = torch.load(f, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise _Damaged(f"checkpoint {path} lacks {f.name}, the per-rank state of rank {rank}; the "
-                       "checkpoint is incomplete, use an earlier one.") from None
+        raise _Damaged(f"checkpoint {path} lacks {f.name}, the per-rank state of rank {0 if changed else rank}; "
+                       "the checkpoint is incomplete, use an earlier one.") from None
     except Exception as e:
         # weights_only refuses anything but tensors and plain data: never run code from a checkpoint
         raise _Damaged(
@@ -558,15 +587,22 @@ def _apply_rank_file(path: Path, train_state: TrainState, manifest: dict[str, An
     names = list(train_state.per_rank_components)
     if not names:
         return
-    if payload is None:
-        # a rank's state (a compressor's error feedback, its data position) belongs to its place in the
-        # layout: under another layout rank r is not the same worker, so nothing is mis-assigned to it
-        log.warning("checkpoint %s %s: per-rank state (%s) is not restored (it belongs to the ranks of the "
-                    "old layout); RNG streams and data positions are re-derived from the seed, compressor "
-                    "error feedback starts from zero", path, _layout_change(manifest, layout) or "differs",
-                    ", ".join(names))
+    change = _layout_change(manifest, layout)
+    comps = payload.get("components", {}) if payload is not None else {}
+    if change is not None:
+        # a rank's state (a compressor's error feedback, its RNG streams) belongs to its place in the layout:
+        # under another layout rank r is not the same worker, so nothing is mis-assigned to it. Portable state
+        # (a data position) is taken from the old rank 0 and adapts itself.
+        moved = [n for n in names if n in train_state.portable and n in comps]
+        for name in moved:
+            train_state.per_rank_components[name].load_state_dict(comps[name])
+        dropped = [n for n in names if n not in moved]
+        if dropped:
+            log.warning("checkpoint %s %s: per-rank state (%s) is not restored (it belongs to the ranks of the "
+                        "old layout); RNG streams are re-derived from the seed, compressor error feedback and "
+                        "local-SGD state start from zero%s", path, change, ", ".join(dropped),
+                        f"; {', '.join(moved)} continues from the old layout's position" if moved else "")
         return
-    comps = payload.get("components", {})
     for name, comp in train_state.per_rank_components.items():
         if name in comps:
             comp.load_state_dict(comps[name])
@@ -615,8 +651,8 @@ def _try_load(path: Path, train_state: TrainState,
 
     Each stage is agreed by all ranks before the next, so a failure on any rank stops all of them at
     the same point: (1) read the manifest, check the model against the DCP metadata and read this
-    rank's per-rank file (local, nothing changed yet); (2) the DCP load (collective); (3) apply the
-    per-rank state. Returns (outcome, reasons from every failing rank, this rank's own error).
+    rank's per-rank file (local, nothing changed yet); then check that the ranks together load every entry
+    of the checkpoint (one small all-reduce); (2) the DCP load (collective); (3) apply the per-rank state. Returns (outcome, reasons from every failing rank, this rank's own error).
     """
     err: BaseException | None = None
     manifest: dict[str, Any] = {}
@@ -626,9 +662,16 @@ def _try_load(path: Path, train_state: TrainState,
             manifest = storage.read_manifest(path)
         except (OSError, ValueError) as e:
             raise _Damaged(f"the manifest of checkpoint {path} is unreadable: {e}") from e
-        _check_compatible(path, train_state, manifest)
+        entries, ours = _check_compatible(path, train_state, manifest)
         payload = _read_rank_file(path, train_state, manifest, layout)
     except Exception as e:
+        err = e
+    code, reasons = _agree_outcome(err)
+    if code != _OK:
+        return code, reasons, err
+    try:  # every rank read the same metadata (agreed above), so every rank builds the same list
+        _check_covered(path, manifest, entries, ours)
+    except SyncwiseError as e:
         err = e
     code, reasons = _agree_outcome(err)
     if code != _OK:

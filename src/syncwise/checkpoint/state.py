@@ -36,29 +36,53 @@ class ModelOptimizerState:
 
     Those handle plain modules, DDP, FSDP2 and tensor parallel alike (FQNs without wrapper prefixes,
     sharded tensors stay sharded), so the checkpoint is portable across wrappers and world sizes.
+
+    The optimizer is saved *flattened* (torch's ``flatten_optimizer_state_dict``: ``state.<fqn>.exp_avg``,
+    ``param_groups.<fqn>.lr``): every entry is keyed by a parameter's fully-qualified name, so a pipeline
+    stage contributes exactly its own parameters' entries and loads exactly its own — the union over the
+    stages is the unsplit model's state, and DCP reshards it to any stage count or layout. (Nested, torch's
+    default, keeps ``param_groups`` as one list per rank: stages holding different parameters would write
+    different lists under one key, and every stage would read back one stage's.) Checkpoints written
+    nested, before this, still load: ``adapt_to_checkpoint`` picks the checkpoint's form for the load.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None):
         self.model, self.optimizer = model, optimizer
+        self._flat = True  # the optimizer's form in the next state_dict()
 
     def _optims(self) -> list[torch.optim.Optimizer]:
         if self.optimizer is None:
             return []
         return list(self.optimizer) if isinstance(self.optimizer, (list, tuple)) else [self.optimizer]
 
+    def _options(self, flat: bool) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(flatten_optimizer_state_dict=flat)
+
+    def adapt_to_checkpoint(self, entries: set[str]) -> None:
+        """Before a load: ``entries`` are this component's keys in the checkpoint (DCP's flattened names, without
+        the component's own prefix). A checkpoint written with the optimizer nested (``optim.param_groups.0.params``)
+        is loaded nested; the next save is flattened again."""
+        self._flat = not any(k.startswith("optim.param_groups.") and k.endswith(".params")
+                             and k.split(".")[2].isdigit() for k in entries)
+
     def state_dict(self) -> dict[str, Any]:
-        """``{'model': ..., 'optim': ...}`` in DCP's canonical (wrapper-free) form."""
+        """``{'model': ..., 'optim': ...}`` in DCP's canonical (wrapper-free) form, the optimizer flattened."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.model, self._optims())
+        model_sd, optim_sd = get_state_dict(self.model, self._optims(), options=self._options(self._flat))
         return {"model": model_sd, "optim": optim_sd} if self._optims() else {"model": model_sd}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load what ``state_dict()`` produced (strict: every key must be present)."""
+        """Load what ``state_dict()`` produced, flattened or nested (strict: every key must be present)."""
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
+        optim_sd = state_dict.get("optim", {})
+        flat = not isinstance(optim_sd.get("param_groups"), list)
         set_state_dict(self.model, self._optims(), model_state_dict=state_dict["model"],
-                       optim_state_dict=state_dict.get("optim", {}))
+                       optim_state_dict=optim_sd, options=self._options(flat))
+        self._flat = True
 
 
 class RNGState:
@@ -123,15 +147,24 @@ class TrainState:
     def __init__(self) -> None:
         self.global_components: dict[str, Stateful] = {}
         self.per_rank_components: dict[str, Stateful] = {}
+        self.portable: set[str] = set()  # per-rank components whose state any rank of another layout can load
 
-    def register(self, name: str, component: Stateful, *, per_rank: bool = False) -> Stateful:
-        """Add ``component`` under ``name``; ``per_rank=True`` for state that differs by rank."""
+    def register(self, name: str, component: Stateful, *, per_rank: bool = False,
+                 portable: bool = False) -> Stateful:
+        """Add ``component`` under ``name``; ``per_rank=True`` for state that differs by rank. ``portable=True``
+        (per-rank only): after a change of layout or world size, load the state rank 0 of the old layout saved
+        instead of dropping it — for state that is kept per rank but means the same on every rank and adapts
+        to the new layout itself (a data loader's position in the epoch: windows consumed by all ranks)."""
         if not isinstance(component, Stateful):
             raise ConfigError(f"train_state[{name!r}]", type(component).__name__,
                               "an object with state_dict() and load_state_dict()")
         if not name or "." in name or name in self.global_components or name in self.per_rank_components:
             raise ConfigError("name", name, "a new, non-empty component name without '.'")
+        if portable and not per_rank:
+            raise ConfigError("portable", portable, "False unless per_rank=True (global state always reshards)")
         (self.per_rank_components if per_rank else self.global_components)[name] = component
+        if portable:
+            self.portable.add(name)
         return component
 
     def __contains__(self, name: str) -> bool:

@@ -92,10 +92,26 @@ def check_run_dir(cfg: RunConfig, run_dir: Path) -> None:
 # first attempt (a kill fired once already; a NaN fault must not hit the redone steps again).
 _PER_INVOCATION = ("run_dir", "resume", "inject_fault")
 
+# The layout is one thing: giving any of its degrees at resume replaces the saved layout as a whole (the degrees
+# not given take their defaults), so a resumed DDP -> FSDP2 run does not carry dp_shard 2 into a later --parallel.tp 2.
+LAYOUT_DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "ep")
+# ... and what shapes the saved pipeline, replaced with it (a new pp degree does not keep the old schedule's shape)
+LAYOUT_KEYS = LAYOUT_DEGREES + ("pp_schedule", "microbatches", "stages_per_rank")
+LAYOUT_RULE = ("giving any --parallel.{dp_replicate,dp_shard,tp,pp,ep} at --resume replaces the saved layout as a "
+               "whole (degrees not given take their defaults), not merged degree by degree")
+
+
+def _gives_degree(file_values: dict | None, overrides: dict) -> bool:
+    """Whether the user's flags or TOML file name a layout degree (LAYOUT_DEGREES)."""
+    table = (file_values or {}).get("parallel")
+    return any(f"parallel.{d}" in overrides for d in LAYOUT_DEGREES) or (
+        isinstance(table, dict) and any(d in table for d in LAYOUT_DEGREES))
+
 
 def resolve_config(file_values: dict | None, overrides: dict) -> RunConfig:
     """The run's configuration. Resuming (``--resume`` not 'none') a run directory with a ``config.json``
-    continues with that saved configuration; the user's TOML file and flags override it where given."""
+    continues with that saved configuration; the user's TOML file and flags override it where given, except the
+    layout: giving any of its degrees replaces the saved layout as a whole (``LAYOUT_RULE``, docs/resume.md)."""
     file_values = upgrade_moved_keys(file_values, "the configuration file")  # merged below under the new names
     cfg = build_config(file_values, overrides)
     if cfg.resume == "none" or not cfg.run_dir:
@@ -109,16 +125,39 @@ def resolve_config(file_values: dict | None, overrides: dict) -> RunConfig:
         raise SyncwiseError(f"--resume: the saved configuration of {cfg.run_dir} does not load ({e}); start a "
                             "new run, or fix its config.json") from None
     base = {k: v for k, v in saved.items() if k not in _PER_INVOCATION}
+    replaced = _gives_degree(file_values, overrides) and isinstance(base.get("parallel"), dict)
+    if replaced:
+        before = _layout_text(base["parallel"])
+        base["parallel"] = {k: v for k, v in base["parallel"].items() if k not in LAYOUT_KEYS}
     for key, value in (file_values or {}).items():  # the user's file on top of the saved run, section by section
         if isinstance(value, dict) and isinstance(base.get(key), dict):
             base[key] = {**base[key], **value}
         else:
             base[key] = value
     try:
-        return build_config(base, overrides)
-    except SyncwiseError as e:  # e.g. a saved value this version no longer accepts
+        resolved = build_config(base, overrides)
+    except SyncwiseError as e:
+        if replaced:  # the new layout does not go with the run's saved settings (its compressor, say)
+            raise SyncwiseError(f"--resume with a new layout: {e} (the other settings are the run's, from "
+                                f"{cfg.run_dir}/config.json)") from None
+        # e.g. a saved value this version no longer accepts
         raise SyncwiseError(f"--resume: the saved configuration of {cfg.run_dir} does not load ({e}); start a "
                             "new run, or fix its config.json") from None
+    if replaced:
+        after = _layout_text(vars(resolved.parallel))
+        if after != before:
+            print(f"syncwise: note: the layout changes at resume, {before} -> {after}: {LAYOUT_RULE}",
+                  file=sys.stderr, flush=True)
+    return resolved
+
+
+def _layout_text(parallel: dict) -> str:
+    """The layout keys of a [parallel] table that differ from their defaults, as 'pp=2, pp_schedule=zbv'."""
+    from ..config import ParallelSection
+
+    defaults = vars(ParallelSection())
+    return ", ".join(f"{k}={parallel[k]}" for k in LAYOUT_KEYS if k in parallel and parallel[k] != defaults[k]) \
+        or "the default (DDP over every rank)"
 
 
 def _read_json(path: Path) -> dict:

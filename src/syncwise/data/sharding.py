@@ -304,3 +304,18 @@ def shard_loader(loader: Any, rank: int, world_size: int, seed: int = 0) -> Any:
                           f"{ACCEPTED} (syncwise could not rebuild this DataLoader subclass: {exc}; give it a "
                           "DistributedSampler yourself)") from exc
     return ShardedLoader(rebuilt, SHARDED, rank, world_size, seed)
+
+
+def position_is_global(loader: object) -> bool:
+    """Whether ``loader``'s checkpointed position is the epoch's progress over all data-parallel ranks, which a
+    loader under another layout or world size can continue from (``TrainState.register(portable=True)``):
+    syncwise's ``TokenBatchLoader``, a ``ShardedLoader`` over a map-style dataset, either behind a
+    ``SmartPrefetcher``. A user's iterable dataset shards itself: its position is its rank's own."""
+    from .loader import TokenBatchLoader
+    from .prefetch import SmartPrefetcher
+
+    if isinstance(loader, SmartPrefetcher):
+        return position_is_global(loader.loader)
+    if isinstance(loader, ShardedLoader):
+        return loader.kind != ITERABLE
+    return isinstance(loader, TokenBatchLoader)

@@ -443,6 +443,17 @@ def _stage_class() -> type:
         def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
             return self.meter.receives(super().get_bwd_recv_ops(bwd_chunk_id))
 
+        # torch 2.13's schedule.eval() keeps a V schedule's (zbv, dualpipev) backward actions and skips their
+        # compute, but still hands the skipped input gradient from a stage to its neighbour on the same rank,
+        # which asserts ("can't steal_bwd_input if this stage doesn't have backward"): a forward-only pass has
+        # no gradient to hand over.
+        def get_local_bwd_output(self, mb_index: int) -> Any:
+            return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+        def set_local_bwd_input(self, next_stage_bwd_outputs: Any, mb_index: int) -> None:
+            if self.has_backward:
+                super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
         # torch infers the stages' shapes by running one forward (and backward) of the first microbatch per stage
         # before the first step (private hooks of torch 2.13's PipelineStage). Run it in eval mode, so stateful
         # modules do not count it (MoE load counters, BatchNorm statistics), on zeros rather than uninitialised

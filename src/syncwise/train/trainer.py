@@ -34,7 +34,7 @@ from ..checkpoint import ModelOptimizerState, RNGState, SmartCheckpointer, Train
 from ..comm import ops
 from ..comm.stats import CommStats
 from ..comm.watchdog import Watchdog
-from ..data.sharding import shard_loader
+from ..data.sharding import position_is_global, shard_loader
 from ..errors import ConfigError, SyncwiseError
 from ..models import lm_loss
 from ..specs import count
@@ -437,7 +437,7 @@ class OptimizedTrainer:
         state.register("trainer", self)
         state.register("rng", RNGState(), per_rank=True)
         if loader is not None and hasattr(loader, "state_dict"):
-            state.register("data", loader, per_rank=True)
+            state.register("data", loader, per_rank=True, portable=position_is_global(loader))  # -> a new layout
         if self.batcher is not None:  # the micro size found (resume does not probe again); ranks may differ
             state.register("batcher", self.batcher, per_rank=True)
         if self.sync is not None and self.sync.replicas_diverge:  # each rank keeps its own model and optimizer
@@ -533,7 +533,10 @@ class OptimizedTrainer:
                 if self.par.pipeline is not None:  # the schedule runs every microbatch's forward and backward
                     self.phase = "pipeline schedule"
                     with self._autocast():
-                        return self.par.pipeline.step(inputs, targets, weight=weight * (math.nan if poison else 1.0))
+                        loss = self.par.pipeline.step(inputs, targets, weight=weight * (math.nan if poison else 1.0))
+                    if poison and not self.par.pipeline.has_last:  # (the weight reaches only the last stage's loss)
+                        next(p for p in self.model.parameters() if p.grad is not None).grad.mul_(math.nan)
+                    return loss
                 with self._autocast():
                     loss = self.loss_fn(self.par.module(inputs), targets) * weight
                 if poison:
