@@ -177,3 +177,21 @@ def test_the_planner_describes_the_model_for_the_memory_check(tmp_path):
     counted = sum(p.numel() for n, p in model.named_parameters() if "norm" not in n)
     assert spec.param_counts()[0] == pytest.approx(counted, rel=0.02)  # the q/k norms aside
     assert hf_train_memory_bytes(spec, BATCH) > 16 * counted
+
+
+def test_a_run_resumes_from_its_checkpoint(corpus, tmp_path):
+    """The wrapper's parameters go through syncwise's DCP checkpoint: 2 steps + resume = 3 steps straight."""
+    folder = _folder(tmp_path, "qwen2")
+    straight, parts = tmp_path / "straight", tmp_path / "parts"
+    assert main(_args(folder, corpus, straight, "--nproc", "1")) == 0
+    first = _args(folder, corpus, parts, "--nproc", "1")
+    first[first.index("--steps") + 1] = "2"
+    assert main(first) == 0
+    assert main(_args(folder, corpus, parts, "--nproc", "1", "--resume", "auto")) == 0
+    assert _losses(parts)[-1] == pytest.approx(_losses(straight)[-1], rel=1e-6)
+
+
+def test_preset_and_model_flags_together_are_refused(capsys):
+    assert main(["train", "--check", "--preset", "tiny", "--model", "hf:/somewhere"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'--model'" in err and "not both" in err, err
