@@ -195,3 +195,14 @@ def test_preset_and_model_flags_together_are_refused(capsys):
     assert main(["train", "--check", "--preset", "tiny", "--model", "hf:/somewhere"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "'--model'" in err and "not both" in err, err
+
+
+def test_bench_baseline_counts_the_hf_models_parameters(corpus, tmp_path):
+    """`syncwise bench --preset hf:DIR`'s fp32 baseline: every parameter of the Hugging Face model, 4 bytes each."""
+    from syncwise.commands.bench import _fp32_bytes
+    from syncwise.config import build_config
+
+    folder = _folder(tmp_path, "mixtral")
+    cfg = build_config(None, {"model.preset": f"hf:{folder}", "data.seq_len": "32", "data.corpus": str(corpus)})
+    model = transformers.AutoModelForCausalLM.from_config(FAMILIES["mixtral"]())
+    assert _fp32_bytes(cfg) == 4.0 * sum(p.numel() for p in model.parameters())
