@@ -150,6 +150,10 @@ def test_fsdp_units_are_the_decoder_layers(tmp_path):
     (lambda t: _folder(t, "llama", vocab_size=200), [], "model.preset", ["vocab_size 200", "256"]),
     (lambda t: _folder(t, "llama", max_position_embeddings=16), [], "data.seq_len", ["max_position_embeddings (16"]),
     (lambda t: _folder(t, "llama"), ["--model.attention=mla"], "model.attention", ["config.json"]),
+    (lambda t: _raw(t, {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 320}), [],
+     "model.preset", ["hidden_size"]),                                            # the planner needs the shape
+    (lambda t: _raw(t, {"architectures": ["MixtralForCausalLM"], "model_type": "llama", "vocab_size": 320}), [],
+     "model.preset", ["'mixtral'"]),
 ])
 def test_refused_before_any_worker_in_one_line(make, extra, field, words, corpus, tmp_path, capsys):
     folder = make(tmp_path)
@@ -159,6 +163,13 @@ def test_refused_before_any_worker_in_one_line(make, extra, field, words, corpus
     assert len(err.splitlines()) == 1 and f"'{field}'" in err and "Traceback" not in err, err
     assert all(w in err for w in words), err
     assert not run_dir.exists()
+
+
+def _raw(tmp_path, values):
+    folder = tmp_path / "raw"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(values))
+    return folder
 
 
 def _gpt2(tmp_path):

@@ -794,8 +794,11 @@ def _check_data_and_memory(cfg: RunConfig, local: int, fewest: int, where: "Plac
     rows = 1 if cfg.train.dynamic_batch else d.batch_size  # with dynamic_batch only one row has to fit
     if hf is not None:  # the planner's description of the Hugging Face config (plan.model.from_hf_config)
         check_hf_shape(hf, cfg.model.preset, vocab or 256, d.seq_len)
-        with _as_field("model.preset", cfg.model.preset):
+        try:
             spec = hf.spec(d.seq_len)
+        except ConfigError as e:  # a field the planner needs, missing or wrong in config.json
+            raise ConfigError("model.preset", cfg.model.preset, f"a complete config.json: {e.field} must be "
+                              f"{e.accepted} (got {e.value!r})") from None
         need = hf_train_memory_bytes(spec, rows, 4 if fp32 else 2, cfg.train.activation_checkpointing)
     else:
         overrides = model_overrides(cfg, vocab or 256)

@@ -73,24 +73,38 @@ def read_hf_model(preset: str, key: str = "model.preset") -> HFModelInfo:
     if not preset[len(PREFIX):]:
         raise ConfigError(key, preset, what)
     config = folder / "config.json"
-    if not config.is_file():
+    try:
+        found = config.is_file()
+    except (OSError, ValueError) as e:  # a name too long, a NUL byte
+        raise ConfigError(key, preset, f"{what}; {e}") from None
+    if not found:
         raise ConfigError(key, preset, f"{what}; {config} does not exist")
     try:
+        if config.stat().st_size > 16 * 2**20:
+            raise ValueError("larger than 16 MiB")
         values = json.loads(config.read_text())
     except (OSError, ValueError, RecursionError) as e:
         raise ConfigError(key, preset, f"{what}; {config} is not readable JSON ({e})") from None
     if not isinstance(values, dict):
         raise ConfigError(key, preset, f"{what}; {config} holds no JSON object")
-    archs = values.get("architectures") or ([_BY_TYPE[values["model_type"]]] if values.get("model_type") in _BY_TYPE
-                                            else [])
-    arch = archs[0] if isinstance(archs, list) and archs else values.get("model_type")
-    if arch not in SUPPORTED:
+    archs = values.get("architectures")
+    kind = values.get("model_type")
+    if not archs:  # a config written without it: its model_type names the family
+        archs = [_BY_TYPE.get(kind, kind)] if isinstance(kind, str) else []
+    arch = archs[0] if isinstance(archs, list) and archs else archs
+    if not isinstance(arch, str) or arch not in SUPPORTED:
         raise ConfigError(key, preset, f"a Hugging Face causal LM of a supported family: {supported_list()} "
-                          f"({config} is {arch!r})")
+                          f"({config} has architectures {values.get('architectures')!r}, model_type {kind!r})")
+    if kind != SUPPORTED[arch]:
+        raise ConfigError(key, preset, f"a config.json whose model_type is {SUPPORTED[arch]!r} for {arch} (got "
+                          f"{kind!r}; transformers builds the model from model_type)")
     if not isinstance(values.get("vocab_size"), int) or values["vocab_size"] < 1:
         raise ConfigError(key, preset, f"a config.json with a positive integer vocab_size (got "
                           f"{values.get('vocab_size')!r})")
-    weights = tuple(sorted(p.name for p in folder.glob("*.safetensors")))
+    try:
+        weights = tuple(sorted(p.name for p in folder.glob("*.safetensors")))
+    except OSError as e:
+        raise ConfigError(key, preset, f"{what}; {folder} cannot be listed ({e})") from None
     return HFModelInfo(folder=folder, architecture=arch, values=values, weights=weights)
 
 
