@@ -128,6 +128,33 @@ def test_two_ranks_data_parallel(extra, exact, corpus, tmp_path):
     assert ("FSDP2" in summary["layout"]) == exact, summary["layout"]
 
 
+@pytest.mark.slow  # ~20 s on 2 shared cores
+def test_tensor_parallel_through_the_models_own_plan(corpus, tmp_path):
+    """tp 2 with transformers' base_model_tp_plan: both tp ranks read the same batch, so the losses are the plain
+    single-process loop's; the Linear layers really are split (tp bytes are counted)."""
+    folder = _folder(tmp_path, "qwen2")
+    run_dir = tmp_path / "run"
+    assert main(_args(folder, corpus, run_dir, "--nproc", "2", "--parallel.tp=2")) == 0
+    got, want = _losses(run_dir), _reference(folder, corpus)
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-5), (got, want)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["comm_bytes_tp"] > 0 for r in rows[:2])
+    assert json.loads((run_dir / "summary.json").read_text())["layout"].startswith("tp 2")
+
+
+def test_the_tp_plan_is_transformers_own(tmp_path):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from syncwise.models.hf_model import build_hf_model, hf_tp_plan
+
+    model = build_hf_model(f"hf:{_folder(tmp_path, 'llama')}")
+    plan = hf_tp_plan(model)
+    assert isinstance(plan["hf.model.layers.*.self_attn.q_proj"], ColwiseParallel)
+    assert isinstance(plan["hf.model.layers.*.mlp.down_proj"], RowwiseParallel)
+    assert len(plan) == len(model.hf.config.base_model_tp_plan)
+    assert all(model.get_submodule(k.replace("*", "0")) is not None for k in plan)  # the names resolve
+
+
 def test_fsdp_units_are_the_decoder_layers(tmp_path):
     from syncwise.models.hf_model import build_hf_model
     from syncwise.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -144,7 +171,10 @@ def test_fsdp_units_are_the_decoder_layers(tmp_path):
 @pytest.mark.parametrize("make, extra, field, words", [
     (lambda t: _gpt2(t), [], "model.preset", ["GPT2LMHeadModel", *ARCH.values()]),
     (lambda t: t / "nothing-here", [], "model.preset", ["config.json"]),
-    (lambda t: _folder(t, "llama"), ["--nproc", "2", "--parallel.tp=2"], "parallel.tp", ["tensor parallel"]),
+    (lambda t: _folder(t, "qwen3"), ["--nproc", "2", "--parallel.tp=2"], "parallel.tp",
+     ["LlamaForCausalLM, Qwen2ForCausalLM", "base_model_tp_plan"]),
+    (lambda t: _folder(t, "llama", num_key_value_heads=1), ["--nproc", "2", "--parallel.tp=2"], "parallel.tp",
+     ["num_key_value_heads (1)"]),
     (lambda t: _folder(t, "llama"), ["--nproc", "2", "--parallel.pp=2"], "parallel.pp", ["pipeline parallel"]),
     (lambda t: _folder(t, "mixtral"), ["--nproc", "2", "--parallel.ep=2"], "parallel.ep", ["expert parallel"]),
     (lambda t: _folder(t, "llama", vocab_size=200), [], "model.preset", ["vocab_size 200", "256"]),

@@ -691,17 +691,20 @@ def check_references(cfg: RunConfig, here: bool = True) -> None:
 
 
 def _check_hf_run(cfg: RunConfig) -> None:
-    """What a Hugging Face model (``hf:FOLDER``) cannot do here: syncwise's tensor-parallel plan, pipeline split
-    and expert dispatch are written for its own model (transformers' ``base_model_tp_plan`` is not applied through
-    syncwise's mesh yet), and its attention / MoE kernels are the model's own."""
+    """What a Hugging Face model (``hf:FOLDER``) can do here: tensor parallel through transformers' own plan
+    (``base_model_tp_plan``) for the families whose plan is column/row-wise layers; syncwise's pipeline split and
+    expert dispatch are written for its own model; its attention is the model's own."""
+    from .models.hf import check_hf_tp, read_hf_model
+
     preset = cfg.model.preset
-    for name, what in (("tp", "tensor parallel"), ("pp", "pipeline parallel"), ("ep", "expert parallel")):
+    if cfg.parallel.tp > 1:
+        check_hf_tp(read_hf_model(preset), preset, cfg.parallel.tp)
+    for name, what in (("pp", "pipeline parallel"), ("ep", "expert parallel")):
         value = getattr(cfg.parallel, name)
         if value > 1:
             raise ConfigError(f"parallel.{name}", value, f"1 with model.preset={preset}: {what} is not supported for "
-                              "Hugging Face models yet (syncwise's TP plan, pipeline split and expert dispatch are "
-                              "written for its own model; transformers' base_model_tp_plan is not applied through "
-                              "syncwise's mesh); data parallel is: DDP with any compressor, FSDP2, HSDP")
+                              "Hugging Face models yet (syncwise's pipeline split and expert dispatch are written for "
+                              "its own model); data parallel is: DDP with any compressor, FSDP2, HSDP")
     if cfg.model.attention != "default":
         raise ConfigError("model.attention", cfg.model.attention, f"'default' with model.preset={preset}: a Hugging "
                           "Face model's attention is set in its config.json")

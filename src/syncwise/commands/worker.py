@@ -80,6 +80,14 @@ def _build_model(cfg: RunConfig, vocab_size: int) -> torch.nn.Module:
     return build_model(cfg.model.preset, **model_overrides(cfg, vocab_size))
 
 
+def _tp_plan(model: torch.nn.Module, parallel: Any) -> Any:
+    """A Hugging Face model's own tensor-parallel plan (None: syncwise's model, whose plan is built in)."""
+    if parallel.tp == 1 or not hasattr(model, "hf"):
+        return None
+    from ..models.hf_model import hf_tp_plan
+    return hf_tp_plan(model)
+
+
 def model_flops_per_token(model: torch.nn.Module) -> float:
     """Training FLOPs per token for MFU: the model's own count (a Hugging Face model's) or its config's."""
     own = getattr(model, "flops_per_token", None)
@@ -177,7 +185,7 @@ def train_worker(cfg: RunConfig) -> dict[str, Any]:
             val_loader=val, val_interval=cfg.train.val_interval, run_dir=cfg.run_dir,
             flops_per_token=model_flops_per_token(model), checkpointer=checkpointer,
             inject_faults=specs.faults, collective_timeout_s=cfg.dist.timeout_s,
-            sync=specs.sync, parallel=parallel, preempt_grace_s=cfg.ckpt.preempt_grace_s,
+            sync=specs.sync, parallel=parallel, preempt_grace_s=cfg.ckpt.preempt_grace_s, tp_plan=_tp_plan(model, parallel),
             log_interval=cfg.train.log_interval,
             dynamic_batch=DynamicBatcher(1, cfg.data.batch_size, memory_threshold=cfg.train.memory_threshold,
                                          device=device) if cfg.train.dynamic_batch else None)

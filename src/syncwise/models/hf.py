@@ -28,6 +28,10 @@ PREFIX = "hf:"
 SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
              "MixtralForCausalLM": "mixtral", "DeepseekV3ForCausalLM": "deepseek_v3"}
 _BY_TYPE = {t: a for a, t in SUPPORTED.items()}
+# Families whose transformers TP plan (config.base_model_tp_plan) is only 'colwise' / 'rowwise' Linear layers:
+# applied through syncwise's tp mesh. Qwen3's per-head q/k norms need a gradient all-reduce ('replicated_with_
+# grad_allreduce') and the MoE families' expert styles are transformers' own: refused for tp > 1.
+TP_FAMILIES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 
 
 def is_hf(preset: str) -> bool:
@@ -129,3 +133,18 @@ def hf_train_memory_bytes(spec: Any, batch_size: int, activation_bytes: int = 4,
     per_token += 2 * spec.vocab_size
     total, _ = spec.param_counts()
     return 16 * total + activation_bytes * batch_size * spec.seq_len * per_token
+
+
+def check_hf_tp(info: HFModelInfo, preset: str, tp: int) -> None:
+    """Tensor parallel through the model's own TP plan: a family whose plan syncwise applies, and ``tp`` dividing
+    the heads, the key/value heads and the MLP width (column-wise layers split them)."""
+    if info.architecture not in TP_FAMILIES:
+        raise ConfigError("parallel.tp", tp, f"1 with model.preset={preset} ({info.architecture}): tensor parallel "
+                          f"of Hugging Face models is supported for {', '.join(TP_FAMILIES)} (their base_model_tp_plan "
+                          "is column/row-wise Linear layers only); data parallel works for every family")
+    v = info.values
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        size = v.get(name, v.get("num_attention_heads")) if name == "num_key_value_heads" else v.get(name)
+        if not isinstance(size, int) or size % tp:
+            raise ConfigError("parallel.tp", tp, f"a divisor of config.json's {name} ({size!r}): tensor parallel "
+                              "splits it evenly across the tp ranks")

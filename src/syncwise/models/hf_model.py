@@ -56,3 +56,26 @@ def build_hf_model(preset: str, seq_len: int = 0) -> HFCausalLM:
     hf.config.use_cache = False
     hf.train()  # from_pretrained returns it in eval mode
     return HFCausalLM(hf, info, seq_len)
+
+
+def hf_tp_plan(model: HFCausalLM) -> dict:
+    """transformers' tensor-parallel plan for the model (``config.base_model_tp_plan``) as ``parallelize_module``
+    takes it: ``hf.model.<pattern>`` → ColwiseParallel / RowwiseParallel. The embedding, norms and head stay
+    replicated (each tp rank computes them on the same input). Other styles are refused (models/hf.py:
+    TP_FAMILIES)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from ..errors import ConfigError
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = dict(getattr(model.hf.config, "base_model_tp_plan", None) or {})
+    if not plan:
+        raise ConfigError("parallel.tp", "> 1", f"1: {type(model.hf).__name__}'s config has no base_model_tp_plan")
+    out = {}
+    for pattern, style in plan.items():
+        if style not in styles:
+            raise ConfigError("parallel.tp", "> 1", f"1: {type(model.hf).__name__}'s TP plan uses {style!r} "
+                              f"({pattern}); syncwise applies only {', '.join(styles)}")
+        out[f"hf.model.{pattern}"] = styles[style]()
+    return out
+
