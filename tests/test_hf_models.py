@@ -175,6 +175,7 @@ def test_fsdp_units_are_the_decoder_layers(tmp_path):
      ["LlamaForCausalLM, Qwen2ForCausalLM", "base_model_tp_plan"]),
     (lambda t: _folder(t, "llama", num_key_value_heads=1), ["--nproc", "2", "--parallel.tp=2"], "parallel.tp",
      ["num_key_value_heads (1)"]),
+    (lambda t: _folder(t, "llama"), ["--nproc", "4", "--parallel.tp=2"], "parallel.tp", ["not supported yet"]),
     (lambda t: _folder(t, "llama"), ["--nproc", "2", "--parallel.pp=2"], "parallel.pp", ["pipeline parallel"]),
     (lambda t: _folder(t, "mixtral"), ["--nproc", "2", "--parallel.ep=2"], "parallel.ep", ["expert parallel"]),
     (lambda t: _folder(t, "llama", vocab_size=200), [], "model.preset", ["vocab_size 200", "256"]),
