@@ -649,13 +649,13 @@ def test_emitted_config_for_a_preset_trains_it_and_for_a_hf_config_says_it_canno
     p = _cli("plan", "--cluster", lab, "--model", str(hf), "--global-batch", "8", "--seq-len", "64",
              "--emit-config", str(emitted))
     assert p.returncode == 0, p.stderr
-    assert "training a Hugging Face config is not supported yet" in p.stdout
+    assert "is not a syncwise preset" in p.stdout and "hf:FOLDER" in p.stdout
     assert "[model]" in emitted.read_text()
     check = _cli("train", "--check", "--config", str(emitted))
     assert check.returncode == 2
     err = check.stderr.strip()
     assert len(err.splitlines()) == 1 and "'model.preset'" in err and "model.attention" not in err, err
-    assert "training a Hugging Face config is not supported yet" in err
+    assert "hf:FOLDER" in err and "LlamaForCausalLM" in err  # how to train it instead
 
 
 def test_model_description_counts_parameters_at_their_scale(llama):

@@ -95,8 +95,10 @@ def _nnodes(v: str) -> Optional[tuple[int, int]]:
 def _preset_names() -> str:
     """The accepted model presets, read from the models package when --help is printed (not at import)."""
     from .models import PRESETS
+    from .models.hf import supported_list
 
-    return "one of: " + ", ".join(PRESETS)
+    return ("one of: " + ", ".join(PRESETS) + f", or hf:FOLDER (a local Hugging Face model folder with config.json "
+            f"and optional *.safetensors weights; families: {supported_list()})")
 
 
 def _run_dir_ok(v: str) -> bool:
@@ -121,7 +123,8 @@ def _run_dir_ok(v: str) -> bool:
 class ModelSection:
     """[model] which network to train."""
 
-    preset: str = option("small", "model preset: the network's size and shape", lambda: _preset_names())
+    preset: str = option("small", "model preset: the network's size and shape, or hf:FOLDER for a Hugging Face "
+                         "model (--model hf:FOLDER)", lambda: _preset_names())
     attention: str = option("default", "attention kind: 'default' (the preset's), 'mha', or 'mla' "
                             "(multi-head latent attention)", *_one_of("default", "mha", "mla"))
     moe_impl: str = option("auto", "how MoE experts compute (same result, different speed): auto (grouped matmul "
@@ -627,10 +630,13 @@ def check_references(cfg: RunConfig, here: bool = True) -> None:
     (a job for a cluster) skips what depends on this machine: the resume path, devices, the corpus, memory."""
     from .models import PRESETS  # imported here: config must stay importable without torch work at import
 
-    if cfg.model.preset not in PRESETS:
-        raise ConfigError("model.preset", cfg.model.preset, "one of: " + ", ".join(PRESETS) + " (training a "
-                          "Hugging Face config is not supported yet: syncwise plan plans one, syncwise train builds "
-                          "syncwise's presets)")
+    from .models.hf import is_hf, read_hf_model
+
+    if is_hf(cfg.model.preset):
+        read_hf_model(cfg.model.preset)  # a folder with a config.json of a supported family
+        _check_hf_run(cfg)
+    elif cfg.model.preset not in PRESETS:
+        raise ConfigError("model.preset", cfg.model.preset, _preset_names())
     specs = cfg.specs()  # each spec by its owner's parser
     sync = specs.sync
     if sync is not None and cfg.compress.method != "none":
@@ -682,6 +688,33 @@ def check_references(cfg: RunConfig, here: bool = True) -> None:
         raise ConfigError("train.mixed_precision", "fp16", "none, bf16 or auto when the workers run on the CPU "
                           f"(dist.device={cfg.dist.device} resolves to the CPU here; fp16 needs CUDA and a GradScaler)")
     _check_data_and_memory(cfg, local, fewest, where)
+
+
+def _check_hf_run(cfg: RunConfig) -> None:
+    """What a Hugging Face model (``hf:FOLDER``) can do here: tensor parallel through transformers' own plan
+    (``base_model_tp_plan``) for the families whose plan is column/row-wise layers; syncwise's pipeline split and
+    expert dispatch are written for its own model; its attention is the model's own."""
+    from .models.hf import check_hf_tp, read_hf_model
+
+    preset = cfg.model.preset
+    if cfg.parallel.tp > 1:
+        check_hf_tp(read_hf_model(preset), preset, cfg.parallel.tp)
+        most = _workers(cfg)[2]
+        if cfg.parallel.dp_shard > 1 or cfg.parallel.dp_replicate > 1 or most > cfg.parallel.tp:
+            # Measured: dp_shard 2 × tp 2 trains with the right losses, but the gradient norm of FSDP2 over the
+            # plan's mix of DTensor and plain parameters came out 4 % low — clipping would be wrong.
+            raise ConfigError("parallel.tp", cfg.parallel.tp, f"{most} (every worker in one tp group) or 1 with "
+                              f"model.preset={preset}: data parallel on top of a Hugging Face model's TP plan is not "
+                              "supported yet (checked on dp_shard 2 × tp 2: the gradient norm that clipping uses came out 4 % low)")
+    for name, what in (("pp", "pipeline parallel"), ("ep", "expert parallel")):
+        value = getattr(cfg.parallel, name)
+        if value > 1:
+            raise ConfigError(f"parallel.{name}", value, f"1 with model.preset={preset}: {what} is not supported for "
+                              "Hugging Face models yet (syncwise's pipeline split and expert dispatch are written for "
+                              "its own model); data parallel is: DDP with any compressor, FSDP2, HSDP")
+    if cfg.model.attention != "default":
+        raise ConfigError("model.attention", cfg.model.attention, f"'default' with model.preset={preset}: a Hugging "
+                          "Face model's attention is set in its config.json")
 
 
 def model_overrides(cfg: RunConfig, vocab_size: int) -> dict[str, Any]:
@@ -740,7 +773,13 @@ def _check_data_and_memory(cfg: RunConfig, local: int, fewest: int, where: "Plac
     from .data import check_fits, corpus_sizes
     from .models import resolve_config, train_memory_bytes
 
+    from .models.hf import check_hf_shape, hf_train_memory_bytes, is_hf, read_hf_model
+
+    hf = read_hf_model(cfg.model.preset) if is_hf(cfg.model.preset) else None
     if where is None:  # a job for another machine (check_references(here=False)): the model's shape only
+        if hf is not None:
+            check_hf_shape(hf, cfg.model.preset, 256 if not cfg.data.tokenizer else 0, cfg.data.seq_len)
+            return
         key = _blame(cfg, "model.attention", "model.preset")
         with _as_field(key, _get(cfg, key)):
             layout(cfg).check_model(resolve_config(cfg.model.preset, **model_overrides(cfg, 256)))
@@ -761,15 +800,23 @@ def _check_data_and_memory(cfg: RunConfig, local: int, fewest: int, where: "Plac
         except ConfigError as e:
             key = _blame(cfg, *keys)
             raise ConfigError(key, _get(cfg, key), e.accepted) from None
-    overrides = model_overrides(cfg, vocab or 256)
-    key = _blame(cfg, "model.attention", "model.preset")
-    with _as_field(key, _get(cfg, key)):  # the model's own validation of this shape
-        model = resolve_config(cfg.model.preset, **overrides)
-    layout(cfg).check_model(model)  # tp divides the heads and widths
     fp32 = cfg.train.mixed_precision == "none" or (cfg.train.mixed_precision == "auto" and where.device_type != "cuda")
-    # With dynamic_batch the step runs in micro-batches that fit: only one row has to.
-    need = train_memory_bytes(model, 1 if cfg.train.dynamic_batch else d.batch_size, 4 if fp32 else 2,
-                              cfg.train.activation_checkpointing)
+    rows = 1 if cfg.train.dynamic_batch else d.batch_size  # with dynamic_batch only one row has to fit
+    if hf is not None:  # the planner's description of the Hugging Face config (plan.model.from_hf_config)
+        check_hf_shape(hf, cfg.model.preset, vocab or 256, d.seq_len)
+        try:
+            spec = hf.spec(d.seq_len)
+        except ConfigError as e:  # a field the planner needs, missing or wrong in config.json
+            raise ConfigError("model.preset", cfg.model.preset, f"a complete config.json: {e.field} must be "
+                              f"{e.accepted} (got {e.value!r})") from None
+        need = hf_train_memory_bytes(spec, rows, 4 if fp32 else 2, cfg.train.activation_checkpointing)
+    else:
+        overrides = model_overrides(cfg, vocab or 256)
+        key = _blame(cfg, "model.attention", "model.preset")
+        with _as_field(key, _get(cfg, key)):  # the model's own validation of this shape
+            model = resolve_config(cfg.model.preset, **overrides)
+        layout(cfg).check_model(model)  # tp divides the heads and widths
+        need = train_memory_bytes(model, rows, 4 if fp32 else 2, cfg.train.activation_checkpointing)
     have, what = _memory_per_worker(cfg, local, where)
     if need > have:
         key = _blame(cfg, "data.seq_len", "data.batch_size", "model.preset", "dist.nproc")
@@ -837,7 +884,8 @@ def _help(f: dataclasses.Field) -> str:
 
 
 # Named flags of `syncwise train` and the config key each one sets.
-FLAG_KEYS = {"nproc": "dist.nproc", "steps": "train.steps", "preset": "model.preset", "run_dir": "run_dir",
+FLAG_KEYS = {"nproc": "dist.nproc", "steps": "train.steps", "preset": "model.preset", "model": "model.preset",
+             "run_dir": "run_dir",
              "compress": "compress.method", "sync": "parallel.sync", "resume": "resume",
              "max_restarts": "dist.max_restarts",
              "inject_fault": "inject_fault", "lab": "dist.lab", "nnodes": "dist.nnodes",
@@ -851,6 +899,7 @@ def add_train_arguments(parser) -> None:
     parser.add_argument("--nproc", help="local worker processes (dist.nproc)")
     parser.add_argument("--steps", help="optimizer steps (train.steps)")
     parser.add_argument("--preset", help="model preset (model.preset)")
+    parser.add_argument("--model", help="model preset or hf:FOLDER, a Hugging Face model folder (model.preset)")
     parser.add_argument("--run-dir", dest="run_dir", help="run directory (run_dir)")
     parser.add_argument("--compress", help="gradient compression NAME[:key=value,...] (compress.method)")
     parser.add_argument("--sync", help="every-step | localsgd:period=H | diloco:period=H,delay=D,... (parallel.sync)")
@@ -869,6 +918,9 @@ def add_train_arguments(parser) -> None:
 def overrides_from_args(args, extra: list[str]) -> dict[str, Any]:
     """Named flags plus ``--section.key=value`` / ``--section.key value`` words, as text overrides."""
     overrides: dict[str, Any] = {}
+    if getattr(args, "preset", None) is not None and getattr(args, "model", None) is not None:
+        raise ConfigError("--model", args.model, f"--model or --preset, not both (each sets model.preset; --preset "
+                          f"{args.preset} was given too)")
     for name, key in FLAG_KEYS.items():
         value = getattr(args, name, None)
         if value is None:

@@ -556,7 +556,11 @@ def _fp32_bytes(cfg: RunConfig) -> float:
     """Bytes per step of an fp32 all-reduce of every parameter (the baseline when `none` is not run)."""
     from ..data import load_corpus
     from ..models import build_model, count_params
+    from ..models.hf import is_hf
 
+    if is_hf(cfg.model.preset):  # a Hugging Face model folder (--preset hf:FOLDER), as the workers build it
+        from ..models.hf_model import build_hf_model
+        return 4.0 * count_params(build_hf_model(cfg.model.preset))
     corpus = load_corpus(cfg.data.corpus, val_fraction=cfg.data.val_fraction)
     model = build_model(cfg.model.preset, vocab_size=corpus.vocab_size, seq_len=cfg.data.seq_len)
     return 4.0 * count_params(model)

@@ -69,6 +69,31 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
+def _build_model(cfg: RunConfig, vocab_size: int) -> torch.nn.Module:
+    """The run's model: a syncwise preset with the run's overrides, or ``hf:FOLDER`` built by transformers (its
+    config.json and, when present, its safetensors weights; models/hf_model.py)."""
+    from ..models.hf import is_hf
+
+    if is_hf(cfg.model.preset):
+        from ..models.hf_model import build_hf_model
+        return build_hf_model(cfg.model.preset, seq_len=cfg.data.seq_len)
+    return build_model(cfg.model.preset, **model_overrides(cfg, vocab_size))
+
+
+def _tp_plan(model: torch.nn.Module, parallel: Any) -> Any:
+    """A Hugging Face model's own tensor-parallel plan (None: syncwise's model, whose plan is built in)."""
+    if parallel.tp == 1 or not hasattr(model, "hf"):
+        return None
+    from ..models.hf_model import hf_tp_plan
+    return hf_tp_plan(model)
+
+
+def model_flops_per_token(model: torch.nn.Module) -> float:
+    """Training FLOPs per token for MFU: the model's own count (a Hugging Face model's) or its config's."""
+    own = getattr(model, "flops_per_token", None)
+    return own() if callable(own) else flops_per_token(model.config)
+
+
 def resume_target(cfg: RunConfig, rank: int) -> str:
     """What to resume from: the configured value, or — after torchrun's agent restarted the group — 'auto'."""
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
@@ -129,8 +154,7 @@ def train_worker(cfg: RunConfig) -> dict[str, Any]:
         seed_everything(cfg.train.seed, cfg.train.deterministic)
         corpus = load_corpus(cfg.data.corpus, val_fraction=cfg.data.val_fraction, tokenizer=cfg.data.tokenizer,
                              text_column=cfg.data.text_column)
-        overrides = model_overrides(cfg, corpus.vocab_size)
-        model = build_model(cfg.model.preset, **overrides).to(device)  # on the device first: fused AdamW on GPUs
+        model = _build_model(cfg, corpus.vocab_size).to(device)  # on the device first: fused AdamW on GPUs
         optimizer = adamw(model, cfg.train.lr, cfg.train.weight_decay)
         scheduler = warmup_cosine(optimizer, cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio)
         # Ranks of one tensor-parallel group read the same batch: the loaders shard by data-parallel coordinates.
@@ -159,9 +183,9 @@ def train_worker(cfg: RunConfig) -> dict[str, Any]:
             compile=cfg.train.compile, activation_checkpointing=cfg.train.activation_checkpointing,
             bucket_cap_mb=cfg.dist.bucket_cap_mb, min_numel=cfg.compress.min_numel, device=device,
             val_loader=val, val_interval=cfg.train.val_interval, run_dir=cfg.run_dir,
-            flops_per_token=flops_per_token(model.config), checkpointer=checkpointer,
+            flops_per_token=model_flops_per_token(model), checkpointer=checkpointer,
             inject_faults=specs.faults, collective_timeout_s=cfg.dist.timeout_s,
-            sync=specs.sync, parallel=parallel, preempt_grace_s=cfg.ckpt.preempt_grace_s,
+            sync=specs.sync, parallel=parallel, preempt_grace_s=cfg.ckpt.preempt_grace_s, tp_plan=_tp_plan(model, parallel),
             log_interval=cfg.train.log_interval,
             dynamic_batch=DynamicBatcher(1, cfg.data.batch_size, memory_threshold=cfg.train.memory_threshold,
                                          device=device) if cfg.train.dynamic_batch else None)

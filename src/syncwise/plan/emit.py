@@ -81,6 +81,6 @@ def train_config_toml(pred: Prediction, cloud: CloudConfig, preset: Optional[str
 
 def not_a_preset(model_name: str) -> str:
     """The plain words for a planned model that ``syncwise train`` cannot build."""
-    return (f"model {model_name or '?'} is not a syncwise preset, and training a Hugging Face config is not "
-            "supported yet: syncwise train refuses this file (model.preset) until [model] preset names a syncwise "
-            "preset; the layout above is the plan for that model")
+    return (f"model {model_name or '?'} is not a syncwise preset: syncwise train refuses this file (model.preset) "
+            "until [model] preset names a syncwise preset or hf:FOLDER (a Hugging Face model folder; data parallel "
+            "only, see docs/integrations.md); the layout above is the plan for that model")

@@ -254,7 +254,7 @@ def from_model_config(cfg: Any, name: str = "model") -> ModelSpec:
 
 
 # ------------------------------------------------------------------------------------------------ Hugging Face
-HF_TYPES = ("llama", "mistral", "qwen2", "gpt2", "gpt_neox", "mixtral", "deepseek_v2", "deepseek_v3")
+HF_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gpt_neox", "mixtral", "deepseek_v2", "deepseek_v3")
 
 
 def _hf_get(cfg: dict, path: str, *keys: str, default: Any = None, required: bool = True) -> Any:
@@ -268,7 +268,7 @@ def _hf_get(cfg: dict, path: str, *keys: str, default: Any = None, required: boo
 
 
 def from_hf_config(values: dict[str, Any], name: str = "hf", path: str = "config.json") -> ModelSpec:
-    """Map a Hugging Face ``config.json`` dict (Llama, Mistral, Qwen2, GPT-2, GPT-NeoX, Mixtral, DeepSeek-V2/V3)
+    """Map a Hugging Face ``config.json`` dict (Llama, Mistral, Qwen2, Qwen3, GPT-2, GPT-NeoX, Mixtral, DeepSeek-V2/V3)
     onto a ModelSpec. DeepSeek-V3's multi-token-prediction module (``num_nextn_predict_layers``) is not counted."""
     kind = values.get("model_type")
     if kind not in HF_TYPES:
@@ -291,7 +291,7 @@ def from_hf_config(values: dict[str, Any], name: str = "hf", path: str = "config
         return ModelSpec(ffn_hidden=g("intermediate_size"), mlp="gelu", biases=True, **common)
     kv = g("num_key_value_heads", default=common["n_heads"], required=False)
     hd = g("head_dim", default=0, required=False)
-    if kind in ("llama", "mistral", "qwen2"):
+    if kind in ("llama", "mistral", "qwen2", "qwen3"):
         return ModelSpec(ffn_hidden=g("intermediate_size"), n_kv_heads=kv, head_dim=hd, **common)
     if kind == "mixtral":
         ffn = g("intermediate_size")

@@ -1,0 +1,81 @@
+"""The torch half of ``hf:FOLDER`` models (see models/hf.py): build one with transformers and wrap it."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .hf import HFModelInfo, read_hf_model
+
+
+class HFCausalLM(nn.Module):
+    """A Hugging Face ``*ForCausalLM`` with syncwise's contract: ``forward(idx) -> logits (B, T, vocab)``.
+
+    The Hugging Face model is ``self.hf`` (its parameters are named ``hf.model.layers.0...``); save it back
+    with ``wrapper.hf.save_pretrained(folder)``."""
+
+    def __init__(self, hf: nn.Module, info: Optional[HFModelInfo] = None, seq_len: int = 0) -> None:
+        super().__init__()
+        self.hf = hf
+        self.info = info
+        self.seq_len = seq_len
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        """The decoder layers: the blocks activation checkpointing wraps."""
+        return self.hf.model.layers
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """One FSDP2 unit per decoder layer; the root keeps the embedding, the final norm and the head."""
+        return list(self.hf.model.layers)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=idx, use_cache=False).logits
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: the planner's count (plan.model.from_hf_config) at the training length."""
+        if self.info is None:
+            return 0.0
+        return self.info.spec(self.seq_len or self.info.max_positions or 2048).flops_per_token()
+
+
+def build_hf_model(preset: str, seq_len: int = 0) -> HFCausalLM:
+    """Build ``hf:FOLDER`` with transformers, in fp32 (the trainer's master weights): from the folder's
+    ``*.safetensors`` weights when it has any (``from_pretrained(local_files_only=True)``), else at random from its
+    config (``from_config``; torch's RNG, so seed first)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    info = read_hf_model(preset)
+    folder = str(info.folder)
+    if info.weights:
+        hf = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
+    else:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    hf.config.use_cache = False
+    hf.train()  # from_pretrained returns it in eval mode
+    return HFCausalLM(hf, info, seq_len)
+
+
+def hf_tp_plan(model: HFCausalLM) -> dict:
+    """transformers' tensor-parallel plan for the model (``config.base_model_tp_plan``) as ``parallelize_module``
+    takes it: ``hf.model.<pattern>`` → ColwiseParallel / RowwiseParallel. The embedding, norms and head stay
+    replicated (each tp rank computes them on the same input). Other styles are refused (models/hf.py:
+    TP_FAMILIES)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from ..errors import ConfigError
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = dict(getattr(model.hf.config, "base_model_tp_plan", None) or {})
+    if not plan:
+        raise ConfigError("parallel.tp", "> 1", f"1: {type(model.hf).__name__}'s config has no base_model_tp_plan")
+    out = {}
+    for pattern, style in plan.items():
+        if style not in styles:
+            raise ConfigError("parallel.tp", "> 1", f"1: {type(model.hf).__name__}'s TP plan uses {style!r} "
+                              f"({pattern}); syncwise applies only {', '.join(styles)}")
+        out[f"hf.model.{pattern}"] = styles[style]()
+    return out
+
