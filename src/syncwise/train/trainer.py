@@ -190,6 +190,10 @@ class OptimizedTrainer:
             raise ConfigError("compress_gradients", compress_gradients, e.accepted) from None
         self.compress_spec = compress_gradients if isinstance(compress_gradients, str) else (
             getattr(self.compressor, "spec", None) or getattr(self.compressor, "name", "none"))
+        try:
+            self.amp_dtype = self._amp_dtype(mixed_precision)
+        except ConfigError as e:
+            raise ConfigError(e.field, given_precision, e.accepted) from None
         # Everything parallel happens behind this one seam (syncwise.parallel.parallelize, in its one order).
         names = {id(p): n for n, p in self.model.named_parameters()}
         self.par = parallelize(self.model, parallel, self.device, compressor=self.compressor,
@@ -197,18 +201,13 @@ class OptimizedTrainer:
                                activation_checkpointing=activation_checkpointing, compile=compile, tp_plan=tp_plan,
                                loss_fn=loss_fn, split_fn=pipeline_split,
                                # bf16 autocast: FSDP2 gathers bf16 parameters, reduces fp32 (issue 24)
-                               param_dtype=torch.bfloat16 if self._amp_dtype(mixed_precision) == torch.bfloat16
-                               else None)
+                               param_dtype=torch.bfloat16 if self.amp_dtype == torch.bfloat16 else None)
         self.model = self.par.model  # under pipeline parallel: this rank's stages only
         # FSDP2 / TP put sharded parameters in the model's place; a pipeline stage keeps some of them.
         rebind_optimizer(optimizer, names, self.model, keep_only_present=self.par.pipeline is not None)
         self.sync = self.par.sync  # the reduced-sync strategy the step drives (None: every-step sync)
         self.sync_spec = self.sync.spec.spec if self.sync is not None else "every-step"
         self.optimizer, self.lr_scheduler, self.loss_fn = optimizer, lr_scheduler, loss_fn
-        try:
-            self.amp_dtype = self._amp_dtype(mixed_precision)
-        except ConfigError as e:
-            raise ConfigError(e.field, given_precision, e.accepted) from None
         if self.amp_dtype == torch.float16 and self.par.pipeline is not None:
             raise ConfigError("mixed_precision", given_precision, "bf16 or none with pipeline parallel: fp16 needs "
                               "GradScaler's loss scaling, which cannot wrap the schedule's own backward")
