@@ -261,11 +261,15 @@ def test_join_torchrun_picks_the_backend_by_the_same_rule(gpus, local_rank, devi
     seen = {}
     monkeypatch.setattr(arguments.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(arguments.dist, "init_process_group", lambda backend, **kw: seen.update(backend=backend, **kw))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.update(set_device=torch.device(d)))
     assert arguments.join_torchrun(torch.device(device), 5.0) is True
-    assert seen["backend"] == want
+    # NCCL joins with a CPU communicator too (issue 24: CPU control tensors on an NCCL-only group killed every run)
+    assert seen["backend"] == (devices.NCCL_PROCESS_GROUP if want == "nccl" else want)
     assert ("device_id" in seen) == (want == "nccl")  # device_id binds a device to NCCL only
     if want == "nccl":
         assert seen["device_id"] == torch.device(device)
+    if torch.device(device).type == "cuda":  # before the group: tensors made with current_device() land here
+        assert seen["set_device"] == devices.resolve(torch.device(device))
 
 
 def test_join_torchrun_refuses_nccl_for_a_cpu_model(monkeypatch):

@@ -162,6 +162,27 @@ def backend_for(device: torch.device, local_rank: int, local_world_size: int, vi
     return "nccl" if device == torch.device("cuda", local_rank) else "gloo"
 
 
+#: What ``init_process_group`` gets for a job that chose NCCL (issue 24). A device->backend map, as torchtitan
+#: does: CUDA tensors go to NCCL, CPU tensors to a gloo communicator over the same ranks. Control values that
+#: live on the host (the restart count ``resume_target`` agrees on, clipping fallbacks, object collectives,
+#: DCP's planning) are then legal on every group: ``new_group`` without a backend and ``init_device_mesh``'s
+#: subgroups (``new_group`` or ``split_group``) inherit the parent's backend string, so both halves exist
+#: everywhere (torch 2.13 ``distributed_c10d._new_group_with_tag`` / ``split_group``). A plain "nccl" group has
+#: no CPU backend: "No backend type associated with device type cpu" before step 1 (the bug of issue 24).
+NCCL_PROCESS_GROUP = "cuda:nccl,cpu:gloo"
+
+
+def process_group_backend(backend: str) -> str:
+    """The backend string ``init_process_group`` gets for a chosen backend: 'nccl' becomes
+    :data:`NCCL_PROCESS_GROUP` (CPU control tensors go to gloo); 'gloo' stays 'gloo' (it moves CPU and CUDA
+    tensors). The one place both the worker and the Python API (``train.arguments.join_torchrun``) ask."""
+    if backend == "nccl":
+        return NCCL_PROCESS_GROUP
+    if backend == "gloo":
+        return "gloo"
+    raise ConfigError("backend", backend, "nccl or gloo (a chosen backend, not 'auto')")
+
+
 # -- this machine and process --------------------------------------------------------------------------------
 def visible_gpus() -> int:
     """CUDA GPUs this process can use (0 without CUDA)."""

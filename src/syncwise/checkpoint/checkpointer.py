@@ -71,6 +71,28 @@ def _rank_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if _dist_on() else (0, 1)
 
 
+def _stager_kw(ckpt: Any) -> dict[str, Any]:
+    """``async_stager=`` for ``dcp.async_save``: one stager per checkpointer, kept across saves (issue 24).
+
+    Without it DCP stages through the FileSystemWriter, which copies every tensor into fresh pageable memory at
+    every save: slow device-to-host copies, all counted as the save's blocking time. torch's ``DefaultStager``
+    caches the staging storage per source storage (reused by the next save: ``save`` waits for the previous
+    one first, so nobody still reads it) and, on CUDA, pins it and copies with ``non_blocking`` on a staging
+    stream, then synchronizes that stream. Pinning needs CUDA, so on the CPU it only caches."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:  # torch without the staging API: DCP's own default
+        return {}
+    if "async_stager" not in inspect.signature(dcp.async_save).parameters:
+        return {}
+    stager = getattr(ckpt, "_async_stager", None)
+    if stager is None:
+        cuda = torch.cuda.is_available()
+        stager = ckpt._async_stager = DefaultStager(StagingOptions(
+            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda))
+    return {"async_stager": stager}
+
+
 def _no_dist_kw(fn: Any) -> dict[str, Any]:
     """``{'no_dist': True}`` for DCP calls outside a process group, if ``fn`` accepts it (torch 2.5's
     ``async_save`` does not; it then infers single-process mode itself)."""
@@ -268,7 +290,7 @@ class SmartCheckpointer:
             self._write_rank_file(partial, step, train_state)
             if self.async_save and not blocking:
                 resp = dcp.async_save(state, storage_writer=writer, process_group=self._save_pg,
-                                      **_no_dist_kw(dcp.async_save))
+                                      **_stager_kw(self), **_no_dist_kw(dcp.async_save))
                 # torch>=2.9 may return AsyncSaveResponse(staging_completion, upload_completion)
                 upload = getattr(resp, "upload_completion", resp)
             else:
@@ -388,6 +410,10 @@ class SmartCheckpointer:
             self.wait()
         finally:
             self._executor.shutdown(wait=True)
+            stager = getattr(self, "_async_stager", None)
+            if stager is not None:
+                self._async_stager = None
+                stager.close()  # unpins and drops the cached staging buffers
 
     # ------------------------------------------------------------------ loading
     def latest_valid(self) -> Path | None:

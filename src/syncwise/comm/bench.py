@@ -22,16 +22,14 @@ import os
 import re
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 import torch
-import torch.distributed as dist
 
 from syncwise.errors import ConfigError, SyncwiseError
 
-from . import ops as cops
+from . import ops as cops, timing
 from .context import CommContext, Topology
 from .stats import CommStats
 from .topology import TopoAwareCollective
@@ -128,7 +126,7 @@ class _Case:
         self.nbytes = count * esize
         self.count = count
         chunk = count // n
-        mk = lambda c: torch.empty(c, dtype=dtype)  # noqa: E731
+        mk = lambda c: torch.empty(c, dtype=dtype, device=ctx.device)  # noqa: E731  (NCCL: CUDA buffers)
         expected_sum = n * (n + 1) // 2
         if op in ("all_reduce", "hier_all_reduce"):
             buf = mk(count)
@@ -143,7 +141,7 @@ class _Case:
             inp, out = mk(chunk), mk(count)
             self.call = lambda: cops.all_gather(out, inp, stats=stats)
             self.fill = lambda: inp.fill_(rank + 1)
-            want = torch.arange(1, n + 1, dtype=dtype).repeat_interleave(chunk)
+            want = torch.arange(1, n + 1, dtype=dtype, device=ctx.device).repeat_interleave(chunk)
             self.check = lambda: bool(torch.equal(out, want))
         elif op == "reduce_scatter":
             inp, out = mk(count), mk(chunk)
@@ -154,8 +152,9 @@ class _Case:
             inp, out = mk(count), mk(count)
             self.call = lambda: cops.all_to_all(out, inp, stats=stats)
             # Chunk j of rank r carries r*n + j; afterwards chunk j of rank r holds j*n + r.
-            self.fill = lambda: inp.copy_((rank * n + torch.arange(n)).to(dtype).repeat_interleave(chunk))
-            want = (torch.arange(n) * n + rank).to(dtype).repeat_interleave(chunk)
+            self.fill = lambda: inp.copy_((rank * n + torch.arange(n, device=ctx.device)).to(dtype)
+                                          .repeat_interleave(chunk))
+            want = (torch.arange(n, device=ctx.device) * n + rank).to(dtype).repeat_interleave(chunk)
             self.check = lambda: bool(torch.equal(out, want))
         elif op == "broadcast":
             buf = mk(count)
@@ -198,12 +197,14 @@ def run_sweep(ops: Iterable[str], sizes: Iterable[int], iters: int = 20, warmup:
                 k = iterations_for(case.nbytes, iters, budget_bytes)
                 for _ in range(warmup if k >= iters else min(warmup, 1)):
                     case.call()
+                # Control tensors stay on the CPU (the gloo half of an NCCL job's group: devices.NCCL_PROCESS_GROUP).
                 samples = torch.empty(k, dtype=torch.float64)
                 for i in range(k):
-                    dist.barrier()
-                    start = time.perf_counter()
-                    case.call()
-                    samples[i] = time.perf_counter() - start
+                    cops.barrier()
+                    timing.synchronize(ctx.device)  # nothing queued before the start
+                    with timing.timed(ctx.device) as iv:  # CUDA events: the collective, not its enqueue
+                        case.call()
+                    samples[i] = iv.seconds()
                 # A collective is as slow as its slowest rank: max over ranks per iteration.
                 cops.all_reduce(samples, "max", stats=control)
                 times = samples.tolist()

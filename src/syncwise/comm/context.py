@@ -128,7 +128,11 @@ class CommContext:
             if self.device.type == "cuda":
                 # Must be set before NCCL creates its communicators; gloo's CUDA tensors use it too.
                 torch.cuda.set_device(self.device)
-            dist.init_process_group(self.backend, timeout=timedelta(seconds=self.timeout_s))
+            # NCCL as devices.NCCL_PROCESS_GROUP: CPU control tensors (comm-bench's checks) have a communicator too.
+            ops.declare_backend(devices.process_group_backend("nccl" if self.device.type == "cpu" else self.backend))
+            extra = {"device_id": self.device} if self.backend == "nccl" else {}
+            dist.init_process_group(devices.process_group_backend(self.backend),
+                                    timeout=timedelta(seconds=self.timeout_s), **extra)
             self._owns_default = True
         else:
             existing = str(dist.get_backend())
@@ -218,7 +222,7 @@ class CommContext:
 
     def barrier(self) -> None:
         """Wait for every rank (fails with a SyncwiseError after ``timeout_s``)."""
-        self._guard("barrier", lambda: dist.barrier())
+        self._guard("barrier", lambda: ops.barrier())
 
     def _guard(self, name: str, fn) -> None:
         if self._closed:

@@ -3,11 +3,28 @@
 Thin wrappers over ``torch.distributed``: same semantics, plus a record in ``STATS`` of the op,
 the payload bytes this rank contributes (the input tensor's size) and the duration. Asynchronous
 calls return the usual work handle; their duration is recorded when their future completes.
+
+Durations (issue 24): NCCL collectives return at *enqueue*, so a host clock measures the launch. For CUDA
+tensors on an NCCL communicator the duration is a pair of CUDA events (:mod:`.timing`): the start on the
+current stream before the call, the end on a timing side stream made to wait for the collective
+(``work.wait()`` there: a stream wait, no host block), read when it has completed; the collective stays in the
+in-flight set the watchdog reads until that end event has completed.
+
+Strict devices (``SYNCWISE_STRICT_DEVICES=1``, on for the whole test suite, see tests/conftest.py): every
+collective is checked against the backend its group would have on a GPU run (:func:`declare_backend`; the
+default is :data:`syncwise.devices.NCCL_PROCESS_GROUP`): a tensor on a device type that backend has no
+communicator for (a CPU tensor on an NCCL-only group: issue 24's "No backend type associated with device type
+cpu"), or a CUDA tensor on another GPU than the group's bound one, raises :class:`StrictDeviceError` on the
+CPU, before any GPU sees it.
 """
 from __future__ import annotations
 
+import functools
 import itertools
+import os
+import threading
 import time
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
@@ -16,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .stats import STATS, CommStats
+from .timing import Interval
 
 ReduceOpName = str
 _REDUCE_OPS = {
@@ -40,6 +58,84 @@ def reduce_op(op: "ReduceOpName | dist.ReduceOp") -> dist.ReduceOp:
     return op
 
 
+# ---- strict devices: the check that would have caught issue 24's first row on a CPU ----------------------
+STRICT_ENV = "SYNCWISE_STRICT_DEVICES"
+
+
+class StrictDeviceError(RuntimeError):
+    """A collective whose tensor a GPU run's communicator could not take (see the module docstring)."""
+
+
+def strict() -> bool:
+    """True when ``SYNCWISE_STRICT_DEVICES`` is set to a true value (1/true/yes/on)."""
+    return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+_default_backend: Optional[str] = None  # declared for the default group (None: devices.NCCL_PROCESS_GROUP)
+_group_backends: "weakref.WeakKeyDictionary[object, str]" = weakref.WeakKeyDictionary()
+
+
+def declare_backend(backend: Optional[str], group=None) -> None:
+    """Record the backend string ``group`` (None: the default group, and every group inheriting it) has — or,
+    on a CPU run, would have on a GPU run. The worker and ``join_torchrun`` declare what they pass to
+    ``init_process_group`` on a GPU; :func:`new_group` declares an explicit backend."""
+    global _default_backend
+    if group is None or group is dist.group.WORLD:
+        _default_backend = backend
+    elif backend is not None:
+        _group_backends[group] = backend
+
+
+def declared_backend(group=None) -> str:
+    """The backend string the strict check holds ``group`` to."""
+    if group is not None and group is not dist.group.WORLD:
+        try:
+            found = _group_backends.get(group)
+        except TypeError:
+            found = None
+        if found is not None:
+            return found
+    if _default_backend is not None:
+        return _default_backend
+    from ..devices import NCCL_PROCESS_GROUP
+
+    return NCCL_PROCESS_GROUP
+
+
+@functools.lru_cache(maxsize=64)
+def _device_types(backend: str) -> frozenset:
+    from torch.distributed.distributed_c10d import Backend, BackendConfig
+
+    return frozenset(BackendConfig(Backend(backend)).get_device_backend_map())
+
+
+def check_devices(op: str, tensors: "list[torch.Tensor]", group=None) -> None:
+    """Raise :class:`StrictDeviceError` if a GPU run's communicator for ``group`` could not take ``tensors``
+    (see the module docstring). Called by every collective here when :func:`strict` is on."""
+    backend = declared_backend(group)
+    types = _device_types(backend)
+    bound = None
+    try:
+        pg = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
+        bound = getattr(pg, "bound_device_id", None)
+    except (RuntimeError, ValueError):
+        pass
+    for t in tensors:
+        dev = t.device
+        if dev.type not in types:
+            raise StrictDeviceError(
+                f"{op} of a {dev.type} tensor ({tuple(t.shape)}, {t.dtype}) on process group "
+                f"'{group_name(group)}', whose backend on a GPU run is '{backend}': it has no communicator for "
+                f"{dev.type} tensors ('No backend type associated with device type {dev.type}'). Put the tensor "
+                f"on the group's device, or give the group a {dev.type} backend (syncwise.devices."
+                f"NCCL_PROCESS_GROUP). [{STRICT_ENV}=1]")
+        if dev.type == "cuda" and bound is not None and bound.type == "cuda" and dev.index != bound.index:
+            raise StrictDeviceError(
+                f"{op} of a tensor on {dev} on process group '{group_name(group)}', bound to {bound}: every rank "
+                f"must use its own GPU (torch.cuda.set_device(local_rank) before creating tensors). "
+                f"[{STRICT_ENV}=1]")
+
+
 # ---- timeouts and the collectives in flight (what a hang report names) -----------------------------
 _timeout: Optional[timedelta] = None
 _in_flight: dict[int, "InFlight"] = {}
@@ -54,6 +150,7 @@ class InFlight:
     op: str
     group: object  # the process group (None: the default one); named only when a report needs it
     started: float  # time.monotonic()
+    interval: Optional[Interval] = None  # CUDA events of an NCCL collective: in flight until its end completed
 
     def describe(self) -> str:
         return f"{self.op} on process group '{group_name(self.group)}'"
@@ -73,9 +170,24 @@ def new_group(ranks: Optional[list[int]] = None, backend: Optional[str] = None, 
     """``dist.new_group`` with the job's timeout (torch's own default is 30 min, so a side communicator —
     compression, checkpoint saving — would outlast ``--dist.timeout_s`` by far) and a name for reports."""
     try:
-        return dist.new_group(ranks=ranks, backend=backend, timeout=_timeout, group_desc=desc)
+        group = dist.new_group(ranks=ranks, backend=backend, timeout=_timeout, group_desc=desc)
     except TypeError:  # torch without group_desc
-        return dist.new_group(ranks=ranks, backend=backend, timeout=_timeout)
+        group = dist.new_group(ranks=ranks, backend=backend, timeout=_timeout)
+    if backend is not None and group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
+        declare_backend(backend, group)  # an explicit backend: the strict check holds the group to it
+    return group
+
+
+def group_device(group=None) -> torch.device:
+    """Where a control tensor for ``group`` lives: this rank's GPU when the group's CUDA communicator is NCCL,
+    else the CPU (gloo; an NCCL job's groups also have a gloo half, devices.NCCL_PROCESS_GROUP)."""
+    try:
+        backend = str(dist.get_backend(group))
+    except (RuntimeError, ValueError):
+        return torch.device("cpu")
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def group_name(group=None) -> str:
@@ -87,8 +199,16 @@ def group_name(group=None) -> str:
         return "default" if group is None else "unnamed"
 
 
+def _prune_in_flight() -> None:
+    """Drop CUDA-timed collectives whose end event has completed."""
+    for token, f in list(_in_flight.items()):
+        if f.interval is not None and f.interval.done():
+            _in_flight.pop(token, None)
+
+
 def oldest_in_flight() -> Optional[InFlight]:
     """The longest-running collective not completed yet (None if none)."""
+    _prune_in_flight()
     items = list(_in_flight.values())
     return min(items, key=lambda f: f.started) if items else None
 
@@ -98,8 +218,35 @@ def last_failed() -> Optional[InFlight]:
     return _last_failed
 
 
-def _issue(name: str, nbytes: int, fn, async_op: bool, stats: CommStats, group=None):
+_timing_streams: dict = {}
+_timing_lock = threading.Lock()
+
+
+def _timing_stream(device: torch.device) -> "torch.cuda.Stream":
+    with _timing_lock:
+        stream = _timing_streams.get(device)
+        if stream is None:
+            stream = _timing_streams[device] = torch.cuda.Stream(device=device)
+        return stream
+
+
+def _nccl_timed(tensor: Optional[torch.Tensor], group) -> bool:
+    """True for a CUDA tensor on a group whose CUDA communicator is NCCL: time it by events."""
+    if tensor is None or tensor.device.type != "cuda":
+        return False
+    try:
+        return "nccl" in str(dist.get_backend(group))
+    except (RuntimeError, ValueError):
+        return False
+
+
+def _issue(name: str, nbytes: int, fn, async_op: bool, stats: CommStats, group=None,
+           tensors: "tuple[torch.Tensor, ...]" = ()):
     global _last_failed
+    if tensors and strict():
+        check_devices(name, list(tensors), group)
+    if tensors and _nccl_timed(tensors[0], group):
+        return _issue_nccl(name, nbytes, fn, async_op, stats, group, tensors[0].device)
     start = time.perf_counter()
     token = next(_tokens)
     record = _in_flight[token] = InFlight(name, group, time.monotonic())
@@ -132,6 +279,32 @@ def _issue(name: str, nbytes: int, fn, async_op: bool, stats: CommStats, group=N
     return work
 
 
+def _issue_nccl(name: str, nbytes: int, fn, async_op: bool, stats: CommStats, group, device: torch.device):
+    """A CUDA collective on NCCL: events around it (see the module docstring); never blocks the host."""
+    global _last_failed
+    interval = Interval(device).start()  # current stream: NCCL's stream waits for it before starting
+    token = next(_tokens)
+    record = _in_flight[token] = InFlight(name, group, time.monotonic(), interval)
+    try:
+        work = fn()
+    except BaseException:
+        _last_failed = record
+        _in_flight.pop(token, None)
+        raise
+    if not async_op:
+        interval.stop()  # the sync call made the current stream wait for the collective
+    else:
+        side = _timing_stream(device)
+        with torch.cuda.stream(side):
+            work.wait()  # a stream wait (no host block): the side stream reaches the end with the collective
+            interval.stop(side)
+    stats.record(name, nbytes)
+    stats.add_interval(name, interval)
+    if len(_in_flight) > 256:
+        _prune_in_flight()
+    return work
+
+
 class _TimedWork:
     """A work handle without a future: records the duration when waited on."""
 
@@ -155,14 +328,16 @@ def all_reduce(tensor: torch.Tensor, op: "ReduceOpName | dist.ReduceOp" = "sum",
     """In-place all-reduce of ``tensor``."""
     rop = reduce_op(op)
     return _issue("all_reduce", tensor.numel() * tensor.element_size(),
-                  lambda: dist.all_reduce(tensor, op=rop, group=group, async_op=async_op), async_op, stats, group)
+                  lambda: dist.all_reduce(tensor, op=rop, group=group, async_op=async_op), async_op, stats, group,
+                  (tensor,))
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False,
                stats: CommStats = STATS):
     """Gather equal-size ``input`` from every rank into the flat ``output`` (rank-major)."""
     return _issue("all_gather", input.numel() * input.element_size(),
-                  lambda: _all_gather_flat(output, input, group=group, async_op=async_op), async_op, stats, group)
+                  lambda: _all_gather_flat(output, input, group=group, async_op=async_op), async_op, stats, group,
+                  (input, output))
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: "ReduceOpName | dist.ReduceOp" = "sum",
@@ -171,7 +346,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: "ReduceOpName 
     rop = reduce_op(op)
     return _issue("reduce_scatter", input.numel() * input.element_size(),
                   lambda: _reduce_scatter_flat(output, input, op=rop, group=group, async_op=async_op),
-                  async_op, stats, group)
+                  async_op, stats, group, (input, output))
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Optional[list[int]] = None,
@@ -180,13 +355,15 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Op
     """``all_to_all_single`` with optional uneven splits."""
     return _issue("all_to_all", input.numel() * input.element_size(),
                   lambda: dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
-                                                 group=group, async_op=async_op), async_op, stats, group)
+                                                 group=group, async_op=async_op), async_op, stats, group,
+                  (input, output))
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False, stats: CommStats = STATS):
     """Broadcast ``tensor`` from global rank ``src``."""
     return _issue("broadcast", tensor.numel() * tensor.element_size(),
-                  lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), async_op, stats, group)
+                  lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), async_op, stats, group,
+                  (tensor,))
 
 
 def all_gather_object(obj: object, group=None) -> list:
@@ -194,3 +371,36 @@ def all_gather_object(obj: object, group=None) -> list:
     out: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def broadcast_from(tensor: torch.Tensor, group_src: int, group=None, stats: CommStats = STATS) -> None:
+    """Broadcast ``tensor`` from rank ``group_src`` of ``group`` (a group-local rank)."""
+    _issue("broadcast", tensor.numel() * tensor.element_size(),
+           lambda: dist.broadcast(tensor, group=group, group_src=group_src), False, stats, group, (tensor,))
+
+
+def barrier(group=None) -> None:
+    """``dist.barrier`` (recorded as in flight, so a hang report names it; no payload, not counted)."""
+    global _last_failed
+    token = next(_tokens)
+    record = _in_flight[token] = InFlight("barrier", group, time.monotonic())
+    try:
+        dist.barrier(group=group)
+    except BaseException:
+        _last_failed = record
+        raise
+    finally:
+        _in_flight.pop(token, None)
+
+
+def batch_isend_irecv(p2p_ops: "list[dist.P2POp]", group=None, stats: CommStats = STATS) -> list:
+    """``dist.batch_isend_irecv``: every send and receive of ``p2p_ops`` in one group call (one NCCL group
+    launch, so a send/recv pair between two ranks cannot deadlock on launch order). Returns the works; the
+    bytes sent are counted as 'send'."""
+    tensors = tuple(op.tensor for op in p2p_ops)
+    if strict():
+        check_devices("batch_isend_irecv", list(tensors), group if group is not None else p2p_ops[0].group)
+    sent = sum(op.tensor.numel() * op.tensor.element_size() for op in p2p_ops if op.op in (dist.isend,))
+    if sent:
+        stats.record("send", sent)
+    return dist.batch_isend_irecv(p2p_ops)

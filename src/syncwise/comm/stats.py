@@ -1,7 +1,8 @@
 """Process-wide counters for every collective syncwise issues.
 
-Cheap by design: a record is a few dict updates. Synchronous collectives are timed by wall clock;
-asynchronous ones are timed from issue to completion through a future callback, so nothing adds a
+Cheap by design: a record is a few dict updates. On the CPU synchronous collectives are timed by wall clock
+and asynchronous ones from issue to completion through a future callback; on CUDA by events
+(:mod:`.timing`), whose durations are added when they are read and complete (``settle``), so nothing adds a
 synchronisation point. The trainer reads bytes and counts per step from here.
 """
 from __future__ import annotations
@@ -26,6 +27,25 @@ class CommStats:
 
     by_op: dict[str, OpTotals] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _pending: list = field(default_factory=list, repr=False)  # (op, timing.Interval) not yet added
+
+    def add_interval(self, op: str, interval: object) -> None:
+        """Add the duration of ``interval`` (a :class:`~.timing.Interval`) to ``op`` once it has completed."""
+        with self._lock:
+            self._pending.append((op, interval))
+
+    def settle(self, wait: bool = False) -> None:
+        """Fold the durations of completed intervals into the totals (all of them, waiting, with ``wait``)."""
+        if not self._pending:
+            return
+        with self._lock:
+            keep = []
+            for op, iv in self._pending:
+                if wait or iv.done():
+                    self.by_op.setdefault(op, OpTotals()).time_s += iv.seconds()
+                else:
+                    keep.append((op, iv))
+            self._pending = keep
 
     def record(self, op: str, nbytes: int, seconds: float = 0.0) -> None:
         """Count one collective of ``nbytes`` payload; ``seconds`` if already known."""
@@ -51,10 +71,12 @@ class CommStats:
     @property
     def total_time_s(self) -> float:
         """Seconds spent in (synchronous) or until completion of (asynchronous) every collective so far."""
+        self.settle()
         return sum(t.time_s for t in self.by_op.values())
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """A plain-dict copy, for logging."""
+        self.settle()
         with self._lock:
             return {k: {"calls": v.calls, "bytes": v.bytes, "time_s": v.time_s} for k, v in self.by_op.items()}
 
@@ -71,6 +93,7 @@ class CommStats:
     def reset(self) -> None:
         with self._lock:
             self.by_op.clear()
+            self._pending.clear()
 
 
 STATS = CommStats()

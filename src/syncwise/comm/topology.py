@@ -17,7 +17,6 @@ parameters are given (``link_speeds``) or measured (``calibrate()``). Every coll
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Mapping, Optional, Sequence, Union
 
 import torch
@@ -26,7 +25,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from syncwise.errors import ConfigError
 
-from . import ops
+from . import ops, streams, timing
 from .context import REDUCE_OPS, CommContext, Topology
 from .stats import STATS, CommStats
 
@@ -177,8 +176,9 @@ class TopoAwareCollective:
         topo, ctx = self.topology, self.ctx
         n, p, w = topo.nodes, topo.procs_per_node, topo.world_size
         count = max(p, probe_bytes // 4 // p * p)
-        big, tiny = torch.ones(count), torch.ones(1)
-        shard = torch.ones(count // p)
+        dev = ctx.device  # the group's device: NCCL takes CUDA buffers only (issue 24)
+        big, tiny = torch.ones(count, device=dev), torch.ones(1, device=dev)
+        shard = torch.ones(count // p, device=dev)
 
         def timed(t: torch.Tensor, group) -> float:
             if group is None:
@@ -186,10 +186,11 @@ class TopoAwareCollective:
             ops.all_reduce(t, "sum", group=group, stats=self.stats)  # warm-up: connections, buffers
             samples = []
             for _ in range(iters):
-                dist.barrier()
-                start = time.perf_counter()
-                ops.all_reduce(t, "sum", group=group, stats=self.stats)
-                samples.append(time.perf_counter() - start)
+                ops.barrier()
+                timing.synchronize(dev)
+                with timing.timed(dev) as iv:  # CUDA events: the collective, not its enqueue
+                    ops.all_reduce(t, "sum", group=group, stats=self.stats)
+                samples.append(iv.seconds())
             return statistics.median(samples)
 
         # Issued in the same order on every rank; the inter-node probes run concurrently across the
@@ -352,9 +353,20 @@ def topo_allreduce_hook(state: TopoAwareCollective, bucket: dist.GradBucket) -> 
     Register with ``ddp.register_comm_hook(TopoAwareCollective(ctx), topo_allreduce_hook)``.
     """
     buf = bucket.buffer()
-    state.all_reduce(buf, op="avg")
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(buf)
+    side = streams.side_stream(buf.device, "topo")
+    if side is None:
+        state.all_reduce(buf, op="avg")
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(buf)
+        return fut
+    # CUDA (comm.streams): the collectives go on a side stream that waits for the bucket, so the backward's
+    # stream does not queue behind them; DDP waits for the CUDA-aware future's events on the device.
+    side.wait_stream(torch.cuda.current_stream(buf.device))
+    fut = streams.device_future(buf.device)
+    with torch.cuda.stream(side):
+        buf.record_stream(side)
+        state.all_reduce(buf, op="avg")
+        fut.set_result(buf)
     return fut
 
 

@@ -76,6 +76,8 @@ def resume_target(cfg: RunConfig, rank: int) -> str:
         # agent often sees the re-rendezvous first and restarts its workers as a "membership change", with the
         # count unchanged (0). Agree on the max so every rank resumes or none does — a mix pairs one rank's
         # checkpoint-load collectives with another's training collectives and hangs (seen in the 2-node lab).
+        # A CPU tensor: an NCCL job's group is devices.NCCL_PROCESS_GROUP ('cuda:nccl,cpu:gloo', made by
+        # join_torchrun), whose gloo half takes it (issue 24: on a plain 'nccl' group this failed before step 1).
         agreed = torch.tensor([restarts], dtype=torch.int64)
         ops.all_reduce(agreed, "max", stats=CONTROL_STATS)
         restarts = int(agreed.item())

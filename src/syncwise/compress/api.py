@@ -56,7 +56,8 @@ class GradientCompressor:
         group = getattr(ddp_model, "process_group", None)
         if self.communication_backend != "auto" and dist.is_initialized():
             actual = str(dist.get_backend(group)).lower()
-            if actual != self.communication_backend:
+            # an NCCL job's group is 'cuda:nccl,cpu:gloo' (devices.NCCL_PROCESS_GROUP): NCCL moves its gradients
+            if self.communication_backend not in {part.split(":")[-1] for part in actual.split(",")}:
                 raise ConfigError("communication_backend", self.communication_backend,
                                   f"the backend the process group was started with ({actual}) or 'auto'")
         if param_names is None:

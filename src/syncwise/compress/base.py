@@ -400,6 +400,9 @@ class Packed:
     encoded: int  # bytes of the encoded part
     #: stores the new error-feedback state where ``ok`` (0-d bool: every rank finite) holds, else keeps the old
     commit: Optional[Callable[[torch.Tensor], None]] = None
+    #: tensors ``commit``/decode read that were made while packing (the staged residual): on CUDA the decode may
+    #: run on another stream, which must ``record_stream`` them (comm.streams)
+    streamed: tuple = ()
 
 
 _FLAG_BYTES = 4  # an int32 at the end of every gather payload: 1 if this rank's bucket held NaN/Inf
@@ -448,12 +451,13 @@ class GatherCompressor(Compressor):
     def pack(self, comp: list[torch.Tensor], keys: list[str], raw: list[torch.Tensor], rank: int) -> Packed:
         """This rank's payload for one all-gather: the encoded ``comp``, ``raw`` as fp32 bytes, the
         non-finite flag. The state is not touched here (see :class:`Packed`)."""
-        parts, flags, encoded, staged = [], [], 0, None
+        parts, flags, encoded, staged, made = [], [], 0, None, ()
         if comp:
             x = self._compensate(comp, keys)
             flags.append(nonfinite_flag([x]))  # before _staged_state reuses x for the residual
             payload, local = self._encode(x, sizes_of(comp), keys, rank)
             staged = self._staged_state(comp, keys, x, local)
+            made = (x,) if local is None else (x, local)
             parts.append(payload)
             encoded = payload.numel()
         if raw:
@@ -461,7 +465,7 @@ class GatherCompressor(Compressor):
             flags.append(nonfinite_flag([flat]))
             parts.append(flat.view(torch.uint8))
         parts.append(torch.stack(flags).amax().to(torch.int32).reshape(1).view(torch.uint8))
-        return Packed(torch.cat(parts), encoded, staged)
+        return Packed(torch.cat(parts), encoded, staged, made)
 
     def unpack_sum(self, gathered: torch.Tensor, packed: Packed, comp: list[torch.Tensor],
                    raw: list[torch.Tensor], world: int) -> torch.Tensor:

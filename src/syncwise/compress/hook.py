@@ -19,6 +19,7 @@ the host; NCCL has none), and, in the worker, the read of an earlier step's verd
 seeded draw (int8, random-k, PowerSGD's warm-up), which waits for that step's event only.
 """
 # no `from __future__ import annotations`: DDP checks the hook's annotations as real objects
+import contextlib
 import queue
 import threading
 import time
@@ -30,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError
-from ..comm import ops
+from ..comm import ops, streams
 from .base import Compressor, GatherCompressor, split_by_policy
 
 
@@ -89,6 +90,14 @@ class CompressionHookState:
         # Host seconds spent compressing/decompressing (the compressor's work minus the collectives it waited on):
         # read per step by syncwise.metrics.StepProbe for `syncwise doctor`. On CUDA this is launch time only.
         self.compute_s = 0.0
+        # Inline (issue 24, the "check" row on expert parallel): with ep > 1 the backward also issues the experts'
+        # all-to-alls, on the autograd thread and the ep communicator. A worker thread would interleave its
+        # collectives (another communicator) with them in an order that depends on timing, so differently on
+        # different ranks — NCCL can deadlock on communicators launched in different orders. Inline, every
+        # collective of the backward is issued from one thread in autograd's order, the same on every rank
+        # (multi-collective compressors then do not overlap the backward on the CPU; on CUDA they still run on
+        # the side stream). Set by parallelize (apply_data_parallel(inline_compress=True)) when ep > 1.
+        self.inline = False
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._worker: Optional[threading.Thread] = None
         self._lock = threading.Lock()
@@ -124,12 +133,16 @@ class CompressionHookState:
     def submit(self, tensors: list[torch.Tensor], keys: list[str], flags: list[bool], result: torch.Tensor,
                is_last: bool) -> "torch.futures.Future[torch.Tensor]":
         """Queue one bucket; the future completes with ``result`` once it holds the average."""
-        fut: torch.futures.Future = torch.futures.Future()
+        # CUDA (comm.streams): the worker runs the bucket on a side stream that waits for this event (the
+        # gradients are ready on the backward's stream), and completes a CUDA-aware future there, so the
+        # backward's stream never waits for a collective and DDP's reducer waits for the result on the device.
+        fut = streams.device_future(result.device)
+        ready = streams.ready_event(result.device)
         with self._lock:
             if self._worker is None or not self._worker.is_alive():
                 self._worker = threading.Thread(target=self._run, name="syncwise-compress", daemon=True)
                 self._worker.start()
-        self._queue.put((tensors, keys, flags, result, is_last, fut))
+        self._queue.put((tensors, keys, flags, result, is_last, fut, ready))
         return fut
 
     def _run(self) -> None:
@@ -140,17 +153,32 @@ class CompressionHookState:
             if isinstance(job, threading.Event):
                 job.set()
                 continue
-            tensors, keys, flags, result, is_last, fut = job
-            try:
+            self._process(*job)
+
+    def _process(self, tensors, keys, flags, result, is_last, fut, ready) -> None:
+        """Average one bucket (on the worker, or inline) and complete ``fut``; on CUDA on the side stream."""
+        side = streams.side_stream(result.device, "compress") if ready is not None else None
+        try:
+            with (torch.cuda.stream(side) if side is not None else contextlib.nullcontext()):
+                if side is not None:
+                    side.wait_event(ready)
+                    streams.keep_for_stream([*tensors, result], side)  # made on the backward's stream
                 start, waited = time.perf_counter(), ops.STATS.total_time_s
                 self.compressor.average(tensors, keys, self.comm_group, flags)
                 self.compute_s += max(0.0, time.perf_counter() - start - (ops.STATS.total_time_s - waited))
                 if is_last:
                     self.steps += 1
-            except BaseException as exc:  # surface on the training thread instead of hanging it
+                fut.set_result(result)  # on the side stream: a CUDA-aware future records its events here
+        except BaseException as exc:  # surface on the training thread instead of hanging it
+            if not fut.done():
                 fut.set_exception(exc)
-                continue
-            fut.set_result(result)
+
+    def run_inline(self, tensors: list[torch.Tensor], keys: list[str], flags: list[bool], result: torch.Tensor,
+                   is_last: bool) -> "torch.futures.Future[torch.Tensor]":
+        """Average one bucket now, on the calling (backward's) thread: :attr:`inline` mode."""
+        fut = streams.device_future(result.device)
+        self._process(tensors, keys, flags, result, is_last, fut, streams.ready_event(result.device))
+        return fut
 
     def wait_idle(self) -> None:
         """Block until every queued bucket has been processed."""
@@ -191,6 +219,8 @@ def _direct_single_collective(state: CompressionHookState, bucket: dist.GradBuck
 
     def finish(fut: torch.futures.Future) -> torch.Tensor:
         fut.value()  # re-raises a failed (timed-out) collective: DDP must not apply a half-received bucket
+        # torch runs this callback on a pool stream: `wire` was allocated on the backward's (comm.streams rule 4)
+        streams.keep_for_current_stream((wire, buffer))
         if not cast:
             return buffer.div_(world)
         start = time.perf_counter()
@@ -220,6 +250,10 @@ def _direct_gather(state: CompressionHookState, bucket: dist.GradBucket):
 
     def finish(fut: torch.futures.Future) -> torch.Tensor:
         fut.value()  # re-raises a failed (timed-out) collective: DDP must not apply a half-received bucket
+        # torch runs this callback on a pool stream; the payload, the gathered bytes and the staged residual
+        # were allocated on the backward's stream and die with this closure: without record_stream the caching
+        # allocator could hand their blocks out while this stream still reads them (comm.streams rule 4).
+        streams.keep_for_current_stream((packed.payload, gathered, *packed.streamed, buffer, *tensors, *raw))
         # the verdict stays on the device (this callback may run inline on the backward's thread)
         start = time.perf_counter()
         comp.book(comp.unpack_sum(gathered, packed, tensors, raw, world), buffer.numel(), keys)
@@ -246,6 +280,8 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
     keys = [state.name_of(p) for p in params]
     flags = [state.policy.compress(g) for g in grads]
     # the compressor writes the averages into the gradient views, i.e. into the bucket buffer itself
+    if state.inline:
+        return state.run_inline(list(grads), keys, flags, bucket.buffer(), bucket.is_last())
     return state.submit(list(grads), keys, flags, bucket.buffer(), bucket.is_last())
 
 

@@ -154,6 +154,8 @@ class PowerSGDCompressor(Compressor):
             q = q.unsqueeze(0)
         if self.config.warm_start and q is not None and q.shape == (batch, m, r):
             return q.to(device)  # a no-op but after loading a checkpoint onto another device
-        # same seed on every rank: the P = M Q products must share the same Q to be summable
-        g = self._generator("powersgd-q", key, 0 if self.config.warm_start else self._count(key), device=device)
-        return torch.randn(batch, m, r, generator=g, device=device)
+        # same seed on every rank: the P = M Q products must share the same Q to be summable. Drawn on the CPU and
+        # moved (issue 24): a CUDA generator's numbers depend on the launch configuration, so ranks on different
+        # GPUs could draw different Qs; (batch, m, r) is small.
+        g = self._generator("powersgd-q", key, 0 if self.config.warm_start else self._count(key), device="cpu")
+        return torch.randn(batch, m, r, generator=g).to(device)

@@ -126,15 +126,20 @@ class RandomKCompressor(Compressor):
 
     def indices(self, key: str, n: int, device: Any) -> torch.Tensor:
         """The ascending indices of tensor ``key`` (``n`` elements) sent at its current step: k distinct of
-        n, uniformly at random, seeded from (seed, key, step count) on ``device``, so every rank on the same
-        device type draws the same ones (and a resumed run draws what the original would have)."""
+        n, uniformly at random, seeded from (seed, key, step count), so every rank draws the same ones (and a
+        resumed run draws what the original would have).
+
+        Drawn on a CPU generator and moved to ``device`` (issue 24): the ranks must agree, and a CUDA generator's
+        stream depends on the kernel's launch configuration (ranks on different GPU models, or torch builds, could
+        draw different indices and sum unrelated coordinates). A CPU draw is the same on every host."""
         device = torch.device(device)
         k = k_for(n, self.config.ratio)
-        g = self._generator("randomk", key, self._count(key), device=device)
-        if device.type == "cpu" and 4 * k <= n:
-            return first_distinct(n, k, g)  # O(k) draws instead of a permutation of n: ~50x faster at 1 %
-        # on a GPU a permutation is a few fast sort passes; a data-dependent draw would need a host sync
-        return torch.randperm(n, generator=g, device=device)[:k].sort().values
+        g = self._generator("randomk", key, self._count(key), device="cpu")
+        if 4 * k <= n:
+            idx = first_distinct(n, k, g)  # O(k) draws instead of a permutation of n: ~50x faster at 1 %
+        else:
+            idx = torch.randperm(n, generator=g)[:k].sort().values
+        return idx.to(device)
 
     def _average(self, comp, keys, raw, group, world):
         if not comp:

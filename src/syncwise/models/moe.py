@@ -2,7 +2,8 @@
 auxiliary-loss-free load balancing (DeepSeek-V3, arXiv 2412.19437, §2.1.2)."""
 from __future__ import annotations
 
-from typing import NamedTuple
+import contextlib
+from typing import Iterator, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -20,8 +21,31 @@ class Routing(NamedTuple):
     scores: torch.Tensor   # (N, E) float32: sigmoid affinities (without the balancing bias)
 
 
+class _Recompute:
+    depth = 0  # > 0 while activation checkpointing re-runs a forward (syncwise's, through recomputing())
+
+
+@contextlib.contextmanager
+def recomputing() -> Iterator[None]:
+    """Mark a forward re-run by activation checkpointing: its tokens were counted by the first forward.
+    syncwise's ``apply_activation_checkpointing`` passes it as ``torch.utils.checkpoint``'s recompute context; a
+    model checkpointed by hand under ``torch.compile`` should do the same (``context_fn``)."""
+    _Recompute.depth += 1
+    try:
+        yield
+    finally:
+        _Recompute.depth -= 1
+
+
 def _in_backward() -> bool:
-    # Activation checkpointing re-runs forward inside backward; those tokens were already counted.
+    # Activation checkpointing re-runs forward inside backward; those tokens were already counted. Issue 24:
+    # torch._C._current_graph_task_id() is opaque to dynamo (one graph break per MoE layer), so under
+    # torch.compile only the recompute flag decides (a plain attribute: dynamo guards on it, no break); eager
+    # runs also ask autograd, which catches checkpointing applied by hand.
+    if _Recompute.depth:
+        return True
+    if torch.compiler.is_compiling():
+        return False
     task_id = getattr(torch._C, "_current_graph_task_id", None)
     return task_id is not None and task_id() != -1
 

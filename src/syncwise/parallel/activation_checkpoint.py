@@ -1,6 +1,7 @@
 """Activation checkpointing applied from outside the model (torchtitan style)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 
 from torch import nn
@@ -30,5 +31,13 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
     blocks = _blocks(model)
     for block in blocks:
         inner = block.forward
-        block.forward = functools.partial(checkpoint, inner, use_reentrant=False)
+        # the recompute context tells MoE layers not to count their tokens twice, without the graph-task query
+        # that breaks torch.compile's graph (models/moe.py: _in_backward)
+        block.forward = functools.partial(checkpoint, inner, use_reentrant=False, context_fn=_contexts)
     return len(blocks)
+
+
+def _contexts():
+    from ..models.moe import recomputing
+
+    return contextlib.nullcontext(), recomputing()

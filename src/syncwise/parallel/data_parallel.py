@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ..comm import ops, timing
 from ..comm.stats import STATS
 from ..compress import CompressionHookState, CompressionPolicy, Compressor, compression_hook, torch_reference_hook
 from ..errors import ConfigError
@@ -183,7 +184,7 @@ def _counted(bytes_per_element: int, hook):
 def apply_data_parallel(model: nn.Module, compressor: "Optional[Compressor | TorchHookSpec]" = None, bucket_cap_mb: float = 25.0,
                         min_numel: int = 4096, device: Optional[torch.device] = None,
                         find_unused_parameters: Optional[bool] = None, process_group: Any = None,
-                        ignore: "Optional[list[str]]" = None) -> DataParallel:
+                        ignore: "Optional[list[str]]" = None, inline_compress: bool = False) -> DataParallel:
     """Wrap ``model`` in DDP when a multi-rank process group exists; else return it as is.
 
     ``find_unused_parameters`` defaults to the model's ``has_sparse_params`` (MoE experts that received
@@ -220,6 +221,7 @@ def apply_data_parallel(model: nn.Module, compressor: "Optional[Compressor | Tor
     whole = process_group is None or dist.get_world_size(process_group) == dist.get_world_size()
     state = CompressionHookState(compressor, process_group=process_group, param_names=names,
                                  policy=CompressionPolicy(min_numel=min_numel), dedicated_group=whole)
+    state.inline = inline_compress  # ep > 1: one thread issues every collective (CompressionHookState.inline)
     timer = GradSyncTimer(state, compression_hook, device)
     ddp.register_comm_hook(timer, _timed_hook)
     return DataParallel(module=ddp, timer=timer, hook_state=state)
@@ -248,13 +250,14 @@ class StageGradientSync:
         self.bucket_cap_mb = bucket_cap_mb
         with torch.no_grad():
             for _, p in self.params:
-                dist.broadcast(p.data, src=dist.get_global_rank(group, 0), group=group)
+                ops.broadcast_from(p.data, 0, group=group, stats=ops.CommStats())  # setup, not step traffic
 
-    def sync(self) -> float:
-        """Average every gradient over the group (missing ones as zeros); the seconds it took."""
+    def sync(self) -> "Callable[[], float]":
+        """Average every gradient over the group (missing ones as zeros); returns the reader of the seconds it
+        took (comm.timing: CUDA events on a GPU, read when the row is logged, so no host sync here)."""
         from ..compress.profile import ddp_like_buckets
 
-        start = time.perf_counter()
+        interval = timing.Interval(self.params[0][1].device if self.params else None).start()
         for _, p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -262,4 +265,5 @@ class StageGradientSync:
         for bucket in ddp_like_buckets(named, self.bucket_cap_mb):
             self.hook_state.average([named[i][1] for i in bucket], [named[i][0] for i in bucket])
         self.hook_state.steps += 1
-        return time.perf_counter() - start
+        interval.stop()
+        return interval.seconds

@@ -128,17 +128,20 @@ def apply_fsdp(model: nn.Module, mesh: Any, dp_dims: Sequence[str] = ("dp_shard"
     Call it after tensor parallel and activation checkpointing, and before building the optimizer.
     ``reshard_after_forward=True`` frees each unit's gathered parameters after its forward (ZeRO-3,
     least memory, one more all-gather in backward); False keeps them to the backward (ZeRO-2-like).
-    The root is never resharded after forward: backward needs it first. ``reduce_dtype=None`` reduces
-    in the gradients' own dtype.
+    The root is never resharded after forward: backward needs it first; neither is the last unit (as in
+    torchtitan): backward starts with it, so resharding it would free its parameters only to all-gather them
+    again at once. ``reduce_dtype=None`` reduces in the gradients' own dtype. ``param_dtype``: the dtype the
+    parameters are all-gathered and computed in — ``torch.bfloat16`` under bf16 autocast (the trainer passes it),
+    so FSDP2 moves half the bytes and autocast has nothing to re-cast (issue 24); None keeps them fp32.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dp_mesh = _dp_mesh(mesh, dp_dims)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    for unit in fsdp_units(model):
-        if unit is model:
-            continue
-        fully_shard(unit, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    units = [u for u in fsdp_units(model) if u is not model]
+    for i, unit in enumerate(units):
+        last = i == len(units) - 1
+        fully_shard(unit, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and not last)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
     return model
 

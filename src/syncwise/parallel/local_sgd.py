@@ -20,14 +20,13 @@ The last step of a run always synchronises without delay, so training ends with 
 """
 from __future__ import annotations
 
-import time
 from typing import Any, Optional
 
 import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ..comm import ops
+from ..comm import ops, timing
 from ..comm.stats import STATS, CommStats
 from .sync_spec import DTYPES, SyncSpec, SyncStrategy
 
@@ -104,10 +103,12 @@ class LocalSGD(SyncStrategy):
     @torch.no_grad()
     def _land(self) -> float:
         pending, self._pending = self._pending, None
-        t0 = time.perf_counter()
-        if pending["work"] is not None:
-            pending["work"].wait()
-        waited = time.perf_counter() - t0
+        # comm.timing: on CUDA the stream's wait for the average (events; read here, as this strategy reads the
+        # host anyway), not the host's return from an NCCL wait() that only enqueues a stream wait
+        with timing.timed(self.anchor.device) as iv:
+            if pending["work"] is not None:
+                pending["work"].wait()
+        waited = iv.seconds()
         if self._send is not self._delta:
             self._delta.copy_(self._send)
         self.anchor.grad = self._delta  # the averaged pseudo-gradient
@@ -224,7 +225,7 @@ class TorchPeriodicAveraging(SyncStrategy):
         self.averager.step = step
         averages = step >= self.spec.warmup and (step - self.spec.warmup) % self.spec.period == 0
         group = self.averager.process_group
-        t0 = time.perf_counter()
+        iv = timing.Interval(self.params[0].device if self.params else None).start()
         if last and not averages:  # end on identical replicas: every parameter, with or without a gradient
             average_parameters(iter(self.params), group)
             averaged = self.params
@@ -237,7 +238,7 @@ class TorchPeriodicAveraging(SyncStrategy):
             average_parameters(iter(self.buffers), group)
         self.stats.record("all_reduce", sum(t.numel() * t.element_size() for t in averaged + self.buffers))
         self.syncs += 1
-        return time.perf_counter() - t0
+        return iv.stop().seconds()  # CUDA events on a GPU (torch's averager returns at enqueue under NCCL)
 
     def state_dict(self) -> dict[str, Any]:
         return {"syncs": self.syncs}

@@ -84,8 +84,7 @@ class Parallelized:
             if self.pipeline is not None:  # the schedule runs every microbatch; then the stage's replicas sync
                 yield                      # (FSDP2 stages reduce-scatter in the last microbatch's backward)
                 if syncing and self.stage_sync is not None:
-                    waited = self.stage_sync.sync()
-                    self._exposed = lambda: waited
+                    self._exposed = self.stage_sync.sync()  # a reader (CUDA events on a GPU)
                 if syncing and self.dp.hook_state is not None:
                     self.dp.hook_state.steps += 1
                 if syncing:
@@ -208,7 +207,8 @@ class Parallelized:
 def parallelize(model: nn.Module, spec: "ParallelSpec | dict | None" = None, device: Optional[torch.device] = None,
                 *, compressor: Any = None, bucket_cap_mb: float = 25.0, min_numel: int = 4096, sync: Any = None,
                 activation_checkpointing: bool = False, compile: bool = False,
-                tp_plan: Optional[dict] = None, loss_fn: Any = None, split_fn: Any = None) -> Parallelized:
+                tp_plan: Optional[dict] = None, loss_fn: Any = None, split_fn: Any = None,
+                param_dtype: Optional[torch.dtype] = None) -> Parallelized:
     """Apply ``spec`` (a ParallelSpec, a dict of its fields, or None: every rank a DDP replica) to ``model``.
 
     ``compressor``: syncwise's gradient compression (None = DDP's built-in all-reduce). With dp_shard > 1 or tp > 1
@@ -217,6 +217,7 @@ def parallelize(model: nn.Module, spec: "ParallelSpec | dict | None" = None, dev
     ``loss_fn``: the last pipeline stage's loss (pp > 1; default ``lm_loss``); ``split_fn(model, stage, n_stages)``:
     a user model's pipeline split (syncwise's model and ``nn.Sequential`` need none).
     ``tp_plan``: a user model's tensor-parallel plan (``parallelize_module``'s dict); syncwise's own model has one.
+    ``param_dtype``: FSDP2's parameter dtype (``torch.bfloat16`` under bf16 autocast; None: fp32).
     """
     spec = spec if isinstance(spec, ParallelSpec) else ParallelSpec(**(spec or {}))
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -267,14 +268,15 @@ def parallelize(model: nn.Module, spec: "ParallelSpec | dict | None" = None, dev
             # FSDP2 inside each replica group; syncwise's compressor is the all-reduce across the groups.
             par.dp = DataParallel(module=model, hook_state=None)
             for root in roots:
-                apply_fsdp(root, mesh, ("dp_shard",), reduce_dtype=torch.float32)
+                apply_fsdp(root, mesh, ("dp_shard",), param_dtype=param_dtype, reduce_dtype=torch.float32)
             par.dp.hook_state = _replica_hook_state(compressor, mesh, par.model, min_numel)
             for root in roots:
                 attach_compression(root, par.dp.hook_state)
         else:
             # HSDP over both data-parallel dimensions; apply_fsdp treats one replica (1 × N) as plain FSDP2.
             for root in roots:
-                apply_fsdp(root, mesh, ("dp_replicate", "dp_shard"), reduce_dtype=reduce_dtype or torch.float32)
+                apply_fsdp(root, mesh, ("dp_replicate", "dp_shard"), param_dtype=param_dtype,
+                           reduce_dtype=reduce_dtype or torch.float32)
         par.fsdp = True
     elif dp_dims and par.pipeline is not None:  # this rank's stages' gradients averaged over their replicas
         if isinstance(compressor, TorchHookSpec):
@@ -285,7 +287,7 @@ def parallelize(model: nn.Module, spec: "ParallelSpec | dict | None" = None, dev
     elif dp_dims:  # dp_replicate alone: DDP (the experts of expert parallel excluded: summed in their own group)
         ignore = _expert_names(model) if spec.ep > 1 else None
         par.dp = apply_data_parallel(model, compressor, bucket_cap_mb, min_numel, device, process_group=par.dp_group,
-                                     ignore=ignore)
+                                     ignore=ignore, inline_compress=spec.ep > 1)
         par.module = par.dp.module
         # 6. reduced-sync strategy, over the same ranks (whole replicas only)
         if sync is not None and not spec.replicas_only:

@@ -10,14 +10,13 @@ step (no update) and drains on the last (two updates), so a run makes exactly as
 """
 from __future__ import annotations
 
-import time
 from typing import Any, Optional
 
 import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ..comm import ops
+from ..comm import ops, timing
 from ..comm.stats import STATS, CommStats
 from .sync_spec import DTYPES, SyncSpec, SyncStrategy
 
@@ -53,12 +52,13 @@ class PipeSGD(SyncStrategy):
         return ready, waited
 
     def _wait(self, pending: dict[str, Any]) -> float:
-        t0 = time.perf_counter()
-        if pending["work"] is not None:
-            pending["work"].wait()
-            pending["work"] = None
+        # comm.timing: CUDA events on a GPU (an NCCL wait() returns at once, having queued a stream wait)
+        with timing.timed(pending["send"].device) as iv:
+            if pending["work"] is not None:
+                pending["work"].wait()
+                pending["work"] = None
         self.syncs += 1
-        return time.perf_counter() - t0
+        return iv.seconds()
 
     def _unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [g.to(p.dtype) for p, g in zip(self.params, _unflatten_dense_tensors(flat, self.params))]

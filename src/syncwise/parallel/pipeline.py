@@ -25,7 +25,6 @@ import copy
 import dataclasses
 import functools
 import math
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -34,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm import ops as comm_ops, timing
 from ..errors import ConfigError, SyncwiseError
 from ..specs import count
 
@@ -345,6 +345,9 @@ def build_stage_modules(model: nn.Module, n_stages: int, stage_ids: Sequence[int
 
 
 # ------------------------------------------------------------------------------------------------ measuring
+_P2P_STATS = comm_ops.CommStats()  # the meter counts the activations' bytes itself (pp, not the step's dp bytes)
+
+
 class _StepMeter:
     """What this rank's stages did in one step: compute seconds, bytes sent, sends still in flight."""
 
@@ -353,30 +356,50 @@ class _StepMeter:
         self.compute_s = 0.0
         self.bytes = 0
         self.pending: list[Any] = []
+        self.unsent: list[Any] = []
+        self.intervals: list[timing.Interval] = []  # the stage computes of this step
 
     def reset(self) -> None:
-        self.compute_s, self.bytes = 0.0, 0
+        self.compute_s, self.bytes, self.intervals = 0.0, 0, []
 
+    def settle(self) -> float:
+        """The step's compute seconds (on CUDA: waits for the last compute's end event)."""
+        self.compute_s += sum(iv.seconds() for iv in self.intervals)
+        self.intervals = []
+        return self.compute_s
+
+    # Without overlap, sends and receives go out through ``batch_isend_irecv`` (issue 24): NCCL runs the p2p
+    # operations of one rank in launch order on one stream, so two stages that each issue an unbatched send to
+    # the other and then the matching receive can both block in the send; one batch is one NCCL group launch,
+    # which pairs them. A send waits (in ``unsent``) for the next receive of the stage, or for the drain before
+    # its next compute, and goes out in one batch with it.
     def sends(self, ops: list) -> list:
-        """Count the send ops' bytes; without overlap, issue them here and keep their handles, so the next
-        compute waits for them (the schedule then has nothing left to send)."""
+        """Count the send ops' bytes; without overlap, keep them to go out batched with the next receives (or at
+        the drain before the next compute), so the next compute waits for them (the schedule then has nothing
+        left to send)."""
         self.bytes += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
         if self.overlap or not ops:
             return ops
-        self.pending += [dist.isend(op.tensor, group=op.group, tag=op.tag, group_dst=op.group_peer) for op in ops]
+        self.unsent += ops
         return []
 
     def receives(self, ops: list) -> list:
-        """Without overlap, receive here, where the schedule posts the receive, and wait for it (the schedule then
-        has nothing left to wait for); with overlap, the schedule's asynchronous receives as they are."""
+        """Without overlap, receive here, where the schedule posts the receive — in one batch with the sends not
+        issued yet — and wait for it (the schedule then has nothing left to wait for); with overlap, the
+        schedule's asynchronous receives as they are."""
         if self.overlap or not ops:
             return ops
-        for op in ops:
-            dist.irecv(op.tensor, group=op.group, tag=op.tag, group_src=op.group_peer).wait()
+        batch, self.unsent = self.unsent + ops, []
+        for work in comm_ops.batch_isend_irecv(batch, stats=_P2P_STATS):
+            work.wait()
         return []
 
     def drain(self) -> None:
-        """Wait for every send issued without overlap (before a compute, and at the end of the step)."""
+        """Issue the sends still kept and wait for every send issued without overlap (before a compute, and at
+        the end of the step)."""
+        if self.unsent:
+            batch, self.unsent = self.unsent, []
+            self.pending += comm_ops.batch_isend_irecv(batch, stats=_P2P_STATS)
         while self.pending:
             self.pending.pop(0).wait()
 
@@ -393,11 +416,11 @@ def _stage_class() -> type:
 
         def _timed(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
             self.meter.drain()           # without overlap: this stage's sends finish before it computes again
-            start = time.perf_counter()
+            interval = timing.Interval(self.device).start()  # comm.timing: CUDA events on a GPU
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.meter.compute_s += time.perf_counter() - start
+                self.meter.intervals.append(interval.stop())
 
         def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
             return self._timed(super().forward_one_chunk, *args, **kwargs)
@@ -465,11 +488,11 @@ class PipelineLoss:
         self.rows, self.weight = 1, 1.0
 
     def __call__(self, output: Any, target: torch.Tensor) -> torch.Tensor:
-        start = time.perf_counter()
+        interval = timing.Interval(target.device).start()  # comm.timing: CUDA events on a GPU
         try:
             return self.loss_fn(output, target) * (target.shape[0] / self.rows * self.weight)
         finally:
-            self.meter.compute_s += time.perf_counter() - start
+            self.meter.intervals.append(interval.stop())
 
 
 def _default_loss() -> Callable[[Any, Any], torch.Tensor]:
@@ -668,21 +691,23 @@ class AsyncPipeline:
         target = targets if self.has_last else None
         losses: list[torch.Tensor] = []
         self._meter.reset()
-        start = time.perf_counter()
+        # comm.timing: CUDA events on a GPU (host clocks would count launches: pp_bubble near 1 - launch/wall);
+        # read at the end of the step, which waits for its last kernel on CUDA (one sync per pipeline step)
+        step_interval = timing.Interval(self._device).start()
         if train:
             self._schedule.step(*args, target=target, losses=losses, return_outputs=False)
         else:
             self._schedule.eval(*args, target=target, losses=losses)
         self._meter.drain()
-        self.last_step_s = time.perf_counter() - start
-        self.last_compute_s = self._meter.compute_s
+        self.last_step_s = step_interval.stop().seconds()
+        self.last_compute_s = self._meter.settle()
         self.last_bubble = max(0.0, 1.0 - self.last_compute_s / self.last_step_s) if self.last_step_s > 0 else 0.0
         self.last_p2p_bytes = self._meter.bytes
         loss = torch.stack([l.detach().float() for l in losses]).sum() if self.has_last and losses else None
         if not self.broadcast_loss:
             return loss
         buf = loss.reshape(1).clone() if loss is not None else torch.full((1,), math.nan, device=self._device)
-        dist.broadcast(buf, group=self.group, group_src=self.last_rank)
+        comm_ops.broadcast_from(buf, self.last_rank, group=self.group, stats=comm_ops.CommStats())  # control: not counted
         return buf[0]
 
     def step(self, inputs: Any, targets: Optional[torch.Tensor] = None, *, weight: float = 1.0

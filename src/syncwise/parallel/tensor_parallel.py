@@ -117,6 +117,9 @@ class ReplicateParallel(_parallel_style_base()):
         return distribute_module(module, device_mesh, self._replicate_params, self._input_fn, self._output_fn)
 
 
+_TAIL_STATS = CommStats()
+
+
 class _AllReduceTailGrad(torch.autograd.Function):
     """Identity whose backward sums the last ``n`` channels of the gradient over the tp group."""
 
@@ -130,7 +133,7 @@ class _AllReduceTailGrad(torch.autograd.Function):
         import torch.distributed as dist
         grad = grad.clone()
         tail = grad[..., grad.shape[-1] - ctx.n:].contiguous()
-        dist.all_reduce(tail, group=ctx.group)
+        ops.all_reduce(tail, "sum", group=ctx.group, stats=_TAIL_STATS)  # counted by the step's dispatch counter
         grad[..., grad.shape[-1] - ctx.n:] = tail
         return grad, None, None
 
@@ -330,14 +333,37 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: 
     norm_type = float(norm_type)
     if not grads and across is None:
         return torch.tensor(0.0)
-    norms = []
+    # One all-reduce per (mesh, sharded dimension), not one full_tensor() per DTensor gradient (issue 24: ~150
+    # latency-bound all-reduces a step): each local shard's sum of |g|^p (max for inf) is added up locally per
+    # group of gradients sharded over the same mesh dimension; replicated dimensions hold copies and count once.
+    inf = math.isinf(norm_type)
+    local: list[torch.Tensor] = []          # plain tensors and fully replicated DTensors: already global
+    by_group: dict[Any, list[torch.Tensor]] = {}
     for g in grads:
-        n = torch.linalg.vector_norm(g, norm_type)
-        if isinstance(n, DTensor):
-            n = n.full_tensor()
-        norms.append(n.float())
-    stacked = torch.stack(norms) if norms else torch.zeros(1)
-    total = stacked.max() if math.isinf(norm_type) else torch.linalg.vector_norm(stacked, norm_type)
+        if not isinstance(g, DTensor):
+            local.append(torch.linalg.vector_norm(g, norm_type).float())
+            continue
+        dims = [i for i, pl in enumerate(g.placements) if pl.is_shard()]
+        if any(pl.is_partial() for pl in g.placements) or len(dims) > 1:
+            local.append(torch.linalg.vector_norm(g, norm_type).full_tensor().float())  # rare: combine on its own
+            continue
+        n = torch.linalg.vector_norm(g.to_local(), norm_type).double()
+        if not dims:
+            local.append(n.float())
+            continue
+        by_group.setdefault(g.device_mesh.get_group(dims[0]), []).append(n if inf else n.pow(norm_type))
+    parts = [torch.stack(local).double().max() if inf else torch.stack(local).double().pow(norm_type).sum()] \
+        if local else []
+    for group, values in by_group.items():
+        combined = torch.stack(values).max() if inf else torch.stack(values).sum()
+        combined = combined.reshape(1)
+        ops.all_reduce(combined, "max" if inf else "sum", group=group, stats=NORM_STATS)
+        parts.append(combined[0])
+    if parts:
+        stacked = torch.stack(parts)
+        total = (stacked.max() if inf else stacked.sum().pow(1.0 / norm_type)).float()
+    else:  # this rank holds no gradient but must join `across`: a zero on the group's device, not the CPU's
+        total = torch.zeros((), device=ops.group_device(across))
     if across is not None:
         total = _combine_norms(total, norm_type, across)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -139,7 +139,9 @@ def _barrier() -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
-        dist.barrier()
+        from ..comm import ops
+
+        ops.barrier()
 
 
 def measure_gemm(sizes: Sequence[int] = GEMM_SIZES, seconds: float = 0.25) -> list[dict]:
@@ -230,30 +232,37 @@ def _time_group(op: str, nbytes: int, group, n: int, iters: int) -> float:
     from ..comm import ops as cops
     from ..comm.stats import CommStats
 
+    from ..comm import timing
+
     stats = CommStats()
     count = max(n, nbytes // 4 // n * n)
     chunk = count // n
+    dev = _device()  # the group's device: NCCL takes CUDA buffers only (issue 24)
+    ones = lambda c: torch.ones(c, device=dev)  # noqa: E731
+    empty = lambda c: torch.empty(c, device=dev)  # noqa: E731
     if op == "all_reduce":
-        buf = torch.ones(count)
+        buf = ones(count)
         call = lambda: cops.all_reduce(buf, "sum", group=group, stats=stats)  # noqa: E731
     elif op == "all_gather":
-        inp, out = torch.ones(chunk), torch.empty(count)
+        inp, out = ones(chunk), empty(count)
         call = lambda: cops.all_gather(out, inp, group=group, stats=stats)  # noqa: E731
     elif op == "reduce_scatter":
-        inp, out = torch.ones(count), torch.empty(chunk)
+        inp, out = ones(count), empty(chunk)
         call = lambda: cops.reduce_scatter(out, inp, "sum", group=group, stats=stats)  # noqa: E731
     else:
-        inp, out = torch.ones(count), torch.empty(count)
+        inp, out = ones(count), empty(count)
         call = lambda: cops.all_to_all(out, inp, group=group, stats=stats)  # noqa: E731
     call()
     samples = []
     for _ in range(iters):
-        dist.barrier()
-        t0 = time.perf_counter()
-        call()
-        samples.append(time.perf_counter() - t0)
+        cops.barrier()
+        timing.synchronize(dev)
+        with timing.timed(dev) as iv:  # CUDA events: the collective itself, not its enqueue
+            call()
+        samples.append(iv.seconds())
+    # a CPU control tensor: the gloo half of an NCCL job's group (devices.NCCL_PROCESS_GROUP)
     worst = torch.tensor(samples, dtype=torch.float64)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)        # as comm-bench: the slowest rank, every iteration
+    cops.all_reduce(worst, "max", stats=stats)          # as comm-bench: the slowest rank, every iteration
     return statistics.median(worst.tolist())
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .. import devices
+from ..comm import ops
 from ..errors import ConfigError
 
 _NO_AMP = {"none", "no", "fp32", "float32", "off", "false"}
@@ -79,7 +80,8 @@ def join_torchrun(device: torch.device, timeout_s: Optional[float] = None, backe
     ``backend='auto'`` follows ``syncwise.devices``: NCCL only where this rank's device is the GPU the rule gives
     it under NCCL (``cuda:LOCAL_RANK``, every local rank with a GPU of its own), gloo otherwise — on the CPU, and
     when ranks share a GPU, which NCCL refuses ('Duplicate GPU detected'). An index-less 'cuda' is the current
-    CUDA device."""
+    CUDA device. NCCL joins as ``devices.NCCL_PROCESS_GROUP`` ('cuda:nccl,cpu:gloo': CPU control tensors have a
+    communicator too), after ``torch.cuda.set_device``."""
     if not dist.is_available() or dist.is_initialized():
         return False
     if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
@@ -96,7 +98,15 @@ def join_torchrun(device: torch.device, timeout_s: Optional[float] = None, backe
     kwargs: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
     if timeout_s:
         kwargs["timeout"] = timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, **kwargs)
+    if device.type == "cuda":
+        # Before any CUDA tensor or communicator: control tensors made with current_device() (checkpointer,
+        # DCP, DTensor) must land on this rank's GPU, not cuda:0 (issue 24).
+        torch.cuda.set_device(device)
+    # The strict-devices check (comm.ops) holds the groups to their GPU-run backend: this one on NCCL, NCCL's
+    # on gloo (a CPU run: the same code on GPUs would get devices.NCCL_PROCESS_GROUP).
+    ops.declare_backend(devices.process_group_backend("nccl") if backend == "gloo" and device.type == "cpu"
+                        else devices.process_group_backend(backend))
+    dist.init_process_group(devices.process_group_backend(backend), **kwargs)
     atexit.register(_leave)
     return True
 

@@ -192,7 +192,10 @@ class OptimizedTrainer:
         self.par = parallelize(self.model, parallel, self.device, compressor=self.compressor,
                                bucket_cap_mb=bucket_cap_mb, min_numel=min_numel, sync=sync,
                                activation_checkpointing=activation_checkpointing, compile=compile, tp_plan=tp_plan,
-                               loss_fn=loss_fn, split_fn=pipeline_split)
+                               loss_fn=loss_fn, split_fn=pipeline_split,
+                               # bf16 autocast: FSDP2 gathers bf16 parameters, reduces fp32 (issue 24)
+                               param_dtype=torch.bfloat16 if self._amp_dtype(mixed_precision) == torch.bfloat16
+                               else None)
         self.model = self.par.model  # under pipeline parallel: this rank's stages only
         # FSDP2 / TP put sharded parameters in the model's place; a pipeline stage keeps some of them.
         rebind_optimizer(optimizer, names, self.model, keep_only_present=self.par.pipeline is not None)
