@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Set up (the CPU torch pinned to the build on local disk, unless a torch is already installed: a CUDA build
-# stays; see scripts/setup.sh) and run the test suite.
+# Set up (the project's .venv/ unless a virtual environment is active; the CPU torch pinned to the build on local
+# disk, unless a torch is already installed: a CUDA build stays; see scripts/setup.sh) and run the test suite in it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh requirements-dev.txt
+source scripts/python.sh
+syncwise_activate
 # A one-machine Slurm (scripts/slurm-local.sh: apt-get install slurm-wlm munge, slurmctld + slurmd) so that
 # tests/test_launch_slurm.py submits real jobs: ~15 s to install and start plus ~36 s of test on 2 cores
 # (docs/launch.md). Best-effort: without apt or root that test skips, with the reason. SYNCWISE_TEST_SLURM=0 skips it.
@@ -15,4 +17,4 @@ if [ "${SYNCWISE_TEST_SLURM:-1}" = 1 ]; then
         echo "test.sh: no local Slurm (see above); the real-Slurm test will skip" >&2
     fi
 fi
-python3 -m pytest -q "$@"
+"$SYNCWISE_PYTHON" -m pytest -q "$@"

@@ -10,9 +10,10 @@ FIELDS = ("name", "steps_per_s", "parallel_efficiency", "comm_bytes_per_step", "
           "compression_ratio", "peak_mem_mb", "mean_step_time_s", "comm_exposed_share", "bandwidth", "world_size")
 
 
-def test_tiny_local_bench_writes_rows_runs_and_plot(tmp_path, capsys):
+def test_tiny_local_bench_writes_rows_runs_and_plot(tmp_path, capfd):
     out = tmp_path / "bench"
-    code = main(["bench", "--preset", "tiny", "--steps", "6", "--configs", "compute-only,none,topk:ratio=0.05",
+    code = main(["bench", "--preset", "tiny", "--steps", "6", "--configs",
+                 "compute-only,none,topk:ratio=0.05,powersgd:rank=2,start_iter=3,powersgd:rank=2",
                  "--out-dir", str(out), "--json", str(tmp_path / "rows.json"),
                  "--set", "data.seq_len=32", "--set", "train.val_batches=1"])
     assert code == 0
@@ -24,7 +25,8 @@ def test_tiny_local_bench_writes_rows_runs_and_plot(tmp_path, capsys):
         assert r["steps_per_s"] > 0 and r["final_loss"] > 0 and r["final_val_loss"] > 0
         # Each configuration's run directory is kept for inspection.
         assert len((out / r["run_dir"].split("/")[-1] / "metrics.jsonl").read_text().splitlines()) == 6
-    assert list(rows) == ["compute-only", "compute-only-shared", "none", "topk:ratio=0.05"]
+    assert list(rows) == ["compute-only", "compute-only-shared", "none", "topk:ratio=0.05",
+                          "powersgd:rank=2,start_iter=3", "powersgd:rank=2"]
     co, base, topk = rows["compute-only"], rows["none"], rows["topk:ratio=0.05"]
     assert co["world_size"] == 1 and co["comm_bytes_per_step"] == 0 and co["parallel_efficiency"] == 1.0
     # the shared-CPU reference: 2 independent workers at once, each trained alone (world size 1)
@@ -36,7 +38,21 @@ def test_tiny_local_bench_writes_rows_runs_and_plot(tmp_path, capsys):
     assert base["compression_ratio"] == 1.0
     assert topk["compression_ratio"] > 1 and topk["comm_bytes_per_step"] < base["comm_bytes_per_step"]
     assert (tmp_path / "rows.png").stat().st_size > 10_000  # loss vs wall-clock, one curve per configuration
-    assert "compute-only" in capsys.readouterr().out
+    # PowerSGD's warm-up (start_iter steps of full gradients) is reported apart from its steady state ...
+    warm = json.loads((out / rows["powersgd:rank=2,start_iter=3"]["run_dir"].split("/")[-1] / "summary.json").read_text())
+    assert warm["warmup_steps"] == 3 and "warning" not in warm
+    assert warm["warmup_comm_bytes_per_step"] == pytest.approx(base["comm_bytes_per_step"], rel=0.05)
+    assert rows["powersgd:rank=2,start_iter=3"]["compression_ratio"] > 2
+    # ... and a run that never left it (default start_iter=10 > 6 steps) says so instead of a silent ratio 1.0
+    never = rows["powersgd:rank=2"]
+    assert never["compression_ratio"] == pytest.approx(1.0, rel=0.05) and "never left the warm-up" in never["warning"]
+    out_text = capfd.readouterr().out
+    assert "warning: powersgd:rank=2: the run never left the warm-up of powersgd:rank=2 (10 steps" in " ".join(
+        out_text.split())
+    # Only the bench's own lines and table: each run's progress and summary table are in its console.log.
+    assert "syncwise train — summary" not in out_text and "compute-only" in out_text
+    assert len(out_text.splitlines()) < 60, out_text
+    assert "syncwise train — summary" in (out / "none" / "console.log").read_text()
 
 
 def test_repeat_alternates_the_order_and_reports_paired_means(tmp_path):

@@ -126,3 +126,30 @@ def test_tensor_parallel_job_from_the_command_line(tmp_path):
     assert summary["layout"].startswith("tp 2") and summary["steps"] == 3
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all("comm_bytes_tp" in r for r in rows)
+
+
+@pytest.mark.parametrize("argv, hint", [(["--stpes", "3"], "--steps"), (["--compres", "fp8"], "--compress")])
+def test_a_misspelt_flag_is_refused_with_the_flag_it_resembles(argv, hint):
+    """No prefix matching (--compres is not --compress) and a near miss is named, in one line."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "syncwise.cli", "train", "--check", *argv], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert f"(did you mean {hint}?)" in p.stderr
+
+
+def test_every_doc_the_help_names_exists():
+    """`syncwise train --help` points to docs/*.md files: each one is there."""
+    import re
+    from pathlib import Path
+
+    from syncwise.cli import build_parser
+
+    root = Path(__file__).resolve().parents[1]
+    helps = build_parser().format_help() + "".join(
+        action.choices[name].format_help() for action in build_parser()._subparsers._group_actions
+        for name in action.choices)
+    named = set(re.findall(r"docs/[\w.-]+\.md", helps))
+    assert named and all((root / doc).is_file() for doc in named), sorted(d for d in named if not (root / d).is_file())

@@ -333,10 +333,12 @@ def _setup(python: str, req: str, **env) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHON": python, **env})
 
 
-def _venv(path: Path, torch_version: str | None, system_site: bool = False) -> str:
-    """A virtual environment without pip; with a stand-in torch distribution (metadata and module) if asked."""
-    args = [sys.executable, "-m", "venv", "--without-pip", str(path)]
-    subprocess.run(args + (["--system-site-packages"] if system_site else []), check=True)
+def _venv(path: Path, torch_version: str | None, with_pip: bool = False) -> str:
+    """A virtual environment (its own pip, from the interpreter's bundled ensurepip, if asked); with a stand-in
+    torch distribution (metadata and module) if asked. Nothing from the system's or the test run's site-packages:
+    a fresh machine has neither ``wheel`` nor a setuptools that builds wheels by itself (< 70.1)."""
+    args = [sys.executable, "-m", "venv", *([] if with_pip else ["--without-pip"]), str(path)]
+    subprocess.run(args, check=True, capture_output=True)
     python = str(path / "bin" / "python")
     if torch_version:
         site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
@@ -371,11 +373,72 @@ def test_setup_installs_the_pinned_cpu_torch_where_there_is_none(tmp_path):
 
 @pytest.mark.slow
 def test_pip_itself_would_keep_a_cuda_torch(tmp_path):
-    """pip's own resolution (--dry-run --report), in an environment whose torch is a stand-in CUDA build."""
-    python = _venv(tmp_path / "cuda", "2.11.0+cu130", system_site=True)
+    """pip's own resolution (--dry-run --report), in an environment whose torch is a stand-in CUDA build.
+
+    As on a fresh machine: the venv's own pip (ensurepip) and pip's default build isolation, which installs
+    pyproject's build requirement (setuptools>=70.1, whose bdist_wheel needs no ``wheel``) to prepare syncwise's
+    editable metadata -- nothing borrowed from this interpreter's site-packages."""
+    python = _venv(tmp_path / "cuda", "2.11.0+cu130", with_pip=True)
     report = tmp_path / "report.json"
-    r = _setup(python, "requirements-dev.txt", SYNCWISE_SETUP_PIP_ARGS=f"--dry-run --no-build-isolation --report "
-               f"{report}")
+    r = _setup(python, "requirements-dev.txt", SYNCWISE_SETUP_PIP_ARGS=f"--dry-run --report {report}")
     assert r.returncode == 0, r.stdout + r.stderr
     names = {item["metadata"]["name"].lower() for item in json.loads(report.read_text())["install"]}
     assert "torch" not in names and "syncwise" in names, names
+
+
+# -- the project's own virtual environment (no venv active, no PYTHON): made, and the system's torch kept ---------
+def _stand_in(where: Path, torch_version: str | None = None, broken: tuple[str, ...] = ()) -> Path:
+    """A directory for PYTHONPATH: a stand-in torch distribution, and modules that fail to import."""
+    where.mkdir()
+    if torch_version:
+        (where / "torch").mkdir()
+        (where / "torch" / "__init__.py").write_text(f"__version__ = {torch_version!r}\n")
+        (where / f"torch-{torch_version}.dist-info").mkdir()
+        (where / f"torch-{torch_version}.dist-info" / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: torch\nVersion: {torch_version}\n")
+    for name in broken:
+        (where / name).mkdir()
+        (where / name / "__init__.py").write_text(f"raise ImportError('no {name} here')\n")
+    return where
+
+
+def _project_setup(tmp_path: Path, pythonpath: Path, req: str, **env) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "VIRTUAL_ENV")}
+    base = getattr(sys, "_base_executable", sys.executable)  # not a venv's python: the interpreter venv copies
+    return subprocess.run(["bash", "scripts/setup.sh", req], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**clean, "SYNCWISE_VENV": str(tmp_path / "venv"), "SYNCWISE_BASE_PYTHON": base,
+                               "PYTHONPATH": f"{pythonpath}{os.pathsep}{REPO / 'src'}", **env})
+
+
+@pytest.mark.slow
+def test_setup_makes_a_venv_with_the_system_site_packages_when_python3_has_a_torch(tmp_path):
+    """As on a GPU machine whose python3 imports a CUDA torch: the project venv sees it, and pip keeps it."""
+    report = tmp_path / "report.json"
+    r = _project_setup(tmp_path, _stand_in(tmp_path / "system", "2.11.0+cu130"), "requirements.txt",
+                       SYNCWISE_SETUP_PIP_ARGS=f"--dry-run --report {report}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "with --system-site-packages" in r.stdout and "keeping the installed torch 2.11.0+cu130" in r.stdout
+    assert "include-system-site-packages = true" in (tmp_path / "venv" / "pyvenv.cfg").read_text()
+    assert (tmp_path / "venv" / "bin" / "pip").exists()  # the venv's own pip installs there, not in the system
+    names = {item["metadata"]["name"].lower() for item in json.loads(report.read_text())["install"]}
+    assert "torch" not in names and "syncwise" in names, names
+
+
+def test_setup_makes_a_plain_venv_where_python3_has_no_torch(tmp_path):
+    r = _project_setup(tmp_path, _stand_in(tmp_path / "system", broken=("torch",)), "requirements.txt",
+                       SYNCWISE_SETUP_DRY_RUN="1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    venv = tmp_path / "venv"
+    assert "include-system-site-packages = false" in (venv / "pyvenv.cfg").read_text()
+    assert f"would run: {venv}/bin/python -m pip install -q -r requirements.txt -e ." in r.stdout
+    # Run again: the venv is reused, not made anew.
+    again = _project_setup(tmp_path, tmp_path / "system", "requirements.txt", SYNCWISE_SETUP_DRY_RUN="1")
+    assert again.returncode == 0 and "making" not in again.stdout, again.stdout + again.stderr
+
+
+def test_setup_says_in_one_line_that_python3_venv_is_missing(tmp_path):
+    r = _project_setup(tmp_path, _stand_in(tmp_path / "system", broken=("ensurepip",)), "requirements.txt",
+                       SYNCWISE_SETUP_APT="0")
+    assert r.returncode == 1
+    assert r.stderr.strip().count("\n") == 0 and "install python3-venv" in r.stderr, r.stderr
+    assert not (tmp_path / "venv" / "bin").exists()

@@ -51,11 +51,34 @@ def lab_env(tmp_path, monkeypatch):
     before = _root_snapshot()
     yield tmp_path
     lab.down(PREFIX)
-    assert _our_namespaces() == []
+    assert _our_namespaces() == [] and not list(lab.NETNS_ETC.glob(f"{PREFIX}-*"))
     assert _root_snapshot() == before
 
 
 # ------------------------------------------------------------------------ no root needed
+def test_cluster_up_and_down_refuse_a_lab_a_job_is_using(tmp_path):
+    """A job (train --lab, bench --lab, cluster run) holds the lab's lock; up/down refuse and change nothing."""
+    env = {**os.environ, "SYNCWISE_LAB_DIR": str(tmp_path / "state")}
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import sys, time
+        from syncwise.lab.cluster import LabLock
+        with LabLock("swlk", exclusive=False):
+            print("held", flush=True)
+            time.sleep(120)
+        """)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for argv in (["up", "--nodes", "2", "--bandwidth", "100mbit"], ["down"]):
+            p = subprocess.run([sys.executable, "-m", "syncwise.cli", "cluster", "--prefix", "swlk", *argv],
+                               capture_output=True, text=True, env=env, timeout=60)
+            assert p.returncode == 2, p.stderr
+            assert "the lab 'swlk' is in use by a running job" in p.stderr and "nothing was changed" in p.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+    with lab.LabLock("swlk", exclusive=True):  # the holder gone, the kernel dropped its lock
+        pass
+
 
 
 def test_rates_are_validated():
@@ -221,6 +244,10 @@ def test_two_node_job_all_reduces_over_shaped_links(lab_env):
     rc, shaped = _job(tmp, "shaped")
     assert rc == 0, (tmp / "logs-shaped" / "node1.log").read_text()[-2000:]
     assert len(shaped) == 2 and all(r["ok"] and r["world"] == 2 for r in shaped)
+    # Every node's address has a name in the namespaces' /etc/hosts: c10d's per-connection warning is gone.
+    for node in (0, 1):
+        assert "hostname of the client socket cannot be retrieved" not in \
+            (tmp / "logs-shaped" / f"node{node}.log").read_text()
     # One rank per node, each bound to its own node's veth.
     assert sorted((r["node"], r["ifname"]) for r in shaped) == [("0", f"{PREFIX}0"), ("1", f"{PREFIX}1")]
     # The payload crossed the shaped links: each node's veth carried at least its ring share (n=2: 1x).

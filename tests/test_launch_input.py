@@ -31,7 +31,6 @@ def _launch(tmp_path, capsys, cluster=CLUSTER, run=RUN, scheduler="slurm", extra
 
 
 @pytest.mark.parametrize("change, field, value", [
-    (("[launch]\nshared_dir = \"/shared/sw\"\n", "[launch]\n"), "launch.shared_dir", "None"),
     (('shared_dir = "/shared/sw"', 'shared_dir = "shared/sw"'), "launch.shared_dir", "'shared/sw'"),
     (("grace_s = 60", "grace_s = 60\nmax_nodes = 3"), "launch.max_nodes", "3"),
     (("grace_s = 60", "grace_s = 60\nmin_nodes = 2\nmax_nodes = 1"), "launch.max_nodes", "1"),
@@ -105,3 +104,41 @@ def test_submit_without_the_scheduler_command_says_so(tmp_path, capsys, monkeypa
     code, out, err = _launch(tmp_path, capsys, cluster=cluster, scheduler=scheduler, extra=["--submit"])
     assert code == 2 and f"{tool} is not on PATH" in err and "nothing was submitted" in err
     assert "Traceback" not in err and any((tmp_path / "out").iterdir())  # the file is written, ready to submit
+
+
+def _subprocess(*argv):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "syncwise.cli", *argv], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("example", ["a100-8x2-roce", "h100-8x4-ib", "l40s-4x4-eth"])
+@pytest.mark.parametrize("scheduler, suffix", [("slurm", "sbatch"), ("k8s", "yaml")])
+def test_every_gpu_example_cluster_file_can_be_launched(tmp_path, example, scheduler, suffix):
+    from pathlib import Path
+
+    cluster = Path(__file__).resolve().parents[1] / "examples" / "clusters" / f"{example}.toml"
+    (tmp_path / "run.toml").write_text(RUN)
+    p = _subprocess("launch", scheduler, "--cluster", str(cluster), "--config", str(tmp_path / "run.toml"),
+                    "--out", str(tmp_path / "out"))
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "out" / f"run.{suffix}").stat().st_size > 500
+
+
+def test_a_missing_value_is_named_missing_not_none(tmp_path, capsys):
+    code, out, err = _launch(tmp_path, capsys, cluster=CLUSTER.replace('shared_dir = "/shared/sw"\n', ""))
+    assert code == 2 and "missing value for 'launch.shared_dir'" in err and "None" not in err, err
+    p = _subprocess("plan", "--cluster", str(tmp_path / "c.toml"), "--model", "tiny", "--seq-len", "64")
+    assert p.returncode == 2 and "missing value for '--global-batch'" in p.stderr and "None" not in p.stderr, p.stderr
+
+
+def test_the_sbatch_header_names_the_cluster_once(tmp_path):
+    (tmp_path / "x").mkdir()  # a file named cluster.toml: its name (the stem) is "cluster"
+    (tmp_path / "x" / "cluster.toml").write_text(CLUSTER)
+    (tmp_path / "x" / "run.toml").write_text(RUN)
+    assert main(["launch", "slurm", "--cluster", str(tmp_path / "x" / "cluster.toml"), "--config",
+                 str(tmp_path / "x" / "run.toml"), "--out", str(tmp_path / "x" / "out")]) == 0
+    script = (tmp_path / "x" / "out" / "run.sbatch").read_text()
+    assert "cluster: cluster:" not in script and "# cluster: 2 × 2 cpu-lab" in script
+    assert f"(cluster file {tmp_path / 'x' / 'cluster.toml'})" in script

@@ -79,7 +79,7 @@ def test_bad_cluster_names_field_value_and_accepted(values, field):
     with pytest.raises(ConfigError) as e:
         cloud_from_dict(values)
     assert e.value.field == field and e.value.accepted
-    assert "invalid value for" in str(e.value) and "accepted:" in str(e.value)
+    assert ("invalid value for" in str(e.value) or "missing value for" in str(e.value)) and "accepted:" in str(e.value)
 
 
 def test_cluster_file_with_a_new_accelerator(tmp_path):
@@ -613,3 +613,51 @@ def test_published_top3_check():
         assert len(row["planner_top3"]) == 3 and row["paper_vs_best"] >= 0
     row = evaluate(rs["Megatron-LM GPT 18.4 B"])
     assert row["paper_layout_rank"] is None and row["paper_vs_best"] > 0.05
+
+
+def _cli(*argv, cwd=None):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "syncwise.cli", *argv], capture_output=True, text=True, timeout=120,
+                          cwd=cwd)
+
+
+def test_emitted_config_for_a_preset_trains_it_and_for_a_hf_config_says_it_cannot(tmp_path):
+    """plan --emit-config, then train --check on the file, as a user runs them (subprocesses)."""
+    lab = str(ROOT / "examples/clusters/cpu-lab-2x2.toml")
+    preset = tmp_path / "tiny.toml"
+    p = _cli("plan", "--cluster", lab, "--model", "tiny", "--global-batch", "8", "--seq-len", "64",
+             "--emit-config", str(preset))
+    assert p.returncode == 0, p.stderr
+    assert '[model]\npreset = "tiny"' in preset.read_text()
+    check = _cli("train", "--check", "--config", str(preset))
+    assert check.returncode == 0, check.stderr
+    assert 'preset = "tiny"' in check.stdout  # the planned model, not the default preset
+    # A multi-node GPU cluster's file names the worker module the README recommends.
+    gpu = tmp_path / "gpu.toml"
+    assert _cli("plan", "--cluster", str(ROOT / "examples/clusters/h100-8x4-ib.toml"), "--model", "small",
+                "--global-batch", "64", "--seq-len", "128", "--emit-config", str(gpu)).returncode == 0
+    assert "-m syncwise.commands.worker --config FILE" in gpu.read_text() and "-m syncwise.train " not in gpu.read_text()
+    # A Hugging Face config: planned, and the emitted file is refused in plain words (no silent fallback to 'small').
+    hf = tmp_path / "llama-mini"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({**LLAMA2_7B, "hidden_size": 256, "intermediate_size": 688,
+                                                "num_attention_heads": 4, "num_key_value_heads": 4,
+                                                "num_hidden_layers": 2}))
+    emitted = tmp_path / "hf.toml"
+    p = _cli("plan", "--cluster", lab, "--model", str(hf), "--global-batch", "8", "--seq-len", "64",
+             "--emit-config", str(emitted))
+    assert p.returncode == 0, p.stderr
+    assert "training a Hugging Face config is not supported yet" in p.stdout
+    assert "[model]" in emitted.read_text()
+    check = _cli("train", "--check", "--config", str(emitted))
+    assert check.returncode == 2
+    err = check.stderr.strip()
+    assert len(err.splitlines()) == 1 and "'model.preset'" in err and "model.attention" not in err, err
+    assert "training a Hugging Face config is not supported yet" in err
+
+
+def test_model_description_counts_parameters_at_their_scale(llama):
+    assert load_model("small", 128).describe().startswith("small: 5.48 M params (2.39 M active)")
+    assert "6.74 B params" in llama.describe() and "0.00" not in load_model("tiny", 64).describe()

@@ -90,9 +90,19 @@ def test_bad_constructor_arguments_name_the_argument(kwargs, field):
         OptimizedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), show_progress=False, **kwargs)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 is refused off a GPU only")
+def test_a_refusal_echoes_the_value_as_written():
+    model = _model()
+    with pytest.raises(ConfigError) as info:
+        OptimizedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), mixed_precision="half",
+                         show_progress=False)
+    assert info.value.value == "half" and "'mixed_precision': 'half'" in str(info.value)
+
+
 @pytest.mark.parametrize("kwargs, field", [
     ({"epochs": 0}, "epochs"), ({"steps": -1}, "steps"), ({"steps": 2, "epochs": 1}, "epochs/steps"),
     ({"steps": 2, "resume": True}, "resume"), ({"steps": 2, "resume": 5}, "resume"),
+    ({"steps": 2, "resume": "yes", "checkpoint_dir": "ckpt-not-there"}, "resume"),  # a ConfigError, as README says
 ])
 def test_bad_train_arguments_name_the_argument(kwargs, field):
     model = _model()
@@ -219,3 +229,39 @@ def test_seed_call_shape_under_torchrun_resumes_from_the_first_run(tmp_path):
     second = [json.loads((tmp_path / f"seed_2_{r}.json").read_text()) for r in (0, 1)]
     assert [r["steps"] for r in first] == [32, 32] and [r["steps"] for r in second] == [64, 64]  # 512/8/2 per epoch
     assert second[0]["params"] == second[1]["params"] != first[0]["params"]
+
+
+RERUN_SCRIPT = PREAMBLE + textwrap.dedent('''
+    import syncwise
+
+    run = sys.argv[1]
+    trainer = syncwise.OptimizedTrainer(model=model, optimizer=optimizer, loss_fn=loss_fn, mixed_precision=False,
+                                        run_dir=run, show_progress=False)
+    try:
+        trainer.train(loader, steps=int(sys.argv[2]), checkpoint_dir=os.path.join(run, "ckpt"))
+    except syncwise.SyncwiseError as e:
+        print(f"rank {trainer.rank} refused: {e}", file=sys.stderr)
+        sys.exit(2)
+''')
+
+
+def test_rerunning_a_script_on_the_same_run_dir_refuses_and_overwrites_nothing(tmp_path):
+    """The API as the command line: a second fresh run in a run directory is refused on every rank, before its
+    files are touched; show_progress=False still writes metrics.jsonl and summary.json."""
+    script = tmp_path / "user.py"
+    script.write_text(RERUN_SCRIPT)
+    run = tmp_path / "run"
+    first = _torchrun(script, str(run), "6")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "syncwise train — summary" not in first.stdout  # the console stays quiet ...
+    assert json.loads((run / "summary.json").read_text())["steps"] == 6  # ... and the files are there
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 6
+    before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".syncwise.lock"}
+    second = _torchrun(script, str(run), "4")
+    assert second.returncode != 0
+    for rank in (0, 1):
+        assert f"rank {rank} refused: the run directory {run} already holds a run (metrics.jsonl, summary.json, " \
+               f"ckpt/step_00000006" in second.stderr, second.stderr[-3000:]
+    assert "pass resume='auto' to train() to continue that run, or choose another run_dir=" in second.stderr
+    after = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".syncwise.lock"}
+    assert after == before  # nothing renamed .abandoned, nothing rewritten

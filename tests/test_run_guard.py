@@ -78,20 +78,51 @@ def test_resume_auto_on_a_finished_run_says_so_and_keeps_its_files(tmp_path, cap
     assert json.loads((run / "summary.json").read_text())["final_loss"] is not None
 
 
-def test_ctrl_c_ends_with_where_it_stopped_and_how_to_resume(tmp_path):
-    run = tmp_path / "run"
-    proc = _syncwise("--run-dir", str(run), "--nproc", "2", "--steps", "100000", *TINY, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (run / "checkpoints" / "step_00000002").exists():
+def _wait_for_rows(proc, run, n, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (run / "metrics.jsonl").exists() and len(_rows(run)) >= n:
+            return
         time.sleep(0.2)
     assert proc.poll() is None, proc.communicate()
+
+
+def test_ctrl_c_stops_after_the_step_saves_it_and_says_how_to_resume(tmp_path):
+    """Ctrl-C as SIGTERM: the workers (under torchrun's agent, which forwards it) finish the step and save it."""
+    run = tmp_path / "run"
+    proc = _syncwise("--run-dir", str(run), "--nproc", "2", "--steps", "100000", *TINY, "--ckpt.interval=1000",
+                     start_new_session=True)
+    _wait_for_rows(proc, run, 5)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends to the whole foreground group
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "SignalException" not in err
-    line = next(x for x in err.splitlines() if "interrupted" in x)
-    assert "interrupted (SIGINT) at step" in line and "last checkpoint step" in line
+    assert "press Ctrl-C again to stop at once" in err
+    line = next(x for x in err.splitlines() if "stopped by Ctrl-C (SIGINT)" in x)
+    last = max(r["step"] for r in _rows(run))
+    assert f"after step {last}; checkpoint of step {last} saved" in line  # nothing trained is lost
+    said = [x for x in (out + err).splitlines() if x.startswith("syncwise:") and f"after step {last}" in x]
+    assert len(said) == 1, said  # said once (by the launcher), not by a worker too
+    assert (run / "checkpoints" / f"step_{last:08d}").is_dir()
     assert f"syncwise train --run-dir {run} --resume auto" in line
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path):
+    run = tmp_path / "run"
+    # From step 4 on every batch takes 3 s to arrive: the first Ctrl-C's stop-and-save cannot finish before the second.
+    proc = _syncwise("--run-dir", str(run), "--nproc", "2", "--steps", "100000", *TINY,
+                     "--inject-fault", "slowdata:ms=3000,step=4", start_new_session=True)
+    _wait_for_rows(proc, run, 3)
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(1.5)  # a second Ctrl-C, not the terminal's and the agent's copies of the first
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "SignalException" not in err
+    line = next(x for x in err.splitlines() if "interrupted (SIGINT)" in x)
+    assert "last checkpoint step 2" in line and f"syncwise train --run-dir {run} --resume auto" in line
+    assert not (run / "preempted.json").exists()  # stopped at once: the first Ctrl-C's save never happened
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_00000002"]
 
 
 @pytest.fixture
@@ -135,3 +166,31 @@ def test_resume_continues_with_the_runs_saved_configuration(tmp_path, capsys):
     assert main([*base, "--steps", "8", "--resume", "auto", "--compress", "none"]) == 2
     err = capsys.readouterr().err
     assert "compress.method='powersgd:rank=2', not 'none'" in err and "Traceback" not in err
+
+
+def test_a_resumed_runs_summary_covers_every_step_of_the_run(tmp_path, capsys):
+    """20 steps, then --resume auto --steps 30: summary.json's step time and bytes/step are those of steps 1-30."""
+    run = tmp_path / "run"
+    args = ["train", "--run-dir", str(run), "--nproc", "2", *TINY, "--ckpt.interval=0"]
+    assert main([*args, "--steps", "20"]) == 0
+    assert main([*args, "--steps", "30", "--resume", "auto"]) == 0
+    rows = _rows(run)
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    summary = json.loads((run / "summary.json").read_text())
+    steady = rows[3:]  # the first tenth of the run's steps is warm-up, as in any summary
+    assert summary["steps"] == 30
+    assert summary["mean_step_time_s"] == pytest.approx(sum(r["step_time_s"] for r in steady) / len(steady))
+    assert summary["comm_bytes_per_step"] == pytest.approx(sum(r["comm_bytes"] for r in steady) / len(steady))
+
+
+def test_resume_given_a_run_directory_points_to_run_dir_and_resume_auto(tmp_path):
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), "--nproc", "1", "--steps", "2", *TINY]) == 0
+    for given in (run, run / "checkpoints"):
+        p = subprocess.run([sys.executable, "-m", "syncwise.cli", "train", "--resume", str(given), "--run-dir",
+                            str(tmp_path / "new"), *TINY], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2
+        err = p.stderr.strip()
+        assert len(err.splitlines()) == 1 and "'resume'" in err and "manifest.json is missing" not in err, err
+        assert f"to continue that run: --run-dir {run} --resume auto" in err
+        assert not (tmp_path / "new").exists()

@@ -213,3 +213,17 @@ def test_dynamic_batch_finds_the_size_that_fits_and_keeps_the_global_batch(tmp_p
     resumed = run(5, DynamicBatcher(2, 64), 2, ckpt=SmartCheckpointer(ckpt_dir), resume="auto")
     assert resumed.batcher.found and resumed.batcher.size == 5
     assert sum(c.reason.startswith("probe") for c in resumed.batcher.history) == 1  # the first run's, restored
+
+
+def test_the_summary_table_shows_values_as_people_read_them():
+    from syncwise.metrics.logger import summary_value
+
+    shown = {k: summary_value(k, v) for k, v in {
+        "comm_bytes_per_step": 2.193e7, "final_loss": 1.79953, "final_val_loss": 1.8, "sync_rounds": None,
+        "skipped_steps": [], "mean_step_time_s": 0.0395, "tokens_per_s": 51860.2, "compute_share": 0.7662,
+        "preempted": {"signal": "SIGTERM", "step": 12, "saved": True, "time": 1763900000.0},
+        "checkpoint_saves": [{"step": 3}], "steps": 30}.items()}
+    assert shown == {"comm_bytes_per_step": "21.9 MB", "final_loss": "1.7995", "final_val_loss": "1.8000",
+                     "sync_rounds": None, "skipped_steps": None, "mean_step_time_s": "39.5 ms",
+                     "tokens_per_s": "51,860", "compute_share": "76.6%", "preempted": "SIGTERM after step 12, saved",
+                     "checkpoint_saves": "1 (details in summary.json)", "steps": "30"}

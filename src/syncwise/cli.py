@@ -16,11 +16,14 @@ COMMANDS = {
     "plan": ("plan", "which layout to use on a cluster: predicted step time, MFU and memory per layout"),
     "doctor": ("doctor", "why a run is slow: where the step goes, the causes ranked by time lost, what to change"),
     "launch": ("launch", "write (and optionally submit) a Slurm sbatch script or a Kubernetes manifest for a run"),
+    "report": ("report", "look at runs: loss vs step and time, step-time split, bytes per step (PNG + HTML + text)"),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="syncwise", description="Communication-efficient distributed training.")
+    # allow_abbrev=False: a prefix of an option is not that option (--compres fp8 is refused, not taken as --compress)
+    parser = argparse.ArgumentParser(prog="syncwise", description="Communication-efficient distributed training.",
+                                     allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in COMMANDS.items():
         try:
@@ -29,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
             if e.name != f"syncwise.commands.{module}":
                 raise
             continue
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         mod.add_arguments(p)
         p.set_defaults(func=mod.run, command=name)
     return parser

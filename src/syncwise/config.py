@@ -187,6 +187,9 @@ class TrainSection:
     val_interval: int = option(50, "validate every N steps (0 = only at the end)",
                                f"an integer from 0 to {_MAX_STEPS:,}", _in(0, _MAX_STEPS))
     val_batches: int = option(4, "batches per validation", "an integer from 1 to 10,000", _in(1, 10_000))
+    log_interval: int = option(10, "plain output (not a terminal: a log file, a pipe, CI): a progress line every N "
+                               "steps, and always for the first step and the last",
+                               f"an integer from 1 to {_MAX_STEPS:,}", _in(1, _MAX_STEPS))
     deterministic: bool = option(False, "deterministic algorithms (bit-exact resume)", "true or false")
 
 
@@ -246,14 +249,14 @@ class ParallelSection:
     pp_schedule: str = option("1f1b", "the pipeline schedule (torch.distributed.pipelining): gpipe, 1f1b, "
                               "interleaved-1f1b, looped-bfs (need stages_per_rank ≥ 2), interleaved-zb, zbv, dualpipev "
                               "(zero-bubble / DualPipe-style; zbv and dualpipev: stages_per_rank = 2); all run on "
-                              "gloo with torch 2.13 (docs/pipeline.md)",
+                              "gloo with torch 2.13 (docs/parallelism.md)",
                               *_one_of("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv",
                                        "dualpipev"))
     microbatches: int = option(0, "pipeline microbatches per step (each rank's batch is split into them; they "
                                "replace train.grad_accum under pp); 0 = 2 × pp × stages_per_rank",
                                "an integer from 0 to 65,536 dividing the per-rank batch (1f1b: ≥ pp)", _in(0, 65536))
     stages_per_rank: int = option(1, "pipeline stages each rank holds (interleaving: fewer bubbles, more messages)",
-                                  "an integer from 1 to 64 (the schedule's rule: docs/pipeline.md)", _in(1, 64))
+                                  "an integer from 1 to 64 (the schedule's rule: docs/parallelism.md)", _in(1, 64))
     ep: int = option(1, "expert parallel: each MoE layer's routed experts split over this many data-parallel ranks "
                      "(borrowed from dp_replicate, not extra ranks); tokens travel by all-to-all",
                      "an integer from 1 to 65,536 dividing the routed experts and dp_replicate", _in(1, 65536))
@@ -439,8 +442,10 @@ def _unknown_key(name: str, cfg: RunConfig) -> str:
     """What is accepted where ``name`` is neither a section nor a top-level key: both lists, and a near miss."""
     sections = _sections()
     top = [f.name for f in dataclasses.fields(cfg) if f.name not in sections]
+    flag = difflib.get_close_matches(name.replace("-", "_"), list(FLAG_KEYS), n=1)  # --stpes: --steps
     hint = difflib.get_close_matches(name, [*sections, *top], n=1)
-    guess = f" (did you mean {'[' + hint[0] + ']' if hint[0] in sections else hint[0]}?)" if hint else ""
+    guess = (f" (did you mean --{flag[0].replace('_', '-')}?)" if flag else
+             f" (did you mean {'[' + hint[0] + ']' if hint[0] in sections else hint[0]}?)" if hint else "")
     return ("a section " + ", ".join(f"[{s}]" for s in sections) + " (a [section] table in a file, "
             "--section.key=value on the command line) or a top-level key: " + ", ".join(top) + guess)
 
@@ -604,7 +609,9 @@ def check_references(cfg: RunConfig, here: bool = True) -> None:
     from .models import PRESETS  # imported here: config must stay importable without torch work at import
 
     if cfg.model.preset not in PRESETS:
-        raise ConfigError("model.preset", cfg.model.preset, "one of: " + ", ".join(PRESETS))
+        raise ConfigError("model.preset", cfg.model.preset, "one of: " + ", ".join(PRESETS) + " (training a "
+                          "Hugging Face config is not supported yet: syncwise plan plans one, syncwise train builds "
+                          "syncwise's presets)")
     specs = cfg.specs()  # each spec by its owner's parser
     sync = specs.sync
     if sync is not None and cfg.compress.method != "none":
@@ -636,6 +643,11 @@ def check_references(cfg: RunConfig, here: bool = True) -> None:
         except (OSError, ValueError) as e:
             problem = str(e)
         if problem:
+            path = Path(cfg.resume)
+            run = path.parent if path.name == "checkpoints" and (path.parent / "config.json").exists() else path
+            if any((run / name).exists() for name in ("config.json", "metrics.jsonl", "checkpoints")):
+                problem = (f"{cfg.resume} is a run directory, not one of its checkpoints; to continue that run: "
+                           f"--run-dir {run} --resume auto")  # (not "manifest.json is missing")
             raise ConfigError("resume", cfg.resume, "'auto', 'none', or a published checkpoint directory "
                               f"(RUN_DIR/checkpoints/step_N with its manifest.json): {problem}")
     min_nodes = _nnodes(cfg.dist.nnodes)[0]

@@ -14,4 +14,7 @@ class ConfigError(SyncwiseError):
 
     def __init__(self, field: str, value: object, accepted: str):
         self.field, self.value, self.accepted = field, value, accepted
-        super().__init__(f"invalid value for '{field}': {value!r} — accepted: {accepted}".translate(_ONE_LINE))
+        # None is a value nobody typed: the field is missing (not "'launch.shared_dir': None").
+        text = (f"missing value for '{field}' — accepted: {accepted}" if value is None else
+                f"invalid value for '{field}': {value!r} — accepted: {accepted}")
+        super().__init__(text.translate(_ONE_LINE))

@@ -109,6 +109,14 @@ def _describe(raw: bytes) -> str:
         return "its process id is not recorded yet"
 
 
+def holds_a_run(where: str | os.PathLike, found: list[str], resume: str = "--resume auto",
+                other: str = "--run-dir") -> str:
+    """The refusal to start a fresh run over a previous one (the command line's and the Python API's words)."""
+    shown = ", ".join(found[:6]) + (" ..." if len(found) > 6 else "")
+    return (f"the run directory {where} already holds a run ({shown}). Nothing was started, so nothing of it is "
+            f"overwritten: pass {resume} to continue that run, or choose another {other}.")
+
+
 def contents(run_dir: str | os.PathLike) -> list[str]:
     """What a run directory holds besides its lock file (sorted names)."""
     p = Path(run_dir)

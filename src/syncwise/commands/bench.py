@@ -12,11 +12,13 @@ drifts by several per cent over minutes), and reports each configuration's mean 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
 import os
 import re
+import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -284,11 +286,42 @@ def _run_compute_shared(run: BenchRun, threads: int) -> dict[str, Any]:
     return summary
 
 
+@contextlib.contextmanager
+def _output_to(path: Path):
+    """Everything written to this process's stdout/stderr -- and its workers', which inherit them -- goes to
+    ``path``: the bench prints its table, each run's summary and progress stay in its run directory."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(path, "ab") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    try:
+        # Python-level writers too, where sys.stdout is not file descriptor 1 (e.g. under a capturing harness)
+        with open(path, "a", buffering=1) as text, contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+            yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
+
+
 def run_one(run: BenchRun, threads: int, lab_prefix: Optional[str]) -> dict[str, Any]:
-    """Train one configuration; return its summary (raises SyncwiseError if the workers failed)."""
-    from .train import launch, prepare_run_dir
+    """Train one configuration; return its summary (raises SyncwiseError if the workers failed). Its console
+    output (progress, summary table) goes to ``RUN_DIR/console.log``."""
+    from .train import prepare_run_dir
 
     prepare_run_dir(run.cfg)
+    with _output_to(run.run_dir / "console.log"):
+        return _run_one(run, threads, lab_prefix)
+
+
+def _run_one(run: BenchRun, threads: int, lab_prefix: Optional[str]) -> dict[str, Any]:
+    from .train import launch
+
     if run.name == COMPUTE_ONLY:
         return _run_compute_only(run.cfg, threads)
     if run.name == COMPUTE_SHARED:
@@ -381,6 +414,8 @@ def build_rows(runs: list[BenchRun], summaries: dict[str, dict], errors: dict[st
             "final_val_loss": s.get("final_val_loss"),
             "peak_mem_mb": s.get("peak_mem_mb"),
             "comm_exposed_share": s.get("comm_exposed_share"),
+            "warmup_steps": s.get("warmup_steps"),
+            "warning": s.get("warning"),
             "error": None,
         })
         # The compute-only run trains 1 worker on a different data shard: no speed-up or loss parity vs fp32 DDP.
@@ -471,6 +506,9 @@ def render_table(rows: list[dict[str, Any]], title: str, console: Any = None) ->
             ("%" if r["comm_exposed_share"] is not None else ""),
             _fmt(r["peak_mem_mb"], ".0f"))
     console.print(table)
+    for r in rows:
+        if r.get("warning"):
+            console.print(f"[yellow]warning[/yellow]: {r['name']}: {r['warning']}", soft_wrap=True)
     if any(r.get("comm_bytes_per_step") is None and not r.get("error") for r in rows):
         console.print("n/c: not counted — PyTorch's PowerSGD hook issues its collectives itself, bypassing syncwise.comm")
 
@@ -547,14 +585,18 @@ def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
         for k, round_runs in enumerate(rounds):
             for i, run in enumerate(round_order(round_runs, k), k * len(runs) + 1):
                 where_round = f"round {k + 1}/{len(rounds)}, " if len(rounds) > 1 else ""
-                console.rule(f"[bold]bench {i}/{total}: {run.name}[/bold]  ({where_round}{run.run_dir})")
+                head = f"bench {i}/{total}: {run.name} ({where_round}{run.run_dir})"
+                console.print(head, end="", soft_wrap=True)
                 try:
-                    summaries[k][run.name] = run_one(run, threads, args.lab_prefix)
+                    summary = summaries[k][run.name] = run_one(run, threads, args.lab_prefix)
                 except SyncwiseError as e:  # one crashing configuration (e.g. torch's PowerSGD) must not sink the rest
                     errors[k][run.name] = str(e)
-                    console.print(f"[red]{run.name} failed:[/red] {e}")
+                    console.print(f": [red]failed[/red]: {e} (its output: {run.run_dir / 'console.log'})",
+                                  soft_wrap=True)
                     if run.name == COMPUTE_ONLY:
                         raise
+                    continue
+                console.print(f": {summary['mean_step_time_s'] * 1e3:.0f} ms/step", soft_wrap=True)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.lab:

@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--inter-node", default=None, help="node-to-node link rate (default: --bandwidth)")
     p.add_argument("--intra-node", default=None,
                    help="rate between processes on the same node (shapes the node's loopback; default unshaped)")
-    p.add_argument("--procs-per-node", type=int, default=1, help="default workers per node for jobs in the lab")
+    p.add_argument("--procs-per-node", type=int, default=1, help="default workers per node for `cluster run` (syncwise train --lab uses its --nproc)")
     p.add_argument("--burst", default=None, help="tbf bucket, e.g. 256kb (default: 4 ms of traffic, >= 128kb)")
     p.add_argument("--latency", default=None, help="tbf queue bound: max time a packet waits (default: room for "
                                                    "~2.5 MB of frames, 50 ms at 1gbit, 200 ms at 100mbit)")
@@ -107,8 +107,9 @@ def _print_status(state: lab.LabState) -> None:
     if not console.is_terminal:  # piped output: do not squeeze the table into 80 columns
         console = Console(width=max(console.width, 130))
     console.print(table)
-    print(f"rendezvous host: node 0 ({state.nodes[0].address}); default procs per node: {state.procs_per_node}; "
-          "rates and counters read from the kernel (tc -s qdisc)")
+    print(f"rendezvous host: node 0 ({state.nodes[0].address}); workers per node: `syncwise train --lab` and "
+          f"`bench --lab` start --nproc (default 2), `cluster run` --nproc-per-node (default {state.procs_per_node}, "
+          "--procs-per-node); rates and counters read from the kernel (tc -s qdisc)")
 
 
 def _exec(args: argparse.Namespace) -> int:

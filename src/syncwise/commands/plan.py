@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..errors import ConfigError, SyncwiseError
 from ..plan import (MEGATRON, SYNCWISE, explain, load_cluster, load_model, parse_layout, predict, search,
-                    train_config_toml)
+                    train_config_toml, not_a_preset)
 from ..plan.search import DEFAULT_COMPRESS, LABELS
 
 _EPILOG = ("Predictions come from an analytical cost model (docs/plan.md lists every assumption); the catalog's "
@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         preset = args.model if model.source == "syncwise preset" else None
         Path(args.emit_config).write_text(train_config_toml(best, cloud, preset, args.seq_len, model.name))
         print(f"wrote {args.emit_config}: syncwise train --config {args.emit_config}"
-              + ("" if preset else " (add [model] preset: syncwise train builds presets only)"))
+              + ("" if preset else f"\nnote: {not_a_preset(model.name)}"))
     return 0
 
 

@@ -59,10 +59,7 @@ def check_run_dir(cfg: RunConfig, run_dir: Path) -> None:
     previous = rundir.contents(run_dir)
     if previous and cfg.resume == "none":
         # Even config.json + logs/ alone (a run that died at start-up) are someone's: never overwritten.
-        raise SyncwiseError(
-            f"the run directory {run_dir} already holds a run ({', '.join(previous[:6])}{' ...' if len(previous) > 6 else ''})"
-            ". Nothing was started, so nothing of it is overwritten: pass --resume auto to continue that run, "
-            "or choose another --run-dir.")
+        raise SyncwiseError(rundir.holds_a_run(run_dir, previous))
     summary = _read_json(run_dir / "summary.json")
     if cfg.resume == "auto" and summary and int(summary.get("steps") or 0) >= cfg.train.steps:
         raise RunFinished(
@@ -252,6 +249,10 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     except RunFinished as e:
         print(f"syncwise: {e}", file=sys.stderr)
         return 0
+    # Where to look while it runs (metrics.jsonl grows a row per step; `syncwise doctor` and `syncwise report`
+    # read the directory at any time).
+    print(f"run directory: {cfg.run_dir}  (during the run: tail -f {Path(cfg.run_dir) / 'metrics.jsonl'}; "
+          f"syncwise doctor {cfg.run_dir}; syncwise report {cfg.run_dir})", flush=True)
     try:
         summary = launch(cfg)
     except KeyboardInterrupt:

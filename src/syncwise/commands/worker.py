@@ -103,7 +103,8 @@ def run_worker(cfg: RunConfig) -> dict[str, Any]:
     try:
         return train_worker(cfg)
     except Preempted as e:  # a SystemExit: this worker ends with EXIT_PREEMPTED (83), the launcher reports it
-        if os.environ.get("RANK", "0") == "0":
+        # Under `syncwise train` its launcher reports the stop (once); under plain torchrun rank 0 does.
+        if os.environ.get("RANK", "0") == "0" and not (cfg.run_dir and held_by_launcher(cfg.run_dir)):
             print(f"syncwise: {e}; exiting with code {e.code} (resume: --resume auto)", flush=True)
         raise
     except SyncwiseError as e:
@@ -159,6 +160,7 @@ def train_worker(cfg: RunConfig) -> dict[str, Any]:
             flops_per_token=flops_per_token(model.config), checkpointer=checkpointer,
             inject_faults=specs.faults, collective_timeout_s=cfg.dist.timeout_s,
             sync=specs.sync, parallel=parallel, preempt_grace_s=cfg.ckpt.preempt_grace_s,
+            log_interval=cfg.train.log_interval,
             dynamic_batch=DynamicBatcher(1, cfg.data.batch_size, memory_threshold=cfg.train.memory_threshold,
                                          device=device) if cfg.train.dynamic_batch else None)
         summary = trainer.train(batches, steps=cfg.train.steps, resume=resume_target(cfg, rank))

@@ -188,6 +188,47 @@ def state_path(prefix: str = PREFIX) -> Path:
     return Path(os.environ.get(_STATE_DIR_ENV, _DEFAULT_STATE_DIR)) / f"{prefix}.json"
 
 
+def lock_path(prefix: str = PREFIX) -> Path:
+    """The lab's lock file (kept: removing a lock file under a holder would let a second owner in)."""
+    return state_path(prefix).with_suffix(".lock")
+
+
+class LabLock:
+    """A job's shared hold on a lab, or ``up``/``down``'s exclusive one (flock, as a run directory's lock):
+    ``cluster up`` / ``down`` never tear down a lab a job is using. The kernel drops it when its holder exits."""
+
+    def __init__(self, prefix: str, exclusive: bool):
+        self.prefix, self.exclusive = prefix, exclusive
+        self._fd: int | None = None
+
+    def __enter__(self) -> "LabLock":
+        import fcntl
+
+        path = lock_path(self.prefix)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            return self  # not root: what needs the lab says so itself (check_supported), with the fix
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_EX if self.exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            if self.exclusive:
+                raise SyncwiseError(f"the lab '{self.prefix}' is in use by a running job (syncwise train --lab, "
+                                    "bench --lab or cluster run); nothing was changed. Wait for the job to end (or "
+                                    "stop it), or use another --prefix for a second lab.") from None
+            raise SyncwiseError(f"the lab '{self.prefix}' is being set up or taken down right now "
+                                "(syncwise cluster up/down); run the job when that has finished.") from None
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor releases the flock
+            self._fd = None
+
+
 def _write_state(state: LabState) -> None:
     path = state_path(state.prefix)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -297,6 +338,12 @@ def up(nodes: int, bandwidth: str, inter_node: str | None = None, intra_node: st
     if isinstance(procs_per_node, bool) or not isinstance(procs_per_node, int) or procs_per_node < 1:
         raise ConfigError("procs_per_node", procs_per_node, "an integer >= 1")
     _validate_prefix(prefix)
+    with LabLock(prefix, exclusive=True):  # never over a lab a job is using
+        return _up(nodes, bandwidth, inter_node, intra_node, procs_per_node, burst, latency, subnet, prefix)
+
+
+def _up(nodes: int, bandwidth: str, inter_node: str | None, intra_node: str | None, procs_per_node: int,
+        burst: str | int | None, latency: str | float | None, subnet: str, prefix: str) -> LabState:
     parse_rate(bandwidth, "bandwidth")
     inter_bps = parse_rate(inter_node if inter_node is not None else bandwidth,
                            "inter_node" if inter_node is not None else "bandwidth")
@@ -339,11 +386,30 @@ def up(nodes: int, bandwidth: str, inter_node: str | None = None, intra_node: st
             _run(_tbf(sw, n.bridge_port, inter_bps, state.burst, state.latency))      # bridge -> node
             if intra_bps:
                 _run(_tbf(n.namespace, "lo", intra_bps, burst_b or default_burst(intra_bps), state.latency))
+        _write_hosts(state)
         _write_state(state)
     except BaseException:
         _cleanup(prefix)
         raise
     return state
+
+
+#: `ip netns exec NS` bind-mounts /etc/netns/NS/hosts over /etc/hosts when it exists (ip-netns(8)).
+NETNS_ETC = Path("/etc/netns")
+
+
+def _write_hosts(state: LabState) -> None:
+    """Name every node's address in its namespace's /etc/hosts: c10d looks the peers' addresses up, and without a
+    name for them (no DNS in a namespace) warns 'The hostname of the client socket cannot be retrieved' per
+    connection."""
+    lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback",
+             *(f"{n.address}\t{n.namespace}" for n in state.nodes),
+             # c10d's store listens on both stacks: a peer's address arrives IPv4-mapped (::ffff:a.b.c.d)
+             *(f"::ffff:{n.address}\t{n.namespace}" for n in state.nodes)]
+    for n in state.nodes:
+        d = NETNS_ETC / n.namespace
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "hosts").write_text("\n".join(lines) + "\n")
 
 
 def shape(inter_node: str | None = None, intra_node: str | None = None, prefix: str = PREFIX) -> LabState:
@@ -374,14 +440,17 @@ def _cleanup(prefix: str) -> None:
     names = sorted(list_namespaces(prefix), key=lambda n: n == f"{prefix}-sw")
     for ns in names:
         _run(["ip", "netns", "delete", ns])
+    for etc in NETNS_ETC.glob(f"{prefix}-*"):  # the nodes' /etc/hosts (_write_hosts), also of namespaces gone
+        shutil.rmtree(etc, ignore_errors=True)
     state_path(prefix).unlink(missing_ok=True)
 
 
 def down(prefix: str = PREFIX) -> None:
     """Remove the lab: every namespace (hence veth, bridge and qdisc) it made, and its state file."""
-    check_supported()
     _validate_prefix(prefix)
-    _cleanup(prefix)
+    with LabLock(prefix, exclusive=True):  # not while a job uses it
+        check_supported()
+        _cleanup(prefix)
     left = list_namespaces(prefix)
     if left:
         raise SyncwiseError(f"could not remove lab namespaces {left}; a process may still hold them "

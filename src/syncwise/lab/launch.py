@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import IO, Any, Mapping, Sequence
 
 from ..errors import ConfigError, SyncwiseError
-from .cluster import PREFIX, LabState, node_command, require
+from .cluster import PREFIX, LabLock, LabState, node_command, require
 
 
 def omp_threads(state: LabState, nproc_per_node: int) -> int:
@@ -108,6 +108,13 @@ def lab_torchrun(module_args: Sequence[str], nproc_per_node: int | None = None, 
     SIGKILL — also when this launcher is interrupted (an exception here, e.g. a signal turned into one): workers
     that handle SIGTERM (syncwise's trainer: finish the step, save) get that long.
     """
+    with LabLock(prefix, exclusive=False):  # the job's hold: `cluster up/down` refuse to tear the lab down under it
+        return _lab_torchrun(module_args, nproc_per_node, env, run_id, max_restarts, extra_torchrun_args, script,
+                             log_dir, port, timeout, prefix, console, stop_grace)
+
+
+def _lab_torchrun(module_args, nproc_per_node, env, run_id, max_restarts, extra_torchrun_args, script, log_dir, port,
+                  timeout, prefix, console, stop_grace) -> int:
     state = require(prefix)
     nproc = state.procs_per_node if nproc_per_node is None else nproc_per_node
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:

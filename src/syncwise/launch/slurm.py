@@ -65,7 +65,7 @@ def sbatch_script(cluster: ClusterLaunch, job: JobSpec) -> str:
     lines = [
         "#!/bin/bash",
         f"# {job.name}: syncwise training job for Slurm, written by `syncwise launch slurm` (syncwise {__version__}).",
-        f"# cluster: {cluster.cloud.describe()} ({cluster.source})",
+        f"# {cluster.cloud.describe()} (cluster file {cluster.source})",  # its name first: no "cluster: cluster:"
         f"# run configuration: {job.source or 'RUN.toml'}, validated, embedded below as $RUN_DIR/run.toml",
         f"# {la.min_nodes}-{la.max_nodes} node(s) x {job.nproc_per_node} worker(s); elastic restarts: {la.max_restarts}; "
         f"grace on preemption: {la.grace_s} s",

@@ -40,9 +40,14 @@ class MetricsLogger:
     """Writes one JSON object per optimizer step and shows progress; a no-op on ranks other than 0."""
 
     def __init__(self, run_dir: str | Path | None, total_steps: int, enabled: bool = True, start_step: int = 0,
-                 tensorboard: bool = True, console: Optional[Console] = None):
-        # Progress and the summary table show whenever enabled (rank 0); files only with a run directory.
+                 tensorboard: bool = True, console: Optional[Console] = None, show: bool = True,
+                 log_interval: int = 10):
+        # Files whenever enabled (rank 0) with a run directory; progress, notes and the summary table also need
+        # ``show`` (OptimizedTrainer's show_progress=False keeps the files and silences the console).
         self.enabled = enabled
+        self.show = show
+        self.log_interval = max(1, int(log_interval))
+        self._first_step = start_step + 1  # plain output prints it at once: the run is seen to be going
         self.total_steps = total_steps
         self.console = console or Console(stderr=False)
         self._progress: Optional[Progress] = None
@@ -54,6 +59,8 @@ class MetricsLogger:
             return
         if self.run_dir is not None:
             self._open_files(start_step, tensorboard)
+        if not show:
+            return
         self._progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
             TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=self.console,
@@ -93,34 +100,74 @@ class MetricsLogger:
         info = f"loss {loss}  {row['tokens_per_s']:,.0f} tok/s  comm {row['comm_exposed_s'] * 1e3:.0f} ms"
         if row.get("val_loss") is not None:
             info += f"  val {row['val_loss']:.4f}"
+        if self._progress is None:
+            return
         self._progress.update(self._task, completed=row["step"], info=info)
-        if self._plain and (row["step"] % 10 == 0 or row["step"] == self.total_steps or "val_loss" in row):
+        step = row["step"]
+        if self._plain and (step % self.log_interval == 0 or step in (self._first_step, self.total_steps)
+                            or "val_loss" in row):
             print(f"step {row['step']:>6}/{self.total_steps}  {info}", file=sys.stdout, flush=True)
 
     def note(self, message: str) -> None:
         """A line for the user (e.g. 'resumed from step 40')."""
-        if self.enabled:
+        if self.enabled and self.show:
             self.console.print(message)
 
     def finish(self, summary: dict[str, Any]) -> None:
         """Write summary.json and print the summary table."""
         if not self.enabled:
             return
-        self._progress.stop()
+        if self._progress is not None:
+            self._progress.stop()
         if self._file is not None:
             self._file.close()
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if self._tb is not None:
             self._tb.close()
+        if not self.show:
+            return
         table = Table(title="syncwise train — summary", show_header=False)
         table.add_column("metric", style="bold")
         table.add_column("value", justify="right")
         for k, v in summary.items():
-            if isinstance(v, float):
-                v = f"{v:,.4g}"
-            elif isinstance(v, list) and v and isinstance(v[0], dict):
-                v = f"{len(v)} (details in summary.json)"  # e.g. one record per checkpoint save
-            table.add_row(k, str(v))
+            shown = summary_value(k, v)
+            if shown is not None:
+                table.add_row(k, shown)
         self.console.print(table)
         if self.path is not None:
             self.console.print(f"metrics: {self.path}")
+
+
+def summary_value(key: str, v: Any) -> Optional[str]:
+    """How the summary table shows one value, or None to leave the row out (nothing to say: None, [])."""
+    from .units import human_bytes, human_seconds, loss
+
+    if v is None or v == [] or v == {}:
+        return None
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, list) and isinstance(v[0], dict):
+        return f"{len(v)} (details in summary.json)"  # e.g. one record per checkpoint save
+    if isinstance(v, dict):
+        if key == "preempted":  # its record: the signal, the step, the checkpoint (and a Unix time, not shown)
+            return f"{v.get('signal')} after step {v.get('step')}" + (", saved" if v.get("saved") else "")
+        return "details in summary.json"
+    if isinstance(v, list):
+        return ", ".join(str(x) for x in v[:10]) + (f" ... ({len(v)})" if len(v) > 10 else "")
+    if isinstance(v, (int, float)):
+        if "bytes" in key:
+            return human_bytes(v)
+        if "loss" in key:
+            return loss(v)
+        if key.endswith("_share"):
+            return f"{100 * v:.1f}%"
+        if key.endswith("_per_s"):
+            return f"{v:,.0f}"
+        if key.endswith("_s"):
+            return human_seconds(v)
+        if key.endswith("_mb"):
+            return human_bytes(v * 1e6)
+        if isinstance(v, float):
+            return f"{v:,.4g}" if abs(v) < 1e6 else f"{v:,.0f}"
+        return f"{v:,}"
+    return str(v)

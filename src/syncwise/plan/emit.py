@@ -12,7 +12,8 @@ from .cloud import CloudConfig
 from .cost import Prediction
 
 
-def train_config(pred: Prediction, cloud: CloudConfig, preset: Optional[str], seq_len: int) -> dict[str, Any]:
+def train_config(pred: Prediction, cloud: CloudConfig, preset: Optional[str], seq_len: int,
+                 model_name: str = "") -> dict[str, Any]:
     """``[section] key = value`` tables for ``syncwise train --config``: the layout of ``pred`` on ``cloud``.
 
     Batch: ``data.batch_size`` is sequences per micro-batch per worker and ``train.grad_accum`` micro-batches
@@ -27,7 +28,8 @@ def train_config(pred: Prediction, cloud: CloudConfig, preset: Optional[str], se
     lab = cloud.inter_node.kind == "lab" or cloud.accelerator.name == "cpu-lab"
     pipeline = lay.pp > 1
     values: dict[str, Any] = {
-        "model": {"preset": preset} if preset else {},
+        # Not a preset: the model's own name, which syncwise train refuses in plain words (never the default preset).
+        "model": {"preset": preset or model_name or "?"},
         "data": {"seq_len": seq_len, "batch_size": pred.micro_batch * (pred.microbatches if pipeline else 1)},
         "train": {"grad_accum": 1 if pipeline else pred.microbatches,
                   "activation_checkpointing": lay.recompute == "full"},
@@ -38,8 +40,6 @@ def train_config(pred: Prediction, cloud: CloudConfig, preset: Optional[str], se
                      "sync": lay.sync},
         "compress": {"method": lay.compress},
     }
-    if not preset:
-        del values["model"]
     return values
 
 
@@ -68,13 +68,19 @@ def train_config_toml(pred: Prediction, cloud: CloudConfig, preset: Optional[str
               .format(n=cloud.nodes, g=cloud.gpus_per_node) if cloud.inter_node.kind == "lab" else
               "syncwise train --config FILE" if cloud.nodes == 1 else
               f"on each of the {cloud.nodes} nodes: torchrun --nnodes {cloud.nodes} --nproc-per-node "
-              f"{cloud.gpus_per_node} ... -m syncwise.train --config FILE (see docs/plan.md)")
+              f"{cloud.gpus_per_node} ... -m syncwise.commands.worker --config FILE (see docs/plan.md)")
     header = (f"syncwise plan: {lay.describe()} on {cloud.describe()}\n"
               f"predicted step {pred.step_time_s:.4g} s, {pred.tokens_per_s:,.0f} tokens/s, MFU {pred.mfu:.1%}, "
               f"{pred.memory_gb_per_gpu:.1f} GiB per GPU\nrun: {launch}")
     if not preset:
-        header += (f"\nmodel {model_name or '?'} is not a syncwise preset: syncwise train builds presets only, "
-                   "so add [model] preset = ... yourself")
+        header += f"\n{not_a_preset(model_name)}"
     if lay.recompute == "selective":
         header += "\nselective recomputation: syncwise's fused attention keeps no s² activations (= off here)"
-    return to_toml(train_config(pred, cloud, preset, seq_len), header)
+    return to_toml(train_config(pred, cloud, preset, seq_len, model_name), header)
+
+
+def not_a_preset(model_name: str) -> str:
+    """The plain words for a planned model that ``syncwise train`` cannot build."""
+    return (f"model {model_name or '?'} is not a syncwise preset, and training a Hugging Face config is not "
+            "supported yet: syncwise train refuses this file (model.preset) until [model] preset names a syncwise "
+            "preset; the layout above is the plan for that model")

@@ -216,8 +216,17 @@ class ModelSpec:
     def describe(self) -> str:
         total, active = self.param_counts()
         moe = f", MoE {self.n_routed_experts} experts top-{self.top_k}" if self.is_moe else ""
-        act = f" ({active / 1e9:.2f} B active)" if self.is_moe else ""
-        return f"{self.name}: {total / 1e9:.2f} B params{act}, {self.n_layers} layers, d={self.d_model}{moe}"
+        act = f" ({_params(active)} active)" if self.is_moe else ""
+        return f"{self.name}: {_params(total)} params{act}, {self.n_layers} layers, d={self.d_model}{moe}"
+
+
+def _params(n: float) -> str:
+    """A parameter count people read: 671 B, 6.74 B, 5.5 M, 120 K (not '0.00 B' for a small model)."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            v = n / scale
+            return f"{v:.3g} {unit}" if v < 100 else f"{v:.0f} {unit}"
+    return f"{n:.0f}"
 
 
 # ------------------------------------------------------------------------------------------------ presets

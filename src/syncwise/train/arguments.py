@@ -58,7 +58,12 @@ def resume_mode(value: Any) -> Optional[str]:
         value = os.fspath(value)
     if isinstance(value, str) and value.strip():
         low = value.strip().lower()
-        return None if low == "none" else ("auto" if low == "auto" else value)
+        if low in ("none", "auto"):
+            return None if low == "none" else "auto"
+        if os.path.isdir(value):
+            return value
+        raise ConfigError("resume", value, "True or 'auto' (newest valid checkpoint), False/None (fresh), or the path "
+                          f"of a checkpoint directory (there is no directory {value!r})")
     raise ConfigError("resume", value, "True or 'auto' (newest valid checkpoint), False/None (fresh), or the path "
                       "of a checkpoint directory")
 

@@ -14,6 +14,13 @@ the signals it handles to its workers. What happens then, in every worker:
 4. ``train()`` raises :class:`Preempted`, a ``SystemExit`` with code :data:`EXIT_PREEMPTED`, so the process ends
    with that code and a script using the Python API does not carry on as if training had finished.
 
+Ctrl-C (SIGINT) does the same (it used to end the workers at once, losing every step after the last periodic
+checkpoint): the first one stops after the step and saves, and the process ends with exit code 130 (128 + SIGINT,
+as a shell expects of Ctrl-C); a second one stops at once (the handler that was there before runs: Python's
+KeyboardInterrupt, or the worker's quiet exit). Under torchrun one Ctrl-C reaches each worker twice, from the
+terminal (the whole foreground process group) and forwarded by the agent, a few milliseconds apart: a SIGINT less
+than :data:`SAME_CTRL_C_S` after the first counts as the same Ctrl-C. A process that ignores SIGINT keeps ignoring it.
+
 A signal that arrives during step S stops the run after step S + 1 at the latest (the flag read lags one step).
 If the stop and save have not finished ``grace_s`` seconds after the signal, the process reports where it was and
 exits with :data:`EXIT_GRACE_EXPIRED`; the newest published checkpoint is intact either way (a save that did not
@@ -47,6 +54,11 @@ SIGNALS = ("SIGTERM", "SIGUSR1")
 #: torchrun's agent handles (and forwards to the workers) SIGTERM, SIGINT, SIGHUP and SIGQUIT by default; SIGUSR1
 #: must be added (``--signals-to-handle``, torch >= 2.9), or it kills the agent.
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+#: Ctrl-C: the first stops after the step and saves (as SIGTERM), a second stops at once; exit code 130.
+INTERRUPT = "SIGINT"
+EXIT_INTERRUPTED = 130
+#: Two SIGINTs closer than this are one Ctrl-C (the terminal's copy and the one torchrun's agent forwards).
+SAME_CTRL_C_S = 1.0
 #: The file rank 0 writes into the run directory when it stopped for preemption (removed when a run starts).
 MARKER = "preempted.json"
 DEFAULT_GRACE_S = 60.0
@@ -57,12 +69,17 @@ class Preempted(SystemExit):
     :data:`EXIT_PREEMPTED` unless caught. ``step`` is the last finished (and saved) step."""
 
     def __init__(self, signal_name: str, step: int, checkpoint: Optional[str]):
-        super().__init__(EXIT_PREEMPTED)
+        super().__init__(exit_code(signal_name))
         self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
 
     def __str__(self) -> str:
         return (f"stopped by {self.signal_name} after step {self.step}; checkpoint "
                 f"{self.checkpoint or '(none: no checkpoint directory)'}")
+
+
+def exit_code(signal_name: Optional[str]) -> int:
+    """The exit code of a process that stopped and saved for ``signal_name``: 130 for Ctrl-C, else 83."""
+    return EXIT_INTERRUPTED if signal_name == INTERRUPT else EXIT_PREEMPTED
 
 
 class StopSignal(BaseException):
@@ -139,7 +156,8 @@ def describe(record: dict[str, Any], run_dir: "str | os.PathLike") -> str:
         last = record.get("checkpoint")
         saved = (f"the grace period ran out before a new checkpoint was published; the newest is {last}" if last
                  else "the grace period ran out before a checkpoint was published")
-    return (f"preempted ({sig}) after step {step}; {saved}; resume with: syncwise train --run-dir {run_dir} "
+    what = "stopped by Ctrl-C (SIGINT)" if sig == INTERRUPT else f"preempted ({sig})"
+    return (f"{what} after step {step}; {saved}; resume with: syncwise train --run-dir {run_dir} "
             f"--resume auto (exit code {record.get('exit_code', EXIT_PREEMPTED)})")
 
 
@@ -158,6 +176,7 @@ class PreemptionGuard:
         self.signalled_at: Optional[float] = None
         self.stopping_step: Optional[int] = None
         self._previous: dict[int, Any] = {}
+        self._ctrl_c_at: Optional[float] = None  # when this process itself first got SIGINT
         self._timer: Optional[threading.Timer] = None
         self._group = None
         self._flag = torch.zeros(1, dtype=torch.int32)
@@ -181,7 +200,7 @@ class PreemptionGuard:
         a ``preempted.json`` of an earlier attempt from ``marker_dir``: the file always describes this run."""
         self.marker_dir = Path(marker_dir) if marker_dir else None
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
-        self.signal_name = self.signalled_at = self.stopping_step = None
+        self.signal_name = self.signalled_at = self.stopping_step = self._ctrl_c_at = None
         if self.rank == 0:
             clear_marker(self.marker_dir)
         if not self.enabled or threading.current_thread() is not threading.main_thread():
@@ -190,6 +209,8 @@ class PreemptionGuard:
             sig = getattr(signal, name, None)
             if sig is not None:
                 self._previous[sig] = signal.signal(sig, self._handle)
+        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # a process that ignores Ctrl-C keeps doing so
+            self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._handle)
         if self.world_size > 1 and self._group is None:
             # A gloo group of its own: the flag is a CPU tensor whatever the training backend (no device sync),
             # and its all-reduce never interleaves with the training's collectives.
@@ -213,6 +234,17 @@ class PreemptionGuard:
             self._timer = None
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and frame is not None:  # this process's own Ctrl-C (not another rank's flag)
+            now = time.monotonic()
+            if self._ctrl_c_at is not None and now - self._ctrl_c_at >= SAME_CTRL_C_S:
+                self._stop_now(frame)  # a second Ctrl-C
+                return
+            if self._ctrl_c_at is None:
+                self._ctrl_c_at = now
+                if self.rank == 0 and self.signal_name is None:
+                    sys.stderr.write("\nsyncwise: Ctrl-C: stopping after this step and saving it; "
+                                     "press Ctrl-C again to stop at once\n")
+                    sys.stderr.flush()
         if self.signal_name is not None:
             return
         self.signal_name = signal.Signals(signum).name
@@ -220,6 +252,17 @@ class PreemptionGuard:
         self._timer = threading.Timer(self.grace_s, self._expire)
         self._timer.daemon = True
         self._timer.start()
+
+    def _stop_now(self, frame: Any) -> None:
+        """A second Ctrl-C: hand SIGINT back to the handler that was there before and run it."""
+        previous = self._previous.pop(signal.SIGINT, None)
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if callable(previous):
+            previous(signal.SIGINT, frame)
+        raise KeyboardInterrupt
 
     def _expire(self) -> None:
         msg = (f"syncwise: rank {self.rank}: the preemption grace of {self.grace_s:g} s ({self.signal_name}) ran out "
@@ -279,7 +322,8 @@ class PreemptionGuard:
         ``preempted.json``, which launchers and the generated Slurm script read."""
         last = checkpointer.last_save if checkpointer is not None else None
         saved = last is not None and last.step == self.stopping_step
-        record = self._record(saved, str(last.path) if last is not None and last.path else None, EXIT_PREEMPTED)
+        record = self._record(saved, str(last.path) if last is not None and last.path else None,
+                              exit_code(self.signal_name))
         if self.rank == 0 and self.marker_dir is not None:
             write_marker(self.marker_dir, record)
         return record

@@ -44,6 +44,7 @@ from ..parallel import ParallelSpec, TorchHookSpec, describe_layout, parallelize
 from . import arguments
 from .dynamic_batch import DynamicBatcher
 from .faults import FaultPlan
+from .claim import claim
 from .preemption import DEFAULT_GRACE_S, PreemptionGuard
 
 # Collectives that are not gradient sync (loss averaging, validation, router-load sums) are counted here, so
@@ -159,11 +160,13 @@ class OptimizedTrainer:
                  tf32: bool = True, dynamic_batch: Optional[DynamicBatcher] = None,
                  parallel: "ParallelSpec | dict | None" = None, tp_plan: Optional[dict] = None,
                  pipeline_split: Optional[Callable[[nn.Module, int, int], nn.Module]] = None,
-                 preempt_grace_s: Optional[float] = DEFAULT_GRACE_S):
+                 preempt_grace_s: Optional[float] = DEFAULT_GRACE_S, log_interval: int = 10):
+        given_precision = mixed_precision  # errors echo what the caller wrote ('half'), not its normal form
         mixed_precision = arguments.mixed_precision_mode(mixed_precision)
         self.grad_accum_steps = count("grad_accum_steps", grad_accum_steps)
         self.clip_grad_norm = arguments.finite("clip_grad_norm", clip_grad_norm)
         self.val_interval = count("val_interval", val_interval, minimum=0)
+        self.log_interval = count("log_interval", log_interval)  # plain output: a progress line every N steps
         self.data_seed = count("data_seed", data_seed, minimum=0)  # shuffle order of a sharded loader
         arguments.finite("bucket_cap_mb", bucket_cap_mb, inclusive=False)
         if collective_timeout_s is not None:
@@ -202,9 +205,12 @@ class OptimizedTrainer:
         self.sync = self.par.sync  # the reduced-sync strategy the step drives (None: every-step sync)
         self.sync_spec = self.sync.spec.spec if self.sync is not None else "every-step"
         self.optimizer, self.lr_scheduler, self.loss_fn = optimizer, lr_scheduler, loss_fn
-        self.amp_dtype = self._amp_dtype(mixed_precision)
+        try:
+            self.amp_dtype = self._amp_dtype(mixed_precision)
+        except ConfigError as e:
+            raise ConfigError(e.field, given_precision, e.accepted) from None
         if self.amp_dtype == torch.float16 and self.par.pipeline is not None:
-            raise ConfigError("mixed_precision", mixed_precision, "bf16 or none with pipeline parallel: fp16 needs "
+            raise ConfigError("mixed_precision", given_precision, "bf16 or none with pipeline parallel: fp16 needs "
                               "GradScaler's loss scaling, which cannot wrap the schedule's own backward")
         # fp16 needs loss scaling; bf16 and fp32 do not.
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype == torch.float16)
@@ -266,12 +272,17 @@ class OptimizedTrainer:
         if resume is not None and self.checkpointer is None:
             raise ConfigError("resume", resume, "None/False unless checkpoint_dir= is given to train() (or a "
                               "SmartCheckpointer to OptimizedTrainer): there is nothing to resume from")
+        # The run directory's lock, and no fresh run over an earlier one's files (as `syncwise train`): train/claim.py
+        self._run_dir_lock = claim(self.run_dir, self.checkpointer.directory if self.checkpointer else None, resume,
+                                   self.step > 0, self.rank, self.world_size, getattr(self, "_run_dir_lock", None))
         state = self.train_state(loader)
         redone = self._resume(resume, state)
+        self._start_step = self.step  # > 0: resumed; the summary then covers the earlier steps too (_earlier_steps)
         if self.step >= total:
             return self._already_finished(total)
-        logger = MetricsLogger(self.run_dir, total, enabled=self.rank == 0 and self.show_progress,
-                               start_step=self.step)
+        # Files on rank 0 whenever there is a run directory; show_progress=False only silences the console.
+        logger = MetricsLogger(self.run_dir, total, enabled=self.rank == 0, show=self.show_progress,
+                               start_step=self.step, log_interval=self.log_interval)
         if redone is not None:
             logger.note(f"resumed from step {self.step}; {redone} step(s) after it are redone")
         rank_log = RankLog(self.run_dir, self.rank, self.world_size, start_step=self.step)  # every rank's own rows
@@ -367,6 +378,8 @@ class OptimizedTrainer:
             summary["preempted"] = self.preemption.record(self.checkpointer)
         logger.finish(summary)
         rank_log.finish(summary)
+        if self._run_dir_lock is not None:
+            self._run_dir_lock.release()
         return self.preemption.finish(summary)  # raises Preempted (exit code 83) after a stop
 
     def _find_micro_batch(self, batches: Iterator, logger: MetricsLogger) -> Iterator:
@@ -399,6 +412,8 @@ class OptimizedTrainer:
         """Resumed at or past ``total``: train nothing and keep the run's files (its summary.json) as they are."""
         if self.checkpointer is not None:
             self.checkpointer.close()
+        if self._run_dir_lock is not None:
+            self._run_dir_lock.release()
         if self.rank == 0 and self.show_progress:
             print(f"syncwise: the run already finished at step {self.step} (steps={total}); nothing to train. "
                   "Pass a larger step count to train it further.", flush=True)
@@ -638,9 +653,34 @@ class OptimizedTrainer:
             row["skipped"] = True
         return row
 
+    def _earlier_steps(self) -> list[StepResult]:
+        """After a resume, rank 0's steps before it as its metrics.jsonl recorded them: a summary covers the run."""
+        start = getattr(self, "_start_step", 0)
+        if not start or self.rank != 0 or not self.run_dir:
+            return []
+        rows = [r for r in read_jsonl(Path(self.run_dir) / "metrics.jsonl") if r.get("step", 0) <= start]
+        return [StepResult(loss=r["loss"] if r.get("loss") is not None else math.nan,
+                           step_time_s=r.get("step_time_s") or 0.0, compute_s=r.get("compute_s") or 0.0,
+                           comm_exposed_s=r.get("comm_exposed_s") or 0.0, data_wait_s=r.get("data_wait_s") or 0.0,
+                           comm_bytes=r.get("comm_bytes"),
+                           tokens=round((r.get("tokens_per_s") or 0.0) * (r.get("step_time_s") or 0.0)),
+                           grad_norm=r.get("grad_norm") or 0.0, skipped=bool(r.get("skipped")))
+                for r in sorted(rows, key=lambda r: r["step"])]
+
     def _summary(self, history: list[StepResult], val_loss: Optional[float], wall: float) -> dict[str, Any]:
+        # A resumed run's summary covers every step of the run, not only this invocation's (rank 0: metrics.jsonl).
+        history = self._earlier_steps() + history
         # The first steps include one-off costs (allocator warm-up, DDP bucket rebuild): leave them out of rates.
-        steady = history[min(len(history) - 1, max(1, len(history) // 10)):] if history else []
+        # So are the compressor's / sync strategy's warm-up steps (PowerSGD's start_iter: full gradients): their
+        # figures are reported apart, and a run that never left its warm-up says so.
+        first_step = self.step - len(history) + 1
+        warm = warmup_steps(self.compressor, self.sync)
+        cut = min(len(history) - 1, max(1, len(history) // 10)) if history else 0
+        steady = [r for i, r in enumerate(history[cut:], first_step + cut) if i > warm]
+        in_warmup = [r for i, r in enumerate(history, first_step) if i <= warm]
+        never_left = bool(warm) and bool(history) and not steady
+        if never_left:
+            steady = history[cut:]
         n = max(len(steady), 1)
         step_time = sum(r.step_time_s for r in steady) / n
         parts = {k: sum(getattr(r, k) for r in steady) / n for k in ("compute_s", "comm_exposed_s", "data_wait_s")}
@@ -659,6 +699,8 @@ class OptimizedTrainer:
             "skipped_steps": self.skipped_steps, "peak_mem_mb": peak_memory_mb(self.device), "wall_time_s": wall,
             "device": str(self.device), "accelerator": self.peak.part,
             "mfu_peak_tflops": self.peak.flops / 1e12 if self.peak.flops else None,
+            **warmup_figures(warm, in_warmup, never_left, self.step, self.compress_spec
+                             if warmup_steps(self.compressor, None) == warm else self.sync_spec),
         }
 
     def _total_steps(self, loader: Iterable, epochs: Optional[int], steps: Optional[int]) -> int:
@@ -698,6 +740,32 @@ class OptimizedTrainer:
         """Sum over the ranks that hold the same layers (a pipeline stage's data-parallel ranks; every rank
         otherwise): the MoE load counts, whose layers differ between stages."""
         ops.all_reduce(tensor, "sum", group=self.par.dp_group, stats=CONTROL_STATS)
+
+
+def warmup_steps(compressor: Any, sync: Any) -> int:
+    """The steps a compressor or sync strategy runs uncompressed / every step before it starts (0: none):
+    syncwise's and PyTorch's PowerSGD (start_iter; torch's hook defaults to 10), local SGD's warmup."""
+    config = getattr(compressor, "config", None)
+    warm = int(getattr(config, "start_iter", 0) or 0)
+    if isinstance(compressor, TorchHookSpec) and compressor.name == "powersgd":
+        warm = int(compressor.options.get("start_iter", 10))
+    spec = getattr(sync, "spec", None)
+    return max(warm, int(getattr(spec, "warmup", 0) or 0))
+
+
+def warmup_figures(warm: int, in_warmup: list, never_left: bool, steps: int, what: Any) -> dict:
+    """Summary keys for the warm-up: its length, its bytes per step apart from the steady state's, a warning."""
+    if not warm:
+        return {}
+    counted = [r.comm_bytes for r in in_warmup if r.comm_bytes is not None]
+    out: dict[str, Any] = {"warmup_steps": warm,
+                           "warmup_comm_bytes_per_step": sum(counted) / len(counted) if counted and
+                           len(counted) == len(in_warmup) else None}
+    if never_left:
+        out["warning"] = (f"the run never left the warm-up of {what} ({warm} steps of full gradient traffic; the "
+                          f"run has {steps}): its bytes and times are the warm-up's, not the steady state's. "
+                          f"Run more than {warm} steps.")
+    return out
 
 
 def _forever(loader: Iterable) -> Iterator:

@@ -1,0 +1,196 @@
+"""`syncwise report RUN [RUN ...]`: one look at one or more runs, during or after them.
+
+For each run directory (its ``metrics.jsonl``, and ``summary.json`` once it finished) it draws, in one PNG:
+train and validation loss against the step and against training time (the sum of the step times: the same axis
+for a resumed run as for one that never stopped), each step's time, the average step split into compute, exposed
+communication, data wait and the rest, the bytes each step sent, and tokens per second. An HTML page embeds that
+picture and the curves' data (JSON, in ``<script id="syncwise-data">``) so it opens anywhere, and a one-screen
+text comparison is printed. Files: ``--out DIR`` (default ``RUN/report`` for one run, ``./syncwise-report`` for
+several) holds ``report.png`` and ``report.html``; a report there is replaced, any other file of those names is not.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from ..metrics import read_jsonl
+from ..metrics.units import human_bytes, human_seconds, loss
+
+MARKER = "<!-- written by syncwise report -->"
+SPLIT = (("compute_s", "compute"), ("comm_exposed_s", "exposed comm"), ("data_wait_s", "data wait"))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register report's options on ``parser``."""
+    parser.add_argument("runs", nargs="+", metavar="RUN", help="run directories (each with a metrics.jsonl)")
+    parser.add_argument("--out", default=None, help="directory for report.png and report.html (default: RUN/report "
+                                                    "for one run, ./syncwise-report for several)")
+
+
+def load_run(path: Path) -> dict[str, Any]:
+    """A run's curves and figures from its directory (a running run too: a torn last row is skipped)."""
+    metrics = path / "metrics.jsonl"
+    if not path.is_dir():
+        raise ConfigError("RUN", str(path), "a run directory (syncwise train --run-dir DIR made it)")
+    if not metrics.exists():
+        raise ConfigError("RUN", str(path), "a run directory with a metrics.jsonl (it has none yet: the run has not "
+                                            "finished a step, or this is not a run directory)")
+    rows = sorted(read_jsonl(metrics), key=lambda r: r.get("step", 0))
+    if not rows:
+        raise ConfigError("RUN", str(path), "a run with at least one step in its metrics.jsonl (it is empty)")
+    try:
+        summary = json.loads((path / "summary.json").read_text())
+    except (OSError, ValueError):
+        summary = None
+    elapsed, t = [], 0.0
+    for r in rows:
+        t += r.get("step_time_s") or 0.0
+        elapsed.append(t)
+    steady = rows[max(1, len(rows) // 10):] or rows  # the first tenth holds one-off start-up costs
+    n = len(steady)
+    split = {key: sum(r.get(key) or 0.0 for r in steady) / n for key, _ in SPLIT}
+    step_s = sum(r.get("step_time_s") or 0.0 for r in steady) / n
+    counted = [r["comm_bytes"] for r in steady if r.get("comm_bytes") is not None]
+    val = [(r["step"], t, r["val_loss"]) for r, t in zip(rows, elapsed) if r.get("val_loss") is not None]
+    return {
+        "name": path.name, "path": str(path), "finished": summary is not None,
+        "steps": rows[-1]["step"],
+        "curves": {
+            "step": [r["step"] for r in rows], "train_time_s": elapsed,
+            "loss": [r.get("loss") for r in rows],
+            "val_step": [v[0] for v in val], "val_time_s": [v[1] for v in val], "val_loss": [v[2] for v in val],
+            "step_time_s": [r.get("step_time_s") for r in rows],
+            "comm_bytes": [r.get("comm_bytes") for r in rows],
+            "tokens_per_s": [r.get("tokens_per_s") for r in rows],
+        },
+        "mean_step_time_s": step_s,
+        "split_s": {**split, "other_s": max(0.0, step_s - sum(split.values()))},
+        "comm_bytes_per_step": sum(counted) / len(counted) if counted and len(counted) == n else None,
+        "tokens_per_s": sum(r.get("tokens_per_s") or 0.0 for r in steady) / n,
+        "final_loss": next((r["loss"] for r in reversed(rows) if r.get("loss") is not None), None),
+        "final_val_loss": val[-1][2] if val else None,
+        "train_time_s": elapsed[-1],
+        "summary": summary,
+    }
+
+
+def _names(runs: list[dict[str, Any]]) -> None:
+    """Distinct labels: the directory's name, with its parent's where two runs share a name."""
+    seen: dict[str, int] = {}
+    for r in runs:
+        seen[r["name"]] = seen.get(r["name"], 0) + 1
+    for r in runs:
+        if seen[r["name"]] > 1:
+            r["name"] = f"{Path(r['path']).parent.name}/{r['name']}"
+
+
+def draw(runs: list[dict[str, Any]]) -> bytes:
+    """The report's figure as PNG bytes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(16, 9), dpi=100)
+    (ax_step, ax_time, ax_st), (ax_split, ax_bytes, ax_tps) = axes
+    for i, r in enumerate(runs):
+        c, color = r["curves"], f"C{i}"
+        ax_step.plot(c["step"], c["loss"], color=color, label=f"{r['name']} train")
+        ax_time.plot(c["train_time_s"], c["loss"], color=color, label=f"{r['name']} train")
+        if c["val_loss"]:
+            ax_step.plot(c["val_step"], c["val_loss"], "o--", color=color, label=f"{r['name']} val")
+            ax_time.plot(c["val_time_s"], c["val_loss"], "o--", color=color, label=f"{r['name']} val")
+        ax_st.plot(c["step"], [None if v is None else v * 1e3 for v in c["step_time_s"]], color=color, label=r["name"])
+        if any(b is not None for b in c["comm_bytes"]):
+            ax_bytes.plot(c["step"], [None if b is None else b / 1e6 for b in c["comm_bytes"]], color=color,
+                          label=r["name"])
+        ax_tps.plot(c["step"], c["tokens_per_s"], color=color, label=r["name"])
+    left = [0.0] * len(runs)
+    names = [r["name"] for r in runs]
+    for j, (key, label) in enumerate((*SPLIT, ("other_s", "other"))):
+        widths = [r["split_s"][key] * 1e3 for r in runs]
+        ax_split.barh(names, widths, left=left, color=f"C{j}", label=label)
+        left = [a + b for a, b in zip(left, widths)]
+    for ax, title, xlabel, ylabel in (
+            (ax_step, "loss vs step", "step", "loss"),
+            (ax_time, "loss vs training time", "training time (s, sum of step times)", "loss"),
+            (ax_st, "step time", "step", "ms"),
+            (ax_split, "average step (after the first tenth)", "ms", ""),
+            (ax_bytes, "bytes sent per step (counted at the collectives)", "step", "MB"),
+            (ax_tps, "throughput", "step", "tokens/s")):
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    ax_split.invert_yaxis()
+    fig.suptitle("syncwise report: " + ", ".join(names))
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def text(runs: list[dict[str, Any]]) -> str:
+    """The one-screen comparison: a row per run."""
+    head = ("run", "steps", "loss", "val loss", "step", "compute", "comm", "data", "sent/step", "tokens/s", "time")
+    rows = []
+    for r in runs:
+        t = r["mean_step_time_s"] or 0.0
+        share = lambda key: f"{100 * r['split_s'][key] / t:.0f}%" if t else "–"  # noqa: E731
+        rows.append((r["name"] + ("" if r["finished"] else " (running)"), str(r["steps"]), loss(r["final_loss"]),
+                     loss(r["final_val_loss"]), human_seconds(r["mean_step_time_s"]), share("compute_s"),
+                     share("comm_exposed_s"), share("data_wait_s"), human_bytes(r["comm_bytes_per_step"]),
+                     f"{r['tokens_per_s']:,.0f}", human_seconds(r["train_time_s"])))
+    widths = [max(len(x[i]) for x in (head, *rows)) for i in range(len(head))]
+    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
+                                   for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    return "\n".join([line(head), *(line(x) for x in rows)])
+
+
+def page(runs: list[dict[str, Any]], png: bytes, comparison: str) -> str:
+    """The HTML page: the picture (embedded), the comparison, and the curves' data as JSON."""
+    data = json.dumps({"runs": [{k: v for k, v in r.items() if k != "summary"} | {"summary": r["summary"]}
+                                for r in runs]}).replace("</", "<\\/")
+    title = "syncwise report: " + ", ".join(r["name"] for r in runs)
+    return (f"<!DOCTYPE html>\n{MARKER}\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
+            "<style>body{font-family:sans-serif;margin:2em}pre{background:#f5f5f5;padding:1em}</style></head><body>\n"
+            f"<h1>{html.escape(title)}</h1>\n<pre>{html.escape(comparison)}</pre>\n"
+            f"<img alt=\"curves\" style=\"max-width:100%\" src=\"data:image/png;base64,{base64.b64encode(png).decode()}\">\n"
+            "<p>Training time is the sum of the step times. The curves' data: the JSON below "
+            "(<code>document.getElementById('syncwise-data')</code>).</p>\n"
+            f"<script type=\"application/json\" id=\"syncwise-data\">{data}</script>\n</body></html>\n")
+
+
+def _out_dir(args: argparse.Namespace) -> Path:
+    if args.out:
+        return Path(args.out)
+    return Path(args.runs[0]) / "report" if len(args.runs) == 1 else Path("syncwise-report")
+
+
+def run(args: argparse.Namespace) -> int:
+    """`syncwise report` entry point."""
+    runs = [load_run(Path(p)) for p in args.runs]  # every bad RUN fails here, before anything is written
+    _names(runs)
+    out = _out_dir(args)
+    html_path, png_path = out / "report.html", out / "report.png"
+    if (html_path.exists() and MARKER not in html_path.read_text(errors="replace")) or (
+            png_path.exists() and not html_path.exists()):
+        raise ConfigError("--out", str(out), "a directory without a report.html / report.png of someone else's "
+                                             "(those there were not written by syncwise report): choose another --out")
+    comparison = text(runs)
+    png = draw(runs)
+    out.mkdir(parents=True, exist_ok=True)
+    png_path.write_bytes(png)
+    html_path.write_text(page(runs, png, comparison))
+    print(comparison)
+    print(f"picture: {png_path}\npage: {html_path}  (open it in a browser)")
+    return 0
