@@ -467,7 +467,7 @@ def hostile_preempt(work: Path, config: list[str], trial: int, rng: random.Rando
     cmd = _hostile_cmd(run, steps, *config, "--ckpt.interval=4")
     job = _Job(cmd)
     row: dict[str, Any] = {"fault": f"{sig.name} preemption", "config": " ".join(config), "trial": trial}
-    at = rng.randrange(2, steps - 2)
+    at = rng.randrange(2, max(3, steps // 2))  # early enough that the run is still going when the signal lands
     if not _wait_for_step(run, at, job):
         job.kill()
         return {**row, "tried": False, "err": job.err()[-2000:]}
@@ -508,6 +508,7 @@ def hostile_corrupt(work: Path, config: list[str], trial: int, rng: random.Rando
             "bit_exact": _losses(run) == ref, "err": err[-2000:] if code != 0 else None}
 
 
+PACE_MS = 100
 # Layouts for --hostile --layouts: each a `syncwise train` flag list on top of _hostile_cmd's tiny 2-rank defaults.
 _SMALL_PP2 = ["--preset", "small", "--parallel.pp", "2", "--parallel.stages_per_rank", "2", "--data.batch_size", "4",
               "--parallel.microbatches", "4"]
@@ -524,6 +525,7 @@ LAYOUTS: dict[str, list[str]] = {
     "pp2xep2": ["--nproc", "4", "--preset", "tiny-moe", "--parallel.pp", "2", "--parallel.ep", "2"],
     "localsgd": ["--sync", "localsgd:period=2"],
 }
+LAYOUTS_WORLD = {name: int(c[c.index("--nproc") + 1]) if "--nproc" in c else 2 for name, c in LAYOUTS.items()}
 
 
 def hostile_layouts_main(args: argparse.Namespace) -> int:
@@ -544,8 +546,10 @@ def hostile_layouts_main(args: argparse.Namespace) -> int:
         print(json.dumps({k: v for k, v in row.items() if k not in ("err", "report")}), flush=True)
 
     for layout in names:
-        config = LAYOUTS[layout]
-        world = int(config[config.index("--nproc") + 1]) if "--nproc" in config else 2
+        # Every step waits PACE_MS for its data (an injected slow loader; the losses do not change), so a signal
+        # sent at a random step lands while the run is still going (a tiny model's step takes ~15 ms).
+        config = [*LAYOUTS[layout], "--inject-fault", f"slowdata:ms={PACE_MS}"]
+        world = LAYOUTS_WORLD[layout]
         ref_dir = work / f"ref-{layout}"
         ref_job = _Job(_hostile_cmd(ref_dir, steps, *config, "--ckpt.interval=4"))
         if ref_job.wait(600) != 0:

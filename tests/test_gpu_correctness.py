@@ -234,3 +234,36 @@ def test_pipeline_without_overlap_sends_through_batch_isend_irecv():
     # isend then irecv can deadlock a crossing pair under NCCL)
     for batched, sent, loss in run_workers(_pipeline_p2p, 2):
         assert batched == sent > 0 and loss == loss
+
+
+class _QueuedInterval:
+    """Stands in for a CUDA-event Interval whose end event the device has not reached yet."""
+
+    def __init__(self, seconds):
+        self.finished, self._seconds = False, seconds
+
+    def done(self):
+        return self.finished
+
+    def seconds(self):
+        return self._seconds
+
+
+def test_event_timed_collectives_count_once_completed_and_stay_in_flight_until_then():
+    import time
+
+    from syncwise.comm.stats import CommStats
+
+    stats, iv = CommStats(), _QueuedInterval(0.25)
+    stats.record("all_reduce", 64)
+    stats.add_interval("all_reduce", iv)
+    assert stats.snapshot()["all_reduce"] == {"calls": 1, "bytes": 64, "time_s": 0.0}  # not reached yet: no time
+    token = next(ops._tokens)
+    ops._in_flight[token] = ops.InFlight("all_reduce", None, time.monotonic(), iv)
+    try:
+        assert ops.oldest_in_flight().interval is iv  # the watchdog sees the queued collective
+        iv.finished = True
+        assert ops.oldest_in_flight() is None
+        assert stats.total_time_s == 0.25 and stats.snapshot()["all_reduce"]["time_s"] == 0.25  # added once
+    finally:
+        ops._in_flight.pop(token, None)

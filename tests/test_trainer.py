@@ -192,10 +192,11 @@ def test_dynamic_batch_finds_the_size_that_fits_and_keeps_the_global_batch(tmp_p
     x, y = _data(48, seed=5)
     batches = [(x[i:i + 12], y[i:i + 12]) for i in range(0, 48, 12)]
 
-    def run(limit, batcher, steps, ckpt=None, resume=None):
+    def run(limit, batcher, steps, ckpt=None, resume=None, name=None):
         model = _PlantedLimit(limit)
         trainer = OptimizedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy,
-                                   grad_accum_steps=2, dynamic_batch=batcher, run_dir=str(tmp_path / f"r{limit}"),
+                                   grad_accum_steps=2, dynamic_batch=batcher,
+                                   run_dir=str(tmp_path / (name or f"r{limit}")),
                                    checkpointer=ckpt, mixed_precision=False)
         trainer.train(batches, steps=steps, resume=resume)
         return trainer
@@ -209,8 +210,8 @@ def test_dynamic_batch_finds_the_size_that_fits_and_keeps_the_global_batch(tmp_p
     assert [r["micro_batch"] for r in rows] == [5, 5]
     # The found size is checkpointed: a resumed run does not probe again.
     ckpt_dir = tmp_path / "ck"
-    run(5, DynamicBatcher(2, 64), 1, ckpt=SmartCheckpointer(ckpt_dir))
-    resumed = run(5, DynamicBatcher(2, 64), 2, ckpt=SmartCheckpointer(ckpt_dir), resume="auto")
+    run(5, DynamicBatcher(2, 64), 1, ckpt=SmartCheckpointer(ckpt_dir), name="ck-run")  # a new run: its own run_dir
+    resumed = run(5, DynamicBatcher(2, 64), 2, ckpt=SmartCheckpointer(ckpt_dir), resume="auto", name="ck-run")
     assert resumed.batcher.found and resumed.batcher.size == 5
     assert sum(c.reason.startswith("probe") for c in resumed.batcher.history) == 1  # the first run's, restored
 

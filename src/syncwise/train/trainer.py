@@ -530,7 +530,10 @@ class OptimizedTrainer:
                 if self.par.pipeline is not None:  # the schedule runs every microbatch's forward and backward
                     self.phase = "pipeline schedule"
                     with self._autocast():
-                        return self.par.pipeline.step(inputs, targets, weight=weight * (math.nan if poison else 1.0))
+                        loss = self.par.pipeline.step(inputs, targets, weight=weight * (math.nan if poison else 1.0))
+                    if poison and not self.par.pipeline.has_last:  # (the weight reaches only the last stage's loss)
+                        next(p for p in self.model.parameters() if p.grad is not None).grad.mul_(math.nan)
+                    return loss
                 with self._autocast():
                     loss = self.loss_fn(self.par.module(inputs), targets) * weight
                 if poison:
