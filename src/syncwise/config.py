@@ -210,8 +210,11 @@ class DistSection:
                           "else gloo: ranks sharing a GPU, or the CPU), gloo, nccl",
                           "one of: auto, gloo, nccl (nccl only on CUDA with one GPU per local worker)",
                           lambda v: v in ("auto", "gloo", "nccl"))
-    bucket_cap_mb: float = option(25.0, "DDP gradient bucket size in MB", "a number in (0, 10000]",
-                                  lambda v: 0 < v <= 10_000)
+    # Lower bound 0.001 MB (1 KB, 256 fp32 values): DDP rounds the cap to bytes and a smaller one puts every
+    # gradient in a bucket of its own (1e-300 is 0 bytes), one collective per tensor; the tests' smallest is 0.01.
+    bucket_cap_mb: float = option(25.0, "DDP gradient bucket size in MB", "a number in [0.001, 10000] (1 KB at "
+                                  "least: below that every tensor is a bucket of its own)",
+                                  lambda v: 0.001 <= v <= 10_000)
     timeout_s: float = option(300.0, "a collective that takes longer fails with a message",
                               f"a number of seconds from 1 to {_seconds(_MAX_TIMEOUT_S)} (one week)",
                               _in(1, _MAX_TIMEOUT_S))
