@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .errors import ConfigError, SyncwiseError
+from .layout import DISPATCH, SCHEDULES
 from .specs import parse_bool
 
 if TYPE_CHECKING:
@@ -253,8 +254,7 @@ class ParallelSection:
                               "interleaved-1f1b, looped-bfs (need stages_per_rank ≥ 2), interleaved-zb, zbv, dualpipev "
                               "(zero-bubble / DualPipe-style; zbv and dualpipev: stages_per_rank = 2); all run on "
                               "gloo with torch 2.13 (docs/parallelism.md)",
-                              *_one_of("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv",
-                                       "dualpipev"))
+                              *_one_of(*SCHEDULES))
     microbatches: int = option(0, "pipeline microbatches per step (each rank's batch is split into them; they "
                                "replace train.grad_accum under pp); 0 = 2 × pp × stages_per_rank",
                                "an integer from 0 to 65,536 dividing the per-rank batch (1f1b: ≥ pp)", _in(0, 65536))
@@ -265,7 +265,7 @@ class ParallelSection:
                      "an integer from 1 to 65,536 dividing the routed experts and dp_replicate", _in(1, 65536))
     ep_dispatch: str = option("fp32", "precision of expert parallel's token dispatch: fp8 (e4m3, 1x128 scales, "
                               "DeepSeek-V3's choice, bf16 combine), bf16, fp32 (exact)",
-                              *_one_of("fp8", "bf16", "fp32"))
+                              *_one_of(*DISPATCH))
 
 
 @dataclass

@@ -359,19 +359,8 @@ class Layout:
         if c.is_none:
             return lay
         if lay.fsdp:
-            # PyTorch's DDP comm hooks rewrite DDP's buckets; FSDP2 (dp_shard > 1 or tp > 1) has none.
-            if c.torch_hook:
-                raise ConfigError("compress.method", c.text, "a syncwise compressor (or none) with dp_shard > 1 or "
-                                  "tp > 1: PyTorch's DDP comm hooks need DDP's gradient buckets, and FSDP2 reduces "
-                                  f"gradients itself (with {lay._split_by()} FSDP2 reduces the gradients)")
-            # Other compressors than a reduce dtype run as FSDP2's all-reduce hook across the replica groups;
-            # with one replica FSDP2's reduce-scatter, which has no hook, is the only gradient collective.
-            if c.name not in FSDP_REDUCE_DTYPES and lay.dp_replicate and lay.dp_replicate < 2:
-                raise ConfigError("compress.method", c.text, f"none, bf16 or fp16 with dp_replicate = 1 under FSDP2 / "
-                                  f"tensor parallel: {c.name} compresses the all-reduce across replicas (FSDP2's "
-                                  "all-reduce hook), and with one replica FSDP2's reduce-scatter, which has no hook, "
-                                  "is the only gradient collective; set parallel.dp_replicate ≥ 2 to run it "
-                                  f"(with {lay._split_by()} FSDP2 reduces the gradients)")
+            check_fsdp_compress(c, lay.dp_replicate, "compress.method", f" (with {lay._split_by()} FSDP2 reduces the "
+                                "gradients)")
         elif lay.pp > 1 and c.torch_hook and lay.dp_replicate != 1:
             # A pipeline stage runs several backwards per step, which DDP (and so its comm hooks) cannot take.
             raise ConfigError("compress.method", c.text, "a syncwise compressor (or none) with pp > 1: PyTorch's DDP "
@@ -402,6 +391,26 @@ class Layout:
             if size % self.tp:
                 raise ConfigError("parallel.tp", self.tp, f"a divisor of {name} ({size}): tensor parallel splits "
                                   f"it evenly across the tp ranks; divisors: {divisors(size)}")
+
+
+def check_fsdp_compress(c: Compress, dp_replicate: int, field_name: str = "compress.method", why: str = "") -> bool:
+    """The compressor a layout that FSDP2 holds (dp_shard > 1 or tp > 1) can run: True when it runs across the
+    replica groups as FSDP2's all-reduce hook, False when it is FSDP2's own reduce dtype (none, bf16, fp16).
+    ``dp_replicate`` 0: not known yet (the replica rule is checked once it is)."""
+    # PyTorch's DDP comm hooks rewrite DDP's buckets; FSDP2 has none.
+    if c.torch_hook:
+        raise ConfigError(field_name, c.text, "a syncwise compressor (or none) with dp_shard > 1 or tp > 1: PyTorch's "
+                          "DDP comm hooks need DDP's gradient buckets, and FSDP2 reduces gradients itself" + why)
+    if c.name in FSDP_REDUCE_DTYPES:
+        return False
+    # Other compressors run as FSDP2's all-reduce hook across the replica groups; with one replica FSDP2's
+    # reduce-scatter, which has no hook, is the only gradient collective.
+    if dp_replicate and dp_replicate < 2:
+        raise ConfigError(field_name, c.text, f"none, bf16 or fp16 with dp_replicate = 1 under FSDP2 / tensor "
+                          f"parallel: {c.name} compresses the all-reduce across replicas (FSDP2's all-reduce hook), "
+                          "and with one replica FSDP2's reduce-scatter, which has no hook, is the only gradient "
+                          "collective; set parallel.dp_replicate ≥ 2 to run it" + why)
+    return True
 
 
 def check_expert_count(n_routed_experts: int, ep: int) -> None:
