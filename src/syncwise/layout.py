@@ -361,7 +361,7 @@ class Layout:
         if lay.fsdp:
             check_fsdp_compress(c, lay.dp_replicate, "compress.method", f" (with {lay._split_by()} FSDP2 reduces the "
                                 "gradients)")
-        elif lay.pp > 1 and c.torch_hook and lay.dp_replicate != 1:
+        elif lay.pp > 1 and c.torch_hook and lay.dp_replicate > 1:
             # A pipeline stage runs several backwards per step, which DDP (and so its comm hooks) cannot take.
             raise ConfigError("compress.method", c.text, "a syncwise compressor (or none) with pp > 1: PyTorch's DDP "
                               "comm hooks need DDP, which a pipeline stage's several backwards per step break")
