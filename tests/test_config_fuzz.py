@@ -267,6 +267,7 @@ def _empty_file(tmp_path):
     (["--ckpt.mtbf_s=inf"], "ckpt.mtbf_s"),
     (["--dist.timeout_s=inf"], "dist.timeout_s"),                  # timedelta overflow in the workers
     (["--dist.bucket_cap_mb=inf"], "dist.bucket_cap_mb"),
+    (["--dist.bucket_cap_mb=1e-300"], "dist.bucket_cap_mb"),       # 0 bytes: one bucket per tensor
     (["--nnodes=2"], "dist.nnodes"),                               # hung: nobody can join a 127.0.0.1 rendezvous
     (["--max-restarts=1", "--inject-fault=kill:rank=99,step=1"], "inject_fault"),  # rank 99 of 2: ignored
     (["--data.corpus=/dev/null"], "data.corpus"),                  # rejected only inside the workers

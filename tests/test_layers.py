@@ -34,7 +34,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("models", ("syncwise.models",)),
     ("data", ("syncwise.data",)),
     ("lab", ("syncwise.lab",)),
-    ("leaves", ("syncwise", "syncwise.errors", "syncwise.specs", "syncwise.devices", "syncwise.rundir")),
+    # syncwise.layout: DESIGN.md lists it between plan and train, but as a torch-free leaf (it imports only errors
+    # and specs), so config, plan, parallel and compress all ask it
+    ("leaves", ("syncwise", "syncwise.errors", "syncwise.specs", "syncwise.devices", "syncwise.rundir",
+                "syncwise.layout")),
 ]
 
 
@@ -126,3 +129,54 @@ def test_importing_the_library_layers_loads_neither_config_nor_commands():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_layout_is_a_torch_free_leaf():
+    """syncwise.layout imports nothing of syncwise but the other leaves, and no torch."""
+    assert layer_of("syncwise.layout") == len(LAYERS) - 1
+    assert {t for _, t in imports_of("syncwise.layout")} <= {"syncwise.errors", "syncwise.specs"}
+    tree = ast.parse(MODULES["syncwise.layout"].read_text())
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert not [n for n in names if n == "torch" or n.startswith("torch.")]
+
+
+def _cycles() -> list[list[str]]:
+    """Strongly connected components (more than one module) of the import graph: every import, at module level
+    or inside a function, between syncwise modules (a package's __init__ counts as its own module)."""
+    graph = {m: sorted({t for _, t in imports_of(m) if t in MODULES and t != m}) for m in MODULES}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm (the graph is a few hundred modules: recursion is fine)
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle():
+    assert _cycles() == []

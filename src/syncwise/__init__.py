@@ -1,7 +1,7 @@
 """syncwise: communication-efficient distributed training of language models on PyTorch.
 
 The seed API lives at the top level: ``from syncwise import OptimizedTrainer, GradientCompressor, CommContext,
-TopoAwareCollective, SmartCheckpointer, SmartPrefetcher, ConfigError``. Names are imported on first use, so
+TopoAwareCollective, SmartCheckpointer, SmartPrefetcher, AsyncPipeline, CloudConfig, ConfigError``. Names are imported on first use, so
 ``import syncwise`` (and the command line's start-up) does not pay for torch.distributed.
 """
 from __future__ import annotations
@@ -20,6 +20,8 @@ _EXPORTS = {
     "TopoAwareCollective": "syncwise.comm",
     "SmartCheckpointer": "syncwise.checkpoint",
     "SmartPrefetcher": "syncwise.data",
+    "AsyncPipeline": "syncwise.parallel.pipeline",
+    "CloudConfig": "syncwise.plan",
     "ConfigError": "syncwise.errors",
     "SyncwiseError": "syncwise.errors",
 }

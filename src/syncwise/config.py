@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .errors import ConfigError, SyncwiseError
+from .layout import DISPATCH, SCHEDULES
 from .specs import parse_bool
 
 if TYPE_CHECKING:
@@ -219,8 +220,11 @@ class DistSection:
                           "else gloo: ranks sharing a GPU, or the CPU), gloo, nccl",
                           "one of: auto, gloo, nccl (nccl only on CUDA with one GPU per local worker)",
                           lambda v: v in ("auto", "gloo", "nccl"))
-    bucket_cap_mb: float = option(25.0, "DDP gradient bucket size in MB", "a number in (0, 10000]",
-                                  lambda v: 0 < v <= 10_000)
+    # Lower bound 0.001 MB (1 KB, 256 fp32 values): DDP rounds the cap to bytes and a smaller one puts every
+    # gradient in a bucket of its own (1e-300 is 0 bytes), one collective per tensor; the tests' smallest is 0.01.
+    bucket_cap_mb: float = option(25.0, "DDP gradient bucket size in MB", "a number in [0.001, 10000] (1 KB at "
+                                  "least: below that every tensor is a bucket of its own)",
+                                  lambda v: 0.001 <= v <= 10_000)
     timeout_s: float = option(300.0, "a collective that takes longer fails with a message",
                               f"a number of seconds from 1 to {_seconds(_MAX_TIMEOUT_S)} (one week)",
                               _in(1, _MAX_TIMEOUT_S))
@@ -259,8 +263,7 @@ class ParallelSection:
                               "interleaved-1f1b, looped-bfs (need stages_per_rank ≥ 2), interleaved-zb, zbv, dualpipev "
                               "(zero-bubble / DualPipe-style; zbv and dualpipev: stages_per_rank = 2); all run on "
                               "gloo with torch 2.13 (docs/parallelism.md)",
-                              *_one_of("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv",
-                                       "dualpipev"))
+                              *_one_of(*SCHEDULES))
     microbatches: int = option(0, "pipeline microbatches per step (each rank's batch is split into them; they "
                                "replace train.grad_accum under pp); 0 = 2 × pp × stages_per_rank",
                                "an integer from 0 to 65,536 dividing the per-rank batch (1f1b: ≥ pp)", _in(0, 65536))
@@ -271,7 +274,7 @@ class ParallelSection:
                      "an integer from 1 to 65,536 dividing the routed experts and dp_replicate", _in(1, 65536))
     ep_dispatch: str = option("fp32", "precision of expert parallel's token dispatch: fp8 (e4m3, 1x128 scales, "
                               "DeepSeek-V3's choice, bf16 combine), bf16, fp32 (exact)",
-                              *_one_of("fp8", "bf16", "fp32"))
+                              *_one_of(*DISPATCH))
 
 
 @dataclass
@@ -639,9 +642,6 @@ def check_references(cfg: RunConfig, here: bool = True) -> None:
         raise ConfigError("model.preset", cfg.model.preset, _preset_names())
     specs = cfg.specs()  # each spec by its owner's parser
     sync = specs.sync
-    if sync is not None and cfg.compress.method != "none":
-        raise ConfigError("parallel.sync", cfg.parallel.sync, "every-step when compress.method is set (local SGD "
-                          f"sends pseudo-gradients, not gradients; got compress.method={cfg.compress.method})")
     if sync is not None and sync.method == "pipesgd" and cfg.train.mixed_precision == "fp16":
         raise ConfigError("parallel.sync", cfg.parallel.sync, "every-step or localsgd/diloco with fp16 mixed "
                           "precision (a loss-scaled gradient applied one step late would meet another scale)")
@@ -726,46 +726,52 @@ def model_overrides(cfg: RunConfig, vocab_size: int) -> dict[str, Any]:
     return out
 
 
-def layout(cfg: RunConfig) -> Any:
-    """The ``[parallel]`` layout as syncwise.parallel's ParallelSpec (unresolved: dp_replicate may be 0)."""
-    from .parallel.mesh import ParallelSpec
+def run_layout(cfg: RunConfig) -> Any:
+    """The ``[parallel]`` layout with ``compress.method`` and ``parallel.sync``, as the one owner of the layout's
+    rules sees it (``syncwise.layout.Layout``, unresolved: dp_replicate may be 0)."""
+    from .layout import Layout, parse_compress
 
     p = cfg.parallel
-    return ParallelSpec(p.dp_replicate, p.dp_shard, p.tp, p.pp, p.ep, pp_schedule=p.pp_schedule,
-                        microbatches=p.microbatches, stages_per_rank=p.stages_per_rank, ep_dispatch=p.ep_dispatch)
+    with _as_field("compress.method", cfg.compress.method):
+        compress = parse_compress(cfg.compress.method, "compress.method")
+    return Layout.of(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, ep=p.ep,
+                     pp_schedule=p.pp_schedule, microbatches=p.microbatches, stages_per_rank=p.stages_per_rank,
+                     ep_dispatch=p.ep_dispatch, compress=compress, sync=p.sync)
+
+
+def layout(cfg: RunConfig) -> Any:
+    """The ``[parallel]`` layout as syncwise.parallel's ParallelSpec (the torch side's carrier of run_layout)."""
+    from .parallel.mesh import ParallelSpec
+
+    return ParallelSpec.from_layout(run_layout(cfg))
 
 
 def _check_layout(cfg: RunConfig, specs: Any, fewest: int, most: int) -> None:
-    """dp_replicate × dp_shard × tp must be the world size (every size an elastic job may have), and the
-    gradient sync must be one the layout can run (its owners' rules: syncwise.parallel)."""
-    from .parallel.fsdp import fsdp_gradient_sync
-
-    spec = layout(cfg)
-    for world in sorted({fewest, most}) if not (cfg.dist.lab and fewest != most) else []:
-        spec.resolve(world)  # (a lab job before its lab is up: checked when the workers start)
-    if spec.replicas_only:
+    """The layout's rules (``syncwise.layout.Layout.check``: the world size, compressor × sync × degrees) for
+    every size an elastic job may have, then the rules that involve training fields."""
+    lay = run_layout(cfg)
+    worlds = sorted({fewest, most}) if not (cfg.dist.lab and fewest != most) else []
+    for world in worlds or [None]:  # (a lab job before its lab is up: the world is checked when workers start)
+        try:
+            lay.check(world)
+        except ConfigError as e:  # the value as the user wrote it
+            if e.field in ("parallel.sync", "compress.method"):
+                raise ConfigError(e.field, _get(cfg, e.field), e.accepted) from None
+            raise
+    if lay.replicas_only:
         return
-    key = next(f"parallel.{n}" for n in ("dp_shard", "tp", "pp", "ep") if getattr(spec, n) > 1)
+    key = next(f"parallel.{n}" for n in ("dp_shard", "tp", "pp", "ep") if getattr(lay, n) > 1)
     if cfg.train.dynamic_batch:
         raise ConfigError("train.dynamic_batch", True, f"false with {key}={_get(cfg, key)}: every forward there is "
                           "collective, so one rank cannot probe or redo a micro-batch alone")
-    if specs.sync is not None:
-        raise ConfigError("parallel.sync", cfg.parallel.sync, f"every-step with {key}={_get(cfg, key)}: local SGD, "
-                          "DiLoCo and Pipe-SGD average whole replicas, which these layouts split")
-    if spec.pp > 1 and cfg.train.grad_accum != 1:
-        raise ConfigError("train.grad_accum", cfg.train.grad_accum, f"1 with parallel.pp={spec.pp}: the "
+    if lay.pp > 1 and cfg.train.grad_accum != 1:
+        raise ConfigError("train.grad_accum", cfg.train.grad_accum, f"1 with parallel.pp={lay.pp}: the "
                           "pipeline's microbatches are its accumulation (set parallel.microbatches)")
-    microbatches = spec.microbatches_per_step
-    if spec.pp > 1 and cfg.data.batch_size % microbatches:
-        key = "parallel.microbatches" if spec.microbatches else "data.batch_size"
+    microbatches = lay.microbatches_per_step
+    if lay.pp > 1 and cfg.data.batch_size % microbatches:
+        key = "parallel.microbatches" if lay.microbatches else "data.batch_size"
         raise ConfigError(key, _get(cfg, key), f"data.batch_size ({cfg.data.batch_size}) split evenly into "
                           f"{microbatches} pipeline microbatches (parallel.microbatches; 0 = 2 × pp × stages_per_rank)")
-    if spec.fsdp and cfg.compress.method != "none":
-        try:
-            fsdp_gradient_sync(cfg.compress.method, spec.dp_replicate or fewest // (spec.pp * spec.dp_shard * spec.tp))
-        except ConfigError as e:
-            raise ConfigError("compress.method", cfg.compress.method, f"{e.accepted} (with {key}={_get(cfg, key)} "
-                              "FSDP2 reduces the gradients)") from None
 
 
 def _check_data_and_memory(cfg: RunConfig, local: int, fewest: int, where: "Placement") -> None:

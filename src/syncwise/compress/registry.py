@@ -1,13 +1,12 @@
-"""Compressor registry and ``parse_compress_spec``: a ``NAME[:key=value,...]`` spec (``syncwise.specs``) to a compressor."""
+"""Compressor registry and ``parse_compress_spec``: a ``NAME[:key=value,...]`` spec, parsed by the torch-free
+table ``syncwise.layout.COMPRESSORS``, to a compressor instance."""
 from __future__ import annotations
 
-import dataclasses
-import typing
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
-from ..specs import check_keys, parse_spec, read_value
+from ..layout import COMPRESSORS as SPECS, Compress, compressors_accepted, parse_compress
 from .base import Compressor
 from .cast import BF16Compressor, FP8Compressor, FP16Compressor, NoneCompressor
 from .powersgd import PowerSGDCompressor
@@ -17,7 +16,9 @@ from .sparse import RandomKCompressor, TopKCompressor
 
 @dataclass(frozen=True)
 class CompressorInfo:
-    """A registry entry: the class, a one-line summary and its options (name -> (type, default, doc))."""
+    """A registry entry: the class, a one-line summary and its options (name -> (type, default, doc)), as the
+    torch-free table ``syncwise.layout.COMPRESSORS`` holds them (tests/test_layout.py checks that each class's
+    ``Config`` agrees with it)."""
 
     name: str
     cls: type
@@ -25,25 +26,11 @@ class CompressorInfo:
     options: dict[str, tuple[str, Any, str]]
 
 
-def _info(cls: type, summary: str) -> CompressorInfo:
-    hints = typing.get_type_hints(cls.Config)
-    opts = {f.name: (getattr(hints[f.name], "__name__", str(hints[f.name])), f.default, f.metadata.get("doc", ""))
-            for f in dataclasses.fields(cls.Config)}
-    return CompressorInfo(cls.name, cls, summary, opts)
-
-
-#: name -> CompressorInfo, in the order the CLI lists them
-COMPRESSORS: dict[str, CompressorInfo] = {i.name: i for i in [
-    _info(NoneCompressor, "fp32 all-reduce average (the DDP baseline), 4 B/element"),
-    _info(FP16Compressor, "fp16 all-reduce, 2 B/element"),
-    _info(BF16Compressor, "bf16 all-reduce (works on gloo too), 2 B/element"),
-    _info(FP8Compressor, "fp8 e4m3 + fp32 scale per block, all-gather, ~1 B/element"),
-    _info(Int8Compressor, "QSGD int8, stochastic rounding, per-chunk scales, all-gather, ~1 B/element"),
-    _info(SignCompressor, "1-bit sign + per-tensor scale + error feedback, all-gather, 1/8 B/element"),
-    _info(TopKCompressor, "top-k values+indices per tensor, error feedback, all-gather, 8 B/kept element"),
-    _info(RandomKCompressor, "random-k with a shared seed, error feedback, all-reduce, 4 B/kept element"),
-    _info(PowerSGDCompressor, "rank-r PowerSGD, warm start, error feedback, 2 all-reduces/bucket"),
-]}
+_CLASSES = [NoneCompressor, FP16Compressor, BF16Compressor, FP8Compressor, Int8Compressor, SignCompressor,
+            TopKCompressor, RandomKCompressor, PowerSGDCompressor]
+#: name -> CompressorInfo, in the order the CLI lists them (the table's syncwise compressors)
+COMPRESSORS: dict[str, CompressorInfo] = {
+    cls.name: CompressorInfo(cls.name, cls, SPECS[cls.name].summary, dict(SPECS[cls.name].options)) for cls in _CLASSES}
 
 
 def describe_compressors() -> str:
@@ -56,25 +43,22 @@ def describe_compressors() -> str:
     return "\n".join(lines)
 
 
-def _accepted() -> str:
-    return "NAME[:key=value,...] with NAME in " + ", ".join(COMPRESSORS)
+def build_compressor(spec: Compress) -> Compressor:
+    """A compressor instance of a parsed spec (``syncwise.layout.Compress``); its ``spec`` is the text."""
+    info = COMPRESSORS.get(spec.name)
+    if info is None:  # a torch-* hook: parallel.data_parallel.TorchHookSpec builds those
+        raise ConfigError("compress", spec.text, compressors_accepted())
+    compressor = info.cls(**spec.given)
+    compressor.spec = spec.text
+    return compressor
 
 
 def parse_compress_spec(spec: str) -> Compressor:
     """Build a compressor from ``NAME[:key=value,...]``, e.g. ``powersgd:rank=4``, ``topk:ratio=0.01``.
 
-    The text is split by ``syncwise.specs.parse_spec`` and each option read by its type's shared reader
-    (booleans: yes/no, true/false, on/off, 1/0). The compressor's ``spec`` is the text as given (stripped).
+    The text is parsed by ``syncwise.layout.parse_compress`` (the torch-free table: names, keys, types; the
+    shared yes/no vocabulary) and the instance built here. The compressor's ``spec`` is the text as given (stripped).
     """
-    name, raw_options = parse_spec(spec, "compress", _accepted())
-    info = COMPRESSORS.get(name)
-    if info is None:
-        raise ConfigError("compress", spec, _accepted())
-    keys = ", ".join(info.options) or "(none)"
-    check_keys(raw_options, info.options, "compress", spec, f"options of {info.name}: {keys} (as key=value)")
-    hints = typing.get_type_hints(info.cls.Config)
-    kwargs: dict[str, Any] = {key: read_value(raw, hints[key], "compress", spec, key)
-                              for key, raw in raw_options.items()}
-    compressor = info.cls(**kwargs)
-    compressor.spec = spec.strip()
-    return compressor
+    if isinstance(spec, str) and spec.strip().lower().startswith("torch-"):
+        raise ConfigError("compress", spec, compressors_accepted())
+    return build_compressor(parse_compress(spec, "compress"))

@@ -42,6 +42,7 @@ from torch import nn
 from ..comm import ops
 from ..comm.stats import STATS, CommStats
 from ..errors import ConfigError
+from ..layout import check_expert_count
 from ..specs import count
 from ..models.moe import GroupedExperts, MoE, _local
 
@@ -64,16 +65,9 @@ FP8_BLOCK = 128   # elements per fp32 scale along a row (DeepSeek-V3's 1x128 act
 
 # ------------------------------------------------------------------------------------------- checks
 def check_expert_parallel(n_routed_experts: int, ep: int) -> None:
-    """Raise ConfigError (field ``parallel.ep``) unless ``ep`` ≥ 1 divides the routed experts per layer."""
-    count("parallel.ep", ep)
-    if ep == 1:
-        return
-    if n_routed_experts <= 0:
-        raise ConfigError("parallel.ep", ep, "1 for a model without routed experts (model.n_routed_experts = 0)")
-    if n_routed_experts % ep:
-        divisors = ", ".join(str(d) for d in range(1, n_routed_experts + 1) if n_routed_experts % d == 0)
-        raise ConfigError("parallel.ep", ep, f"a divisor of model.n_routed_experts ({n_routed_experts}): each ep "
-                          f"rank holds the same number of experts; divisors: {divisors}")
+    """Raise ConfigError (field ``parallel.ep``) unless ``ep`` ≥ 1 divides the routed experts per layer
+    (the rule is syncwise.layout's)."""
+    check_expert_count(n_routed_experts, ep)
 
 
 def check_dispatch(dispatch: str, combine: Optional[str] = None) -> tuple[str, str]:

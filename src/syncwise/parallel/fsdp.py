@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..layout import check_fsdp_compress, parse_compress
 
 _REDUCE_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -50,18 +51,11 @@ def fsdp_gradient_sync(compress_spec: str, dp_replicate: int) -> tuple[Optional[
     """
     from ..compress.registry import parse_compress_spec
 
-    if isinstance(compress_spec, str) and compress_spec.strip().lower().startswith("torch-"):
-        raise ConfigError("compress", compress_spec, "a syncwise compressor (or none) with dp_shard > 1 or tp > 1: "
-                          "PyTorch's DDP comm hooks need DDP's gradient buckets, and FSDP2 reduces gradients itself")
-    name = parse_compress_spec(compress_spec).name  # validates the spec (name and options) as everywhere
-    if name in _REDUCE_DTYPES:
-        return _REDUCE_DTYPES[name], False
-    if dp_replicate < 2:
-        raise ConfigError(
-            "compress", compress_spec,
-            f"none, bf16 or fp16 with dp_replicate = 1 under FSDP2 / tensor parallel: {name} compresses the "
-            "all-reduce across replicas (FSDP2's all-reduce hook), and with one replica FSDP2's reduce-scatter, "
-            "which has no hook, is the only gradient collective; set parallel.dp_replicate ≥ 2 to run it")
+    c = parse_compress(compress_spec, "compress")
+    across = check_fsdp_compress(c, max(dp_replicate, 1), "compress")  # the rule: syncwise.layout
+    if not across:
+        return _REDUCE_DTYPES[c.name], False
+    parse_compress_spec(compress_spec)  # the compressor's own bounds, as everywhere
     return torch.float32, True
 
 

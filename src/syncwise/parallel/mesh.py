@@ -17,10 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..errors import ConfigError
-
-DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first: the mesh's order
-DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "ep")  # ParallelSpec's fields (positional order)
+from ..layout import DEGREES, DIMS, Layout  # noqa: F401  (the layout's rules: syncwise.layout)
 
 
 @dataclass(frozen=True)
@@ -39,38 +36,23 @@ class ParallelSpec:
     ep_dispatch: str = "fp32"   # fp8 is DeepSeek-V3's choice (with a bf16 combine)
 
     def __post_init__(self) -> None:
-        for name in DEGREES:
-            v = getattr(self, name)
-            lowest = 0 if name == "dp_replicate" else 1
-            if isinstance(v, bool) or not isinstance(v, int) or v < lowest:
-                raise ConfigError(f"parallel.{name}", v, f"an integer ≥ {lowest}"
-                                  + (" (0: the ranks dp_shard × tp leave)" if name == "dp_replicate" else ""))
+        self.layout()  # the degrees' own bounds (syncwise.layout.Layout)
+
+    def layout(self, compress: Any = "none", sync: Any = None) -> Layout:
+        """This spec as the torch-free owner of the layout's rules (syncwise.layout.Layout)."""
+        return Layout.of(compress=compress, sync=sync, **{f.name: getattr(self, f.name)
+                                                         for f in dataclasses.fields(self)})
+
+    @classmethod
+    def from_layout(cls, layout: Layout) -> "ParallelSpec":
+        """The torch side's carrier of a Layout's degrees and pipeline / expert settings (the one mapper)."""
+        return cls(**{f.name: getattr(layout, f.name) for f in dataclasses.fields(cls)})
 
     # ---------------------------------------------------------------------------------------- the layout
     def resolve(self, world_size: int) -> "ParallelSpec":
-        """The layout with ``dp_replicate`` filled in; the product pp × dp_replicate × dp_shard × tp must be the
-        world size, and ``ep`` must divide the data-parallel ranks it borrows."""
-        inner = self.pp * self.dp_shard * self.tp
-        replicate = self.dp_replicate or (world_size // inner if world_size % inner == 0 else 0)
-        if replicate * inner != world_size:
-            field = "parallel.dp_replicate" if self.dp_replicate else "parallel.pp" if self.pp > 1 else \
-                "parallel.dp_shard" if self.dp_shard > 1 else "parallel.tp"
-            raise ConfigError(field, getattr(self, field.split(".")[1]),
-                              f"a layout whose product pp × dp_replicate × dp_shard × tp equals the world size "
-                              f"({world_size}); got {self.pp} × {self.dp_replicate or '(rest)'} × {self.dp_shard} × "
-                              f"{self.tp}")
-        spec = dataclasses.replace(self, dp_replicate=replicate, microbatches=self.microbatches_per_step)
-        # Built so far: ep with replicas (and pp); not yet with FSDP2 or tensor parallel.
-        if self.ep > 1 and spec.fsdp:
-            other = "parallel.dp_shard" if self.dp_shard > 1 else "parallel.tp"
-            raise ConfigError("parallel.ep", self.ep, f"1 with {other}={getattr(self, other.split('.')[1])}: expert "
-                              "parallel composes with data-parallel replicas (dp_replicate) and pp so far; with "
-                              "FSDP2 or tensor parallel it is not built yet")
-        if spec.dp % self.ep:
-            raise ConfigError("parallel.ep", self.ep, f"a divisor of the data-parallel ranks dp_replicate × dp_shard "
-                              f"= {spec.dp}: expert parallel borrows its ranks from data parallel; divisors: "
-                              f"{_divisors(spec.dp)}")
-        return spec
+        """The layout with ``dp_replicate`` filled in (``syncwise.layout.Layout.resolve``: the product
+        pp × dp_replicate × dp_shard × tp is the world size, ``ep`` divides the data-parallel ranks)."""
+        return ParallelSpec.from_layout(self.layout().resolve(world_size))
 
     @property
     def microbatches_per_step(self) -> int:
@@ -132,27 +114,9 @@ class ParallelSpec:
             from .pipeline import check_pipeline
             check_pipeline(c.n_layers, self.pp, self.pp_schedule, self.microbatches_per_step, self.stages_per_rank)
         if self.ep > 1:
-            from .expert_parallel import check_dispatch, check_expert_parallel
-            check_expert_parallel(getattr(c, "n_routed_experts", 0) if any(
-                c.layer_is_moe(i) for i in range(c.n_layers)) else 0, self.ep)
+            from .expert_parallel import check_dispatch
             check_dispatch(self.ep_dispatch)
-        if self.tp == 1:
-            return
-        sizes = {"model.n_heads": c.n_heads, "model.vocab_size": c.vocab_size, "model.seq_len": c.seq_len}
-        moe_blocks = [c.layer_is_moe(i) for i in range(c.n_layers)] if hasattr(c, "layer_is_moe") else []
-        if not all(moe_blocks):
-            sizes["model.ffn_hidden"] = c.ffn_hidden
-        if any(moe_blocks) and getattr(c, "n_shared_experts", 0):
-            sizes["model.moe_hidden × model.n_shared_experts"] = c.moe_hidden * c.n_shared_experts
-        for name, size in sizes.items():
-            if size % self.tp:
-                raise ConfigError("parallel.tp", self.tp, f"a divisor of {name} ({size}): tensor parallel splits "
-                                  f"it evenly across the tp ranks; divisors: {_divisors(size)}")
-
-
-def _divisors(n: int) -> str:
-    small = [d for d in range(1, min(n, 64) + 1) if n % d == 0]
-    return ", ".join(map(str, small)) + (" …" if n > 64 else "")
+        self.layout().check_model(c)  # tp and ep against the model's shape (torch-free)
 
 
 def build_mesh(spec: ParallelSpec, device_type: str) -> Optional[Any]:

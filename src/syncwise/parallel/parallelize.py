@@ -33,11 +33,12 @@ from torch import nn
 from ..comm.counting import CollectiveCounter, mesh_groups
 from ..comm.stats import STATS
 from ..errors import ConfigError
+from ..layout import NO_COMPRESS, Compress, parse_compress
 from .activation_checkpoint import apply_activation_checkpointing
-from .data_parallel import DataParallel, StageGradientSync, TorchHookSpec, apply_data_parallel
+from .data_parallel import DataParallel, StageGradientSync, apply_data_parallel
 from .mesh import ParallelSpec, build_mesh
 from .sync import build_sync
-from .sync_spec import SyncStrategy
+from .sync_spec import SyncSpec, SyncStrategy
 
 
 COUNTED_STEPS = 2  # steps whose FSDP2 / tensor-parallel collectives are counted (see Parallelized.begin_step)
@@ -221,9 +222,10 @@ def parallelize(model: nn.Module, spec: "ParallelSpec | dict | None" = None, dev
     """
     spec = spec if isinstance(spec, ParallelSpec) else ParallelSpec(**(spec or {}))
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    spec = spec.resolve(world)
+    if isinstance(sync, str):
+        sync = SyncSpec.parse(sync)
+    spec = check_layout(spec, compressor, sync, world, getattr(model, "config", None))
     device = device or next(model.parameters()).device
-    spec.check_model(getattr(model, "config", None))
     # Replicas alone need no mesh: DDP runs on the default group, as before the seam (a mesh would add a gloo group
     # per dimension to every plain DDP job, each one more set of threads to tear down at exit).
     mesh = None if spec.replicas_only else build_mesh(spec, device.type)
@@ -256,9 +258,6 @@ def parallelize(model: nn.Module, spec: "ParallelSpec | dict | None" = None, dev
     # resharding checkpoints would see the sharded parameters.
     if dp_dims and spec.fsdp:
         from .fsdp import apply_fsdp, attach_compression, fsdp_gradient_sync
-        if sync is not None:
-            raise ConfigError("parallel.sync", getattr(sync, "spec", sync), "every-step with dp_shard > 1 or tp > 1: "
-                              "FSDP2 holds the replicas, so there are no whole replicas to average")
         reduce_dtype, compress_replicas = fsdp_gradient_sync(
             getattr(compressor, "spec", None) or getattr(compressor, "name", None) or "none", spec.dp_replicate)
         # Each pipeline stage is its own FSDP2 root (torch's PipelineStage defers its reduce-scatter to the last
@@ -279,9 +278,6 @@ def parallelize(model: nn.Module, spec: "ParallelSpec | dict | None" = None, dev
                            reduce_dtype=reduce_dtype or torch.float32)
         par.fsdp = True
     elif dp_dims and par.pipeline is not None:  # this rank's stages' gradients averaged over their replicas
-        if isinstance(compressor, TorchHookSpec):
-            raise ConfigError("compress", compressor.spec, "a syncwise compressor (or none) with pp > 1: PyTorch's "
-                              "DDP comm hooks need DDP, which a pipeline stage's several backwards per step break")
         par.stage_sync = StageGradientSync(par.model, compressor, par.dp_group, bucket_cap_mb, min_numel,
                                            ignore=_expert_names(par.model) if spec.ep > 1 else None)
     elif dp_dims:  # dp_replicate alone: DDP (the experts of expert parallel excluded: summed in their own group)
@@ -289,10 +285,7 @@ def parallelize(model: nn.Module, spec: "ParallelSpec | dict | None" = None, dev
         par.dp = apply_data_parallel(model, compressor, bucket_cap_mb, min_numel, device, process_group=par.dp_group,
                                      ignore=ignore, inline_compress=spec.ep > 1)
         par.module = par.dp.module
-        # 6. reduced-sync strategy, over the same ranks (whole replicas only)
-        if sync is not None and not spec.replicas_only:
-            raise ConfigError("parallel.sync", getattr(sync, "spec", sync), "every-step with pp > 1 or ep > 1: "
-                              "local SGD, DiLoCo and Pipe-SGD average whole replicas, which these layouts split")
+        # 6. reduced-sync strategy, over the same ranks (whole replicas only: Layout.check)
         par.sync = build_sync(sync, model)
     if spec.fsdp and mesh is not None and not compile:  # (a dispatch mode would recompile a compiled module)
         labels = {"dp_replicate": "dp", "dp_shard": "dp", "tp": "tp"}
@@ -303,6 +296,27 @@ def parallelize(model: nn.Module, spec: "ParallelSpec | dict | None" = None, dev
     if compile:
         par.module = torch.compile(par.module)
     return par
+
+
+def check_layout(spec: ParallelSpec, compressor: Any, sync: Any, world: int, model_config: Any = None) -> ParallelSpec:
+    """What ``parallelize`` checks before it builds anything, resolved for ``world`` ranks: every rule between the
+    degrees, the compressor and the sync strategy (``syncwise.layout.Layout.check``, as the command line and the
+    planner ask it; the compressor by its spec text, or its name when it was built without one), then the
+    model's shape (``ParallelSpec.check_model``)."""
+    out = ParallelSpec.from_layout(spec.layout(_compress_of(compressor), sync).check(world))
+    out.check_model(model_config)
+    return out
+
+
+def _compress_of(compressor: Any) -> Compress:
+    """The parsed spec of the compressor instance parallelize was given (a user's own class: its name)."""
+    if compressor is None:
+        return NO_COMPRESS
+    text = getattr(compressor, "spec", None) or getattr(compressor, "name", None) or "none"
+    try:
+        return parse_compress(text, "compress.method")
+    except ConfigError:  # a Compressor subclass syncwise does not list: only its name matters to the rules
+        return Compress(str(text).split(":")[0].strip().lower(), {}, str(text))
 
 
 def _split_pipeline(par: Parallelized, model: nn.Module, mesh: Any, device: torch.device, loss_fn: Any,

@@ -12,6 +12,11 @@ from .layout import MEGATRON, SYNCWISE, Layout, Training, parse_layout, syncwise
 from .memory import Memory, memory_per_rank
 from .model import ModelSpec, from_hf_config, from_model_config, from_preset, from_toml_dict, load_model
 from .search import explain, search
+from .check import check_training_run as _check_training_run
+
+# The trainer (a layer below) reaches the planner's layout check through the CloudConfig it is given; the method
+# is attached here so that cloud.py need not import check.py, which imports cloud.py (no import cycle in plan/).
+CloudConfig.check_training_run = _check_training_run  # type: ignore[attr-defined]
 
 __all__ = [
     "CloudConfig", "Accelerator", "Fabric", "ACCELERATORS", "FABRICS", "cluster", "cloud_from_dict", "load_cluster",

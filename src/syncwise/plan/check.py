@@ -164,3 +164,11 @@ def check_trainer(trainer: Any, cloud_config: Any, first_batch: Any) -> dict[str
     if check.warning and trainer.rank == 0:
         warnings.warn(check.warning, stacklevel=3)
     return out
+
+
+def check_training_run(cloud: CloudConfig, trainer: Any, first_batch: Any) -> dict[str, Any]:
+    """``CloudConfig.check_training_run``: the planner's check of a running ``OptimizedTrainer``'s layout on this
+    cluster. ``OptimizedTrainer.train(cloud_config=...)`` calls it as a method, since the train layer sits below
+    plan and does not import it (DESIGN.md §3); ``syncwise/plan/__init__.py`` attaches it to CloudConfig, so
+    cloud.py does not import this module (which imports cloud: the cycle plan once had)."""
+    return check_trainer(trainer, cloud, first_batch)

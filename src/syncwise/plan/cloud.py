@@ -221,14 +221,6 @@ class CloudConfig:
         bw = self.inter_node.effective_for(kind) * self.inter_node.nics_per_node
         return bw / (self.oversubscription if self.topology == "oversubscribed" else 1.0)
 
-    def check_training_run(self, trainer: Any, first_batch: Any) -> dict[str, Any]:
-        """The planner's check of a running ``OptimizedTrainer``'s layout on this cluster
-        (``syncwise.plan.check.check_trainer``): ``OptimizedTrainer.train(cloud_config=...)`` calls it, since
-        the train layer sits below plan and does not import it (DESIGN.md §3)."""
-        from .check import check_trainer
-
-        return check_trainer(trainer, self, first_batch)
-
     def describe(self) -> str:
         return (f"{self.name + ': ' if self.name else ''}{self.nodes} × {self.gpus_per_node} {self.accelerator.name}, "
                 f"{self.intra_node.name} inside a node, {self.inter_node.nics_per_node} × {self.inter_node.name} "

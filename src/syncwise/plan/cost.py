@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..errors import ConfigError
-from ..specs import parse_spec, read_choice, read_float, read_int
+from ..layout import COMPRESSORS, parse_compress, parse_sync
 from .cloud import CloudConfig
 from .layout import SYNCWISE, Layout, Training, syncwise_refusal
 from .memory import Memory, activation_terms, memory_per_rank, stage_params
@@ -135,10 +135,6 @@ class Wire:
     collectives_per_bucket: int = 1
 
 
-def _options(spec: str, field_name: str = "compress") -> tuple[str, dict[str, str]]:
-    return parse_spec(spec, field_name, f"a {field_name} spec NAME[:key=value,...]")
-
-
 def compressor_wire(spec: str, model: ModelSpec, training: Training) -> Wire:
     """Bytes and compute of syncwise's compressors (compress/registry.py) and PyTorch's hooks, per element of
     the gradient: none = the training recipe's reduce dtype (fp32 in syncwise) all-reduce; fp16 / bf16: 2 B
@@ -147,32 +143,32 @@ def compressor_wire(spec: str, model: ModelSpec, training: Training) -> Wire:
     randomk: 4 B per kept element, all-reduce; powersgd: (rows + cols)·rank fp32 per matrix in two all-reduces,
     matrices that would not compress ``min_compression_rate`` × and 1-D tensors raw. Encode/decode costs are
     rough HBM-traffic estimates (docs/plan.md)."""
-    name, opts = _options(spec)
-    f = lambda key, default: read_float(opts[key], "compress", spec, key, lo=0) if key in opts else default  # noqa
+    c = parse_compress(spec)                  # names, options and defaults: syncwise.layout.COMPRESSORS
+    name, opts = c.name, c.options
     norms = (2 * model.n_layers + 1) * model.norm_params()
     total = model.param_counts()[0]
     raw = norms / total                       # small 1-D tensors stay fp32 (min_numel policy)
-    if name == "none":
+    if name in ("none", "torch-allreduce"):
         return Wire("all_reduce", training.grad_reduce_bytes)
     if name in ("fp16", "bf16", "torch-fp16", "torch-bf16"):
         return Wire("all_reduce", 2.0, compute_bytes=12.0)
     if name == "fp8":
-        block = f("block", 128)
+        block = opts["block"]
         return Wire("all_gather", 1 + 4 / block, raw, compute_bytes=10.0, compute_bytes_per_peer=9.0)
     if name == "int8":
-        chunk = f("chunk", 1024)
+        chunk = opts["chunk"]
         return Wire("all_gather", 1 + 4 / chunk, raw, compute_bytes=14.0, compute_bytes_per_peer=9.0)
     if name == "sign":
         return Wire("all_gather", 1 / 8, raw, compute_bytes=16.0, compute_bytes_per_peer=8.5)
     if name == "topk":
-        ratio = f("ratio", 0.01)
+        ratio = opts["ratio"]
         return Wire("all_gather", 8 * ratio, raw, compute_bytes=48.0, compute_bytes_per_peer=16 * ratio)
     if name == "randomk":
-        ratio = f("ratio", 0.01)
+        ratio = opts["ratio"]
         return Wire("all_reduce", 4 * ratio, raw, compute_bytes=16.0)
     if name in ("powersgd", "torch-powersgd"):
-        rank = f("rank", 4 if name == "powersgd" else 1)
-        min_rate = f("min_compression_rate", 2.0)
+        rank = opts["rank"]
+        min_rate = opts["min_compression_rate"]
         sent = rawm = elems = 0.0
         for i in range(model.n_layers):
             for count, rows, cols in model.matrices(i):
@@ -185,8 +181,7 @@ def compressor_wire(spec: str, model: ModelSpec, training: Training) -> Wire:
         # per element of the matrices: 4·(rows+cols)·r/(rows·cols) bytes; 4·rows·cols·r·2 FLOPs (P = MQ, Q = MᵀP)
         return Wire("all_reduce", 4 * sent / elems + 4 * rawm / elems, raw, compute_bytes=24.0,
                     flops_per_element=8 * rank, collectives_per_bucket=2)
-    raise ConfigError("compress", spec, "a compressor: none, fp16, bf16, fp8, int8, sign, topk, randomk, powersgd, "
-                      "torch-fp16, torch-bf16, torch-powersgd")
+    raise ConfigError("compress", spec, "a compressor the planner has a wire model of: " + ", ".join(COMPRESSORS))
 
 
 def sync_bytes(nelements: float, n: int, wire: Wire, raw_bytes: float = 4.0) -> tuple[float, float]:
@@ -418,8 +413,7 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
         elif sync_name in ("every-step", "pipesgd"):
             n = layout.dp_replicate
             if sync_name == "pipesgd":
-                _, opts = _options(layout.sync, "sync")
-                dtype = read_choice(opts.get("dtype", "fp32"), "sync", layout.sync, "dtype", ("fp32", "bf16", "fp16"))
+                dtype = parse_sync(layout.sync, "sync").dtype
                 wire = dataclasses.replace(wire, kind="all_reduce", bytes_per_element=4 if dtype == "fp32" else 2)
             payload, raw = sync_bytes(dense, n, wire)
             dp_total += dim_time(cloud, layout, "dp", wire.kind, payload, traffic,
@@ -438,12 +432,8 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
             else:
                 dp_exposed = _overlap(dp_total, training, layout, t_bwd - t_extra, local)
         else:                                    # local SGD / DiLoCo: parameters averaged every H steps
-            name, opts = _options(layout.sync, "sync")
-            if name not in ("localsgd", "diloco", "torch-localsgd"):
-                raise ConfigError("sync", layout.sync, "every-step, localsgd, diloco, torch-localsgd or pipesgd")
-            period = read_int(opts.get("period", "16"), "sync", layout.sync, "period", lo=1)
-            delay = read_int(opts.get("delay", "0"), "sync", layout.sync, "delay", lo=0)
-            dtype = read_choice(opts.get("dtype", "fp32"), "sync", layout.sync, "dtype", ("fp32", "bf16", "fp16"))
+            spec = parse_sync(layout.sync, "sync")   # methods, defaults and bounds: syncwise.layout.SyncSpec
+            period, delay, dtype = spec.period, spec.delay, spec.dtype
             nbytes = local * {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
             one = dim_time(cloud, layout, "dp", "all_reduce", nbytes, traffic)
             dp_total = one / period

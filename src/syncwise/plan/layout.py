@@ -3,9 +3,8 @@ activation recomputation, compression and sync strategy), its ``--layout`` text 
 (``Training``: bytes per parameter and what overlaps), and whether syncwise itself can run the layout.
 
 ``--layout`` is read by the one spec parser (``syncwise.specs.parse_spec``: ``key=value`` options separated by
-commas) and its typed readers. Whether a layout is runnable is decided by syncwise's own rules —
-``ParallelSpec.resolve`` / ``check_model`` (syncwise.parallel.mesh) and the compressor / sync parsers — imported
-on first use only (they load torch), so ``import syncwise.plan`` stays pure Python.
+commas) and its typed readers. Whether a layout is runnable is decided by the one owner of the layout's rules,
+``syncwise.layout`` (torch-free): ``syncwise_refusal`` asks it, as ``syncwise train`` and ``OptimizedTrainer`` do.
 """
 from __future__ import annotations
 
@@ -14,12 +13,10 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..errors import ConfigError
+from ..layout import DIMS, DISPATCH, SCHEDULES  # noqa: F401  (the owner's names: syncwise.layout)
 from ..specs import check_keys, parse_spec, read_bool, read_choice, read_int
 
-DIMS = ("pp", "dp_replicate", "dp_shard", "tp")     # outermost first, as syncwise.parallel.mesh.DIMS
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
 RECOMPUTE = ("none", "selective", "full")
-DISPATCH = ("fp8", "bf16", "fp32")
 
 
 @dataclass(frozen=True)
@@ -171,45 +168,44 @@ def parse_layout(text: str, world: Optional[int] = None, field: str = "--layout"
     return Layout(**kwargs)
 
 
+def owner_layout(layout: Layout, microbatches: int = 0) -> Any:
+    """The planner's layout as the one owner of the layout's rules sees it (``syncwise.layout.Layout``: degrees,
+    pipeline and expert settings, the parsed compressor and sync specs). The planner's own fields (micro-batch
+    size, recomputation, sequence parallel, zero1) stay here."""
+    from .. import layout as owner
+
+    return owner.Layout.of(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp, pp=layout.pp,
+                           ep=layout.ep, pp_schedule=layout.pp_schedule,
+                           microbatches=microbatches or layout.microbatches, stages_per_rank=layout.stages_per_rank,
+                           ep_dispatch=layout.ep_dispatch, compress=layout.compress, sync=layout.sync)
+
+
 def parallel_spec(layout: Layout, microbatches: int = 0) -> Any:
     """The layout as syncwise's ``ParallelSpec`` (imports syncwise.parallel, i.e. torch)."""
     from ..parallel.mesh import ParallelSpec
 
-    return ParallelSpec(layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp, layout.ep,
-                        pp_schedule=layout.pp_schedule, microbatches=microbatches or layout.microbatches,
-                        stages_per_rank=layout.stages_per_rank, ep_dispatch=layout.ep_dispatch)
+    return ParallelSpec.from_layout(owner_layout(layout, microbatches))
 
 
 def syncwise_refusal(layout: Layout, model: Any, world: int, microbatches: int) -> Optional[str]:
-    """Why syncwise cannot run ``layout`` (None when it can): ``ParallelSpec.resolve`` and ``check_model`` — the
-    rules every ``syncwise train`` run passes — plus the compressor's and the sync strategy's own parsers and
-    ``fsdp_gradient_sync``. Two rules live in syncwise.config (a layer above this one) and are restated here:
-    a sync strategy other than every-step needs plain replicas and no compressor (config._check_layout,
-    config.check_references)."""
-    from ..compress.registry import parse_compress_spec
-    from ..parallel.sync_spec import SyncSpec
-
+    """Why syncwise cannot run ``layout`` (None when it can): ``syncwise.layout.Layout.check`` and
+    ``check_model`` — the rules every ``syncwise train`` run and every ``OptimizedTrainer`` pass, torch-free —
+    plus the planner-only fields (zero1, sp). Only what needs torch imports it, on first use: the pipeline's
+    schedule rules when pp > 1 (which schedules this torch ships) and fp8 availability for an fp8 expert
+    dispatch."""
     try:
-        spec = parallel_spec(layout, microbatches).resolve(world)
-        spec.check_model(model)
+        lay = owner_layout(layout, microbatches).check(world)
+        if layout.pp > 1:  # (the order of ParallelSpec.check_model: pipeline, dispatch, then the owner's rules)
+            from ..parallel.pipeline import check_pipeline
+            check_pipeline(model.n_layers, lay.pp, lay.pp_schedule, lay.microbatches_per_step, lay.stages_per_rank)
+        if layout.ep > 1 and layout.ep_dispatch == "fp8":
+            from ..parallel.expert_parallel import check_dispatch
+            check_dispatch(layout.ep_dispatch)
+        lay.check_model(model)
         if layout.zero1:
             raise ConfigError("zero1", True, "no: syncwise shards optimizer state only with FSDP2 (dp_shard)")
         if layout.tp > 1 and not layout.sequence_parallel:
             raise ConfigError("sp", False, "yes: syncwise's tensor parallel always shards the sequence")
-        compress = layout.compress
-        if compress.strip().lower().startswith("torch-"):
-            if spec.fsdp:
-                raise ConfigError("compress", compress, "a syncwise compressor with dp_shard > 1 or tp > 1")
-        else:
-            parse_compress_spec(compress)
-            if spec.fsdp and compress != "none":
-                from ..parallel.fsdp import fsdp_gradient_sync
-                fsdp_gradient_sync(compress, spec.dp_replicate)
-        sync = SyncSpec.parse(layout.sync, "sync")
-        if sync is not None and not spec.replicas_only:
-            raise ConfigError("sync", layout.sync, "every-step with dp_shard, tp, pp or ep > 1")
-        if sync is not None and compress != "none":
-            raise ConfigError("sync", layout.sync, "every-step when a compressor is set")
     except ConfigError as e:
         return str(e).replace("invalid value for ", "")
     return None

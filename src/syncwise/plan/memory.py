@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+from ..layout import SYNC_STATE_COPIES, parse_compress, parse_sync
 from .layout import Layout, Training
 from .model import ModelSpec
 
@@ -114,13 +115,11 @@ def state_bytes(model: ModelSpec, layout: Layout, training: Training, accumulati
             out["gradients"] += sp.total * t.grad_bytes * (1 - 1 / shard)
     elif t.ddp_bucket_copy and layout.dp > 1 and layout.pp == 1 and not (layout.tp > 1 and t.fsdp_with_tp):
         out["ddp_buckets"] = sp.total * t.grad_bytes
-    name = layout.compress.split(":")[0].strip().lower()
-    ef_default = name in ("sign", "topk", "randomk", "powersgd", "torch-powersgd")
-    if name != "none" and (ef_default or "error_feedback=true" in layout.compress.replace(" ", "").lower()):
+    if parse_compress(layout.compress).error_feedback:  # the compressor's own flag, default or as written
         out["compressor_state"] = sp.total * 4 / shard     # error-feedback residuals (fp32)
-    sync = layout.sync.split(":")[0].strip().lower()
-    if sync in ("localsgd", "diloco", "torch-localsgd"):
-        out["sync_state"] = sp.total * 4 * (2 if sync == "diloco" else 1)  # anchor copy (+ outer momentum)
+    sync = parse_sync(layout.sync, "sync")
+    if sync is not None and SYNC_STATE_COPIES[sync.method]:
+        out["sync_state"] = sp.total * 4 * SYNC_STATE_COPIES[sync.method]  # anchor copy (+ outer momentum)
     return out
 
 

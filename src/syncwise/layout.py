@@ -1,0 +1,436 @@
+"""The one owner of what a layout is and which layouts syncwise can run (DESIGN.md §3.1b). Torch-free: a leaf.
+
+A :class:`Layout` is the degrees (``pp × dp_replicate × dp_shard × tp`` = the world size, ``ep`` borrowed from
+data parallel), the pipeline's schedule and microbatches, expert parallel's dispatch precision, the parsed
+gradient compressor (:class:`Compress`, from the torch-free table :data:`COMPRESSORS`) and the parsed sync
+strategy (:class:`SyncSpec`, None for every-step). Every rule between them is written once, here, with its
+reason: :meth:`Layout.resolve` (the world size), :meth:`Layout.check` (compressor × sync × degrees) and
+:meth:`Layout.check_model` (the model's shape). The command line (``syncwise.config``), the Python API
+(``syncwise.parallel.parallelize``) and the planner (``syncwise.plan``) all ask it, so they accept and refuse the
+same layouts with the same ``ConfigError`` (field names as in the config: ``parallel.*``, ``compress.method``).
+
+What stays elsewhere, because it needs torch or a layer above: which pipeline schedules the installed torch
+ships (``parallel.pipeline.check_pipeline``), whether torch has fp8 for the expert dispatch
+(``parallel.expert_parallel.check_dispatch``), and rules that involve training fields (``train.grad_accum``,
+``train.dynamic_batch``, ``train.mixed_precision``, ``data.batch_size``: ``syncwise.config``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .errors import ConfigError
+from .specs import BOOL_ACCEPTED, check_keys, parse_spec, read_bool, read_float, read_int, read_value
+
+# ============================================================================================ compressor specs
+_SEED = ("int", 0, "base seed for random draws (same on all ranks)")
+
+
+@dataclass(frozen=True)
+class CompressorSpec:
+    """A compressor as plain data: its name, a one-line summary, options (key -> (type name, default, doc)),
+    bytes per gradient element on the wire (None: depends on options or shapes) and whether it is one of
+    PyTorch's own DDP comm hooks (``torch-*``). ``compress/`` builds instances from it."""
+
+    name: str
+    summary: str
+    options: dict = field(default_factory=dict)
+    bytes_per_element: Optional[float] = None
+    torch_hook: bool = False
+    always_error_feedback: bool = False   # keeps residuals whatever its options say (PyTorch's PowerSGD hook)
+
+    @property
+    def error_feedback(self) -> bool:
+        """Whether this compressor keeps error-feedback residuals by default."""
+        return self.always_error_feedback or bool(self.options.get("error_feedback", (None, False))[1])
+
+
+def _spec(name: str, summary: str, bpe: Optional[float] = None, torch_hook: bool = False, ef: bool = False,
+          **options: tuple) -> CompressorSpec:
+    return CompressorSpec(name, summary, {**({} if torch_hook else {"seed": _SEED}), **options}, bpe, torch_hook, ef)
+
+
+_EF = "error_feedback"
+#: name -> CompressorSpec, in the order the CLI lists them (syncwise's compressors, then PyTorch's hooks)
+COMPRESSORS: dict[str, CompressorSpec] = {s.name: s for s in [
+    _spec("none", "fp32 all-reduce average (the DDP baseline), 4 B/element", 4.0),
+    _spec("fp16", "fp16 all-reduce, 2 B/element", 2.0),
+    _spec("bf16", "bf16 all-reduce (works on gloo too), 2 B/element", 2.0),
+    _spec("fp8", "fp8 e4m3 + fp32 scale per block, all-gather, ~1 B/element",
+          block=("int", 128, "elements per fp32 scale (DeepSeek-V3 uses 1x128 tiles)"),
+          error_feedback=("bool", False, "keep the rounding error and add it to the next step's gradient")),
+    _spec("int8", "QSGD int8, stochastic rounding, per-chunk scales, all-gather, ~1 B/element",
+          chunk=("int", 1024, "elements per fp32 scale (max |x| of the chunk)"),
+          levels=("int", 127, "quantization levels per sign, 1..127 (QSGD's s)"),
+          stochastic=("bool", True, "stochastic rounding (unbiased); false = round to nearest"),
+          error_feedback=("bool", False, "keep the quantization error for the next step")),
+    _spec("sign", "1-bit sign + per-tensor scale + error feedback, all-gather, 1/8 B/element", 0.125,
+          error_feedback=("bool", True, "keep what the sign dropped (EF-SignSGD); without it sign is biased")),
+    _spec("topk", "top-k values+indices per tensor, error feedback, all-gather, 8 B/kept element",
+          ratio=("float", 0.01, "fraction of each tensor's elements sent (k = ceil(ratio * numel))"),
+          error_feedback=("bool", True, "accumulate unsent values locally and add them next step"),
+          momentum=("float", 0.0, "DGC momentum correction factor (0 = off; then use an optimizer without momentum)")),
+    _spec("randomk", "random-k with a shared seed, error feedback, all-reduce, 4 B/kept element",
+          ratio=("float", 0.01, "fraction of each tensor's elements sent"),
+          error_feedback=("bool", True, "accumulate unsent values locally and add them next step")),
+    _spec("powersgd", "rank-r PowerSGD, warm start, error feedback, 2 all-reduces/bucket",
+          rank=("int", 4, "rank r of the approximation P @ Q^T"),
+          ratio=("float", 0.0, "if > 0: per-tensor rank r = ratio*n*m/(n+m) (overrides rank)"),
+          start_iter=("int", 10, "steps each tensor is sent uncompressed before PowerSGD starts"),
+          min_compression_rate=("float", 2.0, "compress a tensor only if n*m / ((n+m)*r) exceeds this"),
+          warm_start=("bool", True, "reuse last step's Q as the starting point of the power iteration"),
+          error_feedback=("bool", True, "add last step's approximation error to the gradient"),
+          batch_3d=("bool", True, "treat a 3-D tensor (E, n, m), e.g. MoE expert weights, as E matrices n x m")),
+    # PyTorch's DDP comm hooks (the reference; parallel.data_parallel.TorchHookSpec reads their bounds)
+    _spec("torch-allreduce", "PyTorch's default all-reduce hook, 4 B/element", 4.0, torch_hook=True),
+    _spec("torch-fp16", "PyTorch's fp16_compress_hook, 2 B/element", 2.0, torch_hook=True),
+    _spec("torch-bf16", "PyTorch's bf16_compress_hook, 2 B/element", 2.0, torch_hook=True),
+    _spec("torch-powersgd", "PyTorch's PowerSGD hook (error feedback, warm start)", torch_hook=True, ef=True,
+          rank=("int", 4, "matrix_approximation_rank (syncwise's default; PyTorch's is 1)"),
+          start_iter=("int", 10, "start_powerSGD_iter (syncwise's default; PyTorch's is 1000)"),
+          min_compression_rate=("float", 2.0, "min_compression_rate")),
+]}
+#: compressors that FSDP2 runs as its own reduce dtype (a 16-bit reduce-scatter is FSDP's compressed sync)
+FSDP_REDUCE_DTYPES = ("none", "bf16", "fp16")
+_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def compressors_accepted() -> str:
+    return "NAME[:key=value,...] with NAME in " + ", ".join(n for n, s in COMPRESSORS.items() if not s.torch_hook)
+
+
+@dataclass(frozen=True)
+class Compress:
+    """A parsed ``--compress`` spec: ``name``, the ``given`` options (typed, as written) and ``text`` (stripped)."""
+
+    name: str = "none"
+    given: dict = field(default_factory=dict)
+    text: str = "none"
+
+    @property
+    def spec(self) -> CompressorSpec:
+        """The table's entry (a user's own Compressor class, not in the table: no options, no residuals)."""
+        return COMPRESSORS.get(self.name) or CompressorSpec(self.name, "a user compressor",
+                                                            torch_hook=self.name.startswith("torch-"))
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """Every option of the compressor, defaults filled in."""
+        return {k: v[1] for k, v in self.spec.options.items()} | self.given
+
+    @property
+    def error_feedback(self) -> bool:
+        """Whether the compressor keeps error-feedback residuals (fp32, one per gradient element)."""
+        return self.name != "none" and (self.spec.always_error_feedback or bool(self.options.get(_EF, False)))
+
+    @property
+    def torch_hook(self) -> bool:
+        return self.spec.torch_hook
+
+    @property
+    def is_none(self) -> bool:
+        return self.name == "none"
+
+
+def parse_compress(text: Any, field_name: str = "compress") -> Compress:
+    """``NAME[:key=value,...]`` → :class:`Compress`, checked against :data:`COMPRESSORS` (name, keys, types).
+    The compressor's own value bounds are its constructor's (``compress/``) or TorchHookSpec's."""
+    if isinstance(text, Compress):
+        return text
+    if text is None:
+        return NO_COMPRESS
+    torch_hook = isinstance(text, str) and text.strip().lower().startswith("torch-")
+    accepted = (compressors_accepted() if not torch_hook else
+                "torch-allreduce, torch-fp16, torch-bf16, torch-powersgd[:rank=R,start_iter=N,min_compression_rate=X]")
+    name, raw = parse_spec(text, field_name, accepted)
+    spec = COMPRESSORS.get(name)
+    if spec is None or spec.torch_hook != torch_hook:
+        raise ConfigError(field_name, text, accepted)
+    keys = ", ".join(spec.options) or "(none)"
+    check_keys(raw, spec.options, field_name, text,
+               f"options of {name}: {keys} (as key=value)" if not torch_hook else accepted)
+    given = {k: read_value(v, _TYPES[spec.options[k][0]], field_name, text, k) for k, v in raw.items()}
+    return Compress(name, given, text.strip())
+
+
+NO_COMPRESS = Compress()
+
+# ============================================================================================ sync specs
+EVERY_STEP = "every-step"
+SYNC_DTYPES = ("fp32", "bf16", "fp16")
+# Bounds: an average at least every MAX_PERIOD steps, warm-up within train.steps' own bound, and an outer step
+# of at most MAX_OUTER_LR x the averaged pseudo-gradient (DiLoCo uses 0.7; far above 1 every average overshoots).
+MAX_PERIOD = 1_000_000
+MAX_WARMUP = 1_000_000_000
+MAX_OUTER_LR = 10.0
+# method -> defaults; DiLoCo's outer optimizer follows the paper (lr 0.7, Nesterov momentum 0.9).
+METHODS = {
+    "localsgd": {"period": 16, "outer_lr": 1.0, "momentum": 0.0, "nesterov": False, "delay": 0,
+                 "dtype": "fp32", "warmup": 0},
+    "diloco": {"period": 16, "outer_lr": 0.7, "momentum": 0.9, "nesterov": True, "delay": 0,
+               "dtype": "fp32", "warmup": 0},
+    "torch-localsgd": {"period": 16, "warmup": 0},
+    "pipesgd": {"dtype": "fp32"},
+}
+#: state a sync strategy keeps per parameter, in fp32 copies of the model (anchor; DiLoCo: + outer momentum)
+SYNC_STATE_COPIES = {"localsgd": 1, "diloco": 2, "torch-localsgd": 1, "pipesgd": 0}
+SYNC_ACCEPTED = ("every-step (DDP all-reduce each step); localsgd[:period=H,delay=D,dtype=fp32|bf16|fp16,warmup=W,"
+                 "outer_lr=X,momentum=M,nesterov=yes|no]; diloco[:...same keys; defaults outer_lr=0.7,momentum=0.9,"
+                 "nesterov=yes]; torch-localsgd[:period=H,warmup=W] (PyTorch's PeriodicModelAverager); "
+                 "pipesgd[:dtype=fp32|bf16|fp16] (gradient all-reduce overlapped with the next step)")
+
+
+@dataclass
+class SyncSpec:
+    """A parsed ``--sync`` spec (keys a method does not use keep their defaults).
+
+    ``delay`` ≤ ``period``: an average lands at the latest just before the next one starts.
+    """
+
+    method: str
+    period: int = 16
+    outer_lr: float = 1.0
+    momentum: float = 0.0
+    nesterov: bool = False
+    delay: int = 0
+    dtype: str = "fp32"
+    warmup: int = 0
+    options: dict = field(default_factory=dict)  # what the user wrote, for the spec string
+
+    @property
+    def spec(self) -> str:
+        opts = ",".join(f"{k}={v}" for k, v in self.options.items())
+        return self.method + (f":{opts}" if opts else "")
+
+    @staticmethod
+    def parse(spec: str, field_name: str = "parallel.sync") -> "Optional[SyncSpec]":
+        """None for ``every-step``; a spec otherwise; anything malformed raises ConfigError naming it."""
+        method, raw_options = parse_spec(spec, field_name, SYNC_ACCEPTED)
+        if method == EVERY_STEP and not raw_options:
+            return None
+        if method not in METHODS:
+            raise ConfigError(field_name, spec, SYNC_ACCEPTED)
+        values: dict[str, Any] = dict(METHODS[method])
+        check_keys(raw_options, values, field_name, spec,
+                   f"keys of {method}: {', '.join(values)} ({SYNC_ACCEPTED})")
+        options: dict[str, Any] = {}
+        for key, text in raw_options.items():
+            options[key] = values[key] = _coerce(field_name, spec, key, text, values[key])
+        out = SyncSpec(method, options=options, **values)
+        checks = [(1 <= out.period <= MAX_PERIOD, "period", f"an integer ≥ 1 and ≤ {MAX_PERIOD:,}"),
+                  (0 <= out.delay <= out.period, "delay", f"an integer in [0, period] = [0, {out.period}]"),
+                  (0 <= out.warmup <= MAX_WARMUP, "warmup", f"an integer in [0, {MAX_WARMUP:,}]"),
+                  (0 < out.outer_lr <= MAX_OUTER_LR, "outer_lr", f"a number in (0, {MAX_OUTER_LR:g}]"),
+                  (0 <= out.momentum < 1, "momentum", "a number in [0, 1)"),
+                  (out.dtype in SYNC_DTYPES, "dtype", "one of " + ", ".join(SYNC_DTYPES))]
+        for ok, key, accepted in checks:
+            if not ok:
+                raise ConfigError(field_name, spec, f"{key}: {accepted}")
+        return out
+
+
+def _coerce(field_name: str, spec: str, key: str, text: str, default: Any) -> Any:
+    """One option, read as its default's type by the shared readers (bounds are checked after)."""
+    if isinstance(default, bool):
+        return read_bool(text, field_name, spec, key, f"{key}: {BOOL_ACCEPTED}")
+    if isinstance(default, int):
+        return read_int(text, field_name, spec, key, accepted=f"{key}: an integer")
+    if isinstance(default, float):
+        return read_float(text, field_name, spec, key, accepted=f"{key}: a finite number")
+    return text
+
+
+def parse_sync(text: Any, field_name: str = "parallel.sync") -> Optional[SyncSpec]:
+    """A sync spec (text, a SyncSpec, or None for every-step) as a SyncSpec or None."""
+    if text is None or isinstance(text, SyncSpec):
+        return text
+    return SyncSpec.parse(text, field_name)
+
+
+# ============================================================================================ the layout
+DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first: the mesh's order
+DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "ep")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
+DISPATCH = ("fp8", "bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a job is laid out; ``dp_replicate=0`` means "every rank left over" until :meth:`resolve`.
+    Build one with :meth:`of` (which parses spec strings) and ask :meth:`check` whether syncwise runs it."""
+
+    dp_replicate: int = 0
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    pp_schedule: str = "1f1b"
+    microbatches: int = 0       # 0: 2 × pp × stages_per_rank
+    stages_per_rank: int = 1
+    ep_dispatch: str = "fp32"   # fp8 is DeepSeek-V3's choice (with a bf16 combine)
+    compress: Compress = NO_COMPRESS
+    sync: Optional[SyncSpec] = None
+
+    def __post_init__(self) -> None:
+        # Degrees are counts (a bool is not); dp_replicate 0 stands for "the rest".
+        for name in DEGREES:
+            v = getattr(self, name)
+            lowest = 0 if name == "dp_replicate" else 1
+            if isinstance(v, bool) or not isinstance(v, int) or v < lowest:
+                raise ConfigError(f"parallel.{name}", v, f"an integer ≥ {lowest}"
+                                  + (" (0: the ranks dp_shard × tp leave)" if name == "dp_replicate" else ""))
+
+    @classmethod
+    def of(cls, compress: Any = "none", sync: Any = None, **degrees: Any) -> "Layout":
+        """A Layout from degrees and pipeline/expert settings plus ``compress`` / ``sync`` as spec text (or
+        parsed); spec errors name ``compress.method`` / ``parallel.sync``."""
+        c = parse_compress(compress if compress is not None else "none", "compress.method")
+        return cls(compress=c, sync=parse_sync(sync), **degrees)
+
+    # ------------------------------------------------------------------------------------ derived
+    @property
+    def microbatches_per_step(self) -> int:
+        """The pipeline's microbatches per step: ``microbatches``, or by default 2 × pp × stages_per_rank."""
+        return self.microbatches or 2 * self.pp * self.stages_per_rank
+
+    @property
+    def dp(self) -> int:
+        return max(self.dp_replicate, 1) * self.dp_shard
+
+    @property
+    def replicas_only(self) -> bool:
+        """Every rank holds the whole model: no FSDP2 sharding, no tensor, pipeline or expert parallel."""
+        return self.dp_shard == 1 and self.tp == 1 and self.pp == 1 and self.ep == 1
+
+    @property
+    def fsdp(self) -> bool:
+        """FSDP2 holds the data-parallel ranks: sharded, or replicas of a tensor-parallel model."""
+        return self.dp_shard > 1 or self.tp > 1
+
+    def _split_by(self) -> str:
+        """The first dimension that splits a replica (for messages)."""
+        return next(f"parallel.{n}={getattr(self, n)}" for n in ("dp_shard", "tp", "pp", "ep") if getattr(self, n) > 1)
+
+    # ------------------------------------------------------------------------------------ the rules
+    def resolve(self, world_size: int) -> "Layout":
+        """The layout with ``dp_replicate`` (and the microbatch count) filled in for ``world_size`` ranks."""
+        # pp × dp_replicate × dp_shard × tp is the world: each rank has one place on the mesh.
+        inner = self.pp * self.dp_shard * self.tp
+        replicate = self.dp_replicate or (world_size // inner if world_size % inner == 0 else 0)
+        if replicate * inner != world_size:
+            fld = "parallel.dp_replicate" if self.dp_replicate else "parallel.pp" if self.pp > 1 else \
+                "parallel.dp_shard" if self.dp_shard > 1 else "parallel.tp"
+            raise ConfigError(fld, getattr(self, fld.split(".")[1]),
+                              f"a layout whose product pp × dp_replicate × dp_shard × tp equals the world size "
+                              f"({world_size}); got {self.pp} × {self.dp_replicate or '(rest)'} × {self.dp_shard} × "
+                              f"{self.tp}")
+        out = dataclasses.replace(self, dp_replicate=replicate, microbatches=self.microbatches_per_step)
+        # Expert parallel is built with replicas (and pp) so far; not yet with FSDP2 or tensor parallel.
+        if self.ep > 1 and out.fsdp:
+            other = "parallel.dp_shard" if self.dp_shard > 1 else "parallel.tp"
+            raise ConfigError("parallel.ep", self.ep, f"1 with {other}={getattr(self, other.split('.')[1])}: expert "
+                              "parallel composes with data-parallel replicas (dp_replicate) and pp so far; with "
+                              "FSDP2 or tensor parallel it is not built yet")
+        # Expert parallel borrows its ranks from data parallel: groups of ep neighbours among the dp ranks.
+        if out.dp % self.ep:
+            raise ConfigError("parallel.ep", self.ep, f"a divisor of the data-parallel ranks dp_replicate × dp_shard "
+                              f"= {out.dp}: expert parallel borrows its ranks from data parallel; divisors: "
+                              f"{divisors(out.dp)}")
+        return out
+
+    def check(self, world_size: Optional[int] = None) -> "Layout":
+        """Every rule between the degrees, the compressor and the sync strategy; the resolved layout (self when
+        ``world_size`` is None: the world is not known yet, only the rules that do not need it are checked)."""
+        c, s = self.compress, self.sync
+        # Local SGD / DiLoCo / Pipe-SGD average parameters (pseudo-gradients), not gradients: a gradient
+        # compressor would have nothing to compress.
+        if s is not None and not c.is_none:
+            raise ConfigError("parallel.sync", _text(s), "every-step when compress.method is set (local SGD sends "
+                              f"pseudo-gradients, not gradients; got compress.method={c.text})")
+        lay = self.resolve(world_size) if world_size is not None else self
+        if lay.replicas_only:
+            return lay
+        # The reduced-sync strategies average whole replicas; sharded, tensor, pipeline and expert parallel split
+        # a replica over ranks.
+        if s is not None:
+            raise ConfigError("parallel.sync", _text(s), f"every-step with {lay._split_by()}: local SGD, DiLoCo and "
+                              "Pipe-SGD average whole replicas, which these layouts split")
+        if c.is_none:
+            return lay
+        if lay.fsdp:
+            check_fsdp_compress(c, lay.dp_replicate, "compress.method", f" (with {lay._split_by()} FSDP2 reduces the "
+                                "gradients)")
+        elif lay.pp > 1 and c.torch_hook and lay.dp_replicate > 1:
+            # A pipeline stage runs several backwards per step, which DDP (and so its comm hooks) cannot take.
+            raise ConfigError("compress.method", c.text, "a syncwise compressor (or none) with pp > 1: PyTorch's DDP "
+                              "comm hooks need DDP, which a pipeline stage's several backwards per step break")
+        return lay
+
+    def check_model(self, model_config: Any) -> None:
+        """The model-shape rules that need no torch: ``tp`` divides every dimension tensor parallel splits
+        (attention heads, the vocabulary, the dense SwiGLU width where a dense block exists, the fused
+        shared-expert width of MoE blocks; MLA's latent ranks stay replicated) and ``seq_len`` (sequence
+        parallel); ``ep`` divides the routed experts. The pipeline's schedule rules and fp8 availability need
+        torch: ``ParallelSpec.check_model`` (syncwise.parallel.mesh) adds them."""
+        if model_config is None:
+            return
+        c = model_config
+        if self.ep > 1:
+            moe = hasattr(c, "layer_is_moe") and any(c.layer_is_moe(i) for i in range(c.n_layers))
+            check_expert_count(getattr(c, "n_routed_experts", 0) if moe else 0, self.ep)
+        if self.tp == 1:
+            return
+        sizes = {"model.n_heads": c.n_heads, "model.vocab_size": c.vocab_size, "model.seq_len": c.seq_len}
+        moe_blocks = [c.layer_is_moe(i) for i in range(c.n_layers)] if hasattr(c, "layer_is_moe") else []
+        if not all(moe_blocks):
+            sizes["model.ffn_hidden"] = c.ffn_hidden
+        if any(moe_blocks) and getattr(c, "n_shared_experts", 0):
+            sizes["model.moe_hidden × model.n_shared_experts"] = c.moe_hidden * c.n_shared_experts
+        for name, size in sizes.items():
+            if size % self.tp:
+                raise ConfigError("parallel.tp", self.tp, f"a divisor of {name} ({size}): tensor parallel splits "
+                                  f"it evenly across the tp ranks; divisors: {divisors(size)}")
+
+
+def check_fsdp_compress(c: Compress, dp_replicate: int, field_name: str = "compress.method", why: str = "") -> bool:
+    """The compressor a layout that FSDP2 holds (dp_shard > 1 or tp > 1) can run: True when it runs across the
+    replica groups as FSDP2's all-reduce hook, False when it is FSDP2's own reduce dtype (none, bf16, fp16).
+    ``dp_replicate`` 0: not known yet (the replica rule is checked once it is)."""
+    # PyTorch's DDP comm hooks rewrite DDP's buckets; FSDP2 has none.
+    if c.torch_hook:
+        raise ConfigError(field_name, c.text, "a syncwise compressor (or none) with dp_shard > 1 or tp > 1: PyTorch's "
+                          "DDP comm hooks need DDP's gradient buckets, and FSDP2 reduces gradients itself" + why)
+    if c.name in FSDP_REDUCE_DTYPES:
+        return False
+    # Other compressors run as FSDP2's all-reduce hook across the replica groups; with one replica FSDP2's
+    # reduce-scatter, which has no hook, is the only gradient collective.
+    if dp_replicate and dp_replicate < 2:
+        raise ConfigError(field_name, c.text, f"none, bf16 or fp16 with dp_replicate = 1 under FSDP2 / tensor "
+                          f"parallel: {c.name} compresses the all-reduce across replicas (FSDP2's all-reduce hook), "
+                          "and with one replica FSDP2's reduce-scatter, which has no hook, is the only gradient "
+                          "collective; set parallel.dp_replicate ≥ 2 to run it" + why)
+    return True
+
+
+def check_expert_count(n_routed_experts: int, ep: int) -> None:
+    """``ep`` ≥ 1 divides the routed experts per layer (each ep rank holds the same number of experts)."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise ConfigError("parallel.ep", ep, "an integer ≥ 1")
+    if ep == 1:
+        return
+    if n_routed_experts <= 0:
+        raise ConfigError("parallel.ep", ep, "1 for a model without routed experts (model.n_routed_experts = 0)")
+    if n_routed_experts % ep:
+        divs = ", ".join(str(d) for d in range(1, n_routed_experts + 1) if n_routed_experts % d == 0)
+        raise ConfigError("parallel.ep", ep, f"a divisor of model.n_routed_experts ({n_routed_experts}): each ep "
+                          f"rank holds the same number of experts; divisors: {divs}")
+
+
+def _text(sync: SyncSpec) -> str:
+    return getattr(sync, "text", None) or sync.spec
+
+
+def divisors(n: int) -> str:
+    small = [d for d in range(1, min(n, 64) + 1) if n % d == 0]
+    return ", ".join(map(str, small)) + (" …" if n > 64 else "")

@@ -1,0 +1,152 @@
+"""syncwise.layout, the one owner of the layout (DESIGN.md §3.1b): the command line, the Python API and the planner
+accept and refuse the same layouts with the same field named; the owner and the planner load no torch; the
+compressor table agrees with the compressor classes."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+import subprocess
+import sys
+import typing
+
+import pytest
+
+from syncwise.errors import ConfigError
+from syncwise.layout import COMPRESSORS, Layout, SyncSpec, parse_compress
+
+COMPRESS = ("none", "fp8", "powersgd:rank=4", "topk:ratio=0.01")
+SYNC = ("every-step", "localsgd:period=2", "diloco")
+PRESET = "small"  # 4 layers, 4 heads, 16 routed experts: tp, pp and ep each meet the model's limits within 8 ranks
+
+
+def _degrees(max_world: int = 8):
+    """Every (world, pp, dp_replicate, dp_shard, tp, ep) with pp × dp_replicate × dp_shard × tp = world ≤ 8, ep ≤ 2."""
+    for world in range(1, max_world + 1):
+        for pp, dr, ds, tp in itertools.product(range(1, world + 1), repeat=4):
+            if pp * dr * ds * tp == world:
+                for ep in (1, 2):
+                    yield world, pp, dr, ds, tp, ep
+
+
+def _cli(world, pp, dr, ds, tp, ep, compress, sync):
+    """The validation `syncwise train --check` runs (build_config → check_references), in-process."""
+    from syncwise.config import build_config
+
+    overrides = {"dist.nproc": world, "parallel.pp": pp, "parallel.dp_replicate": dr, "parallel.dp_shard": ds,
+                 "parallel.tp": tp, "parallel.ep": ep, "compress.method": compress, "parallel.sync": sync,
+                 "model.preset": PRESET, "data.batch_size": 2 * pp}   # divides into the 2 × pp microbatches
+    try:
+        build_config(None, {k: str(v) for k, v in overrides.items()})
+    except ConfigError as e:
+        return e.field
+    return None
+
+
+def _api(world, pp, dr, ds, tp, ep, compress, sync, model_config):
+    """What OptimizedTrainer(parallel=..., compress_gradients=..., sync=...) checks: its compressor (the trainer's
+    own resolution of the spec) and sync handed to parallelize, which checks before building anything."""
+    from syncwise.parallel import ParallelSpec
+    from syncwise.parallel.parallelize import check_layout
+    from syncwise.train.trainer import _resolve_compressor
+
+    try:
+        spec = ParallelSpec(dp_replicate=dr, dp_shard=ds, tp=tp, pp=pp, ep=ep)
+        check_layout(spec, _resolve_compressor(compress), SyncSpec.parse(sync), world, model_config)
+    except ConfigError as e:
+        return e.field
+    return None
+
+
+def _plan(world, pp, dr, ds, tp, ep, compress, sync, model):
+    from syncwise.plan import Layout as PlanLayout, syncwise_refusal
+
+    why = syncwise_refusal(PlanLayout(dp_replicate=dr, dp_shard=ds, tp=tp, pp=pp, ep=ep, compress=compress,
+                                      sync=sync), model, world, 2 * pp)
+    return None if why is None else re.match(r"(?:missing value for )?'([^']+)'", why).group(1)
+
+
+def test_the_cli_the_python_api_and_the_planner_agree_on_every_layout():
+    from syncwise.config import RunConfig, model_overrides
+    from syncwise.models import resolve_config
+    from syncwise.plan.model import from_model_config
+
+    model_config = resolve_config(PRESET, **model_overrides(RunConfig(), 256))
+    model = from_model_config(model_config, PRESET)
+    disagree, verdicts = [], {}
+    for degrees in _degrees():
+        for compress, sync in itertools.product(COMPRESS, SYNC):
+            got = (_cli(*degrees, compress, sync), _api(*degrees, compress, sync, model_config),
+                   _plan(*degrees, compress, sync, model))
+            if len(set(got)) != 1:
+                disagree.append(f"{degrees} {compress} {sync}: cli {got[0]}, api {got[1]}, plan {got[2]}")
+            verdicts[got[0]] = verdicts.get(got[0], 0) + 1
+    assert not disagree, f"{len(disagree)} disagreements:\n" + "\n".join(disagree[:30])
+    # the enumeration exercises accepted layouts and every layout rule's field
+    assert verdicts.get(None, 0) > 50
+    for fld in ("parallel.sync", "compress.method", "parallel.ep", "parallel.tp", "parallel.pp"):
+        assert verdicts.get(fld, 0) > 0, verdicts
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--nproc=2", "--compress=fp8", "--sync=localsgd:period=2"], "parallel.sync"),
+    (["--nproc=2", "--parallel.tp=2", "--compress=topk:ratio=0.01"], "compress.method"),
+])
+def test_a_real_check_subprocess_refuses_what_the_owner_refuses(argv, field):
+    p = subprocess.run([sys.executable, "-m", "syncwise.cli", "train", "--check", *argv], capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert f"'{field}'" in p.stderr
+
+
+def test_the_python_api_refuses_a_compressor_with_local_sgd_as_the_cli_does():
+    """Formerly accepted by OptimizedTrainer (the CLI refused it): the rule now has one owner."""
+    with pytest.raises(ConfigError) as e:
+        Layout.of(compress="fp8", sync="localsgd:period=2").check(2)
+    assert e.value.field == "parallel.sync"
+    assert _api(2, 1, 2, 1, 1, 1, "fp8", "localsgd:period=2", None) == "parallel.sync"
+
+
+def test_the_owner_and_the_planner_load_no_torch():
+    code = ("import sys, syncwise.layout, syncwise.plan as P\n"
+            "m = P.ModelSpec('m', 32000, 1024, 8, 16, 4096)\n"
+            "c = P.cluster('h100-sxm', 2)\n"
+            "p = P.predict(c, m, P.parse_layout('dp=8,tp=2,compress=fp8:error_feedback=yes', 16), 64, 1024)\n"
+            "q = P.predict(c, m, P.parse_layout('dp=16,sync=diloco', 16), 64, 1024)\n"
+            "assert p.runnable and q.runnable, (p.not_runnable, q.not_runnable)\n"
+            "print(sorted(k for k in sys.modules if k == 'torch' or k.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_error_feedback_memory_follows_the_compressor_flag():
+    """The planner counts residuals by the compressor's own option (any yes/no word), not a substring."""
+    from syncwise.plan import SYNCWISE, ModelSpec, parse_layout
+    from syncwise.plan.memory import state_bytes
+
+    m = ModelSpec("m", 32000, 1024, 8, 16, 4096)
+    for text, has in (("fp8:error_feedback=yes", True), ("fp8", False), ("topk:error_feedback=false", False),
+                      ("topk", True), ("powersgd:rank=4", True), ("bf16", False), ("torch-powersgd", True)):
+        parts = state_bytes(m, parse_layout(f"dp=2,compress={text}", 2), SYNCWISE, False)
+        assert ("compressor_state" in parts) == has, text
+
+
+def test_the_compressor_table_is_what_the_classes_take():
+    """syncwise.layout.COMPRESSORS (torch-free) and each compressor's Config agree: names, types, defaults."""
+    from syncwise.compress.registry import COMPRESSORS as REGISTRY
+
+    for name, info in REGISTRY.items():
+        hints = typing.get_type_hints(info.cls.Config)
+        real = {f.name: (hints[f.name].__name__, f.default) for f in dataclasses.fields(info.cls.Config)}
+        assert {k: v[:2] for k, v in COMPRESSORS[name].options.items()} == real, name
+        assert COMPRESSORS[name].bytes_per_element == info.cls.bytes_per_element, name
+    assert set(REGISTRY) == {n for n, s in COMPRESSORS.items() if not s.torch_hook}
+    assert parse_compress("fp8:error_feedback=on").error_feedback and not parse_compress("fp8").error_feedback
+
+
+def test_top_level_names_are_lazy():
+    code = ("import sys, syncwise\nassert 'torch' not in sys.modules\nfrom syncwise import CloudConfig\n"
+            "assert 'torch' not in sys.modules\nfrom syncwise import AsyncPipeline\nprint(AsyncPipeline.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "AsyncPipeline", out.stderr
