@@ -211,10 +211,11 @@ def _gpt2(tmp_path):
 
 
 def test_the_planner_describes_the_model_for_the_memory_check(tmp_path):
+    from syncwise.config import hf_model_spec
     from syncwise.models.hf import hf_train_memory_bytes, read_hf_model
 
     info = read_hf_model(f"hf:{_folder(tmp_path, 'qwen3')}")
-    spec = info.spec(SEQ)
+    spec = hf_model_spec(info, SEQ)
     model = transformers.AutoModelForCausalLM.from_config(FAMILIES["qwen3"]())
     counted = sum(p.numel() for n, p in model.named_parameters() if "norm" not in n)
     assert spec.param_counts()[0] == pytest.approx(counted, rel=0.02)  # the q/k norms aside

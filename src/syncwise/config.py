@@ -811,7 +811,7 @@ def _check_data_and_memory(cfg: RunConfig, local: int, fewest: int, where: "Plac
     if hf is not None:  # the planner's description of the Hugging Face config (plan.model.from_hf_config)
         check_hf_shape(hf, cfg.model.preset, vocab or 256, d.seq_len)
         try:
-            spec = hf.spec(d.seq_len)
+            spec = hf_model_spec(hf, d.seq_len)
         except ConfigError as e:  # a field the planner needs, missing or wrong in config.json
             raise ConfigError("model.preset", cfg.model.preset, f"a complete config.json: {e.field} must be "
                               f"{e.accepted} (got {e.value!r})") from None
@@ -956,3 +956,11 @@ def config_from_argv(argv: list[str]) -> RunConfig:
     args, extra = parser.parse_known_args(argv)
     file_values = load_file(args.config) if args.config else None
     return build_config(file_values, overrides_from_args(args, extra))
+
+
+def hf_model_spec(info: Any, seq_len: int) -> Any:
+    """The planner's description (plan.model.from_hf_config) of a Hugging Face model read by
+    models.hf.read_hf_model, at the training length: memory checks and the FLOPs per token behind MFU."""
+    from .plan.model import from_hf_config
+
+    return from_hf_config(info.values, info.folder.name or "hf", str(info.folder / "config.json")).with_seq_len(seq_len)

@@ -75,8 +75,11 @@ def _build_model(cfg: RunConfig, vocab_size: int) -> torch.nn.Module:
     from ..models.hf import is_hf
 
     if is_hf(cfg.model.preset):
+        from ..config import hf_model_spec
         from ..models.hf_model import build_hf_model
-        return build_hf_model(cfg.model.preset, seq_len=cfg.data.seq_len)
+        model = build_hf_model(cfg.model.preset, seq_len=cfg.data.seq_len)
+        model.flops_per_token_value = hf_model_spec(model.info, cfg.data.seq_len).flops_per_token()
+        return model
     return build_model(cfg.model.preset, **model_overrides(cfg, vocab_size))
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .cache import default_cache_dir
 from ..errors import ConfigError
 
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
@@ -205,13 +206,6 @@ def stdlib_files() -> tuple[Path, list[tuple[str, Path]]]:
     return root, files
 
 
-def default_cache_dir() -> Path:
-    """Where syncwise caches tokenized corpora: ``$SYNCWISE_CACHE_DIR`` or ``$XDG_CACHE_HOME/syncwise``."""
-    env = os.environ.get("SYNCWISE_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "syncwise"
 
 
 def _load_stdlib(val_fraction: float, max_bytes: int | None, cache_dir: str | os.PathLike | None) -> Corpus:
@@ -317,7 +311,8 @@ def _tokenized(spec: str, val_fraction: float, cache_dir: str | os.PathLike | No
     if path.is_dir() and (path / "train.bin").is_file():
         check_vocab(path, tokenizer, str(spec))
         return path
-    return prepare(str(spec), tokenizer, val_fraction, text_column, cache_dir)
+    return prepare(str(spec), tokenizer, val_fraction, text_column,
+                   cache_dir if cache_dir is not None else default_cache_dir())
 
 
 def _token_dtype(path: Path) -> np.dtype:

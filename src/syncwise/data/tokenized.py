@@ -109,7 +109,7 @@ def _fingerprint(path: Path) -> list:
 
 
 def _cache_root(cache_dir: str | os.PathLike | None) -> Path:
-    from .corpus import default_cache_dir
+    from .cache import default_cache_dir
 
     return Path(cache_dir) if cache_dir is not None else default_cache_dir()
 

@@ -61,12 +61,6 @@ class HFModelInfo:
         v = self.values.get("max_position_embeddings")
         return int(v) if isinstance(v, int) else None
 
-    def spec(self, seq_len: int) -> Any:
-        """The planner's description of this model (plan.model.from_hf_config) at the training length."""
-        from ..plan.model import from_hf_config
-
-        return from_hf_config(self.values, self.folder.name or "hf", str(self.folder / "config.json")).with_seq_len(
-            seq_len)
 
 
 def read_hf_model(preset: str, key: str = "model.preset") -> HFModelInfo:

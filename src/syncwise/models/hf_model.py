@@ -33,11 +33,13 @@ class HFCausalLM(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.hf(input_ids=idx, use_cache=False).logits
 
+    #: Training FLOPs per token, set by whoever builds the run (the worker: the planner's count of config.json at
+    #: the training length, config.hf_model_spec); the models layer does not import the planner. 0: unknown.
+    flops_per_token_value: float = 0.0
+
     def flops_per_token(self) -> float:
-        """Training FLOPs per token: the planner's count (plan.model.from_hf_config) at the training length."""
-        if self.info is None:
-            return 0.0
-        return self.info.spec(self.seq_len or self.info.max_positions or 2048).flops_per_token()
+        """Training FLOPs per token (0 when the builder did not set it: no MFU)."""
+        return self.flops_per_token_value
 
 
 def build_hf_model(preset: str, seq_len: int = 0) -> HFCausalLM:

@@ -43,7 +43,6 @@ from ..comm import ops
 from ..comm.stats import STATS, CommStats
 from ..errors import ConfigError
 from ..layout import check_expert_count
-from ..specs import count
 from ..models.moe import GroupedExperts, MoE, _local
 
 __all__ = ["apply_expert_parallel", "ExpertParallelExperts", "Wires", "EP_STATS", "DISPATCH_DTYPES", "COMBINE_DTYPES",

@@ -7,9 +7,6 @@ pipesgd: every step's gradient all-reduce overlaps the next step's compute (``pi
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional
-
 import torch
 
 from ..layout import (EVERY_STEP, MAX_OUTER_LR, MAX_PERIOD, MAX_WARMUP, METHODS, SYNC_ACCEPTED, SyncSpec,  # noqa: F401

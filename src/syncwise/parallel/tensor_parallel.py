@@ -130,7 +130,6 @@ class _AllReduceTailGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: D102
-        import torch.distributed as dist
         grad = grad.clone()
         tail = grad[..., grad.shape[-1] - ctx.n:].contiguous()
         ops.all_reduce(tail, "sum", group=ctx.group, stats=_TAIL_STATS)  # counted by the step's dispatch counter

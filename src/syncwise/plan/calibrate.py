@@ -227,7 +227,6 @@ def _time_group(op: str, nbytes: int, group, n: int, iters: int) -> float:
     import statistics
 
     import torch
-    import torch.distributed as dist
 
     from ..comm import ops as cops
     from ..comm.stats import CommStats
