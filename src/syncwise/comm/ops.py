@@ -242,20 +242,12 @@ def _nccl_timed(tensor: Optional[torch.Tensor], group) -> bool:
 
 def _issue(name: str, nbytes: int, fn, async_op: bool, stats: CommStats, group=None,
            tensors: "tuple[torch.Tensor, ...]" = ()):
-    global _last_failed
     if tensors and strict():
         check_devices(name, list(tensors), group)
     if tensors and _nccl_timed(tensors[0], group):
         return _issue_nccl(name, nbytes, fn, async_op, stats, group, tensors[0].device)
     start = time.perf_counter()
-    token = next(_tokens)
-    record = _in_flight[token] = InFlight(name, group, time.monotonic())
-    try:
-        work = fn()
-    except BaseException:
-        _last_failed = record
-        _in_flight.pop(token, None)
-        raise
+    token, record, work = _launch(name, group, fn)
     if not async_op:
         _in_flight.pop(token, None)
         stats.record(name, nbytes, time.perf_counter() - start)
@@ -279,10 +271,10 @@ def _issue(name: str, nbytes: int, fn, async_op: bool, stats: CommStats, group=N
     return work
 
 
-def _issue_nccl(name: str, nbytes: int, fn, async_op: bool, stats: CommStats, group, device: torch.device):
-    """A CUDA collective on NCCL: events around it (see the module docstring); never blocks the host."""
+def _launch(name: str, group, fn, interval: Optional[Interval] = None):
+    """Call ``fn`` (the collective) with its record in the in-flight set; a collective that raises is remembered
+    as the last failed one and leaves the set. Returns (token, record, work)."""
     global _last_failed
-    interval = Interval(device).start()  # current stream: NCCL's stream waits for it before starting
     token = next(_tokens)
     record = _in_flight[token] = InFlight(name, group, time.monotonic(), interval)
     try:
@@ -291,6 +283,13 @@ def _issue_nccl(name: str, nbytes: int, fn, async_op: bool, stats: CommStats, gr
         _last_failed = record
         _in_flight.pop(token, None)
         raise
+    return token, record, work
+
+
+def _issue_nccl(name: str, nbytes: int, fn, async_op: bool, stats: CommStats, group, device: torch.device):
+    """A CUDA collective on NCCL: events around it (see the module docstring); never blocks the host."""
+    interval = Interval(device).start()  # current stream: NCCL's stream waits for it before starting
+    _, _, work = _launch(name, group, fn, interval)
     if not async_op:
         interval.stop()  # the sync call made the current stream wait for the collective
     else:
