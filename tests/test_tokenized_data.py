@@ -72,6 +72,33 @@ def test_the_cache_is_reused_and_follows_the_source(tok, sources, tmp_path):
     assert prepare(str(other), str(folder), 0.1, cache_dir=tmp_path) != a
 
 
+def test_worker_processes_give_the_same_shards_with_a_progress_bar_on_a_terminal(tok, sources, tmp_path, monkeypatch):
+    """2 spawned tokenizing processes write the same shards as 1; on an interactive terminal (rank 0) a rich progress
+    bar shows the rows done and the tokens per second; off a terminal, nothing is printed."""
+    import io
+    import sys
+
+    from syncwise.data.tokenized import prepare
+
+    folder, _ = tok
+    one = prepare(str(sources / "docs.parquet"), str(folder), 0.1, cache_dir=tmp_path / "a", workers=1)
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    screen = Terminal()
+    monkeypatch.setattr(sys, "stderr", screen)
+    two = prepare(str(sources / "docs.parquet"), str(folder), 0.1, cache_dir=tmp_path / "b", workers=2)
+    monkeypatch.undo()
+    for name in ("train.bin", "val.bin"):
+        assert (one / name).read_bytes() == (two / name).read_bytes()
+    meta = json.loads((two / "meta.json").read_text())
+    assert meta["workers"] == 2 and meta["documents"] == len(DOCS)
+    assert "tokenizing docs.parquet" in screen.getvalue() and f"{len(DOCS)}/{len(DOCS)}" in screen.getvalue()
+    assert "tok/s" in screen.getvalue()
+
+
 def test_clear_errors(tok, sources, tmp_path):
     folder, _ = tok
     with pytest.raises(ConfigError, match="data.text_column.*line 1 has: text, id"):
@@ -109,3 +136,61 @@ def test_syncwise_train_on_a_tokenized_jsonl(tok, sources, tmp_path, monkeypatch
                  "--data.corpus", str(sources / "docs.jsonl"), f"--data.tokenizer={folder}",
                  "--data.text_column=body"]) == 2
     assert "data.text_column" in capsys.readouterr().err
+
+
+def _mapped_file(t):
+    """The file whose mapping holds tensor ``t``'s memory (/proc/self/maps), or None for anonymous memory."""
+    at = t.untyped_storage().data_ptr()
+    for line in open("/proc/self/maps"):
+        span, *rest = line.split()
+        lo, hi = (int(x, 16) for x in span.split("-"))
+        if lo <= at < hi:
+            return rest[4] if len(rest) > 4 else None
+    return None
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="reads /proc/self/maps (Linux)")
+@pytest.mark.parametrize("kind", ["parquet", "text"])
+def test_a_corpus_larger_than_the_memory_limit_streams(kind, tok, tmp_path, monkeypatch):
+    """Tokenizing streams (rows or text pieces in, ids appended to the shards batch by batch) and training maps the
+    shards: with the batch sizes turned down, the Python/numpy heap's peak while tokenizing (tracemalloc) stays
+    under a 256 KiB limit and does not grow when the corpus grows 4x to shards of several times that limit; the
+    train tokens the loader reads are a mapping of train.bin, not a copy."""
+    import tracemalloc
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from syncwise.data import TokenBatchLoader, tokenized
+
+    monkeypatch.setattr(tokenized, "BATCH_DOCS", 16)
+    monkeypatch.setattr(tokenized, "BATCH_CHARS", 1 << 14)
+    monkeypatch.setattr(tokenized, "ROWS_PER_READ", 16)
+    monkeypatch.setattr(tokenized, "TEXT_PIECE_CHARS", 1 << 14)
+    limit = 256 << 10
+    folder, t = tok
+    peaks, shards = [], []
+    for mult in (1, 4):
+        path = tmp_path / f"corpus{mult}.{'parquet' if kind == 'parquet' else 'txt'}"
+        rows = [DOCS[i % len(DOCS)] * 5 for i in range(1500 * mult)]
+        if kind == "parquet":
+            with pq.ParquetWriter(path, pa.schema([("text", pa.string())])) as w:
+                for at in range(0, len(rows), 16):
+                    w.write_table(pa.table({"text": rows[at:at + 16]}))
+        else:
+            path.write_text("".join(rows))
+        tracemalloc.start()
+        try:
+            out = tokenized.prepare(str(path), str(folder), 0.1, cache_dir=tmp_path / "cache", workers=1)
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+        shards.append(sum(p.stat().st_size for p in out.glob("*.bin")))
+    assert shards[1] > 4 * limit and shards[1] > 3.5 * shards[0]
+    assert max(peaks) < limit, (peaks, shards)
+    assert peaks[1] < 1.5 * peaks[0], (peaks, shards)  # flat in the corpus' size
+    c = load_corpus(str(path), 0.1, tokenizer=str(folder), cache_dir=tmp_path / "cache")
+    assert c.train.numel() + c.val.numel() == shards[1] // 2  # uint16
+    assert _mapped_file(c.train) == str(out / "train.bin")
+    x, y = next(TokenBatchLoader(c.train, 4, 32, seed=0))
+    assert x.shape == (4, 32) and int(x.max()) < t.get_vocab_size()

@@ -155,6 +155,9 @@ class DataSection:
                             "'' or a tokenizer.json file / a folder holding one")
     text_column: str = option("text", "the text field of JSON lines / the column of parquet and `datasets` sources "
                               "(with data.tokenizer)", "a non-empty field name", lambda v: bool(v.strip()))
+    tokenize_workers: int = option(0, "processes that tokenize data.corpus the first time (with data.tokenizer; "
+                                   "the cached shards do not depend on it); 0 = one per CPU core up to 8, or 1 for a "
+                                   "source under 8 MiB", "an integer from 0 to 256", _in(0, 256))
     prefetch: int = option(2, "batches prefetched by a background thread (0 = off)",
                            "an integer from 0 to 64 (batches held in memory ahead of the step)", _in(0, 64))
 
@@ -793,9 +796,9 @@ def _check_data_and_memory(cfg: RunConfig, local: int, fewest: int, where: "Plac
     d = cfg.data
     try:
         train_tokens, val_tokens, vocab = corpus_sizes(d.corpus, d.val_fraction, tokenizer=d.tokenizer,
-                                                       text_column=d.text_column)
+                                                       text_column=d.text_column, tokenize_workers=d.tokenize_workers)
     except ConfigError as e:  # the loader's errors are data.corpus's, but for the tokenizer's own fields
-        if e.field in ("data.tokenizer", "data.text_column"):
+        if e.field in ("data.tokenizer", "data.text_column", "data.tokenize_workers"):
             raise
         raise ConfigError("data.corpus", d.corpus, e.accepted) from None
     rules = [((train_tokens, None), ("data.seq_len", "data.batch_size", "dist.nproc", "data.corpus")),

@@ -61,7 +61,7 @@ class Corpus:
 
 def load_corpus(spec: str = "stdlib", val_fraction: float = 0.05,
                 max_bytes: int | None = DEFAULT_MAX_BYTES, cache_dir: str | os.PathLike | None = None,
-                tokenizer: str = "", text_column: str = "text") -> Corpus:
+                tokenizer: str = "", text_column: str = "text", tokenize_workers: int = 0) -> Corpus:
     """Load a corpus by spec: ``"stdlib"``, a text file/folder, or nanoGPT ``train.bin``/``val.bin``.
 
     Text is byte-tokenized. Files go to val by a hash of their relative path (so the split does not
@@ -71,10 +71,11 @@ def load_corpus(spec: str = "stdlib", val_fraction: float = 0.05,
     (default ``$SYNCWISE_CACHE_DIR`` or ``~/.cache/syncwise``).
 
     ``tokenizer`` (a Hugging Face tokenizer.json or its folder): ``spec`` is JSON lines, parquet, text or a
-    ``datasets`` folder, tokenized once into cached token shards (:mod:`.tokenized`, column ``text_column``).
+    ``datasets`` folder, tokenized once into cached token shards (:mod:`.tokenized`, column ``text_column``, by
+    ``tokenize_workers`` processes, 0: one per core).
     """
     if tokenizer:
-        folder = _tokenized(spec, val_fraction, cache_dir, tokenizer, text_column)
+        folder = _tokenized(spec, val_fraction, cache_dir, tokenizer, text_column, tokenize_workers)
         corpus = _load_bin(folder / "train.bin", str(spec), val_fraction)
         corpus.name = Path(str(spec)).expanduser().name or str(spec)
         corpus.description = f"{spec} tokenized by {tokenizer} ({corpus.description})"
@@ -92,7 +93,7 @@ def load_corpus(spec: str = "stdlib", val_fraction: float = 0.05,
 
 def corpus_sizes(spec: str = "stdlib", val_fraction: float = 0.05, max_bytes: int | None = DEFAULT_MAX_BYTES,
                  cache_dir: str | os.PathLike | None = None, tokenizer: str = "",
-                 text_column: str = "text") -> tuple[int, int, int | None]:
+                 text_column: str = "text", tokenize_workers: int = 0) -> tuple[int, int, int | None]:
     """(train tokens, val tokens, vocab size or None when only the tokens tell) of the corpus ``load_corpus``
     would load, after the same checks (the same ConfigError for a bad spec), but cheap and read-only, to
     validate a configuration before any worker starts: ``.bin`` files are only stat'ed (their meta is read,
@@ -100,7 +101,7 @@ def corpus_sizes(spec: str = "stdlib", val_fraction: float = 0.05, max_bytes: in
     stdlib's counts come from its cache if there is one and nothing is written. With a ``tokenizer`` the source
     is tokenized into its cache here (once; the workers then map it)."""
     if tokenizer:
-        folder = _tokenized(spec, val_fraction, cache_dir, tokenizer, text_column)
+        folder = _tokenized(spec, val_fraction, cache_dir, tokenizer, text_column, tokenize_workers)
         train, val, _ = _bin_split(folder / "train.bin", str(spec), val_fraction)
         return train.size, val.size, _read_vocab_size(folder)
     kind, path, files = _source(spec, val_fraction, max_bytes)
@@ -298,7 +299,7 @@ def _read_vocab_size(folder: Path) -> int | None:
 
 
 def _tokenized(spec: str, val_fraction: float, cache_dir: str | os.PathLike | None, tokenizer: str,
-               text_column: str) -> Path:
+               text_column: str, workers: int = 0) -> Path:
     """The token folder for ``spec`` under ``tokenizer``: a nanoGPT folder as it is (its vocabulary checked), else
     the cache that :func:`.tokenized.prepare` builds."""
     from .tokenized import SOURCES, check_vocab, load_tokenizer, prepare
@@ -312,7 +313,7 @@ def _tokenized(spec: str, val_fraction: float, cache_dir: str | os.PathLike | No
         check_vocab(path, tokenizer, str(spec))
         return path
     return prepare(str(spec), tokenizer, val_fraction, text_column,
-                   cache_dir if cache_dir is not None else default_cache_dir())
+                   cache_dir if cache_dir is not None else default_cache_dir(), workers)
 
 
 def _token_dtype(path: Path) -> np.dtype:

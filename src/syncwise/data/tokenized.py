@@ -13,16 +13,20 @@ the tokenizer's end-of-text id when it has one.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 
+from .. import tokenize_pool
 from ..errors import ConfigError, SyncwiseError
 
 FORMAT = 1
@@ -57,44 +61,94 @@ def is_dataset_dir(path: Path) -> bool:
     return path.is_dir() and (path / "dataset_info.json").is_file() and (path / "state.json").is_file()
 
 
-def _documents(path: Path, spec: str, column: str) -> Iterator[str]:
-    suffix = path.suffix.lower()
-    if is_dataset_dir(path):
-        try:
-            import datasets
-        except ImportError:
-            raise SyncwiseError("a `datasets` folder as data.corpus needs datasets: pip install datasets") from None
-        ds = datasets.load_from_disk(str(path))
-        if isinstance(ds, datasets.DatasetDict):
-            ds = ds["train"] if "train" in ds else ds[next(iter(ds))]
-        if column not in ds.column_names:
-            raise ConfigError("data.text_column", column, f"a column of {spec}: {', '.join(ds.column_names)}")
-        for row in ds.select_columns([column]):
-            yield _text(row[column], spec, column)
-    elif suffix == ".parquet":
-        import pyarrow.parquet as pq  # installed with datasets
+TEXT_PIECE_CHARS = 1 << 20
+"""A plain text file is one document, read in pieces of about this many characters cut at line ends (so a file
+larger than memory streams); only the last piece ends with the end-of-text id."""
+ROWS_PER_READ = 1024
+"""Rows read at a time from parquet (``iter_batches``) and ``datasets`` folders (``Dataset.iter``)."""
 
-        names = pq.read_schema(path).names
-        if column not in names:
-            raise ConfigError("data.text_column", column, f"a column of {spec}: {', '.join(names)}")
-        for value in pq.read_table(path, columns=[column]).column(column).to_pylist():
-            yield _text(value, spec, column)
-    elif suffix in (".jsonl", ".ndjson") or path.name.endswith(".json-lines"):
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ConfigError("data.corpus", spec, f"JSON lines: line {n} is not JSON ({e.msg})") from None
-                if not isinstance(obj, dict) or column not in obj:
-                    keys = ", ".join(obj) if isinstance(obj, dict) else type(obj).__name__
-                    raise ConfigError("data.text_column", column, f"a field of every line of {spec} (line {n} "
-                                      f"has: {keys})")
-                yield _text(obj[column], spec, column)
-    else:
-        yield path.read_text(encoding="utf-8", errors="replace")
+
+class _Source:
+    """The documents of one source, read as a stream: ``total`` progress units (rows, or bytes for JSON lines and
+    text) and ``pieces()`` yielding (text, ends a document, progress units done)."""
+
+    def __init__(self, path: Path, spec: str, column: str) -> None:
+        self.path, self.spec, self.column = path, spec, column
+        self.kind = ("dataset" if is_dataset_dir(path) else "parquet" if path.suffix.lower() == ".parquet" else
+                     "jsonl" if path.suffix.lower() in (".jsonl", ".ndjson") or path.name.endswith(".json-lines")
+                     else "text")
+        self.unit = "rows" if self.kind in ("dataset", "parquet") else "bytes"
+        self.total = self._open()  # the column is checked here, before any tokenizing
+
+    def _open(self) -> int:
+        column, spec = self.column, self.spec
+        if self.kind == "dataset":
+            try:
+                import datasets
+            except ImportError:
+                raise SyncwiseError("a `datasets` folder as data.corpus needs datasets: pip install datasets") from None
+            ds = datasets.load_from_disk(str(self.path))  # memory-mapped arrow files
+            if isinstance(ds, datasets.DatasetDict):
+                ds = ds["train"] if "train" in ds else ds[next(iter(ds))]
+            if column not in ds.column_names:
+                raise ConfigError("data.text_column", column, f"a column of {spec}: {', '.join(ds.column_names)}")
+            self._ds = ds.select_columns([column])
+            return len(ds)
+        if self.kind == "parquet":
+            import pyarrow.parquet as pq  # installed with datasets
+
+            try:
+                self._pq = pq.ParquetFile(self.path)
+            except Exception as e:  # pyarrow's own message, one line
+                raise ConfigError("data.corpus", spec, f"a readable parquet file ({str(e).splitlines()[0]})") from None
+            names = self._pq.schema_arrow.names
+            if column not in names:
+                raise ConfigError("data.text_column", column, f"a column of {spec}: {', '.join(names)}")
+            return self._pq.metadata.num_rows
+        return self.path.stat().st_size
+
+    def pieces(self) -> Iterator[tuple[str, bool, int]]:
+        column, spec = self.column, self.spec
+        if self.kind == "dataset":
+            for rows in self._ds.iter(batch_size=ROWS_PER_READ):
+                values = rows[column]
+                for value in values:
+                    yield _text(value, spec, column), True, 0
+                yield "", False, len(values)  # progress only
+        elif self.kind == "parquet":
+            for batch in self._pq.iter_batches(batch_size=ROWS_PER_READ, columns=[column]):
+                values = batch.column(0).to_pylist()
+                for value in values:
+                    yield _text(value, spec, column), True, 0
+                yield "", False, len(values)
+        elif self.kind == "jsonl":
+            with open(self.path, "rb") as f:
+                for n, raw in enumerate(f, 1):
+                    line = raw.decode("utf-8", errors="replace")
+                    if not line.strip():
+                        yield "", False, len(raw)
+                        continue
+                    try:
+                        obj = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ConfigError("data.corpus", spec, f"JSON lines: line {n} is not JSON ({e.msg})") from None
+                    if not isinstance(obj, dict) or column not in obj:
+                        keys = ", ".join(obj) if isinstance(obj, dict) else type(obj).__name__
+                        raise ConfigError("data.text_column", column, f"a field of every line of {spec} (line {n} "
+                                          f"has: {keys})")
+                    yield _text(obj[column], spec, column), True, len(raw)
+        else:
+            with open(self.path, "rb") as f:
+                piece: list[str] = []
+                size = done = 0
+                for raw in f:
+                    piece.append(raw.decode("utf-8", errors="replace"))
+                    size += len(piece[-1])
+                    done += len(raw)
+                    if size >= TEXT_PIECE_CHARS:
+                        yield "".join(piece), False, done
+                        piece, size, done = [], 0, 0
+                yield "".join(piece), True, done
 
 
 def _text(value: Any, spec: str, column: str) -> str:
@@ -114,14 +168,54 @@ def _cache_root(cache_dir: str | os.PathLike | None) -> Path:
     return Path(cache_dir) if cache_dir is not None else default_cache_dir()
 
 
+MAX_WORKERS = 8
+BATCH_DOCS, BATCH_CHARS = 512, 1 << 22
+"""A batch handed to one tokenizing process: up to this many documents or characters, whichever comes first."""
+AUTO_SERIAL_BYTES = 8 << 20
+"""With ``workers=0`` (auto), a source smaller than this is tokenized in this process (starting worker processes
+costs more than it saves)."""
+
+def resolve_workers(workers: int, source_bytes: int) -> int:
+    """Processes that tokenize: ``workers`` when set, else one per CPU core (up to MAX_WORKERS), 1 for small data."""
+    if workers > 0:
+        return workers
+    if source_bytes < AUTO_SERIAL_BYTES:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(MAX_WORKERS, cores))
+
+
+def _source_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+
+
+def _progress(source: _Source, spec: str):
+    """A rich progress bar on an interactive terminal, in rank 0 (or outside torchrun) only; else None."""
+    if os.environ.get("RANK", "0") != "0" or not sys.stderr.isatty():
+        return None
+    from rich.console import Console
+    from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeRemainingColumn)
+
+    count = DownloadColumn() if source.unit == "bytes" else MofNCompleteColumn()
+    return Progress(TextColumn(f"tokenizing {Path(spec).name}"), BarColumn(), count, TextColumn("{task.fields[rate]}"),
+                    TimeRemainingColumn(), console=Console(stderr=True), transient=False)
+
+
 def prepare(spec: str, tokenizer: str, val_fraction: float = 0.05, column: str = "text",
-            cache_dir: str | os.PathLike | None = None) -> Path:
-    """Tokenize ``spec`` with ``tokenizer`` once; returns the cache folder holding train.bin, val.bin, meta.json."""
+            cache_dir: str | os.PathLike | None = None, workers: int = 0) -> Path:
+    """Tokenize ``spec`` with ``tokenizer`` once; returns the cache folder holding train.bin, val.bin, meta.json.
+
+    The source is read as a stream and the ids are appended to the shards batch by batch, so memory stays bounded
+    by a few batches per process whatever the corpus' size. ``workers`` processes tokenize (0: one per CPU core up
+    to MAX_WORKERS, or 1 for a source under AUTO_SERIAL_BYTES); the result does not depend on their number."""
     path = Path(spec).expanduser()
     if not path.exists():
         raise ConfigError("data.corpus", spec, f"{SOURCES}; no such file or folder: {path}")
     if path.is_file() and path.stat().st_size == 0:
         raise ConfigError("data.corpus", spec, f"{SOURCES}; {path} is empty")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+        raise ConfigError("data.tokenize_workers", workers, "an integer ≥ 0 (0: one per CPU core)")
     tok_file = _tokenizer_file(tokenizer)
     key = hashlib.sha256(json.dumps([FORMAT, str(path.resolve()), _fingerprint(path), column, val_fraction,
                                      hashlib.sha256(tok_file.read_bytes()).hexdigest()]).encode()).hexdigest()[:20]
@@ -130,42 +224,27 @@ def prepare(spec: str, tokenizer: str, val_fraction: float = 0.05, column: str =
         return out
     tok = load_tokenizer(tokenizer)
     vocab = tok.get_vocab_size(with_added_tokens=True)
-    dtype = np.uint16 if vocab <= 2**16 else np.uint32
+    dtype = np.dtype(np.uint16 if vocab <= 2**16 else np.uint32)
     eos = next((tok.token_to_id(t) for t in _EOS_NAMES if tok.token_to_id(t) is not None), None)
-    parts: dict[str, list[np.ndarray]] = {"train": [], "val": []}
-    docs, batch = 0, []
-
-    def flush() -> None:
-        for i, enc in enumerate(tok.encode_batch(batch)):
-            ids = enc.ids + ([eos] if eos is not None else [])
-            index = docs - len(batch) + i
-            split = "val" if _is_val(index, val_fraction) else "train"
-            parts[split].append(np.asarray(ids, dtype=dtype))
-        batch.clear()
-
-    for text in _documents(path, spec, column):
-        batch.append(text)
-        docs += 1
-        if len(batch) == 1024:
-            flush()
-    if batch:
-        flush()
-    train = np.concatenate(parts["train"]) if parts["train"] else np.zeros(0, dtype)
-    val = np.concatenate(parts["val"]) if parts["val"] else np.zeros(0, dtype)
-    if train.size + val.size == 0:
-        raise ConfigError("data.corpus", spec, f"{SOURCES} with text in it; {docs} document(s) gave no tokens")
-    if val.size == 0 or train.size == 0:  # too few documents for the hash split: the stream's tail is val
-        stream = np.concatenate([train, val])
-        cut = int(round(stream.size * (1.0 - val_fraction)))
-        train, val = stream[:cut], stream[cut:]
+    source = _Source(path, spec, column)
+    n_workers = resolve_workers(workers, _source_bytes(path))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
     try:
-        train.tofile(tmp / "train.bin")
-        val.tofile(tmp / "val.bin")
+        start = time.perf_counter()
+        with open(tmp / "train.bin", "wb") as train_f, open(tmp / "val.bin", "wb") as val_f:
+            docs, counts = _tokenize_into(source, tok, tok_file, dtype, eos, val_fraction, n_workers,
+                                          {"train": train_f, "val": val_f}, spec)
+        seconds = time.perf_counter() - start
+        tokens = counts["train"] + counts["val"]
+        if tokens == 0:
+            raise ConfigError("data.corpus", spec, f"{SOURCES} with text in it; {docs} document(s) gave no tokens")
+        if counts["train"] == 0 or counts["val"] == 0:  # too few documents for the hash split: the stream's tail
+            _split_tail(tmp, dtype, val_fraction)
         (tmp / "meta.json").write_text(json.dumps({
-            "vocab_size": vocab, "dtype": np.dtype(dtype).name, "tokenizer": str(tok_file), "source": str(path),
-            "documents": docs, "eos_id": eos, "column": column}, indent=2) + "\n")
+            "vocab_size": vocab, "dtype": dtype.name, "tokenizer": str(tok_file), "source": str(path),
+            "documents": docs, "tokens": tokens, "eos_id": eos, "column": column, "workers": n_workers,
+            "tokenize_seconds": round(seconds, 3)}, indent=2) + "\n")
         try:
             os.replace(tmp, out)
         except OSError:  # another rank published the same cache first
@@ -174,6 +253,102 @@ def prepare(spec: str, tokenizer: str, val_fraction: float = 0.05, column: str =
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _tokenize_into(source: _Source, tok: Any, tok_file: Path, dtype: np.dtype, eos: int | None, val_fraction: float,
+                   n_workers: int, files: dict, spec: str) -> tuple[int, dict[str, int]]:
+    """Stream ``source`` through ``n_workers`` tokenizing processes (at most 2 batches each in flight, results
+    written in order), appending each document's ids (+ eos) to the train or val file. Returns (documents,
+    tokens per split)."""
+    counts = {"train": 0, "val": 0}
+    state = {"docs": 0, "tokens": 0}
+    bar = _progress(source, spec)
+    task = bar.add_task("tokenize", total=source.total, rate="") if bar is not None else None
+    start = time.perf_counter()
+
+    def write(result: tuple[np.ndarray, np.ndarray], ends: list[bool], progress: int) -> None:
+        flat, lengths = result
+        bounds = np.concatenate([[0], np.cumsum(lengths)])
+        chunks: dict[str, list[np.ndarray]] = {"train": [], "val": []}
+        for i, last in enumerate(ends):
+            split = "val" if _is_val(state["docs"], val_fraction) else "train"
+            chunks[split].append(flat[bounds[i]:bounds[i + 1]])
+            if last:
+                if eos is not None:
+                    chunks[split].append(np.asarray([eos], dtype=dtype))
+                state["docs"] += 1
+        for split, parts in chunks.items():
+            if parts:
+                data = np.concatenate(parts)
+                data.tofile(files[split])
+                counts[split] += data.size
+        state["tokens"] = counts["train"] + counts["val"]
+        if bar is not None:
+            rate = state["tokens"] / max(time.perf_counter() - start, 1e-9)
+            bar.update(task, advance=progress, rate=f"{rate / 1e6:.2f}M tok/s")
+
+    whole = source.kind != "text"  # a text file's pieces get no special tokens, only the final eos
+
+    def batches() -> Iterator[tuple[list[str], list[bool], int]]:
+        texts: list[str] = []
+        ends: list[bool] = []
+        chars = progress = 0
+        for text, last, done in source.pieces():
+            progress += done
+            if text or last:
+                texts.append(text)
+                ends.append(last)
+                chars += len(text)
+            if len(texts) >= BATCH_DOCS or chars >= BATCH_CHARS:
+                yield texts, ends, progress
+                texts, ends, chars, progress = [], [], 0, 0
+        if texts or progress:
+            yield texts, ends, progress
+
+    if bar is not None:
+        bar.start()
+    try:
+        if n_workers == 1:
+            with tokenize_pool.single_threaded():
+                for texts, ends, progress in batches():
+                    write(tokenize_pool.encode(texts, whole, dtype.name, tok), ends, progress)
+        else:
+            from concurrent.futures import ProcessPoolExecutor
+            from multiprocessing import get_context
+
+            # spawn: the caller may hold threads (torch, the prefetcher) that fork would copy mid-lock
+            with ProcessPoolExecutor(n_workers, mp_context=get_context("spawn"), initializer=tokenize_pool.init,
+                                     initargs=(str(tok_file),)) as pool:
+                pending: collections.deque = collections.deque()
+                for texts, ends, progress in batches():
+                    pending.append((pool.submit(tokenize_pool.encode, texts, whole, dtype.name), ends, progress))
+                    if len(pending) >= 2 * n_workers:  # bounded: the reader waits for the oldest batch
+                        future, e, p = pending.popleft()
+                        write(future.result(), e, p)
+                while pending:
+                    future, e, p = pending.popleft()
+                    write(future.result(), e, p)
+    finally:
+        if bar is not None:
+            bar.stop()
+    return state["docs"], counts
+
+
+def _split_tail(folder: Path, dtype: np.dtype, val_fraction: float) -> None:
+    """Too few documents for the hash split (one split came out empty, e.g. a single text file): the stream is cut
+    so that its last ``val_fraction`` is val. The tail is copied through a memory map and the train file truncated,
+    so this stays bounded in memory too."""
+    train, val = folder / "train.bin", folder / "val.bin"
+    if train.stat().st_size == 0:
+        os.replace(val, train)
+    size = train.stat().st_size // dtype.itemsize
+    cut = int(round(size * (1.0 - val_fraction)))
+    stream = np.memmap(train, dtype=dtype, mode="r")
+    with open(val, "wb") as f:
+        for at in range(cut, size, 1 << 22):
+            stream[at:min(size, at + (1 << 22))].tofile(f)
+    del stream
+    os.truncate(train, cut * dtype.itemsize)
 
 
 def _is_val(index: int, val_fraction: float) -> bool:
