@@ -61,8 +61,9 @@ def _losses(run_dir):
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _reference(folder, corpus, ranks=1, steps=STEPS, pretrained=False):
-    """The plain loop: transformers' model at the seed, each rank's batches, mean loss over ranks, AdamW."""
+def _reference(folder, corpus, ranks=1, steps=STEPS, pretrained=False, clip=0.0, norms=None):
+    """The plain loop: transformers' model at the seed, each rank's batches, mean loss over ranks, AdamW (after
+    torch's clip_grad_norm_ when ``clip``; the norms go to the list ``norms``)."""
     torch.manual_seed(SEED)
     if pretrained:
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
@@ -79,6 +80,8 @@ def _reference(folder, corpus, ranks=1, steps=STEPS, pretrained=False):
                    for x, y in (next(it) for it in loaders)) / ranks
         opt.zero_grad()
         loss.backward()
+        if clip:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
         opt.step()
         losses.append(loss.item())
     return losses
@@ -142,6 +145,28 @@ def test_tensor_parallel_through_the_models_own_plan(corpus, tmp_path):
     assert json.loads((run_dir / "summary.json").read_text())["layout"].startswith("tp 2")
 
 
+@pytest.mark.slow  # 4 ranks: ~1 min each on 2 shared cores
+@pytest.mark.parametrize("extra, dp", [
+    (["--parallel.tp=2", "--parallel.dp_shard=2"], 2),         # FSDP2 over the TP plan's DTensors
+    (["--parallel.tp=2", "--parallel.dp_replicate=2"], 2),     # DDP over them
+    (["--parallel.dp_replicate=2", "--parallel.dp_shard=2"], 4),  # HSDP
+])
+def test_four_ranks_match_the_plain_loop_with_clipping(extra, dp, corpus, tmp_path):
+    """tp × dp and HSDP of a Hugging Face model: the losses and the gradient norm that clipping uses (clipping at 0.3
+    is active: the norms are above it) are the plain loop's on the global batch."""
+    folder = _folder(tmp_path, "llama")
+    run_dir = tmp_path / "run"
+    args = _args(folder, corpus, run_dir, "--nproc", "4", *extra)
+    args[args.index("--train.clip_grad=0")] = "--train.clip_grad=0.3"
+    assert main(args) == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    norms = []
+    want = _reference(folder, corpus, ranks=dp, clip=0.3, norms=norms)
+    assert [r["loss"] for r in rows] == pytest.approx(want, rel=1e-5, abs=1e-5)
+    assert [r["grad_norm"] for r in rows] == pytest.approx(norms, rel=1e-5), (rows, norms)
+    assert min(norms) > 0.3
+
+
 def test_the_tp_plan_is_transformers_own(tmp_path):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -175,7 +200,6 @@ def test_fsdp_units_are_the_decoder_layers(tmp_path):
      ["LlamaForCausalLM, Qwen2ForCausalLM", "base_model_tp_plan"]),
     (lambda t: _folder(t, "llama", num_key_value_heads=1), ["--nproc", "2", "--parallel.tp=2"], "parallel.tp",
      ["num_key_value_heads (1)"]),
-    (lambda t: _folder(t, "llama"), ["--nproc", "4", "--parallel.tp=2"], "parallel.tp", ["not supported yet"]),
     (lambda t: _folder(t, "llama"), ["--nproc", "2", "--parallel.pp=2"], "parallel.pp", ["pipeline parallel"]),
     (lambda t: _folder(t, "mixtral"), ["--nproc", "2", "--parallel.ep=2"], "parallel.ep", ["expert parallel"]),
     (lambda t: _folder(t, "llama", vocab_size=200), [], "model.preset", ["vocab_size 200", "256"]),
