@@ -76,8 +76,7 @@ def _reference(folder, corpus, ranks=1, steps=STEPS, pretrained=False, clip=0.0,
     loaders = [TokenBatchLoader(train, BATCH, SEQ, r, ranks, seed=SEED) for r in range(ranks)]
     losses = []
     for _ in range(steps):
-        loss = sum(F.cross_entropy(model(input_ids=x).logits.reshape(-1, model.config.vocab_size), y.reshape(-1))
-                   for x, y in (next(it) for it in loaders)) / ranks
+        loss = sum(_plain_loss(model, x, y) for x, y in (next(it) for it in loaders)) / ranks
         opt.zero_grad()
         loss.backward()
         if clip:
@@ -85,6 +84,16 @@ def _reference(folder, corpus, ranks=1, steps=STEPS, pretrained=False, clip=0.0,
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+def _plain_loss(model, x, y):
+    """Cross-entropy, plus transformers' router load-balancing loss × router_aux_loss_coef when the config turns it
+    on (what MixtralForCausalLM adds to its own loss given labels)."""
+    out = model(input_ids=x)
+    loss = F.cross_entropy(out.logits.reshape(-1, model.config.vocab_size), y.reshape(-1))
+    if getattr(model.config, "output_router_logits", False):
+        loss = loss + model.config.router_aux_loss_coef * out.aux_loss
+    return loss
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -95,6 +104,22 @@ def test_each_family_trains_like_a_plain_loop(family, corpus, tmp_path):
     got, want = _losses(run_dir), _reference(folder, corpus)
     assert got == pytest.approx(want, rel=1e-5, abs=1e-5), (got, want)
     assert got[-1] < got[0]  # it learns
+
+
+def test_mixtral_router_aux_loss_is_in_the_loss(corpus, tmp_path):
+    """output_router_logits=True: the trained loss is cross-entropy + router_aux_loss_coef × transformers' own
+    load-balancing loss, as MixtralForCausalLM computes it (and differs from the run without it)."""
+    from syncwise.models.hf_model import build_hf_model, router_aux_coef
+
+    folder = _folder(tmp_path, "mixtral", output_router_logits=True, router_aux_loss_coef=0.5)
+    assert router_aux_coef(build_hf_model(f"hf:{folder}")) == 0.5
+    assert router_aux_coef(build_hf_model(f"hf:{_folder(tmp_path / 'off', 'mixtral')}")) == 0.0
+    run_dir = tmp_path / "run"
+    assert main(_args(folder, corpus, run_dir, "--nproc", "1")) == 0
+    got, want = _losses(run_dir), _reference(folder, corpus)
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-5), (got, want)
+    plain = _reference(_folder(tmp_path / "off", "mixtral"), corpus)
+    assert got[0] > plain[0] + 0.5 * 0.9  # the aux loss is about top_k = 2 at init (1 for a perfect balance)
 
 
 def test_weights_are_loaded_from_safetensors(corpus, tmp_path):

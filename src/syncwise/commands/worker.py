@@ -29,7 +29,7 @@ from ..config import RunConfig, config_from_argv, layout, model_overrides
 from ..errors import SyncwiseError
 from ..data import SmartPrefetcher, TokenBatchLoader, evaluation_batches, load_corpus
 from ..metrics.sinks import close_sinks, open_sinks
-from ..models import build_model, count_params, flops_per_token
+from ..models import build_model, count_params, flops_per_token, lm_loss
 from ..rundir import RunDirLock, held_by_launcher
 from ..train.arguments import join_torchrun
 from ..train.dynamic_batch import DynamicBatcher
@@ -89,6 +89,15 @@ def _tp_plan(model: torch.nn.Module, parallel: Any) -> Any:
         return None
     from ..models.hf_model import hf_tp_plan
     return hf_tp_plan(model)
+
+
+def _loss_fn(model: torch.nn.Module) -> Any:
+    """The training loss: next-token cross-entropy, plus a Hugging Face MoE model's router load-balancing loss when
+    its config enables it (models/hf_model.py: hf_loss_fn)."""
+    if not hasattr(model, "hf"):
+        return lm_loss
+    from ..models.hf_model import hf_loss_fn
+    return hf_loss_fn(model)
 
 
 def model_flops_per_token(model: torch.nn.Module) -> float:
@@ -181,7 +190,7 @@ def train_worker(cfg: RunConfig) -> dict[str, Any]:
                 mtbf_s=cfg.ckpt.mtbf_s, layout=parallel.describe)
         specs = cfg.specs()  # parsed and typed once: a Compressor or TorchHookSpec, a SyncSpec or None, Faults
         trainer = OptimizedTrainer(
-            model, optimizer, compress_gradients=specs.compress, mixed_precision=cfg.train.mixed_precision,
+            model, optimizer, _loss_fn(model), compress_gradients=specs.compress, mixed_precision=cfg.train.mixed_precision,
             grad_accum_steps=cfg.train.grad_accum, clip_grad_norm=cfg.train.clip_grad, lr_scheduler=scheduler,
             compile=cfg.train.compile, activation_checkpointing=cfg.train.activation_checkpointing,
             bucket_cap_mb=cfg.dist.bucket_cap_mb, min_numel=cfg.compress.min_numel, device=device,

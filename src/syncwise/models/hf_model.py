@@ -1,7 +1,7 @@
 """The torch half of ``hf:FOLDER`` models (see models/hf.py): build one with transformers and wrap it."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -30,8 +30,14 @@ class HFCausalLM(nn.Module):
         """One FSDP2 unit per decoder layer; the root keeps the embedding, the final norm and the head."""
         return list(self.hf.model.layers)
 
+    #: The router load-balancing loss of the last forward (a scalar in the graph), when the config asks for it
+    #: (Mixtral: ``output_router_logits``); None otherwise. :func:`hf_loss_fn` adds it to the loss.
+    aux_loss: Optional[torch.Tensor] = None
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=idx, use_cache=False).logits
+        out = self.hf(input_ids=idx, use_cache=False)
+        self.aux_loss = getattr(out, "aux_loss", None)
+        return out.logits
 
     #: Training FLOPs per token, set by whoever builds the run (the worker: the planner's count of config.json at
     #: the training length, config.hf_model_spec); the models layer does not import the planner. 0: unknown.
@@ -81,3 +87,31 @@ def hf_tp_plan(model: HFCausalLM) -> dict:
         out[f"hf.model.{pattern}"] = styles[style]()
     return out
 
+
+
+def router_aux_coef(model: nn.Module) -> float:
+    """The weight of the router's load-balancing loss in the training loss: transformers' ``router_aux_loss_coef``
+    when the config turns the loss on (``output_router_logits``, Mixtral), else 0."""
+    config = getattr(getattr(model, "hf", None), "config", None)
+    if config is None or not getattr(config, "output_router_logits", False):
+        return 0.0
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+
+
+def hf_loss_fn(model: HFCausalLM) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The trainer's loss for ``model``: next-token cross-entropy, plus ``router_aux_loss_coef`` × the router's
+    load-balancing loss of the same forward when the config enables it — what transformers' own
+    ``MixtralForCausalLM`` returns as ``loss`` given labels. Without the aux loss: ``lm_loss`` itself."""
+    from .deepseek import lm_loss
+
+    coef = router_aux_coef(model)
+    if coef == 0.0:
+        return lm_loss
+
+    def loss_with_router_aux(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        aux = model.aux_loss
+        model.aux_loss = None  # one forward, one use: a stale value is never added twice
+        loss = lm_loss(logits, targets)
+        return loss if aux is None else loss + coef * aux.to(loss.device, loss.dtype)
+
+    return loss_with_router_aux
