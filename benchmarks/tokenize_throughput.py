@@ -5,8 +5,9 @@ second run on the same cache (reuse: nothing tokenized again).
 
     python3 benchmarks/tokenize_throughput.py --mb 64 --workers 1 2 --out benchmarks/results/tokenize-throughput.json
 
-Reported per worker count: tokens, seconds, tokens/s, speed-up over 1 process, peak RSS of this process and of
-the tokenizing processes (ru_maxrss); for the reuse run, its seconds and whether the shards were left untouched.
+Reported per worker count: tokens, seconds, tokens/s, speed-up over 1 process, CPU seconds of this process and of
+the tokenizing processes, the 1-minute load average, peak RSS of this process and of the tokenizing processes
+(ru_maxrss); for the reuse run, its seconds and whether the shards were left untouched.
 The cores are the machine's (``os.sched_getaffinity``); on a shared machine the N-process figure is bounded by the
 cores actually free.
 """
@@ -63,6 +64,11 @@ def train_tokenizer(docs: list[str], vocab: int, path: Path) -> None:
     tok.save(str(path))
 
 
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=float, default=64, help="corpus size in MB of text")
@@ -83,17 +89,21 @@ def main(argv: list[str] | None = None) -> int:
         runs = []
         for n in args.workers:
             cache = tmp / f"cache-{n}"
+            cpu0, kids0 = time.process_time(), _children_cpu()
             start = time.perf_counter()
             out = prepare(str(source), str(tmp / "tokenizer.json"), 0.05, cache_dir=cache, workers=n)
             seconds = time.perf_counter() - start
+            cpu, kids = time.process_time() - cpu0, _children_cpu() - kids0
             meta = json.loads((out / "meta.json").read_text())
             runs.append({"workers": n, "documents": meta["documents"], "tokens": meta["tokens"],
                          "seconds": round(seconds, 3), "tokens_per_s": round(meta["tokens"] / seconds),
+                         "cpu_seconds_main": round(cpu, 3), "cpu_seconds_workers": round(kids, 3),
+                         "load_average_1min": round(os.getloadavg()[0], 2),
                          "peak_rss_mb_self": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                          "peak_rss_mb_children": round(
                              resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1)})
             print(f"{n} worker(s): {meta['tokens']:,} tokens in {seconds:.2f} s = {meta['tokens'] / seconds:,.0f} "
-                  f"tokens/s", flush=True)
+                  f"tokens/s (CPU: main {cpu:.2f} s, workers {kids:.2f} s; load {os.getloadavg()[0]:.1f})", flush=True)
         base = runs[0]["tokens_per_s"]
         for r in runs:
             r["speedup"] = round(r["tokens_per_s"] / base, 2)

@@ -225,6 +225,103 @@ def test_lightning_callback(tmp_path):
     assert _same_state(r1["resumed"]["state"], r1["full"]["state"])
 
 
+class _ResumableLoader:
+    """A user's loader with Lightning's resumable-loader interface (state_dict / load_state_dict: the batches
+    already taken this epoch), as torchdata's StatefulDataLoader provides; Lightning saves it in its checkpoints."""
+
+    def __init__(self, loader):
+        self.loader, self.taken, self.skip = loader, 0, 0
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __iter__(self):
+        it = iter(self.loader)
+        for _ in range(self.skip):
+            next(it)
+        self.taken, self.skip = self.skip, 0
+        for batch in it:
+            self.taken += 1
+            yield batch
+
+    def state_dict(self):
+        return {"taken": self.taken}
+
+    def load_state_dict(self, state):
+        self.skip = state["taken"]
+
+
+def _lightning_mid_epoch_worker(rank, world, tmp):
+    import glob
+    import logging
+    import warnings
+
+    import lightning.pytorch as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from syncwise.integrations.lightning import SyncwiseCallback
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net, self.losses = Net(), []
+
+        def training_step(self, batch, i):
+            return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def on_train_batch_end(self, outputs, batch, i):
+            self.losses.append(outputs["loss"].item())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    g = torch.Generator().manual_seed(7)
+    xs = torch.randn(64, 32, generator=g)  # 4 steps an epoch on 2 ranks of 8
+    data = torch.utils.data.TensorDataset(xs, xs[:, :8].sum(1, keepdim=True).expand(-1, 8).contiguous())
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False)
+
+    def fit(steps, ckpt=None, every=0):
+        torch.manual_seed(0)
+        module, cb = Module(), SyncwiseCallback(SPEC, min_numel=MIN_NUMEL)
+        loader = _ResumableLoader(torch.utils.data.DataLoader(data, batch_size=8, sampler=sampler))
+        saver = [ModelCheckpoint(dirpath=tmp, every_n_train_steps=every, save_top_k=-1)] if every else []
+        trainer = L.Trainer(accelerator="cpu", devices=world, strategy=DDPStrategy(process_group_backend="gloo"),
+                            max_steps=steps, callbacks=[cb, *saver], logger=False, enable_checkpointing=bool(every),
+                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp,
+                            use_distributed_sampler=False)
+        trainer.fit(module, loader, ckpt_path=ckpt)
+        return {"losses": module.losses, "params": _flat(module.net), "state": cb.compressor.state_dict(),
+                "skipped": loader.taken}
+
+    full = fit(6, every=3)  # saves at step 3, part-way through the first epoch
+    ckpt = glob.glob(os.path.join(tmp, "*step=3*.ckpt"))[0]
+    saved = torch.load(ckpt, weights_only=False)
+    resumed = fit(6, ckpt=ckpt)
+    return {"full": full, "resumed": resumed, "ckpt": os.path.basename(ckpt),
+            "saved_loader": saved["loops"]["fit_loop"]["state_dict"].get("combined_loader"),
+            "saved_ranks": len(next(v for k, v in saved["callbacks"].items() if "Syncwise" in k)["ranks"])}
+
+
+def test_lightning_resume_mid_epoch(tmp_path):
+    """A checkpoint Lightning writes part-way through an epoch (ModelCheckpoint every 3 steps of a 4-step epoch):
+    the compressor state (both ranks') comes back with it, and with a resumable loader the loss curve continues
+    exactly, across the next epoch boundary too."""
+    pytest.importorskip("lightning")
+    r0, r1 = run_workers(_lightning_mid_epoch_worker, 2, str(tmp_path))
+    assert r0["ckpt"].startswith("epoch=0-step=3") and r0["saved_loader"] == [{"taken": 3}]
+    assert r0["saved_ranks"] == 2
+    assert len(r0["full"]["losses"]) == 6 and len(r0["resumed"]["losses"]) == 3
+    assert r0["resumed"]["losses"] == r0["full"]["losses"][3:]
+    for r in (r0, r1):
+        assert torch.equal(r["resumed"]["params"], r["full"]["params"])
+        assert _same_state(r["resumed"]["state"], r["full"]["state"])
+    assert torch.equal(r0["resumed"]["params"], r1["resumed"]["params"])
+
+
 # ---- Hugging Face Accelerate --------------------------------------------------------------------------------
 def _accelerate_worker(rank, world, tmp):
     from accelerate import Accelerator

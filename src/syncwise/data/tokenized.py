@@ -314,11 +314,16 @@ def _tokenize_into(source: _Source, tok: Any, tok_file: Path, dtype: np.dtype, e
                     write(tokenize_pool.encode(texts, whole, dtype.name, tok), ends, progress)
         else:
             from concurrent.futures import ProcessPoolExecutor
-            from multiprocessing import get_context
+            import multiprocessing
 
-            # spawn: the caller may hold threads (torch, the prefetcher) that fork would copy mid-lock
-            with ProcessPoolExecutor(n_workers, mp_context=get_context("spawn"), initializer=tokenize_pool.init,
-                                     initargs=(str(tok_file),)) as pool:
+            # fork where there is one: spawn (and forkserver) re-import the caller's __main__ in every worker, which
+            # breaks any script without an `if __name__ == "__main__"` guard that calls load_corpus; the children
+            # only run numpy and the tokenizers library on what they are sent. The tokenizers library's own thread
+            # pool is declared off before the fork (else it warns in every child).
+            method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+            with tokenize_pool.single_threaded(), ProcessPoolExecutor(
+                    n_workers, mp_context=multiprocessing.get_context(method), initializer=tokenize_pool.init,
+                    initargs=(str(tok_file),)) as pool:
                 pending: collections.deque = collections.deque()
                 for texts, ends, progress in batches():
                     pending.append((pool.submit(tokenize_pool.encode, texts, whole, dtype.name), ends, progress))
