@@ -5,9 +5,10 @@ second run on the same cache (reuse: nothing tokenized again).
 
     python3 benchmarks/tokenize_throughput.py --mb 64 --workers 1 2 --out benchmarks/results/tokenize-throughput.json
 
-Reported per worker count: tokens, seconds, tokens/s, speed-up over 1 process, CPU seconds of this process and of
-the tokenizing processes, the 1-minute load average, peak RSS of this process and of the tokenizing processes
-(ru_maxrss); for the reuse run, its seconds and whether the shards were left untouched.
+Reported per worker count (each run in a fresh process): tokens, seconds, tokens/s, speed-up over 1 process, CPU
+seconds of the main process and of the tokenizing processes, the 1-minute load average, and how far the main
+process's RSS grew above its level after importing pyarrow and loading the tokenizer, against the shard size; for the reuse run, its seconds and whether
+the shards were left untouched.
 The cores are the machine's (``os.sched_getaffinity``); on a shared machine the N-process figure is bounded by the
 cores actually free.
 """
@@ -17,7 +18,7 @@ import argparse
 import json
 import os
 import platform
-import resource
+import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -48,8 +49,8 @@ def write_parquet(docs: list[str], path: Path) -> None:
     import pyarrow.parquet as pq
 
     with pq.ParquetWriter(path, pa.schema([("text", pa.string()), ("id", pa.int64())])) as w:
-        for at in range(0, len(docs), 2048):  # row groups of 2048 documents
-            part = docs[at:at + 2048]
+        for at in range(0, len(docs), 128):  # row groups of 128 documents (~2 MB)
+            part = docs[at:at + 128]
             w.write_table(pa.table({"text": part, "id": list(range(at, at + len(part)))}))
 
 
@@ -62,11 +63,6 @@ def train_tokenizer(docs: list[str], vocab: int, path: Path) -> None:
     tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<unk>", "<|endoftext|>"],
                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.save(str(path))
-
-
-def _children_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,22 +84,32 @@ def main(argv: list[str] | None = None) -> int:
         del docs
         runs = []
         for n in args.workers:
-            cache = tmp / f"cache-{n}"
-            cpu0, kids0 = time.process_time(), _children_cpu()
-            start = time.perf_counter()
-            out = prepare(str(source), str(tmp / "tokenizer.json"), 0.05, cache_dir=cache, workers=n)
-            seconds = time.perf_counter() - start
-            cpu, kids = time.process_time() - cpu0, _children_cpu() - kids0
+            # each run in a fresh process, so its peak RSS is its own (not this one's, which built the corpus)
+            code = ("import json, resource, sys, time, os\n"
+                    "import pyarrow.parquet, tokenizers\n"
+                    "from syncwise.data.tokenized import prepare, load_tokenizer\n"
+                    "load_tokenizer(sys.argv[2])\n"
+                    "rss0 = int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE')\n"
+                    "cpu0, t0 = time.process_time(), time.perf_counter()\n"
+                    "out = prepare(sys.argv[1], sys.argv[2], 0.05, cache_dir=sys.argv[3], workers=int(sys.argv[4]))\n"
+                    "t, cpu = time.perf_counter() - t0, time.process_time() - cpu0\n"
+                    "kids = resource.getrusage(resource.RUSAGE_CHILDREN)\n"
+                    "print(json.dumps({'out': str(out), 'seconds': t, 'cpu': cpu, 'kids': kids.ru_utime + kids.ru_stime,"
+                    " 'rss0': rss0, 'rss_peak': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))\n")
+            proc = subprocess.run([sys.executable, "-c", code, str(source), str(tmp / "tokenizer.json"),
+                                   str(tmp / f"cache-{n}"), str(n)], capture_output=True, text=True, check=True)
+            m = json.loads(proc.stdout.strip().splitlines()[-1])
+            out, seconds = Path(m["out"]), m["seconds"]
             meta = json.loads((out / "meta.json").read_text())
+            shard_bytes = sum(p.stat().st_size for p in out.glob("*.bin"))
             runs.append({"workers": n, "documents": meta["documents"], "tokens": meta["tokens"],
                          "seconds": round(seconds, 3), "tokens_per_s": round(meta["tokens"] / seconds),
-                         "cpu_seconds_main": round(cpu, 3), "cpu_seconds_workers": round(kids, 3),
-                         "load_average_1min": round(os.getloadavg()[0], 2),
-                         "peak_rss_mb_self": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-                         "peak_rss_mb_children": round(
-                             resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1)})
+                         "cpu_seconds_main": round(m["cpu"], 3), "cpu_seconds_workers": round(m["kids"], 3),
+                         "load_average_1min": round(os.getloadavg()[0], 2), "shard_mb": round(shard_bytes / 1e6, 1),
+                         "main_rss_growth_mb": round((m["rss_peak"] - m["rss0"]) / 1e6, 1)})
             print(f"{n} worker(s): {meta['tokens']:,} tokens in {seconds:.2f} s = {meta['tokens'] / seconds:,.0f} "
-                  f"tokens/s (CPU: main {cpu:.2f} s, workers {kids:.2f} s; load {os.getloadavg()[0]:.1f})", flush=True)
+                  f"tokens/s (CPU: main {m['cpu']:.2f} s, workers {m['kids']:.2f} s; load {os.getloadavg()[0]:.1f}; "
+                  f"main RSS +{runs[-1]['main_rss_growth_mb']} MB for {runs[-1]['shard_mb']} MB of shards)", flush=True)
         base = runs[0]["tokens_per_s"]
         for r in runs:
             r["speedup"] = round(r["tokens_per_s"] / base, 2)
@@ -119,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
               f"across worker counts: {same}")
         result = {
             "benchmark": "tokenize_throughput", "command": "python3 " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
-            "corpus": {"source": "Python stdlib .py files as parquet rows (row groups of 2048)",
+            "corpus": {"source": "Python stdlib .py files as parquet rows (row groups of 128)",
                        "text_bytes": text_bytes, "parquet_bytes": source.stat().st_size,
                        "documents": runs[0]["documents"]},
             "tokenizer": {"kind": "byte-level BPE trained on 5 % of the documents", "vocab_size": args.vocab},
