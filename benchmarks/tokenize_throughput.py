@@ -89,13 +89,16 @@ def main(argv: list[str] | None = None) -> int:
                     "import pyarrow.parquet, tokenizers\n"
                     "from syncwise.data.tokenized import prepare, load_tokenizer\n"
                     "load_tokenizer(sys.argv[2])\n"
-                    "rss0 = int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE')\n"
+                    "def hwm():  # VmHWM: this process's own peak (ru_maxrss carries the parent's across fork+exec)\n"
+                    "    line = next(l for l in open('/proc/self/status') if l.startswith('VmHWM'))\n"
+                    "    return int(line.split()[1]) * 1024\n"
+                    "rss0 = hwm()\n"
                     "cpu0, t0 = time.process_time(), time.perf_counter()\n"
                     "out = prepare(sys.argv[1], sys.argv[2], 0.05, cache_dir=sys.argv[3], workers=int(sys.argv[4]))\n"
                     "t, cpu = time.perf_counter() - t0, time.process_time() - cpu0\n"
                     "kids = resource.getrusage(resource.RUSAGE_CHILDREN)\n"
                     "print(json.dumps({'out': str(out), 'seconds': t, 'cpu': cpu, 'kids': kids.ru_utime + kids.ru_stime,"
-                    " 'rss0': rss0, 'rss_peak': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))\n")
+                    " 'rss0': rss0, 'rss_peak': hwm()}))\n")
             proc = subprocess.run([sys.executable, "-c", code, str(source), str(tmp / "tokenizer.json"),
                                    str(tmp / f"cache-{n}"), str(n)], capture_output=True, text=True, check=True)
             m = json.loads(proc.stdout.strip().splitlines()[-1])
