@@ -108,6 +108,12 @@ def test_clear_errors(tok, sources, tmp_path):
         load_corpus(str(sources / "docs.parquet"), tokenizer=str(folder), text_column="body", cache_dir=tmp_path)
     with pytest.raises(ConfigError, match="data.text_column.*a column of .*: text"):
         load_corpus(str(sources / "docs_ds"), tokenizer=str(folder), text_column="body", cache_dir=tmp_path)
+    from syncwise.data.tokenized import prepare, resolve_workers
+
+    with pytest.raises(ConfigError, match="data.tokenize_workers.*an integer ≥ 0"):
+        prepare(str(sources / "docs.jsonl"), str(folder), cache_dir=tmp_path, workers=-1)
+    assert resolve_workers(0, 1 << 20) == 1 and resolve_workers(3, 1 << 20) == 3  # small: no worker processes
+    assert 1 <= resolve_workers(0, 1 << 30) <= 8
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     with pytest.raises(ConfigError, match="data.corpus.*is empty"):
