@@ -71,6 +71,17 @@ def _reference(folder, corpus, ranks=1, steps=STEPS, pretrained=False, clip=0.0,
         model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(folder),
                                                               dtype=torch.float32)
     model.train()
+    # DeepSeek-V3's aux-loss-free balancing (paper §2.1.2, which transformers does not train): after each step,
+    # e_score_correction_bias += 1e-3 * sign(mean load - load), the load counted from the router's own top-k
+    routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+    counts = {}
+
+    def count(router, args, out):
+        n = router.e_score_correction_bias.numel()
+        counts[router] = counts.get(router, 0) + torch.bincount(out[2].reshape(-1), minlength=n)
+
+    for router in routers:
+        router.register_forward_hook(count)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
     train = load_corpus(str(corpus), val_fraction=0.05).train
     loaders = [TokenBatchLoader(train, BATCH, SEQ, r, ranks, seed=SEED) for r in range(ranks)]
@@ -82,6 +93,10 @@ def _reference(folder, corpus, ranks=1, steps=STEPS, pretrained=False, clip=0.0,
         if clip:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
         opt.step()
+        with torch.no_grad():
+            for router in routers:
+                load = counts.pop(router).float()
+                router.e_score_correction_bias += 1e-3 * torch.sign(load.mean() - load)
         losses.append(loss.item())
     return losses
 
@@ -122,6 +137,31 @@ def test_mixtral_router_aux_loss_is_in_the_loss(corpus, tmp_path):
     assert got[0] > plain[0] + 0.5 * 0.9  # the aux loss is about top_k = 2 at init (1 for a perfect balance)
 
 
+def test_deepseek_v3_router_bias_is_balanced_during_training(tmp_path):
+    """transformers never updates e_score_correction_bias; syncwise does, by its own MoE rule: after a training
+    forward, update_router_bias moves each router's bias by 1e-3 toward balance (down for the over-loaded experts),
+    from the counts of the router's own top-k; evaluation forwards are not counted; the counts reset."""
+    from syncwise.models.hf_model import build_hf_model
+
+    torch.manual_seed(0)
+    model = build_hf_model(f"hf:{_folder(tmp_path, 'deepseek_v3')}")
+    routers = model._routers
+    assert len(routers) == 1  # first_k_dense_replace=1 of 2 layers
+    model.eval()
+    model(torch.randint(0, 320, (2, SEQ)))
+    model.update_router_bias()
+    assert torch.count_nonzero(routers[0].e_score_correction_bias) == 0  # nothing counted in eval
+    model.train()
+    seen = []
+    routers[0].register_forward_hook(lambda m, a, out: seen.append(torch.bincount(out[2].reshape(-1), minlength=4)))
+    model(torch.randint(0, 320, (2, SEQ))).sum().backward()
+    load = seen[0].float()
+    model.update_router_bias()
+    assert torch.equal(routers[0].e_score_correction_bias, 1e-3 * torch.sign(load.mean() - load))
+    assert int(routers[0]._syncwise_counts.sum()) == 0
+    assert "hf.model.layers.1.mlp.gate.e_score_correction_bias" in model.state_dict()  # saved in checkpoints
+
+
 def test_weights_are_loaded_from_safetensors(corpus, tmp_path):
     torch.manual_seed(123)  # not the run's seed: a random init at SEED would give other losses
     folder = tmp_path / "saved"
@@ -140,13 +180,15 @@ def test_weights_are_loaded_from_safetensors(corpus, tmp_path):
     assert got[0] != pytest.approx(_reference(_folder(tmp_path, "llama"), corpus, steps=1)[0], rel=1e-3)
 
 
-@pytest.mark.parametrize("extra, exact", [
+@pytest.mark.parametrize("family, extra, exact", [
     # DDP, gradients compressed by syncwise's hook (~25 s on 2 shared cores: slow)
-    pytest.param(["--compress", "fp8"], False, marks=pytest.mark.slow),
-    (["--parallel.dp_shard=2"], True),                # FSDP2: one unit per decoder layer, then the root
+    pytest.param("llama", ["--compress", "fp8"], False, marks=pytest.mark.slow),
+    ("llama", ["--parallel.dp_shard=2"], True),        # FSDP2: one unit per decoder layer, then the root
+    # DeepSeek-V3's router bias balanced from both ranks' counts (one all-reduce a step), as the plain loop does
+    ("deepseek_v3", ["--parallel.dp_shard=2"], True),
 ])
-def test_two_ranks_data_parallel(extra, exact, corpus, tmp_path):
-    folder = _folder(tmp_path, "llama")
+def test_two_ranks_data_parallel(family, extra, exact, corpus, tmp_path):
+    folder = _folder(tmp_path, family)
     run_dir = tmp_path / "run"
     assert main(_args(folder, corpus, run_dir, "--nproc", "2", *extra)) == 0
     got, want = _losses(run_dir), _reference(folder, corpus, ranks=2)

@@ -6,7 +6,9 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from .config import ModelConfig
 from .hf import HFModelInfo, read_hf_model
+from .moe import _in_backward, balance_bias_
 
 
 class HFCausalLM(nn.Module):
@@ -15,11 +17,20 @@ class HFCausalLM(nn.Module):
     The Hugging Face model is ``self.hf`` (its parameters are named ``hf.model.layers.0...``); save it back
     with ``wrapper.hf.save_pretrained(folder)``."""
 
-    def __init__(self, hf: nn.Module, info: Optional[HFModelInfo] = None, seq_len: int = 0) -> None:
+    def __init__(self, hf: nn.Module, info: Optional[HFModelInfo] = None, seq_len: int = 0,
+                 bias_update_rate: Optional[float] = None) -> None:
         super().__init__()
         self.hf = hf
         self.info = info
         self.seq_len = seq_len
+        # DeepSeek-V3's routers select experts by score + e_score_correction_bias; transformers never updates that
+        # bias. syncwise does, as for its own MoE presets: each router's selections are counted (a forward hook on
+        # the router's own top-k) and update_router_bias, which the trainer calls after every optimizer step,
+        # moves the bias by the same rule and rate (models.moe.balance_bias_, ModelConfig.bias_update_rate).
+        self._routers = [m for m in hf.modules() if isinstance(getattr(m, "e_score_correction_bias", None), torch.Tensor)]
+        self.bias_update_rate = ModelConfig.bias_update_rate if bias_update_rate is None else bias_update_rate
+        for router in self._routers:
+            router.register_forward_hook(_count_selections)
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -39,6 +50,23 @@ class HFCausalLM(nn.Module):
         self.aux_loss = getattr(out, "aux_loss", None)
         return out.logits
 
+    @torch.no_grad()
+    def update_router_bias(self, reduce_fn: Optional[Callable[[torch.Tensor], object]] = None,
+                           apply: Optional[torch.Tensor] = None) -> None:
+        """After an optimizer step: move every DeepSeek-V3 router's ``e_score_correction_bias`` toward balance
+        from the selections counted since the last call (summed across ranks by ``reduce_fn``, one collective for
+        all layers, so every replica applies the same update), then reset the counts. No routers, or a rate of 0:
+        nothing (and no collective)."""
+        if not self._routers or self.bias_update_rate == 0:
+            return
+        counts = torch.stack([_counts_of(r) for r in self._routers])
+        if reduce_fn is not None:
+            reduce_fn(counts)
+        for router, load in zip(self._routers, counts):
+            ok = balance_bias_(router.e_score_correction_bias, load, self.bias_update_rate, apply)
+            own = _counts_of(router)
+            router._syncwise_counts = torch.where(ok, torch.zeros_like(own), own)  # a skipped step's carry over
+
     #: Training FLOPs per token, set by whoever builds the run (the worker: the planner's count of config.json at
     #: the training length, config.hf_model_spec); the models layer does not import the planner. 0: unknown.
     flops_per_token_value: float = 0.0
@@ -46,6 +74,25 @@ class HFCausalLM(nn.Module):
     def flops_per_token(self) -> float:
         """Training FLOPs per token (0 when the builder did not set it: no MFU)."""
         return self.flops_per_token_value
+
+
+def _counts_of(router: nn.Module) -> torch.Tensor:
+    counts = getattr(router, "_syncwise_counts", None)
+    if counts is None or counts.device != router.e_score_correction_bias.device:
+        counts = torch.zeros(router.e_score_correction_bias.numel(), dtype=torch.int64,
+                             device=router.e_score_correction_bias.device)
+        router._syncwise_counts = counts
+    return counts
+
+
+def _count_selections(router: nn.Module, args: tuple, out: tuple) -> None:
+    """Forward hook on a DeepSeek-V3 router (``(logits, weights, top-k indices)``): count each expert's selections
+    in training forwards, not in evaluation nor in activation checkpointing's recompute (models.moe's rule)."""
+    if not (router.training and torch.is_grad_enabled()) or _in_backward():
+        return
+    flat = out[2].reshape(-1)
+    counts = _counts_of(router)
+    counts.scatter_add_(0, flat.to(counts.device), torch.ones_like(flat, dtype=counts.dtype, device=counts.device))
 
 
 def build_hf_model(preset: str, seq_len: int = 0) -> HFCausalLM:

@@ -37,6 +37,19 @@ def recomputing() -> Iterator[None]:
         _Recompute.depth -= 1
 
 
+@torch.no_grad()
+def balance_bias_(bias: torch.Tensor, load: torch.Tensor, rate: float, apply: torch.Tensor | None = None) -> torch.Tensor:
+    """Auxiliary-loss-free balancing (DeepSeek-V3 §2.1.2), in place: ``bias += rate * sign(mean(load) - load)``, on
+    the device and without reading anything back; nothing moves when no token was counted or ``apply`` is False.
+    Returns that decision (a bool tensor). Shared by syncwise's MoE and Hugging Face DeepSeek-V3 routers."""
+    load = load.to(bias.device).float()
+    ok = load.sum() > 0
+    if apply is not None:
+        ok = ok & apply.to(ok.device)
+    bias += torch.where(ok, rate * torch.sign(load.mean() - load), 0.0).to(bias.dtype)
+    return ok
+
+
 def _in_backward() -> bool:
     # Activation checkpointing re-runs forward inside backward; those tokens were already counted. Issue 24:
     # torch._C._current_graph_task_id() is opaque to dynamo (one graph break per MoE layer), so under
@@ -291,10 +304,7 @@ class MoE(nn.Module):
         where ``apply`` (a bool tensor: the trainer's "this step was not skipped") is False; the counts are then
         kept for the next update."""
         load = (self.tokens_per_expert if counts is None else counts).to(self.expert_bias.device).float()
-        ok = load.sum() > 0
-        if apply is not None:
-            ok = ok & apply.to(ok.device)
-        self.expert_bias += torch.where(ok, self.bias_update_rate * torch.sign(load.mean() - load), 0.0)
+        ok = balance_bias_(self.expert_bias, load, self.bias_update_rate, apply)
         self.last_load = torch.where(ok, load, load if self.last_load is None else self.last_load)
         # A skipped step's counts carry over to the next update, as when the caller skips the call.
         zeros = torch.zeros_like(self.tokens_per_expert)
