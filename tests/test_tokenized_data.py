@@ -231,9 +231,9 @@ def test_a_tokenized_run_resumes_at_exactly_the_next_batch(tok, sources, tmp_pat
     assert all(torch.equal(x, y) for x, y in zip(next(a), next(b)))
 
 
-def test_a_model_smaller_than_the_tokenizers_vocabulary_is_refused(tok, sources, tmp_path, monkeypatch, capsys):
+def test_an_hf_model_on_tokenized_data_and_a_vocabulary_too_small(tok, sources, tmp_path, monkeypatch, capsys):
     """--model hf:DIR whose vocab_size (256) does not cover the tokenizer's 300 ids: one line naming the field and
-    both sizes, before any worker starts."""
+    both sizes, before any worker starts; with 320 it trains (first loss about ln 320: a random init)."""
     transformers = pytest.importorskip("transformers")
     folder, _ = tok
     model = tmp_path / "llama"
@@ -248,3 +248,11 @@ def test_a_model_smaller_than_the_tokenizers_vocabulary_is_refused(tok, sources,
     assert len(err.splitlines()) == 1 and "'model.preset'" in err, err
     assert "300 ids" in err and "vocab_size 256" in err, err
     assert not run_dir.exists()
+    # a vocabulary that covers the tokenizer's ids trains on the tokenized data
+    transformers.LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=4, architectures=["LlamaForCausalLM"]).save_pretrained(model)
+    assert main(["train", "--nproc", "1", "--model", f"hf:{model}", "--steps", "2", "--run-dir", str(run_dir),
+                 "--data.corpus", str(sources / "docs.jsonl"), f"--data.tokenizer={folder}",
+                 "--data.seq_len=16", "--data.batch_size=2"]) == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["loss"] == pytest.approx(np.log(320), rel=0.05)
