@@ -100,6 +100,26 @@ def test_worker_processes_give_the_same_shards_with_a_progress_bar_on_a_terminal
     assert "tok/s" in screen.getvalue()
 
 
+def test_concurrent_callers_build_the_cache_once(tok, sources, tmp_path, monkeypatch):
+    """Ranks of a plain torchrun job each call load_corpus: one builds, the others wait on the lock and map it."""
+    import threading
+
+    from syncwise.data import tokenized
+
+    folder, _ = tok
+    builds = []
+    real = tokenized._build
+    monkeypatch.setattr(tokenized, "_build", lambda *a: (builds.append(1), real(*a)))
+    outs = []
+    threads = [threading.Thread(target=lambda: outs.append(tokenized.prepare(
+        str(sources / "docs.jsonl"), str(folder), 0.1, cache_dir=tmp_path, workers=1))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(outs) == 3 and len(set(outs)) == 1 and len(builds) == 1
+
+
 def test_clear_errors(tok, sources, tmp_path):
     folder, _ = tok
     with pytest.raises(ConfigError, match="data.text_column.*line 1 has: text, id"):

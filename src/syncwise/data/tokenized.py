@@ -14,6 +14,7 @@ the tokenizer's end-of-text id when it has one.
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import json
 import os
@@ -228,13 +229,22 @@ def prepare(spec: str, tokenizer: str, val_fraction: float = 0.05, column: str =
     out = _cache_root(cache_dir) / "tokenized" / key
     if (out / "meta.json").is_file():
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _one_builder(out.parent / f".{key}.lock"):  # other processes on this machine wait, then find the cache
+        if not (out / "meta.json").is_file():
+            _build(out, path, spec, tok_file, tokenizer, column, val_fraction, workers)
+    return out
+
+
+def _build(out: Path, path: Path, spec: str, tok_file: Path, tokenizer: str, column: str, val_fraction: float,
+           workers: int) -> None:
+    """Tokenize ``path`` into a temporary folder next to ``out``, then publish it as ``out`` (atomic rename)."""
     tok = load_tokenizer(tokenizer)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     dtype = np.dtype(np.uint16 if vocab <= 2**16 else np.uint32)
     eos = next((tok.token_to_id(t) for t in _EOS_NAMES if tok.token_to_id(t) is not None), None)
     source = _Source(path, spec, column)
     n_workers = resolve_workers(workers, _source_bytes(path))
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
     try:
         start = time.perf_counter()
@@ -258,7 +268,25 @@ def prepare(spec: str, tokenizer: str, val_fraction: float = 0.05, column: str =
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+
+@contextlib.contextmanager
+def _one_builder(lock: Path) -> Iterator[None]:
+    """One process on this machine builds a given cache at a time (ranks of a plain torchrun job, each calling
+    load_corpus): an exclusive ``flock`` on ``lock``. Where there is no flock, or the lock file cannot be made,
+    every caller builds and the atomic rename keeps the result whole."""
+    try:
+        import fcntl
+
+        f = open(lock, "a")
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+    finally:
+        f.close()  # closing releases the lock
 
 
 def _tokenize_into(source: _Source, tok: Any, tok_file: Path, dtype: np.dtype, eos: int | None, val_fraction: float,
