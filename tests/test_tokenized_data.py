@@ -134,6 +134,8 @@ def test_clear_errors(tok, sources, tmp_path):
         prepare(str(sources / "docs.jsonl"), str(folder), cache_dir=tmp_path, workers=-1)
     assert resolve_workers(0, 1 << 20) == 1 and resolve_workers(3, 1 << 20) == 3  # small: no worker processes
     assert 1 <= resolve_workers(0, 1 << 30) <= 8
+    with pytest.raises(ConfigError, match="data.corpus.*not written by save_to_disk"):
+        load_corpus(str(tmp_path), tokenizer=str(folder), cache_dir=tmp_path / "c")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     with pytest.raises(ConfigError, match="data.corpus.*is empty"):

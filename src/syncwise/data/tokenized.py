@@ -76,6 +76,9 @@ class _Source:
 
     def __init__(self, path: Path, spec: str, column: str) -> None:
         self.path, self.spec, self.column = path, spec, column
+        if path.is_dir() and not is_dataset_dir(path):
+            raise ConfigError("data.corpus", spec, f"{SOURCES}; {path} is a folder without dataset_info.json and "
+                              "state.json (not written by save_to_disk)")
         self.kind = ("dataset" if is_dataset_dir(path) else "parquet" if path.suffix.lower() == ".parquet" else
                      "jsonl" if path.suffix.lower() in (".jsonl", ".ndjson") or path.name.endswith(".json-lines")
                      else "text")
