@@ -298,7 +298,7 @@ def _tokenize_into(source: _Source, tok: Any, tok_file: Path, dtype: np.dtype, e
     written in order), appending each document's ids (+ eos) to the train or val file. Returns (documents,
     tokens per split)."""
     counts = {"train": 0, "val": 0}
-    state = {"docs": 0, "tokens": 0}
+    state = {"docs": 0, "tokens": 0, "bar": 0}
     bar = _progress(source, spec)
     task = bar.add_task("tokenize", total=source.total, rate="") if bar is not None else None
     start = time.perf_counter()
@@ -321,6 +321,9 @@ def _tokenize_into(source: _Source, tok: Any, tok_file: Path, dtype: np.dtype, e
                 counts[split] += data.size
         state["tokens"] = counts["train"] + counts["val"]
         if bar is not None:
+            if not state["bar"]:  # started at the first result: after the pool has forked (no thread to copy)
+                bar.start()
+                state["bar"] = 1
             rate = state["tokens"] / max(time.perf_counter() - start, 1e-9)
             bar.update(task, advance=progress, rate=f"{rate / 1e6:.2f}M tok/s")
 
@@ -342,8 +345,6 @@ def _tokenize_into(source: _Source, tok: Any, tok_file: Path, dtype: np.dtype, e
         if texts or progress:
             yield texts, ends, progress
 
-    if bar is not None:
-        bar.start()
     try:
         if n_workers == 1:
             with tokenize_pool.single_threaded():
@@ -371,7 +372,7 @@ def _tokenize_into(source: _Source, tok: Any, tok_file: Path, dtype: np.dtype, e
                     future, e, p = pending.popleft()
                     write(future.result(), e, p)
     finally:
-        if bar is not None:
+        if bar is not None and state["bar"]:
             bar.stop()
     return state["docs"], counts
 
