@@ -44,12 +44,13 @@ def describe_compressors() -> str:
 
 
 def build_compressor(spec: Compress) -> Compressor:
-    """A compressor instance of a parsed spec (``syncwise.layout.Compress``); its ``spec`` is the text."""
+    """A compressor instance of a parsed spec (``syncwise.layout.Compress``); its ``spec`` is the text and
+    ``parsed`` the spec itself (``parallelize`` reads the layout's rules from it: no parse again)."""
     info = COMPRESSORS.get(spec.name)
     if info is None:  # a torch-* hook: parallel.data_parallel.TorchHookSpec builds those
         raise ConfigError("compress", spec.text, compressors_accepted())
     compressor = info.cls(**spec.given)
-    compressor.spec = spec.text
+    compressor.spec, compressor.parsed = spec.text, spec  # the text for records, the parsed spec for the layout
     return compressor
 
 
