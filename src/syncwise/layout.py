@@ -9,10 +9,12 @@ reason: :meth:`Layout.resolve` (the world size), :meth:`Layout.check` (compresso
 (``syncwise.parallel.parallelize``) and the planner (``syncwise.plan``) all ask it, so they accept and refuse the
 same layouts with the same ``ConfigError`` (field names as in the config: ``parallel.*``, ``compress.method``).
 
-What stays elsewhere, because it needs torch or a layer above: which pipeline schedules the installed torch
-ships (``parallel.pipeline.check_pipeline``), whether torch has fp8 for the expert dispatch
-(``parallel.expert_parallel.check_dispatch``), and rules that involve training fields (``train.grad_accum``,
-``train.dynamic_batch``, ``train.mixed_precision``, ``data.batch_size``: ``syncwise.config``).
+The pipeline schedules' table and rules (:data:`SCHEDULE_SPECS`, :func:`check_pipeline_shape`) and the
+compressors' wire and state data (:class:`CompressorSpec`) are here too, so the planner reads them without torch.
+What stays elsewhere, because it needs torch or a layer above: whether the installed torch ships the schedule's
+class and has fp8 for the expert dispatch (``parallel.mesh.check_torch_support``), and rules that involve
+training fields (``train.grad_accum``, ``train.dynamic_batch``, ``train.mixed_precision``, ``data.batch_size``:
+``syncwise.config``). ``syncwise.parallel.ParallelSpec`` is this Layout under its torch-side name.
 """
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ from .sparse import RandomKCompressor, TopKCompressor
 @dataclass(frozen=True)
 class CompressorInfo:
     """A registry entry: the class, a one-line summary and its options (name -> (type, default, doc)), as the
-    torch-free table ``syncwise.layout.COMPRESSORS`` holds them (tests/test_layout.py checks that each class's
-    ``Config`` agrees with it)."""
+    torch-free table ``syncwise.layout.COMPRESSORS`` holds them (each class's ``Config`` is made from the same
+    entry: ``base.config_class``)."""
 
     name: str
     cls: type
