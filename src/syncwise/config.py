@@ -357,13 +357,12 @@ class RunConfig:
         """The run's spec strings parsed by their owners' parsers (``syncwise.specs`` syntax), typed: what
         workers hand to the trainer. Each call builds fresh objects (a compressor carries per-run state); a
         bad spec raises its owner's ConfigError under this config's key, with the value as given."""
-        from .compress.registry import build_compressor
-        from .parallel import TorchHookSpec
+        from .parallel.data_parallel import compressor_of
         from .train.faults import Fault
 
         lay = run_layout(self)  # compress.method and parallel.sync parsed here, once (syncwise.layout)
         with _as_field("compress.method", self.compress.method):  # the instance: the compressor's own bounds
-            compress = TorchHookSpec.parse(lay.compress.text) if lay.compress.torch_hook else build_compressor(lay.compress)
+            compress = compressor_of(lay.compress)
         faults = []
         for spec in self.inject_fault:
             with _as_field("inject_fault", spec):

@@ -36,7 +36,7 @@ from ..comm.stats import STATS
 from ..errors import ConfigError
 from ..layout import NO_COMPRESS, Compress, Layout, parse_compress, parse_sync
 from .activation_checkpoint import apply_activation_checkpointing
-from .data_parallel import DataParallel, StageGradientSync, apply_data_parallel
+from .data_parallel import DataParallel, StageGradientSync, apply_data_parallel, compressor_of
 from .mesh import build_mesh, check_torch_support
 from .sync import build_sync
 from .sync_spec import SyncStrategy
@@ -225,7 +225,7 @@ def parallelize(model: nn.Module, spec: "Layout | dict | None" = None, device: O
     spec = spec if isinstance(spec, Layout) else Layout(**(spec or {}))
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if compressor is None and not spec.compress.is_none:  # the layout names the compressor: built from its spec
-        compressor = _build_compressor(spec.compress)
+        compressor = compressor_of(spec.compress)
     sync = parse_sync(sync) if sync is not None else spec.sync
     spec = check_layout(spec, compressor, sync, world, getattr(model, "config", None))
     device = device or next(model.parameters()).device
@@ -311,19 +311,10 @@ def check_layout(spec: Layout, compressor: Any, sync: Any, world: int, model_con
     return out
 
 
-def _build_compressor(c: Compress) -> Any:
-    """The compressor instance of a parsed spec: PyTorch's hook (TorchHookSpec) or syncwise's (compress/)."""
-    if c.torch_hook:
-        from .data_parallel import TorchHookSpec
-        return TorchHookSpec.parse(c.text)
-    from ..compress.registry import build_compressor
-    return build_compressor(c)
-
-
 def _compress_of(compressor: Any) -> Compress:
     """The parsed spec of the compressor instance parallelize was given: the one it was built from
-    (``compress.registry.build_compressor`` keeps it as ``parsed``), a TorchHookSpec's, or — for a user's own
-    Compressor class — its name."""
+    (``data_parallel.compressor_of`` keeps it as ``parsed``), or — for a user's own Compressor class or one built
+    from text — its spec text or name."""
     if compressor is None:
         return NO_COMPRESS
     parsed = getattr(compressor, "parsed", None)
