@@ -733,12 +733,10 @@ def run_layout(cfg: RunConfig) -> Any:
     rules sees it (``syncwise.layout.Layout``, unresolved: dp_replicate may be 0)."""
     from .layout import Layout, parse_compress
 
-    p = cfg.parallel
     with _as_field("compress.method", cfg.compress.method):
         compress = parse_compress(cfg.compress.method, "compress.method")
-    return Layout.of(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, ep=p.ep,
-                     pp_schedule=p.pp_schedule, microbatches=p.microbatches, stages_per_rank=p.stages_per_rank,
-                     ep_dispatch=p.ep_dispatch, compress=compress, sync=p.sync)
+    # [parallel]'s keys are the Layout's field names (the section adds the command line's docs and bounds)
+    return Layout.of(compress=compress, **dataclasses.asdict(cfg.parallel))
 
 
 def _check_model(lay: Any, model_config: Any) -> None:
