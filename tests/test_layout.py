@@ -146,6 +146,28 @@ def test_error_feedback_memory_follows_the_compressor_flag():
     assert two == 2 * one
 
 
+def test_each_spec_is_parsed_once_per_process(monkeypatch):
+    """`syncwise train --check` (the launcher) parses --compress and --sync once; the worker's path (specs, the
+    resolved layout, OptimizedTrainer → parallelize) parses each once too (formerly 5 and 8 compressor parses)."""
+    import torch
+
+    import syncwise.layout as owner
+    from syncwise.config import build_config
+    from syncwise.models import build_model
+    from syncwise.train.trainer import OptimizedTrainer
+
+    calls, real = [], owner.parse_spec
+    monkeypatch.setattr(owner, "parse_spec", lambda text, *a, **k: calls.append(text) or real(text, *a, **k))
+    cfg = build_config(None, {"compress.method": "powersgd:rank=4", "parallel.sync": "every-step", "dist.nproc": "2"})
+    assert calls == ["powersgd:rank=4", "every-step"]
+    calls.clear()
+    specs = cfg.specs()   # the worker: commands/worker.py's order
+    model = build_model("tiny", seq_len=32)
+    OptimizedTrainer(model, torch.optim.AdamW(model.parameters()), compress_gradients=specs.compress,
+                     sync=specs.sync, parallel=specs.layout.resolve(1), device=torch.device("cpu"))
+    assert calls == ["powersgd:rank=4", "every-step"]
+
+
 def test_a_spec_is_parsed_once_and_travels_as_an_object():
     """The command line's parsed compressor spec is the one the compressor instance, the planner's layout and
     parallelize's resolved layout hold (no string round trip)."""
