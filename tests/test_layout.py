@@ -108,12 +108,22 @@ def test_the_python_api_refuses_a_compressor_with_local_sgd_as_the_cli_does():
 
 
 def test_the_owner_and_the_planner_load_no_torch():
+    """predict() with data parallel + fp8, DiLoCo, local SGD, and pp 2 (interleaved) × ep 2 with an fp8 dispatch and
+    an fp8 compressor: the pipeline's rules are the owner's (torch-free); a pipeline the schedule refuses is
+    refused torch-free too."""
     code = ("import sys, syncwise.layout, syncwise.plan as P\n"
             "m = P.ModelSpec('m', 32000, 1024, 8, 16, 4096)\n"
             "c = P.cluster('h100-sxm', 2)\n"
             "p = P.predict(c, m, P.parse_layout('dp=8,tp=2,compress=fp8:error_feedback=yes', 16), 64, 1024)\n"
             "q = P.predict(c, m, P.parse_layout('dp=16,sync=diloco', 16), 64, 1024)\n"
-            "assert p.runnable and q.runnable, (p.not_runnable, q.not_runnable)\n"
+            "moe = P.ModelSpec('moe', 32000, 1024, 8, 16, 4096, n_routed_experts=8, top_k=2, moe_hidden=512)\n"
+            "r = P.predict(c, moe, P.parse_layout('dp=8,pp=2,ep=2,schedule=interleaved-1f1b,v=2,ep_dispatch=fp8,"
+            "compress=fp8', 16), 64, 1024)\n"
+            "s = P.predict(c, m, P.parse_layout('dp=16,sync=localsgd:period=4', 16), 64, 1024)\n"
+            "bad = P.predict(c, m, P.parse_layout('dp=8,pp=2,schedule=zbv', 16), 64, 1024)\n"  # zbv: 2 stages/rank
+            "assert p.runnable and q.runnable and r.runnable and s.runnable, (p.not_runnable, q.not_runnable, "
+            "r.not_runnable, s.not_runnable)\n"
+            "assert not bad.runnable and 'parallel.stages_per_rank' in bad.not_runnable, bad.not_runnable\n"
             "print(sorted(k for k in sys.modules if k == 'torch' or k.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -130,6 +140,47 @@ def test_error_feedback_memory_follows_the_compressor_flag():
                       ("topk", True), ("powersgd:rank=4", True), ("bf16", False), ("torch-powersgd", True)):
         parts = state_bytes(m, parse_layout(f"dp=2,compress={text}", 2), SYNCWISE, False)
         assert ("compressor_state" in parts) == has, text
+    # the state size is the spec's: residuals, plus DGC momentum's buffer when it is on
+    one = state_bytes(m, parse_layout("dp=2,compress=topk", 2), SYNCWISE, False)["compressor_state"]
+    two = state_bytes(m, parse_layout("dp=2,compress=topk:momentum=0.9", 2), SYNCWISE, False)["compressor_state"]
+    assert two == 2 * one
+
+
+def test_each_spec_is_parsed_once_per_process(monkeypatch):
+    """`syncwise train --check` (the launcher) parses --compress and --sync once; the worker's path (specs, the
+    resolved layout, OptimizedTrainer → parallelize) parses each once too (formerly 5 and 8 compressor parses)."""
+    import torch
+
+    import syncwise.layout as owner
+    from syncwise.config import build_config
+    from syncwise.models import build_model
+    from syncwise.train.trainer import OptimizedTrainer
+
+    calls, real = [], owner.parse_spec
+    monkeypatch.setattr(owner, "parse_spec", lambda text, *a, **k: calls.append(text) or real(text, *a, **k))
+    cfg = build_config(None, {"compress.method": "powersgd:rank=4", "parallel.sync": "every-step", "dist.nproc": "2"})
+    assert calls == ["powersgd:rank=4", "every-step"]
+    calls.clear()
+    specs = cfg.specs()   # the worker: commands/worker.py's order
+    model = build_model("tiny", seq_len=32)
+    OptimizedTrainer(model, torch.optim.AdamW(model.parameters()), compress_gradients=specs.compress,
+                     sync=specs.sync, parallel=specs.layout.resolve(1), device=torch.device("cpu"))
+    assert calls == ["powersgd:rank=4", "every-step"]
+
+
+def test_a_spec_is_parsed_once_and_travels_as_an_object():
+    """The command line's parsed compressor spec is the one the compressor instance, the planner's layout and
+    parallelize's resolved layout hold (no string round trip)."""
+    from syncwise.config import build_config
+    from syncwise.parallel.parallelize import check_layout
+    from syncwise.plan import Layout as PlanLayout
+
+    specs = build_config(None, {"compress.method": "powersgd:rank=2", "dist.nproc": "2"}).specs()
+    parsed = specs.layout.compress
+    assert parsed.options["rank"] == 2 and specs.compress.parsed is parsed
+    assert check_layout(specs.layout, specs.compress, specs.sync, 2).compress is parsed
+    assert PlanLayout(dp_replicate=2, compress=parsed).compress is parsed
+    assert parse_compress("fp8:block=64").bytes_per_element == 1 + 4 / 64
 
 
 def test_the_compressor_table_is_what_the_classes_take():

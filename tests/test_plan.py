@@ -275,10 +275,11 @@ def test_search_returns_fitting_runnable_layouts_sorted(llama):
     assert all(p.layout.world == c.world_size for p in top)
     times = [p.step_time_s for p in top]
     assert times == sorted(times)
-    from syncwise.plan.layout import parallel_spec
+    from syncwise.parallel.mesh import check_torch_support
+    from syncwise.plan.layout import owner_layout
 
     for p in top:   # every layout passes syncwise's own rules (ParallelSpec.resolve / check_model)
-        parallel_spec(p.layout, p.microbatches).resolve(c.world_size).check_model(llama)
+        check_torch_support(owner_layout(p.layout, p.microbatches).resolve(c.world_size), llama)
     assert "n_routed_experts" in syncwise_refusal(Layout(dp_replicate=8, ep=2), llama, 8, 1)  # ep on a dense model
     assert syncwise_refusal(Layout(dp_replicate=8, pp=2), llama, 16, 8) is None
     best = top[0]

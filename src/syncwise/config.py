@@ -360,28 +360,30 @@ class RunConfig:
         """The run's spec strings parsed by their owners' parsers (``syncwise.specs`` syntax), typed: what
         workers hand to the trainer. Each call builds fresh objects (a compressor carries per-run state); a
         bad spec raises its owner's ConfigError under this config's key, with the value as given."""
-        from .compress import parse_compress_spec
-        from .parallel import SyncSpec, TorchHookSpec
+        from .parallel.data_parallel import compressor_of
         from .train.faults import Fault
 
-        with _as_field("compress.method", self.compress.method):
-            compress = TorchHookSpec.parse(self.compress.method) or parse_compress_spec(self.compress.method)
-        sync = SyncSpec.parse(self.parallel.sync, "parallel.sync")
+        lay = run_layout(self)  # compress.method and parallel.sync parsed here, once (syncwise.layout)
+        with _as_field("compress.method", self.compress.method):  # the instance: the compressor's own bounds
+            compress = compressor_of(lay.compress)
         faults = []
         for spec in self.inject_fault:
             with _as_field("inject_fault", spec):
                 faults.append(Fault.parse(spec))
-        return RunSpecs(compress, sync, faults)
+        return RunSpecs(compress, lay.sync, faults, lay)
 
 
 @dataclass
 class RunSpecs:
-    """A run's parsed specs: ``compress`` a Compressor or a TorchHookSpec (``compress.method``), ``sync`` a
-    SyncSpec or None for every-step (``parallel.sync``), ``faults`` the Faults of ``inject_fault``."""
+    """A run's parsed specs: ``compress`` a Compressor or a TorchHookSpec built from the layout's parsed
+    ``compress.method``, ``sync`` a SyncSpec or None for every-step (``parallel.sync``), ``faults`` the Faults of
+    ``inject_fault``, ``layout`` the ``[parallel]`` layout holding both specs (``syncwise.layout.Layout``,
+    unresolved)."""
 
     compress: Any
     sync: Any
     faults: list
+    layout: Any = None
 
 
 def _sections() -> dict[str, type]:
@@ -653,7 +655,7 @@ def check_references(cfg: RunConfig, here: bool = True) -> None:
         raise ConfigError(key, _get(cfg, key), f"lr × weight_decay < 1 (AdamW scales the weights by 1 − lr × "
                           f"weight_decay every step; lr={cfg.train.lr:g}, weight_decay={cfg.train.weight_decay:g})")
     local, fewest, most = _workers(cfg)
-    _check_layout(cfg, specs, fewest, most)
+    _check_layout(cfg, specs.layout, fewest, most)
     for spec, fault in zip(cfg.inject_fault, specs.faults):
         if fault.step > cfg.train.steps:
             raise ConfigError("inject_fault", spec, f"a step S ≤ train.steps ({cfg.train.steps}): a fault at a "
@@ -690,7 +692,7 @@ def check_references(cfg: RunConfig, here: bool = True) -> None:
     if where is not None and cfg.train.mixed_precision == "fp16" and where.device_type != "cuda":
         raise ConfigError("train.mixed_precision", "fp16", "none, bf16 or auto when the workers run on the CPU "
                           f"(dist.device={cfg.dist.device} resolves to the CPU here; fp16 needs CUDA and a GradScaler)")
-    _check_data_and_memory(cfg, local, fewest, where)
+    _check_data_and_memory(cfg, local, fewest, where, specs.layout)
 
 
 def _check_hf_run(cfg: RunConfig) -> None:
@@ -728,25 +730,23 @@ def run_layout(cfg: RunConfig) -> Any:
     rules sees it (``syncwise.layout.Layout``, unresolved: dp_replicate may be 0)."""
     from .layout import Layout, parse_compress
 
-    p = cfg.parallel
     with _as_field("compress.method", cfg.compress.method):
         compress = parse_compress(cfg.compress.method, "compress.method")
-    return Layout.of(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, ep=p.ep,
-                     pp_schedule=p.pp_schedule, microbatches=p.microbatches, stages_per_rank=p.stages_per_rank,
-                     ep_dispatch=p.ep_dispatch, compress=compress, sync=p.sync)
+    # [parallel]'s keys are the Layout's field names (the section adds the command line's docs and bounds)
+    return Layout.of(compress=compress, **dataclasses.asdict(cfg.parallel))
 
 
-def layout(cfg: RunConfig) -> Any:
-    """The ``[parallel]`` layout as syncwise.parallel's ParallelSpec (the torch side's carrier of run_layout)."""
-    from .parallel.mesh import ParallelSpec
+def _check_model(lay: Any, model_config: Any) -> None:
+    """The layout against the model's shape and what it needs from this torch (the pipeline schedule's class,
+    float8 for an fp8 dispatch): ``syncwise.parallel.mesh.check_torch_support``, as ``parallelize`` asks it."""
+    from .parallel.mesh import check_torch_support
 
-    return ParallelSpec.from_layout(run_layout(cfg))
+    check_torch_support(lay, model_config)
 
 
-def _check_layout(cfg: RunConfig, specs: Any, fewest: int, most: int) -> None:
+def _check_layout(cfg: RunConfig, lay: Any, fewest: int, most: int) -> None:
     """The layout's rules (``syncwise.layout.Layout.check``: the world size, compressor × sync × degrees) for
     every size an elastic job may have, then the rules that involve training fields."""
-    lay = run_layout(cfg)
     worlds = sorted({fewest, most}) if not (cfg.dist.lab and fewest != most) else []
     for world in worlds or [None]:  # (a lab job before its lab is up: the world is checked when workers start)
         try:
@@ -771,7 +771,7 @@ def _check_layout(cfg: RunConfig, specs: Any, fewest: int, most: int) -> None:
                           f"{microbatches} pipeline microbatches (parallel.microbatches; 0 = 2 × pp × stages_per_rank)")
 
 
-def _check_data_and_memory(cfg: RunConfig, local: int, fewest: int, where: "Placement") -> None:
+def _check_data_and_memory(cfg: RunConfig, local: int, fewest: int, where: "Placement", lay: Any) -> None:
     """Does one step's batch fit the corpus (the batch loader's rule, from token counts) and this machine?"""
     from .data import check_fits, corpus_sizes
     from .models import resolve_config, train_memory_bytes
@@ -785,7 +785,7 @@ def _check_data_and_memory(cfg: RunConfig, local: int, fewest: int, where: "Plac
             return
         key = _blame(cfg, "model.attention", "model.preset")
         with _as_field(key, _get(cfg, key)):
-            layout(cfg).check_model(resolve_config(cfg.model.preset, **model_overrides(cfg, 256)))
+            _check_model(lay, resolve_config(cfg.model.preset, **model_overrides(cfg, 256)))
         return
     d = cfg.data
     try:
@@ -818,7 +818,7 @@ def _check_data_and_memory(cfg: RunConfig, local: int, fewest: int, where: "Plac
         key = _blame(cfg, "model.attention", "model.preset")
         with _as_field(key, _get(cfg, key)):  # the model's own validation of this shape
             model = resolve_config(cfg.model.preset, **overrides)
-        layout(cfg).check_model(model)  # tp divides the heads and widths
+        _check_model(lay, model)  # tp divides the heads and widths, the pipeline fits the layers
         need = train_memory_bytes(model, rows, 4 if fp32 else 2, cfg.train.activation_checkpointing)
     have, what = _memory_per_worker(cfg, local, where)
     if need > have:

@@ -9,10 +9,12 @@ reason: :meth:`Layout.resolve` (the world size), :meth:`Layout.check` (compresso
 (``syncwise.parallel.parallelize``) and the planner (``syncwise.plan``) all ask it, so they accept and refuse the
 same layouts with the same ``ConfigError`` (field names as in the config: ``parallel.*``, ``compress.method``).
 
-What stays elsewhere, because it needs torch or a layer above: which pipeline schedules the installed torch
-ships (``parallel.pipeline.check_pipeline``), whether torch has fp8 for the expert dispatch
-(``parallel.expert_parallel.check_dispatch``), and rules that involve training fields (``train.grad_accum``,
-``train.dynamic_batch``, ``train.mixed_precision``, ``data.batch_size``: ``syncwise.config``).
+The pipeline schedules' table and rules (:data:`SCHEDULE_SPECS`, :func:`check_pipeline_shape`) and the
+compressors' wire and state data (:class:`CompressorSpec`) are here too, so the planner reads them without torch.
+What stays elsewhere, because it needs torch or a layer above: whether the installed torch ships the schedule's
+class and has fp8 for the expert dispatch (``parallel.mesh.check_torch_support``), and rules that involve
+training fields (``train.grad_accum``, ``train.dynamic_batch``, ``train.mixed_precision``, ``data.batch_size``:
+``syncwise.config``). ``syncwise.parallel.ParallelSpec`` is this Layout under its torch-side name.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .errors import ConfigError
-from .specs import BOOL_ACCEPTED, check_keys, parse_spec, read_bool, read_float, read_int, read_value
+from .specs import BOOL_ACCEPTED, check_keys, count, parse_spec, read_bool, read_float, read_int, read_value
 
 # ============================================================================================ compressor specs
 _SEED = ("int", 0, "base seed for random draws (same on all ranks)")
@@ -30,8 +32,14 @@ _SEED = ("int", 0, "base seed for random draws (same on all ranks)")
 @dataclass(frozen=True)
 class CompressorSpec:
     """A compressor as plain data: its name, a one-line summary, options (key -> (type name, default, doc)),
-    bytes per gradient element on the wire (None: depends on options or shapes) and whether it is one of
-    PyTorch's own DDP comm hooks (``torch-*``). ``compress/`` builds instances from it."""
+    what crosses the wire and what it keeps. ``compress/`` builds instances from it (their ``Config`` is made from
+    ``options``); the planner reads the wire and the state from it (:class:`Compress`'s properties).
+
+    Wire: ``bytes_per_element`` when fixed; else ``element_bytes`` per sent element, of a ``kept_fraction`` option's
+    share of the elements, plus one fp32 scale every ``scale_every`` option's elements; None for both when it
+    depends on the tensors' shapes (PowerSGD). ``collective``: how the payload travels (``all_reduce`` or
+    ``all_gather``), ``collectives_per_bucket``. State: fp32 residuals (error feedback) and ``state_options``,
+    options whose non-zero value keeps one more fp32 buffer per element (top-k's DGC momentum)."""
 
     name: str
     summary: str
@@ -39,6 +47,12 @@ class CompressorSpec:
     bytes_per_element: Optional[float] = None
     torch_hook: bool = False
     always_error_feedback: bool = False   # keeps residuals whatever its options say (PyTorch's PowerSGD hook)
+    collective: str = "all_reduce"
+    collectives_per_bucket: int = 1
+    element_bytes: Optional[float] = None
+    kept_fraction: str = ""
+    scale_every: str = ""
+    state_options: tuple = ()
 
     @property
     def error_feedback(self) -> bool:
@@ -47,8 +61,14 @@ class CompressorSpec:
 
 
 def _spec(name: str, summary: str, bpe: Optional[float] = None, torch_hook: bool = False, ef: bool = False,
-          **options: tuple) -> CompressorSpec:
-    return CompressorSpec(name, summary, {**({} if torch_hook else {"seed": _SEED}), **options}, bpe, torch_hook, ef)
+          wire: tuple = (), **options: tuple) -> CompressorSpec:
+    return CompressorSpec(name, summary, {**({} if torch_hook else {"seed": _SEED}), **options}, bpe, torch_hook, ef,
+                          **dict(wire))
+
+
+def _gather(element_bytes: float, kept_fraction: str = "", scale_every: str = "", **more: Any) -> tuple:
+    return (("collective", "all_gather"), ("element_bytes", element_bytes), ("kept_fraction", kept_fraction),
+            ("scale_every", scale_every), *more.items())
 
 
 _EF = "error_feedback"
@@ -57,24 +77,29 @@ COMPRESSORS: dict[str, CompressorSpec] = {s.name: s for s in [
     _spec("none", "fp32 all-reduce average (the DDP baseline), 4 B/element", 4.0),
     _spec("fp16", "fp16 all-reduce, 2 B/element", 2.0),
     _spec("bf16", "bf16 all-reduce (works on gloo too), 2 B/element", 2.0),
-    _spec("fp8", "fp8 e4m3 + fp32 scale per block, all-gather, ~1 B/element",
+    _spec("fp8", "fp8 e4m3 + fp32 scale per block, all-gather, ~1 B/element", wire=_gather(1.0, scale_every="block"),
           block=("int", 128, "elements per fp32 scale (DeepSeek-V3 uses 1x128 tiles)"),
           error_feedback=("bool", False, "keep the rounding error and add it to the next step's gradient")),
     _spec("int8", "QSGD int8, stochastic rounding, per-chunk scales, all-gather, ~1 B/element",
+          wire=_gather(1.0, scale_every="chunk"),
           chunk=("int", 1024, "elements per fp32 scale (max |x| of the chunk)"),
           levels=("int", 127, "quantization levels per sign, 1..127 (QSGD's s)"),
           stochastic=("bool", True, "stochastic rounding (unbiased); false = round to nearest"),
           error_feedback=("bool", False, "keep the quantization error for the next step")),
     _spec("sign", "1-bit sign + per-tensor scale + error feedback, all-gather, 1/8 B/element", 0.125,
+          wire=_gather(0.125),
           error_feedback=("bool", True, "keep what the sign dropped (EF-SignSGD); without it sign is biased")),
     _spec("topk", "top-k values+indices per tensor, error feedback, all-gather, 8 B/kept element",
+          wire=_gather(8.0, kept_fraction="ratio", state_options=("momentum",)),
           ratio=("float", 0.01, "fraction of each tensor's elements sent (k = ceil(ratio * numel))"),
           error_feedback=("bool", True, "accumulate unsent values locally and add them next step"),
           momentum=("float", 0.0, "DGC momentum correction factor (0 = off; then use an optimizer without momentum)")),
     _spec("randomk", "random-k with a shared seed, error feedback, all-reduce, 4 B/kept element",
+          wire=(("element_bytes", 4.0), ("kept_fraction", "ratio")),
           ratio=("float", 0.01, "fraction of each tensor's elements sent"),
           error_feedback=("bool", True, "accumulate unsent values locally and add them next step")),
     _spec("powersgd", "rank-r PowerSGD, warm start, error feedback, 2 all-reduces/bucket",
+          wire=(("collectives_per_bucket", 2),),
           rank=("int", 4, "rank r of the approximation P @ Q^T"),
           ratio=("float", 0.0, "if > 0: per-tensor rank r = ratio*n*m/(n+m) (overrides rank)"),
           start_iter=("int", 10, "steps each tensor is sent uncompressed before PowerSGD starts"),
@@ -87,6 +112,7 @@ COMPRESSORS: dict[str, CompressorSpec] = {s.name: s for s in [
     _spec("torch-fp16", "PyTorch's fp16_compress_hook, 2 B/element", 2.0, torch_hook=True),
     _spec("torch-bf16", "PyTorch's bf16_compress_hook, 2 B/element", 2.0, torch_hook=True),
     _spec("torch-powersgd", "PyTorch's PowerSGD hook (error feedback, warm start)", torch_hook=True, ef=True,
+          wire=(("collectives_per_bucket", 2),),
           rank=("int", 4, "matrix_approximation_rank (syncwise's default; PyTorch's is 1)"),
           start_iter=("int", 10, "start_powerSGD_iter (syncwise's default; PyTorch's is 1000)"),
           min_compression_rate=("float", 2.0, "min_compression_rate")),
@@ -129,8 +155,33 @@ class Compress:
         return self.spec.torch_hook
 
     @property
+    def bytes_per_element(self) -> Optional[float]:
+        """Bytes on the wire per gradient element (of the part it compresses), from the table and the options;
+        None where it depends on the tensors' shapes (PowerSGD: the planner's model of the matrices)."""
+        sp, o = self.spec, self.options
+        if sp.bytes_per_element is not None:
+            return sp.bytes_per_element
+        if sp.element_bytes is None:
+            return None
+        return (sp.element_bytes * (o[sp.kept_fraction] if sp.kept_fraction else 1.0)
+                + (4 / o[sp.scale_every] if sp.scale_every else 0.0))
+
+    @property
+    def state_bytes_per_element(self) -> float:
+        """Per-rank state, in bytes per gradient element it compresses: fp32 residuals with error feedback, one
+        more fp32 buffer per ``state_options`` option that is on (top-k's DGC momentum)."""
+        on = [k for k in self.spec.state_options if self.options.get(k)]
+        return 4.0 * (int(self.error_feedback) + len(on))
+
+    @property
     def is_none(self) -> bool:
         return self.name == "none"
+
+    def __hash__(self) -> int:  # (equal specs have equal text; ``given`` is a dict)
+        return hash((self.name, self.text))
+
+    def __str__(self) -> str:
+        return self.text
 
 
 def parse_compress(text: Any, field_name: str = "compress") -> Compress:
@@ -197,11 +248,23 @@ class SyncSpec:
     dtype: str = "fp32"
     warmup: int = 0
     options: dict = field(default_factory=dict)  # what the user wrote, for the spec string
+    text: str = field(default="", compare=False)  # the spec as written (stripped)
 
     @property
     def spec(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in self.options.items())
         return self.method + (f":{opts}" if opts else "")
+
+    @property
+    def state_copies(self) -> int:
+        """fp32 copies of the model the strategy keeps (:data:`SYNC_STATE_COPIES`)."""
+        return SYNC_STATE_COPIES[self.method]
+
+    def __hash__(self) -> int:
+        return hash(self.spec)
+
+    def __str__(self) -> str:
+        return self.text or self.spec
 
     @staticmethod
     def parse(spec: str, field_name: str = "parallel.sync") -> "Optional[SyncSpec]":
@@ -217,7 +280,7 @@ class SyncSpec:
         options: dict[str, Any] = {}
         for key, text in raw_options.items():
             options[key] = values[key] = _coerce(field_name, spec, key, text, values[key])
-        out = SyncSpec(method, options=options, **values)
+        out = SyncSpec(method, options=options, text=spec.strip(), **values)
         checks = [(1 <= out.period <= MAX_PERIOD, "period", f"an integer ≥ 1 and ≤ {MAX_PERIOD:,}"),
                   (0 <= out.delay <= out.period, "delay", f"an integer in [0, period] = [0, {out.period}]"),
                   (0 <= out.warmup <= MAX_WARMUP, "warmup", f"an integer in [0, {MAX_WARMUP:,}]"),
@@ -251,8 +314,98 @@ def parse_sync(text: Any, field_name: str = "parallel.sync") -> Optional[SyncSpe
 # ============================================================================================ the layout
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first: the mesh's order
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "ep")
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
 DISPATCH = ("fp8", "bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """What syncwise knows about one of torch's pipeline schedules (plain data; ``parallel/pipeline.py`` maps
+    ``torch_name`` to the class the installed torch ships)."""
+
+    name: str                 # syncwise's name (``--parallel.pp_schedule``)
+    torch_name: str           # the class in torch.distributed.pipelining
+    stages_per_rank: str      # "1", ">=2" or "2" (V shape)
+    microbatches: str         # the rule on M, in words (checked by ``microbatch_error``)
+    refused: tuple[tuple[str, str], ...] = ()   # (backend, why) pairs where the schedule cannot run
+
+    @property
+    def multi_stage(self) -> bool:
+        """Several stages per rank (torch's ``PipelineScheduleMulti``: a list of stages)."""
+        return self.stages_per_rank != "1"
+
+    @property
+    def v_shape(self) -> bool:
+        """Stages placed in a V (rank r holds stages r and 2·pp−1−r): the first and the last stage share rank 0."""
+        return self.stages_per_rank == "2"
+
+    def microbatch_error(self, pp: int, microbatches: int) -> Optional[str]:
+        """Why ``microbatches`` cannot run at ``pp`` ranks (None: it can). The rules are torch's own (2.13)."""
+        m, stages = microbatches, pp * (2 if self.v_shape else 1)
+        if self.name == "1f1b" and m < pp:
+            return f"at least pp ({pp}) microbatches for 1f1b (torch's Schedule1F1B: its warm-up fills every stage)"
+        if self.name == "dualpipev" and m < stages:
+            return f"at least 2 × pp ({stages}) microbatches for dualpipev (one per stage of the V)"
+        if self.name in ("interleaved-1f1b", "interleaved-zb") and m % max(1, m // pp):
+            rounds = max(1, m // pp)
+            return (f"a multiple of the number of rounds max(1, M // pp) = {rounds} for {self.name} "
+                    f"(e.g. {rounds * (m // rounds)} or {rounds * (m // rounds + 1)})")
+        return None
+
+    def check_stages_per_rank(self, stages_per_rank: int) -> None:
+        ok = {"1": stages_per_rank == 1, ">=2": stages_per_rank >= 2, "2": stages_per_rank == 2}[self.stages_per_rank]
+        if not ok:
+            accepted = {"1": f"1 for {self.name}, a single-stage schedule (interleave with interleaved-1f1b, "
+                             "looped-bfs, interleaved-zb, zbv or dualpipev)",
+                        ">=2": f"≥ 2 for {self.name} (with 1 stage per rank use 1f1b or gpipe)",
+                        "2": f"exactly 2 for {self.name}: its stages form a V (rank r holds stages r and 2·pp−1−r)"}
+            raise ConfigError("parallel.stages_per_rank", stages_per_rank, accepted[self.stages_per_rank])
+
+
+#: syncwise's name -> ScheduleSpec, for every schedule syncwise drives (which ones the installed torch ships:
+#: ``parallel.pipeline.torch_schedules``)
+SCHEDULE_SPECS: dict[str, ScheduleSpec] = {s.name: s for s in (
+    ScheduleSpec("gpipe", "ScheduleGPipe", "1", "any M ≥ 1"),
+    ScheduleSpec("1f1b", "Schedule1F1B", "1", "M ≥ pp"),
+    ScheduleSpec("interleaved-1f1b", "ScheduleInterleaved1F1B", ">=2", "M a multiple of max(1, M // pp)"),
+    ScheduleSpec("looped-bfs", "ScheduleLoopedBFS", ">=2", "any M ≥ 1"),
+    ScheduleSpec("interleaved-zb", "ScheduleInterleavedZeroBubble", ">=2", "M a multiple of max(1, M // pp)"),
+    ScheduleSpec("zbv", "ScheduleZBVZeroBubble", "2", "any M ≥ 1"),
+    ScheduleSpec("dualpipev", "ScheduleDualPipeV", "2", "M ≥ 2 × pp"),
+)}
+SCHEDULES = tuple(SCHEDULE_SPECS)
+
+
+def schedule_spec(schedule: Any) -> ScheduleSpec:
+    """The table's entry for ``schedule``, or a ConfigError naming ``parallel.pp_schedule``."""
+    spec = SCHEDULE_SPECS.get(schedule) if isinstance(schedule, str) else None
+    if spec is None:
+        raise ConfigError("parallel.pp_schedule", schedule, "one of: " + ", ".join(SCHEDULE_SPECS))
+    return spec
+
+
+def check_pipeline_shape(n_layers: int, pp: int, schedule: str, microbatches: int, stages_per_rank: int = 1
+                         ) -> ScheduleSpec:
+    """The pipeline's rules that need no torch: a known schedule; ``stages_per_rank`` the schedule can hold
+    (gpipe / 1f1b: 1; interleaved-1f1b / looped-bfs / interleaved-zb: ≥ 2; zbv / dualpipev: exactly 2, in a V);
+    at most one stage per layer; a microbatch count the schedule takes (``ScheduleSpec.microbatch_error``). With
+    ``pp == 1`` only the values themselves are checked (nothing is pipelined)."""
+    pp = count("parallel.pp", pp)
+    microbatches = count("parallel.microbatches", microbatches)
+    stages_per_rank = count("parallel.stages_per_rank", stages_per_rank)
+    spec = schedule_spec(schedule)
+    if pp == 1:
+        return spec
+    spec.check_stages_per_rank(stages_per_rank)
+    stages = pp * stages_per_rank
+    if stages > n_layers:
+        fld = "parallel.pp" if pp > n_layers else "parallel.stages_per_rank"
+        raise ConfigError(fld, pp if fld == "parallel.pp" else stages_per_rank,
+                          f"a layout with at most one stage per layer: pp × stages_per_rank = {stages} stages "
+                          f"for {n_layers} layers")
+    why = spec.microbatch_error(pp, microbatches)
+    if why:
+        raise ConfigError("parallel.microbatches", microbatches, why)
+    return spec
 
 
 @dataclass(frozen=True)
@@ -269,10 +422,15 @@ class Layout:
     microbatches: int = 0       # 0: 2 × pp × stages_per_rank
     stages_per_rank: int = 1
     ep_dispatch: str = "fp32"   # fp8 is DeepSeek-V3's choice (with a bf16 combine)
-    compress: Compress = NO_COMPRESS
-    sync: Optional[SyncSpec] = None
+    compress: Compress = NO_COMPRESS   # (text is parsed on construction)
+    sync: Optional[SyncSpec] = None    # None: every-step
 
     def __post_init__(self) -> None:
+        # Specs given as text are parsed here, once (a parsed spec passes through as it is).
+        if not isinstance(self.compress, Compress):
+            object.__setattr__(self, "compress", parse_compress(self.compress, "compress.method"))
+        if self.sync is not None and not isinstance(self.sync, SyncSpec):
+            object.__setattr__(self, "sync", parse_sync(self.sync))
         # Degrees are counts (a bool is not); dp_replicate 0 stands for "the rest".
         for name in DEGREES:
             v = getattr(self, name)
@@ -284,9 +442,8 @@ class Layout:
     @classmethod
     def of(cls, compress: Any = "none", sync: Any = None, **degrees: Any) -> "Layout":
         """A Layout from degrees and pipeline/expert settings plus ``compress`` / ``sync`` as spec text (or
-        parsed); spec errors name ``compress.method`` / ``parallel.sync``."""
-        c = parse_compress(compress if compress is not None else "none", "compress.method")
-        return cls(compress=c, sync=parse_sync(sync), **degrees)
+        parsed; None: none / every-step); spec errors name ``compress.method`` / ``parallel.sync``."""
+        return cls(compress=NO_COMPRESS if compress is None else compress, sync=sync, **degrees)
 
     # ------------------------------------------------------------------------------------ derived
     @property
@@ -307,6 +464,30 @@ class Layout:
     def fsdp(self) -> bool:
         """FSDP2 holds the data-parallel ranks: sharded, or replicas of a tensor-parallel model."""
         return self.dp_shard > 1 or self.tp > 1
+
+    @property
+    def sharded(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def describe(self) -> str:
+        """e.g. 'dp_replicate 2 × tp 2' (size-1 dimensions left out; 'single process' for 1)."""
+        parts = [f"{n} {getattr(self, n)}" for n in DIMS + ("ep",) if getattr(self, n) > 1]
+        return " × ".join(parts) or "single process"
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """This rank's index along each dimension, in the mesh's rank order (``tp`` innermost, ``pp`` outermost):
+        rank = ((p * dp_replicate + r) * dp_shard + s) * tp + t."""
+        t = rank % self.tp
+        s = (rank // self.tp) % self.dp_shard
+        r = (rank // (self.tp * self.dp_shard)) % max(self.dp_replicate, 1)
+        p = rank // (self.tp * self.dp_shard * max(self.dp_replicate, 1))
+        return {"pp": p, "dp_replicate": r, "dp_shard": s, "tp": t}
+
+    def dp_rank(self, rank: int) -> int:
+        """This rank's index among the data-parallel ranks (which batch shard it reads)."""
+        c = self.coordinates(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
 
     def _split_by(self) -> str:
         """The first dimension that splits a replica (for messages)."""
@@ -368,15 +549,21 @@ class Layout:
         return lay
 
     def check_model(self, model_config: Any) -> None:
-        """The model-shape rules that need no torch: ``tp`` divides every dimension tensor parallel splits
-        (attention heads, the vocabulary, the dense SwiGLU width where a dense block exists, the fused
-        shared-expert width of MoE blocks; MLA's latent ranks stay replicated) and ``seq_len`` (sequence
-        parallel); ``ep`` divides the routed experts. The pipeline's schedule rules and fp8 availability need
-        torch: ``ParallelSpec.check_model`` (syncwise.parallel.mesh) adds them."""
+        """The model-shape rules, torch-free: the pipeline's (``check_pipeline_shape``: the schedule, stages per
+        rank and microbatches against the layers); the expert dispatch precision is one of :data:`DISPATCH` and
+        ``ep`` divides the routed experts; ``tp`` divides every dimension tensor parallel splits (attention heads,
+        the vocabulary, the dense SwiGLU width where a dense block exists, the fused shared-expert width of MoE
+        blocks; MLA's latent ranks stay replicated) and ``seq_len`` (sequence parallel). What the installed torch
+        ships (the schedule's class, fp8) is ``syncwise.parallel.mesh.check_torch_support``'s."""
         if model_config is None:
             return
         c = model_config
+        if self.pp > 1:
+            check_pipeline_shape(c.n_layers, self.pp, self.pp_schedule, self.microbatches_per_step,
+                                 self.stages_per_rank)
         if self.ep > 1:
+            if self.ep_dispatch not in DISPATCH:
+                raise ConfigError("parallel.ep_dispatch", self.ep_dispatch, "one of: " + ", ".join(DISPATCH))
             moe = hasattr(c, "layer_is_moe") and any(c.layer_is_moe(i) for i in range(c.n_layers))
             check_expert_count(getattr(c, "n_routed_experts", 0) if moe else 0, self.ep)
         if self.tp == 1:
@@ -428,7 +615,7 @@ def check_expert_count(n_routed_experts: int, ep: int) -> None:
 
 
 def _text(sync: SyncSpec) -> str:
-    return getattr(sync, "text", None) or sync.spec
+    return str(sync)
 
 
 def divisors(n: int) -> str:

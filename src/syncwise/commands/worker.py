@@ -25,7 +25,7 @@ import torch.distributed as dist
 from .. import devices
 from ..checkpoint import SmartCheckpointer
 from ..comm import ops
-from ..config import RunConfig, config_from_argv, layout, model_overrides
+from ..config import RunConfig, config_from_argv, model_overrides
 from ..errors import SyncwiseError
 from ..data import SmartPrefetcher, TokenBatchLoader, evaluation_batches, load_corpus
 from ..metrics.sinks import close_sinks, open_sinks
@@ -170,7 +170,9 @@ def train_worker(cfg: RunConfig) -> dict[str, Any]:
         optimizer = adamw(model, cfg.train.lr, cfg.train.weight_decay)
         scheduler = warmup_cosine(optimizer, cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio)
         # Ranks of one tensor-parallel group read the same batch: the loaders shard by data-parallel coordinates.
-        parallel = layout(cfg).resolve(world)
+        specs = cfg.specs()  # parsed once (the layout's compressor and sync specs), typed: a Compressor or
+        #                      TorchHookSpec built from the parsed compressor spec, a SyncSpec or None, Faults
+        parallel = specs.layout.resolve(world)
         dp_rank, dp = parallel.dp_rank(rank), parallel.dp
         loader = TokenBatchLoader(corpus.train, cfg.data.batch_size, cfg.data.seq_len, dp_rank, dp,
                                   seed=cfg.train.seed)
@@ -188,7 +190,6 @@ def train_worker(cfg: RunConfig) -> dict[str, Any]:
                 Path(cfg.run_dir) / "checkpoints", interval=cfg.ckpt.interval,  # 0: only the final checkpoint
                 max_checkpoints=cfg.ckpt.keep, compression=cfg.ckpt.compression, async_save=cfg.ckpt.async_save,
                 mtbf_s=cfg.ckpt.mtbf_s, layout=parallel.describe)
-        specs = cfg.specs()  # parsed and typed once: a Compressor or TorchHookSpec, a SyncSpec or None, Faults
         trainer = OptimizedTrainer(
             model, optimizer, _loss_fn(model), compress_gradients=specs.compress, mixed_precision=cfg.train.mixed_precision,
             grad_accum_steps=cfg.train.grad_accum, clip_grad_norm=cfg.train.clip_grad, lr_scheduler=scheduler,

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from ..comm import ops
 from ..errors import SyncwiseError
+from ..layout import COMPRESSORS
 
 
 def opt(default: Any, doc: str) -> Any:
@@ -53,7 +54,24 @@ def opt(default: Any, doc: str) -> Any:
 class CompressorConfig:
     """Options shared by all compressors (subclasses add their own fields)."""
 
-    seed: int = opt(0, "base seed for random draws (same on all ranks)")
+    seed: int = opt(*COMPRESSORS["none"].options["seed"][1:])
+
+
+_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def config_class(name: str, class_name: str, module: str) -> type:
+    """The ``Config`` dataclass of compressor ``name``, made from its spec in the torch-free table
+    (``syncwise.layout.COMPRESSORS``: option names, types, defaults and docs), which owns them; ``class_name`` in
+    ``module`` is where it is bound (so it pickles)."""
+    spec = COMPRESSORS[name]
+    fields = [(key, _TYPES[typ], opt(default, doc)) for key, (typ, default, doc) in spec.options.items()
+              if key != "seed"]
+    cls = dataclasses.make_dataclass(class_name, fields, bases=(CompressorConfig,),
+                                     namespace={"__doc__": f"Options of the {name} compressor "
+                                                           "(syncwise.layout.COMPRESSORS)."})
+    cls.__module__ = module
+    return cls
 
 
 class Compressor:
@@ -65,8 +83,15 @@ class Compressor:
 
     name: ClassVar[str] = "base"
     Config: ClassVar[type] = CompressorConfig
-    #: nominal bytes per element on the wire (for docs/CLI); None when it depends on options.
+    #: nominal bytes per element on the wire (for docs/CLI); None when it depends on options. Set from the
+    #: compressor's spec (syncwise.layout.COMPRESSORS) for the compressors listed there.
     bytes_per_element: ClassVar[Optional[float]] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        spec = COMPRESSORS.get(cls.__dict__.get("name", ""))
+        if spec is not None:
+            cls.bytes_per_element = spec.bytes_per_element
     #: set by single-collective compressors: the DDP hook then sends the bucket in this dtype directly
     wire_dtype: ClassVar[Optional[torch.dtype]] = None
 

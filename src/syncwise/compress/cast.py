@@ -1,20 +1,18 @@
 """Lossless baseline and cast compressors: none (fp32), fp16, bf16, fp8 e4m3 with per-block scales."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Sequence
 
 import torch
 
 from ..errors import ConfigError
-from .base import Compressor, CompressorConfig, GatherCompressor, flat_view, flatten, opt, unflatten_into
+from .base import Compressor, GatherCompressor, config_class, flat_view, flatten, unflatten_into
 
 
 class NoneCompressor(Compressor):
     """Plain fp32 all-reduce average: the DDP baseline, one collective per bucket, no copy."""
 
     name: ClassVar[str] = "none"
-    bytes_per_element: ClassVar[Optional[float]] = 4.0
     #: the DDP hook sends the whole bucket in this dtype with one collective, straight from the hook
     wire_dtype: ClassVar[Optional[torch.dtype]] = torch.float32
 
@@ -34,7 +32,6 @@ class _CastCompressor(Compressor):
     cannot overflow where the average would not. Works on gloo and NCCL alike."""
 
     dtype: ClassVar[torch.dtype]
-    bytes_per_element: ClassVar[Optional[float]] = 2.0
 
     def average(self, tensors: Sequence[torch.Tensor], keys: Sequence[str], group: Any = None,
                 compress: Optional[Sequence[bool]] = None) -> Sequence[torch.Tensor]:
@@ -75,13 +72,7 @@ class BF16Compressor(_CastCompressor):
 _FP8 = getattr(torch, "float8_e4m3fn", None)
 
 
-@dataclass
-class FP8Config(CompressorConfig):
-    """Options of the fp8 compressor."""
-
-    block: int = opt(128, "elements per fp32 scale (DeepSeek-V3 uses 1x128 tiles)")
-    error_feedback: bool = opt(False, "keep the rounding error and add it to the next step's gradient")
-
+FP8Config = config_class("fp8", "FP8Config", __name__)  # options, types, defaults: syncwise.layout.COMPRESSORS
 
 _FP8_TABLES: dict = {}
 

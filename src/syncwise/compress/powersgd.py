@@ -6,27 +6,15 @@ second. Same-shape matrices are stacked so the matmuls and QRs run batched.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from ..errors import ConfigError
-from .base import Compressor, CompressorConfig, commit, divisor, nonfinite_flag, opt
+from .base import Compressor, commit, config_class, divisor, nonfinite_flag
 
 
-@dataclass
-class PowerSGDConfig(CompressorConfig):
-    """Options of the PowerSGD compressor."""
-
-    rank: int = opt(4, "rank r of the approximation P @ Q^T")
-    ratio: float = opt(0.0, "if > 0: per-tensor rank r = ratio*n*m/(n+m) (overrides rank)")
-    start_iter: int = opt(10, "steps each tensor is sent uncompressed before PowerSGD starts")
-    min_compression_rate: float = opt(2.0, "compress a tensor only if n*m / ((n+m)*r) exceeds this")
-    warm_start: bool = opt(True, "reuse last step's Q as the starting point of the power iteration")
-    error_feedback: bool = opt(True, "add last step's approximation error to the gradient")
-    batch_3d: bool = opt(True, "treat a 3-D tensor (E, n, m), e.g. MoE expert weights, as E matrices n x m")
-
+PowerSGDConfig = config_class("powersgd", "PowerSGDConfig", __name__)  # options, types, defaults: syncwise.layout.COMPRESSORS
 
 def matrix_shape(t: torch.Tensor) -> tuple[int, int]:
     """The 2-D view PowerSGD compresses: (first dim, product of the rest)."""

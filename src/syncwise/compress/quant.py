@@ -5,23 +5,15 @@ all-gather one byte payload per rank and reduce locally in fp32 (see :class:`Gat
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from ..errors import ConfigError
-from .base import CompressorConfig, GatherCompressor, opt
+from .base import GatherCompressor, config_class
 
 
-@dataclass
-class Int8Config(CompressorConfig):
-    """Options of the int8 / QSGD compressor."""
-
-    chunk: int = opt(1024, "elements per fp32 scale (max |x| of the chunk)")
-    levels: int = opt(127, "quantization levels per sign, 1..127 (QSGD's s)")
-    stochastic: bool = opt(True, "stochastic rounding (unbiased); false = round to nearest")
-    error_feedback: bool = opt(False, "keep the quantization error for the next step")
+Int8Config = config_class("int8", "Int8Config", __name__)  # options, types, defaults: syncwise.layout.COMPRESSORS
 
 
 class Int8Compressor(GatherCompressor):
@@ -80,12 +72,7 @@ class Int8Compressor(GatherCompressor):
         return total.view(-1)[:n]
 
 
-@dataclass
-class SignConfig(CompressorConfig):
-    """Options of the sign compressor."""
-
-    error_feedback: bool = opt(True, "keep what the sign dropped (EF-SignSGD); without it sign is biased")
-
+SignConfig = config_class("sign", "SignConfig", __name__)  # options, types, defaults: syncwise.layout.COMPRESSORS
 
 _SHIFTS = torch.arange(7, -1, -1, dtype=torch.uint8)
 # byte -> its 8 signs as +-1.0 (MSB first): decoding is one table lookup instead of shifts and masks
@@ -118,7 +105,6 @@ class SignCompressor(GatherCompressor):
 
     name: ClassVar[str] = "sign"
     Config: ClassVar[type] = SignConfig
-    bytes_per_element: ClassVar[float] = 0.125
 
     def _encode(self, x, sizes, keys, rank):
         n = x.numel()

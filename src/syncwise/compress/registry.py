@@ -17,8 +17,8 @@ from .sparse import RandomKCompressor, TopKCompressor
 @dataclass(frozen=True)
 class CompressorInfo:
     """A registry entry: the class, a one-line summary and its options (name -> (type, default, doc)), as the
-    torch-free table ``syncwise.layout.COMPRESSORS`` holds them (tests/test_layout.py checks that each class's
-    ``Config`` agrees with it)."""
+    torch-free table ``syncwise.layout.COMPRESSORS`` holds them (each class's ``Config`` is made from the same
+    entry: ``base.config_class``)."""
 
     name: str
     cls: type
@@ -44,12 +44,13 @@ def describe_compressors() -> str:
 
 
 def build_compressor(spec: Compress) -> Compressor:
-    """A compressor instance of a parsed spec (``syncwise.layout.Compress``); its ``spec`` is the text."""
+    """A compressor instance of a parsed spec (``syncwise.layout.Compress``); its ``spec`` is the text and
+    ``parsed`` the spec itself (``parallelize`` reads the layout's rules from it: no parse again)."""
     info = COMPRESSORS.get(spec.name)
     if info is None:  # a torch-* hook: parallel.data_parallel.TorchHookSpec builds those
         raise ConfigError("compress", spec.text, compressors_accepted())
     compressor = info.cls(**spec.given)
-    compressor.spec = spec.text
+    compressor.spec, compressor.parsed = spec.text, spec  # the text for records, the parsed spec for the layout
     return compressor
 
 

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from ..errors import ConfigError
-from .base import (Compressor, CompressorConfig, GatherCompressor, commit, divisor, flatten, nonfinite_flag, opt,
-                   sizes_of, unflatten_into)
+from .base import (Compressor, GatherCompressor, commit, config_class, divisor, flatten, nonfinite_flag, sizes_of,
+                   unflatten_into)
 
 
 def k_for(numel: int, ratio: float) -> int:
@@ -22,13 +21,7 @@ def _check_ratio(name: str, ratio: float) -> None:
         raise ConfigError("compress", f"{name}:ratio={ratio}", "ratio in (0, 1]")
 
 
-@dataclass
-class TopKConfig(CompressorConfig):
-    """Options of the top-k compressor."""
-
-    ratio: float = opt(0.01, "fraction of each tensor's elements sent (k = ceil(ratio * numel))")
-    error_feedback: bool = opt(True, "accumulate unsent values locally and add them next step")
-    momentum: float = opt(0.0, "DGC momentum correction factor (0 = off; then use an optimizer without momentum)")
+TopKConfig = config_class("topk", "TopKConfig", __name__)  # options, types, defaults: syncwise.layout.COMPRESSORS
 
 
 class TopKCompressor(GatherCompressor):
@@ -105,12 +98,7 @@ class TopKCompressor(GatherCompressor):
         return torch.zeros(n, device=v.device).index_add_(0, i, v)
 
 
-@dataclass
-class RandomKConfig(CompressorConfig):
-    """Options of the random-k compressor."""
-
-    ratio: float = opt(0.01, "fraction of each tensor's elements sent")
-    error_feedback: bool = opt(True, "accumulate unsent values locally and add them next step")
+RandomKConfig = config_class("randomk", "RandomKConfig", __name__)  # options, types, defaults: syncwise.layout.COMPRESSORS
 
 
 class RandomKCompressor(Compressor):

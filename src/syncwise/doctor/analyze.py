@@ -512,6 +512,7 @@ def _measured(d: Diagnosis):
     """The run as ``syncwise.plan.whatif.Measured`` (its preset, layout, batch and measured numbers)."""
     import dataclasses
 
+    from .. import layout as owner
     from ..plan.layout import Layout
     from ..plan.model import from_preset
     from ..plan.whatif import Measured
@@ -521,23 +522,18 @@ def _measured(d: Diagnosis):
         raise ValueError(f"{run.path} has no config.json naming a preset, seq_len and batch_size")
     seq = int(f["seq_len"])
     model = from_preset(f["preset"]).with_seq_len(seq)
+    # The run's [parallel] table as the layout owner reads it (its keys are syncwise.layout.Layout's fields),
+    # dp_replicate the ranks the others leave; the planner adds micro-batch size and accumulation.
     par = run.config.get("parallel", {})
-    pp, tp, shard, ep = (int(par.get(k, 1) or 1) for k in ("pp", "tp", "dp_shard", "ep"))
-    replicate = max(1, d.world_size // (pp * tp * shard))
+    keys = {fl.name for fl in dataclasses.fields(owner.Layout)} - {"dp_replicate", "compress", "sync"}
+    lay = owner.Layout.of(compress=f["compressor"], **{k: v for k, v in par.items() if k in keys})
+    pp = lay.pp
+    replicate = max(1, d.world_size // (pp * lay.tp * lay.dp_shard))
     batch, accum = int(f["batch_size"]), f["grad_accum"]
-    if pp > 1:
-        M = int(par.get("microbatches") or 0) or 2 * pp * int(par.get("stages_per_rank", 1) or 1)
-        layout = Layout(dp_replicate=replicate, dp_shard=shard, tp=tp, pp=pp, ep=ep,
-                        pp_schedule=str(par.get("pp_schedule", "1f1b")),
-                        stages_per_rank=int(par.get("stages_per_rank", 1) or 1), microbatches=M,
-                        micro_batch=batch // M, ep_dispatch=str(par.get("ep_dispatch", "fp32")),
-                        compress=f["compressor"])
-        global_batch = batch * replicate * shard
-    else:
-        layout = Layout(dp_replicate=replicate, dp_shard=shard, tp=tp, ep=ep, microbatches=accum, micro_batch=batch,
-                        ep_dispatch=str(par.get("ep_dispatch", "fp32")), compress=f["compressor"])
-        global_batch = batch * accum * replicate * shard
-    layout = dataclasses.replace(layout)
+    M = lay.microbatches_per_step if pp > 1 else accum
+    layout = Layout.of_owner(dataclasses.replace(lay, dp_replicate=replicate), microbatches=M,
+                             micro_batch=batch // M if pp > 1 else batch)
+    global_batch = batch * replicate * lay.dp_shard * (1 if pp > 1 else accum)
     compute = d.parts["compute"] + (d.parts["pp_bubble"] if pp > 1 else 0.0)
     if pp > 1:  # the model predicts the bubble from the compute: give it the busy part only
         compute = d.parts["compute"]

@@ -22,7 +22,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..comm import ops, timing
 from ..comm.stats import STATS
 from ..compress import CompressionHookState, CompressionPolicy, Compressor, compression_hook, torch_reference_hook
+from ..compress.registry import build_compressor
 from ..errors import ConfigError
+from ..layout import COMPRESSORS, Compress
 
 
 class _LastGradReady:
@@ -93,7 +95,9 @@ def _timed_hook(timer, bucket):  # no annotations: DDP rejects string annotation
     return timer.inner_hook(timer.inner_state, bucket)
 
 
-TORCH_HOOKS = {"allreduce": 4, "fp16": 2, "bf16": 2, "powersgd": None}  # name -> bytes per element sent
+#: name -> bytes per element sent (syncwise.layout.COMPRESSORS' torch-* entries)
+TORCH_HOOKS = {n[len("torch-"):]: s.bytes_per_element and int(s.bytes_per_element)
+               for n, s in COMPRESSORS.items() if s.torch_hook}
 # spec key -> (PowerSGDState argument, type, lowest, highest): torch needs start_powerSGD_iter > 1 with error
 # feedback or warm start (both on by default); ranks and iteration counts are kept within int32.
 _TORCH_POWERSGD_KEYS = {"rank": ("matrix_approximation_rank", int, 1, 2**31 - 1),
@@ -142,6 +146,17 @@ class TorchHookSpec:
     def state_and_hook(self, process_group=None):
         opts = {_TORCH_POWERSGD_KEYS[k][0]: v for k, v in self.options.items()}
         return torch_reference_hook(self.name, process_group, **opts)
+
+
+def compressor_of(c: Compress) -> Any:
+    """The instance a parsed compressor spec (``syncwise.layout.Compress``) names: PyTorch's hook (a TorchHookSpec,
+    with torch's own bounds) or one of syncwise's (``compress.registry.build_compressor``). Either keeps the spec
+    as ``parsed``, so the layout's rules read it without parsing again (``parallelize``)."""
+    if not c.torch_hook:
+        return build_compressor(c)
+    hook = TorchHookSpec.parse(c.text)
+    hook.parsed = c
+    return hook
 
 
 @dataclass

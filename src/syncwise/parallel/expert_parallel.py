@@ -42,7 +42,7 @@ from torch import nn
 from ..comm import ops
 from ..comm.stats import STATS, CommStats
 from ..errors import ConfigError
-from ..layout import check_expert_count
+from ..layout import DISPATCH, check_expert_count
 from ..models.moe import GroupedExperts, MoE, _local
 
 __all__ = ["apply_expert_parallel", "ExpertParallelExperts", "Wires", "EP_STATS", "DISPATCH_DTYPES", "COMBINE_DTYPES",
@@ -55,7 +55,7 @@ EP_STATS = CommStats()
 #: accepted ``dispatch`` values; the wire dtypes of the four exchanges follow from it (docs/expert_parallel.md):
 #: forward dispatch = ``dispatch``; forward combine = ``combine`` (default: bf16 under fp8, else ``dispatch``);
 #: backward of the combine (dispatch-shaped) = ``dispatch`` with fp8 → bf16; backward of the dispatch = combine's.
-DISPATCH_DTYPES = ("fp8", "bf16", "fp32")
+DISPATCH_DTYPES = DISPATCH  # the layout owner's (syncwise.layout)
 #: accepted ``combine`` values: combined rows are multiplied by gates and summed, DeepSeek-V3 keeps them 16-bit
 COMBINE_DTYPES = ("bf16", "fp32")
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -37,7 +37,7 @@ from ..layout import check_fsdp_compress, parse_compress
 _REDUCE_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def fsdp_gradient_sync(compress_spec: str, dp_replicate: int) -> tuple[Optional[torch.dtype], bool]:
+def fsdp_gradient_sync(compress_spec: Any, dp_replicate: int) -> tuple[Optional[torch.dtype], bool]:
     """How a layout that FSDP2 holds (dp_shard > 1 or tp > 1) reduces gradients under ``--compress``:
     ``(reduce_dtype, compress_across_replicas)``.
 
@@ -48,14 +48,16 @@ def fsdp_gradient_sync(compress_spec: str, dp_replicate: int) -> tuple[Optional[
       where the slow links are (replicas span nodes). It needs ``dp_replicate ≥ 2``: with one replica every
       rank is inside FSDP2's reduce-scatter, which has no hook to rewrite.
     - ``torch-*`` (PyTorch's DDP comm hooks) need DDP's buckets: refused.
-    """
-    from ..compress.registry import parse_compress_spec
 
+    ``compress_spec``: the parsed spec (``syncwise.layout.Compress``, as ``parallelize`` has it) or its text.
+    """
     c = parse_compress(compress_spec, "compress")
     across = check_fsdp_compress(c, max(dp_replicate, 1), "compress")  # the rule: syncwise.layout
     if not across:
         return _REDUCE_DTYPES[c.name], False
-    parse_compress_spec(compress_spec)  # the compressor's own bounds, as everywhere
+    if isinstance(compress_spec, str):  # text: the compressor's own bounds, as everywhere (an instance has them)
+        from ..compress.registry import build_compressor
+        build_compressor(c)
     return torch.float32, True
 
 

@@ -23,6 +23,7 @@ dimension, ``state_components()`` for checkpoints, ``clip_grad_norm`` that works
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
@@ -33,12 +34,12 @@ from torch import nn
 from ..comm.counting import CollectiveCounter, mesh_groups
 from ..comm.stats import STATS
 from ..errors import ConfigError
-from ..layout import NO_COMPRESS, Compress, parse_compress
+from ..layout import NO_COMPRESS, Compress, Layout, parse_compress, parse_sync
 from .activation_checkpoint import apply_activation_checkpointing
-from .data_parallel import DataParallel, StageGradientSync, apply_data_parallel
-from .mesh import ParallelSpec, build_mesh
+from .data_parallel import DataParallel, StageGradientSync, apply_data_parallel, compressor_of
+from .mesh import build_mesh, check_torch_support
 from .sync import build_sync
-from .sync_spec import SyncSpec, SyncStrategy
+from .sync_spec import SyncStrategy
 
 
 COUNTED_STEPS = 2  # steps whose FSDP2 / tensor-parallel collectives are counted (see Parallelized.begin_step)
@@ -50,7 +51,7 @@ class Parallelized:
 
     model: nn.Module                 # the model itself (evaluation, checkpoints, router updates)
     module: nn.Module                # what the step runs: wrapped (DDP), sharded (FSDP2/TP), compiled
-    spec: ParallelSpec               # resolved against the world size
+    spec: Layout                     # resolved against the world size, with the compressor's and the sync's specs
     mesh: Any = None                 # the DeviceMesh (None in a single process)
     dp: DataParallel = field(default_factory=lambda: DataParallel(module=nn.Identity()))
     sync: Optional[SyncStrategy] = None
@@ -205,12 +206,13 @@ class Parallelized:
         return self.spec.dp
 
 
-def parallelize(model: nn.Module, spec: "ParallelSpec | dict | None" = None, device: Optional[torch.device] = None,
+def parallelize(model: nn.Module, spec: "Layout | dict | None" = None, device: Optional[torch.device] = None,
                 *, compressor: Any = None, bucket_cap_mb: float = 25.0, min_numel: int = 4096, sync: Any = None,
                 activation_checkpointing: bool = False, compile: bool = False,
                 tp_plan: Optional[dict] = None, loss_fn: Any = None, split_fn: Any = None,
                 param_dtype: Optional[torch.dtype] = None) -> Parallelized:
-    """Apply ``spec`` (a ParallelSpec, a dict of its fields, or None: every rank a DDP replica) to ``model``.
+    """Apply ``spec`` (a ``syncwise.layout.Layout`` — ``ParallelSpec`` is its name here —, a dict of its fields, or
+    None: every rank a DDP replica) to ``model``.
 
     ``compressor``: syncwise's gradient compression (None = DDP's built-in all-reduce). With dp_shard > 1 or tp > 1
     (FSDP2) a cast (``bf16``/``fp16``) is FSDP2's reduce dtype, and any other compressor compresses the all-reduce
@@ -220,10 +222,11 @@ def parallelize(model: nn.Module, spec: "ParallelSpec | dict | None" = None, dev
     ``tp_plan``: a user model's tensor-parallel plan (``parallelize_module``'s dict); syncwise's own model has one.
     ``param_dtype``: FSDP2's parameter dtype (``torch.bfloat16`` under bf16 autocast; None: fp32).
     """
-    spec = spec if isinstance(spec, ParallelSpec) else ParallelSpec(**(spec or {}))
+    spec = spec if isinstance(spec, Layout) else Layout(**(spec or {}))
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if isinstance(sync, str):
-        sync = SyncSpec.parse(sync)
+    if compressor is None and not spec.compress.is_none:  # the layout names the compressor: built from its spec
+        compressor = compressor_of(spec.compress)
+    sync = parse_sync(sync) if sync is not None else spec.sync
     spec = check_layout(spec, compressor, sync, world, getattr(model, "config", None))
     device = device or next(model.parameters()).device
     # Replicas alone need no mesh: DDP runs on the default group, as before the seam (a mesh would add a gloo group
@@ -258,8 +261,7 @@ def parallelize(model: nn.Module, spec: "ParallelSpec | dict | None" = None, dev
     # resharding checkpoints would see the sharded parameters.
     if dp_dims and spec.fsdp:
         from .fsdp import apply_fsdp, attach_compression, fsdp_gradient_sync
-        reduce_dtype, compress_replicas = fsdp_gradient_sync(
-            getattr(compressor, "spec", None) or getattr(compressor, "name", None) or "none", spec.dp_replicate)
+        reduce_dtype, compress_replicas = fsdp_gradient_sync(spec.compress, spec.dp_replicate)
         # Each pipeline stage is its own FSDP2 root (torch's PipelineStage defers its reduce-scatter to the last
         # microbatch's backward).
         roots = parts
@@ -298,20 +300,26 @@ def parallelize(model: nn.Module, spec: "ParallelSpec | dict | None" = None, dev
     return par
 
 
-def check_layout(spec: ParallelSpec, compressor: Any, sync: Any, world: int, model_config: Any = None) -> ParallelSpec:
+def check_layout(spec: Layout, compressor: Any, sync: Any, world: int, model_config: Any = None) -> Layout:
     """What ``parallelize`` checks before it builds anything, resolved for ``world`` ranks: every rule between the
     degrees, the compressor and the sync strategy (``syncwise.layout.Layout.check``, as the command line and the
-    planner ask it; the compressor by its spec text, or its name when it was built without one), then the
-    model's shape (``ParallelSpec.check_model``)."""
-    out = ParallelSpec.from_layout(spec.layout(_compress_of(compressor), sync).check(world))
-    out.check_model(model_config)
+    planner ask it; the compressor by the parsed spec it was built from, or its name when it was built without
+    one), then the model's shape and what it needs from this torch (``mesh.check_torch_support``). The result is
+    the layout with the compressor's spec and the sync spec in it (``Parallelized.spec``)."""
+    out = dataclasses.replace(spec, compress=_compress_of(compressor), sync=parse_sync(sync)).check(world)
+    check_torch_support(out, model_config)
     return out
 
 
 def _compress_of(compressor: Any) -> Compress:
-    """The parsed spec of the compressor instance parallelize was given (a user's own class: its name)."""
+    """The parsed spec of the compressor instance parallelize was given: the one it was built from
+    (``data_parallel.compressor_of`` keeps it as ``parsed``), or — for a user's own Compressor class or one built
+    from text — its spec text or name."""
     if compressor is None:
         return NO_COMPRESS
+    parsed = getattr(compressor, "parsed", None)
+    if isinstance(parsed, Compress):
+        return parsed
     text = getattr(compressor, "spec", None) or getattr(compressor, "name", None) or "none"
     try:
         return parse_compress(text, "compress.method")

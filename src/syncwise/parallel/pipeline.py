@@ -26,7 +26,6 @@ import dataclasses
 import functools
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -35,53 +34,14 @@ from torch import nn
 
 from ..comm import ops as comm_ops, timing
 from ..errors import ConfigError, SyncwiseError
+from ..layout import SCHEDULE_SPECS, ScheduleSpec, check_pipeline_shape, schedule_spec
 from ..specs import count
 
 
 # ------------------------------------------------------------------------------------------------ the schedules
-@dataclass(frozen=True)
-class ScheduleSpec:
-    """What syncwise knows about one of torch's schedules."""
-
-    name: str                 # syncwise's name (``--parallel.pp_schedule``)
-    torch_name: str           # the class in torch.distributed.pipelining
-    stages_per_rank: str      # "1", ">=2" or "2" (V shape)
-    microbatches: str         # the rule on M, in words (checked by ``microbatch_error``)
-    refused: tuple[tuple[str, str], ...] = ()   # (backend, why) pairs where the schedule cannot run
-
-    @property
-    def multi_stage(self) -> bool:
-        """Several stages per rank (torch's ``PipelineScheduleMulti``: a list of stages)."""
-        return self.stages_per_rank != "1"
-
-    @property
-    def v_shape(self) -> bool:
-        """Stages placed in a V (rank r holds stages r and 2·pp−1−r): the first and the last stage share rank 0."""
-        return self.stages_per_rank == "2"
-
-    def microbatch_error(self, pp: int, microbatches: int) -> Optional[str]:
-        """Why ``microbatches`` cannot run at ``pp`` ranks (None: it can). The rules are torch's own (2.13)."""
-        m, stages = microbatches, pp * (2 if self.v_shape else 1)
-        if self.name == "1f1b" and m < pp:
-            return f"at least pp ({pp}) microbatches for 1f1b (torch's Schedule1F1B: its warm-up fills every stage)"
-        if self.name == "dualpipev" and m < stages:
-            return f"at least 2 × pp ({stages}) microbatches for dualpipev (one per stage of the V)"
-        if self.name in ("interleaved-1f1b", "interleaved-zb") and m % max(1, m // pp):
-            rounds = max(1, m // pp)
-            return (f"a multiple of the number of rounds max(1, M // pp) = {rounds} for {self.name} "
-                    f"(e.g. {rounds * (m // rounds)} or {rounds * (m // rounds + 1)})")
-        return None
-
-
-SCHEDULE_SPECS: dict[str, ScheduleSpec] = {s.name: s for s in (
-    ScheduleSpec("gpipe", "ScheduleGPipe", "1", "any M ≥ 1"),
-    ScheduleSpec("1f1b", "Schedule1F1B", "1", "M ≥ pp"),
-    ScheduleSpec("interleaved-1f1b", "ScheduleInterleaved1F1B", ">=2", "M a multiple of max(1, M // pp)"),
-    ScheduleSpec("looped-bfs", "ScheduleLoopedBFS", ">=2", "any M ≥ 1"),
-    ScheduleSpec("interleaved-zb", "ScheduleInterleavedZeroBubble", ">=2", "M a multiple of max(1, M // pp)"),
-    ScheduleSpec("zbv", "ScheduleZBVZeroBubble", "2", "any M ≥ 1"),
-    ScheduleSpec("dualpipev", "ScheduleDualPipeV", "2", "M ≥ 2 × pp"),
-)}
+# The schedules' table and their torch-free rules (stages per rank, microbatches, one stage per layer) are the
+# layout owner's (syncwise.layout: ScheduleSpec, SCHEDULE_SPECS, check_pipeline_shape); what the installed torch
+# ships and which backend a schedule cannot run on are checked here.
 
 
 def torch_schedules() -> dict[str, type]:
@@ -103,9 +63,7 @@ def __getattr__(name: str) -> Any:
 def _schedule_spec(schedule: str, pp: int, backend: Optional[str]) -> ScheduleSpec:
     """The spec of ``schedule``, or a ConfigError: unknown, absent from this torch, or unable to run on
     ``backend``."""
-    spec = SCHEDULE_SPECS.get(schedule) if isinstance(schedule, str) else None
-    if spec is None:
-        raise ConfigError("parallel.pp_schedule", schedule, "one of: " + ", ".join(SCHEDULE_SPECS))
+    spec = schedule_spec(schedule)
     if pp > 1 and schedule not in torch_schedules():
         have = ", ".join(torch_schedules()) or "none"
         raise ConfigError("parallel.pp_schedule", schedule, f"a schedule this torch ({torch.__version__}) ships: "
@@ -116,46 +74,18 @@ def _schedule_spec(schedule: str, pp: int, backend: Optional[str]) -> ScheduleSp
     return spec
 
 
-def _check_stages_per_rank(spec: ScheduleSpec, stages_per_rank: int) -> None:
-    ok = {"1": stages_per_rank == 1, ">=2": stages_per_rank >= 2, "2": stages_per_rank == 2}[spec.stages_per_rank]
-    if not ok:
-        accepted = {"1": f"1 for {spec.name}, a single-stage schedule (interleave with interleaved-1f1b, looped-bfs, "
-                         "interleaved-zb, zbv or dualpipev)",
-                    ">=2": f"≥ 2 for {spec.name} (with 1 stage per rank use 1f1b or gpipe)",
-                    "2": f"exactly 2 for {spec.name}: its stages form a V (rank r holds stages r and 2·pp−1−r)"}
-        raise ConfigError("parallel.stages_per_rank", stages_per_rank, accepted[spec.stages_per_rank])
-
-
 def check_pipeline(n_layers: int, pp: int, schedule: str, microbatches: int, stages_per_rank: int = 1, *,
                    backend: Optional[str] = None) -> ScheduleSpec:
     """Validate a pipeline layout before any worker starts; return the schedule's spec.
 
     Raises ConfigError naming ``parallel.pp`` / ``parallel.pp_schedule`` / ``parallel.microbatches`` /
-    ``parallel.stages_per_rank`` for: an unknown schedule (the accepted names are listed) or one the installed
-    torch does not ship, or one that cannot run on ``backend`` ("gloo", "nccl"; None: not checked);
-    ``stages_per_rank`` the schedule cannot hold (gpipe / 1f1b: 1; interleaved-1f1b / looped-bfs /
-    interleaved-zb: ≥ 2 — with 1 they are 1f1b / gpipe; zbv / dualpipev: exactly 2, in a V); more stages
-    (pp × stages_per_rank) than layers; and a microbatch count the schedule refuses (``ScheduleSpec.microbatches``:
-    1f1b M ≥ pp, dualpipev M ≥ 2·pp, interleaved-1f1b and interleaved-zb M a multiple of max(1, M // pp), the
-    others any M ≥ 1). With ``pp == 1`` only the values themselves are checked (nothing is pipelined).
+    ``parallel.stages_per_rank`` for: an unknown schedule or one the installed torch does not ship, or one that
+    cannot run on ``backend`` ("gloo", "nccl"; None: not checked); then the layout owner's torch-free rules
+    (``syncwise.layout.check_pipeline_shape``: stages per rank, one stage per layer, microbatches).
     """
-    pp = count("parallel.pp", pp)
-    microbatches = count("parallel.microbatches", microbatches)
-    stages_per_rank = count("parallel.stages_per_rank", stages_per_rank)
-    spec = _schedule_spec(schedule, pp, backend)
-    if pp == 1:
-        return spec
-    _check_stages_per_rank(spec, stages_per_rank)
-    stages = pp * stages_per_rank
-    if stages > n_layers:
-        field = "parallel.pp" if pp > n_layers else "parallel.stages_per_rank"
-        raise ConfigError(field, pp if field == "parallel.pp" else stages_per_rank,
-                          f"a layout with at most one stage per layer: pp × stages_per_rank = {stages} stages "
-                          f"for {n_layers} layers")
-    why = spec.microbatch_error(pp, microbatches)
-    if why:
-        raise ConfigError("parallel.microbatches", microbatches, why)
-    return spec
+    count("parallel.pp", pp)
+    _schedule_spec(schedule, pp, backend)
+    return check_pipeline_shape(n_layers, pp, schedule, microbatches, stages_per_rank)
 
 
 def stage_ids_for_rank(pp_rank: int, pp: int, stages_per_rank: int, schedule: str) -> list[int]:
@@ -584,7 +514,7 @@ class AsyncPipeline:
     def _set_ids(self, stage_ids: Optional[Sequence[int]], per_rank: int) -> None:
         # The microbatch rule waits for the first batch when only microbatch_size is known.
         if self.pp > 1:
-            _check_stages_per_rank(self.spec, per_rank)
+            self.spec.check_stages_per_rank(per_rank)
         if self.microbatches is not None and self.spec.microbatch_error(self.pp, self.microbatches):
             raise ConfigError("parallel.microbatches", self.microbatches,
                               self.spec.microbatch_error(self.pp, self.microbatches) or "")

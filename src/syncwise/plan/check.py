@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from .cloud import CloudConfig, load_cluster
+from ..layout import parse_compress
 from .cost import Prediction, predict
 from .layout import Layout, Training
 from .model import ModelSpec, from_model_config
@@ -62,7 +63,7 @@ def check_layout(cloud: Any, model: ModelSpec, layout: Layout, global_batch: int
     seq_len = seq_len or model.seq_len
     training = training or recipe_for(cloud.accelerator)
     chosen = predict(cloud, model, layout, global_batch, seq_len, training=training, syncwise_rules=False)
-    pool = tuple(dict.fromkeys([*compress, layout.compress]))
+    pool = tuple(dict.fromkeys([*(parse_compress(c, "compress") for c in compress), layout.compress]))
     found = search(cloud, model, global_batch, seq_len, top=1, training=training, syncwise_rules=syncwise_rules,
                    compress=pool, sync=(layout.sync,))
     best = found[0] if found else None
@@ -112,21 +113,16 @@ def describe_module(module: Any, seq_len: int, name: str = "") -> ModelSpec:
 
 def trainer_layout(trainer: Any, batch_rows: int) -> tuple[Layout, int]:
     """The planner's Layout of a running ``OptimizedTrainer`` and its global batch in sequences (the loader's
-    rows per batch × data-parallel ranks × accumulation; under pp the rows are the rank's whole batch)."""
+    rows per batch × data-parallel ranks × accumulation; under pp the rows are the rank's whole batch). The
+    layout is the one ``parallelize`` resolved and checked (``trainer.par.spec``: a ``syncwise.layout.Layout``
+    with the run's parsed compressor and sync specs); the planner adds its own fields."""
     spec = trainer.par.spec
-    accum = trainer.grad_accum_steps
-    pp = getattr(spec, "pp", 1)
-    M = (getattr(spec, "microbatches", 0) or 2 * pp * getattr(spec, "stages_per_rank", 1)) if pp > 1 else accum
-    global_batch = batch_rows * trainer.par.dp_size * (1 if pp > 1 else accum)
+    pp = spec.pp
+    M = spec.microbatches_per_step if pp > 1 else trainer.grad_accum_steps
+    global_batch = batch_rows * spec.dp * (1 if pp > 1 else M)
     micro = batch_rows // M if pp > 1 else batch_rows
-    compress = trainer.compress_spec if isinstance(trainer.compress_spec, str) else "none"
-    lay = Layout(dp_replicate=spec.dp_replicate, dp_shard=spec.dp_shard, tp=spec.tp, pp=pp, ep=getattr(spec, "ep", 1),
-                 pp_schedule=getattr(spec, "pp_schedule", "1f1b"), stages_per_rank=getattr(spec, "stages_per_rank", 1),
-                 microbatches=M, micro_batch=max(1, micro),
-                 recompute="full" if _checkpointed(trainer.model) else "none",
-                 ep_dispatch=getattr(spec, "ep_dispatch", "fp32"), compress=compress or "none",
-                 sync=trainer.sync_spec or "every-step")
-    return lay, global_batch
+    return Layout.of_owner(spec, microbatches=M, micro_batch=max(1, micro),
+                           recompute="full" if _checkpointed(trainer.model) else "none"), global_batch
 
 
 def _checkpointed(module: Any) -> bool:

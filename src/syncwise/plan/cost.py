@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..errors import ConfigError
-from ..layout import COMPRESSORS, parse_compress, parse_sync
+from ..layout import EVERY_STEP, FSDP_REDUCE_DTYPES, parse_compress
 from .cloud import CloudConfig
 from .layout import SYNCWISE, Layout, Training, syncwise_refusal
 from .memory import Memory, activation_terms, memory_per_rank, stage_params
@@ -135,53 +135,50 @@ class Wire:
     collectives_per_bucket: int = 1
 
 
-def compressor_wire(spec: str, model: ModelSpec, training: Training) -> Wire:
+#: the planner's rough encode/decode cost of each compressor (docs/plan.md): HBM bytes per element, per element
+#: of every received copy, whether small 1-D tensors travel raw beside it (the min_numel policy; a cast sends the
+#: whole bucket). What crosses the wire is the compressor's own spec's (syncwise.layout.COMPRESSORS).
+CODEC_COST: dict[str, tuple[float, float, bool]] = {
+    "none": (0.0, 0.0, False), "torch-allreduce": (0.0, 0.0, False),
+    "fp16": (12.0, 0.0, False), "bf16": (12.0, 0.0, False), "torch-fp16": (12.0, 0.0, False),
+    "torch-bf16": (12.0, 0.0, False), "fp8": (10.0, 9.0, True), "int8": (14.0, 9.0, True),
+    "sign": (16.0, 8.5, True), "topk": (48.0, 16.0, True), "randomk": (16.0, 0.0, True),
+    "powersgd": (24.0, 0.0, True), "torch-powersgd": (24.0, 0.0, True)}
+
+
+def compressor_wire(spec: Any, model: ModelSpec, training: Training) -> Wire:
     """Bytes and compute of syncwise's compressors (compress/registry.py) and PyTorch's hooks, per element of
-    the gradient: none = the training recipe's reduce dtype (fp32 in syncwise) all-reduce; fp16 / bf16: 2 B
-    all-reduce; fp8: 1 B + one fp32 scale per ``block`` (128), all-gather; int8: 1 B + a scale per ``chunk``
-    (1024), all-gather; sign: 1/8 B, all-gather; topk: 8 B per kept element (value + index), all-gather;
-    randomk: 4 B per kept element, all-reduce; powersgd: (rows + cols)·rank fp32 per matrix in two all-reduces,
-    matrices that would not compress ``min_compression_rate`` × and 1-D tensors raw. Encode/decode costs are
-    rough HBM-traffic estimates (docs/plan.md)."""
-    c = parse_compress(spec)                  # names, options and defaults: syncwise.layout.COMPRESSORS
-    name, opts = c.name, c.options
+    the gradient, from the parsed spec (``syncwise.layout.Compress``: the collective, bytes per element from the
+    options — fp8 1 B + one fp32 scale per ``block``, topk 8 B per kept element, ...) and the planner's codec
+    costs (:data:`CODEC_COST`). ``none`` is the training recipe's reduce dtype (fp32 in syncwise); PowerSGD's
+    bytes depend on the matrices: (rows + cols)·rank fp32 per matrix in two all-reduces, matrices that would not
+    compress ``min_compression_rate`` × and 1-D tensors raw. ``spec``: parsed, or its text."""
+    c = parse_compress(spec)
+    if c.name not in CODEC_COST:
+        raise ConfigError("compress", spec, "a compressor the planner has a wire model of: " + ", ".join(CODEC_COST))
+    compute, per_peer, has_raw = CODEC_COST[c.name]
     norms = (2 * model.n_layers + 1) * model.norm_params()
-    total = model.param_counts()[0]
-    raw = norms / total                       # small 1-D tensors stay fp32 (min_numel policy)
-    if name in ("none", "torch-allreduce"):
-        return Wire("all_reduce", training.grad_reduce_bytes)
-    if name in ("fp16", "bf16", "torch-fp16", "torch-bf16"):
-        return Wire("all_reduce", 2.0, compute_bytes=12.0)
-    if name == "fp8":
-        block = opts["block"]
-        return Wire("all_gather", 1 + 4 / block, raw, compute_bytes=10.0, compute_bytes_per_peer=9.0)
-    if name == "int8":
-        chunk = opts["chunk"]
-        return Wire("all_gather", 1 + 4 / chunk, raw, compute_bytes=14.0, compute_bytes_per_peer=9.0)
-    if name == "sign":
-        return Wire("all_gather", 1 / 8, raw, compute_bytes=16.0, compute_bytes_per_peer=8.5)
-    if name == "topk":
-        ratio = opts["ratio"]
-        return Wire("all_gather", 8 * ratio, raw, compute_bytes=48.0, compute_bytes_per_peer=16 * ratio)
-    if name == "randomk":
-        ratio = opts["ratio"]
-        return Wire("all_reduce", 4 * ratio, raw, compute_bytes=16.0)
-    if name in ("powersgd", "torch-powersgd"):
-        rank = opts["rank"]
-        min_rate = opts["min_compression_rate"]
-        sent = rawm = elems = 0.0
-        for i in range(model.n_layers):
-            for count, rows, cols in model.matrices(i):
-                elems += count * rows * cols
-                if rows * cols / ((rows + cols) * rank) >= min_rate:
-                    sent += count * (rows + cols) * rank
-                else:
-                    rawm += count * rows * cols
-        elems = max(elems, 1.0)
-        # per element of the matrices: 4·(rows+cols)·r/(rows·cols) bytes; 4·rows·cols·r·2 FLOPs (P = MQ, Q = MᵀP)
-        return Wire("all_reduce", 4 * sent / elems + 4 * rawm / elems, raw, compute_bytes=24.0,
-                    flops_per_element=8 * rank, collectives_per_bucket=2)
-    raise ConfigError("compress", spec, "a compressor the planner has a wire model of: " + ", ".join(COMPRESSORS))
+    raw = norms / model.param_counts()[0] if has_raw else 0.0   # small 1-D tensors stay fp32
+    sp, opts = c.spec, c.options
+    if c.name in ("none", "torch-allreduce"):
+        return Wire(sp.collective, training.grad_reduce_bytes)
+    wire = Wire(sp.collective, c.bytes_per_element or 0.0, raw, compute_bytes=compute,
+                compute_bytes_per_peer=per_peer * (opts[sp.kept_fraction] if sp.kept_fraction else 1.0),
+                collectives_per_bucket=sp.collectives_per_bucket)
+    if c.bytes_per_element is not None:
+        return wire
+    rank, min_rate = opts["rank"], opts["min_compression_rate"]   # PowerSGD's: the matrices decide
+    sent = rawm = elems = 0.0
+    for i in range(model.n_layers):
+        for count, rows, cols in model.matrices(i):
+            elems += count * rows * cols
+            if rows * cols / ((rows + cols) * rank) >= min_rate:
+                sent += count * (rows + cols) * rank
+            else:
+                rawm += count * rows * cols
+    elems = max(elems, 1.0)
+    # per element of the matrices: 4·(rows+cols)·r/(rows·cols) bytes; 4·rows·cols·r·2 FLOPs (P = MQ, Q = MᵀP)
+    return dataclasses.replace(wire, bytes_per_element=4 * sent / elems + 4 * rawm / elems, flops_per_element=8 * rank)
 
 
 def sync_bytes(nelements: float, n: int, wire: Wire, raw_bytes: float = 4.0) -> tuple[float, float]:
@@ -252,7 +249,7 @@ def batch_split(layout: Layout, global_batch: int) -> tuple[int, int]:
         _check(per_rank % layout.microbatches == 0, "microbatches", layout.microbatches,
                f"a divisor of the sequences per data-parallel rank ({per_rank})")
         return per_rank // layout.microbatches, layout.microbatches
-    M = 2 * layout.pp * layout.stages_per_rank if layout.pp > 1 else 1   # ParallelSpec's default
+    M = 2 * layout.pp * layout.stages_per_rank if layout.pp > 1 else 1   # the owner's default (microbatches_per_step)
     M = math.gcd(M, per_rank) if per_rank % M else M
     return per_rank // M, M
 
@@ -278,7 +275,7 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
     """Predict one optimizer step of ``layout`` on ``cloud`` for ``global_batch`` sequences of ``seq_len`` tokens.
 
     ``syncwise_rules``: also decide whether syncwise can run the layout (``runnable`` / ``not_runnable``, from
-    ParallelSpec.resolve / check_model and the spec parsers; imports torch on first use)."""
+    ``syncwise.layout.Layout.check`` / ``check_model``: torch-free)."""
     seq_len = seq_len or model.seq_len
     model = model.with_seq_len(seq_len) if model.seq_len != seq_len else model
     validate_layout(cloud, model, layout)
@@ -382,13 +379,14 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
 
     # ---- data-parallel gradient sync (once per step)
     wire = compressor_wire(layout.compress, model, training)
-    sync_name = layout.sync.split(":")[0].strip().lower()
+    sync = layout.sync                       # the parsed spec (None: every-step)
+    sync_name = sync.method if sync is not None else EVERY_STEP
     dp_total = dp_exposed = compress_compute = sync_exposed = 0.0
     dense, expert = sp_params.dense, sp_params.expert
     if layout.dp > 1:
         if layout.dp_shard > 1:    # FSDP2 / HSDP: reduce-scatter in the reduce dtype, then the replicas' all-reduce
-            name = layout.compress.split(":")[0].strip().lower()
-            cast = name in ("bf16", "fp16")
+            name = layout.compress.name
+            cast = name in FSDP_REDUCE_DTYPES and name != "none"    # FSDP2's own 16-bit reduce dtype
             red = 2.0 if cast else training.grad_reduce_bytes
             dp_total += dim_time(cloud, layout, "dp_shard", "reduce_scatter", local * red, traffic)
             if layout.dp_replicate > 1:
@@ -410,11 +408,10 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
                 dp_total += dim_time(cloud, layout, "ep_replicate", "all_reduce", expert * training.grad_reduce_bytes,
                                      traffic)
             dp_exposed = _overlap(dp_total, training, layout, t_bwd - t_extra, local)
-        elif sync_name in ("every-step", "pipesgd"):
+        elif sync_name in (EVERY_STEP, "pipesgd"):
             n = layout.dp_replicate
             if sync_name == "pipesgd":
-                dtype = parse_sync(layout.sync, "sync").dtype
-                wire = dataclasses.replace(wire, kind="all_reduce", bytes_per_element=4 if dtype == "fp32" else 2)
+                wire = dataclasses.replace(wire, kind="all_reduce", bytes_per_element=4 if sync.dtype == "fp32" else 2)
             payload, raw = sync_bytes(dense, n, wire)
             dp_total += dim_time(cloud, layout, "dp", wire.kind, payload, traffic,
                                  count=1) + dim_time(cloud, layout, "dp", "all_reduce", raw, traffic)
@@ -432,8 +429,7 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
             else:
                 dp_exposed = _overlap(dp_total, training, layout, t_bwd - t_extra, local)
         else:                                    # local SGD / DiLoCo: parameters averaged every H steps
-            spec = parse_sync(layout.sync, "sync")   # methods, defaults and bounds: syncwise.layout.SyncSpec
-            period, delay, dtype = spec.period, spec.delay, spec.dtype
+            period, delay, dtype = sync.period, sync.delay, sync.dtype   # syncwise.layout.SyncSpec
             nbytes = local * {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
             one = dim_time(cloud, layout, "dp", "all_reduce", nbytes, traffic)
             dp_total = one / period

@@ -37,8 +37,8 @@ def train_config(pred: Prediction, cloud: CloudConfig, preset: Optional[str], se
         "parallel": {"dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp, "pp": lay.pp,
                      "pp_schedule": lay.pp_schedule, "microbatches": pred.microbatches if pipeline else 0,
                      "stages_per_rank": lay.stages_per_rank, "ep": lay.ep, "ep_dispatch": lay.ep_dispatch,
-                     "sync": lay.sync},
-        "compress": {"method": lay.compress},
+                     "sync": lay.sync_text},
+        "compress": {"method": lay.compress.text},
     }
     return values
 

@@ -1,5 +1,5 @@
-"""``Layout``: one way to run a job (ParallelSpec's dimensions and pipeline settings, plus micro-batch size,
-activation recomputation, compression and sync strategy), its ``--layout`` text form, the training recipe
+"""``Layout``: one way to run a job (the layout owner's dimensions and pipeline settings, plus micro-batch size,
+activation recomputation, the parsed compressor and sync specs), its ``--layout`` text form, the training recipe
 (``Training``: bytes per parameter and what overlaps), and whether syncwise itself can run the layout.
 
 ``--layout`` is read by the one spec parser (``syncwise.specs.parse_spec``: ``key=value`` options separated by
@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..errors import ConfigError
-from ..layout import DIMS, DISPATCH, SCHEDULES  # noqa: F401  (the owner's names: syncwise.layout)
+from .. import layout as owner
+from ..layout import DISPATCH, EVERY_STEP, NO_COMPRESS, SCHEDULES, Compress, SyncSpec, parse_compress, parse_sync
 from ..specs import check_keys, parse_spec, read_bool, read_choice, read_int
 
 RECOMPUTE = ("none", "selective", "full")
@@ -21,7 +22,7 @@ RECOMPUTE = ("none", "selective", "full")
 
 @dataclass(frozen=True)
 class Layout:
-    """Degrees (ParallelSpec's names: world = pp × dp_replicate × dp_shard × tp, ep borrowed from data
+    """Degrees (``syncwise.layout``'s names: world = pp × dp_replicate × dp_shard × tp, ep borrowed from data
     parallel), the pipeline's schedule, ``micro_batch`` sequences per micro-batch per data-parallel rank
     (0: the planner picks), ``microbatches`` per step (pipeline M, or gradient accumulation when pp = 1; 0:
     derived from the batch), recomputation, sequence parallel (syncwise's tensor parallel always shards the
@@ -39,10 +40,18 @@ class Layout:
     micro_batch: int = 0
     recompute: str = "none"
     sequence_parallel: bool = True
-    ep_dispatch: str = "fp32"       # ParallelSpec's default (exact); fp8 is DeepSeek-V3's choice
-    compress: str = "none"
-    sync: str = "every-step"
+    ep_dispatch: str = "fp32"       # the owner's default (exact); fp8 is DeepSeek-V3's choice
+    compress: Compress = NO_COMPRESS  # parsed spec objects (text is parsed once, on construction)
+    sync: Optional[SyncSpec] = None   # None: every-step
     zero1: bool = False
+
+    def __post_init__(self) -> None:
+        # The compressor and sync specs travel as the owner's parsed objects (syncwise.layout): text is parsed
+        # here, once; a parsed spec passes through.
+        if not isinstance(self.compress, Compress):
+            object.__setattr__(self, "compress", parse_compress(self.compress, "compress"))
+        if self.sync is not None and not isinstance(self.sync, SyncSpec):
+            object.__setattr__(self, "sync", parse_sync(self.sync, "sync"))
 
     @property
     def dp(self) -> int:
@@ -75,16 +84,30 @@ class Layout:
             parts.append("sp=no")
         if self.ep > 1:
             parts.append(f"ep_dispatch={self.ep_dispatch}")
-        if self.compress != "none":
-            parts.append(f"compress={self.compress}")
-        if self.sync != "every-step":
+        if not self.compress.is_none:
+            parts.append(f"compress={self.compress.text}")
+        if self.sync is not None:
             parts.append(f"sync={self.sync}")
         if self.zero1:
             parts.append("zero1=yes")
         return ",".join(parts)
 
+    @classmethod
+    def of_owner(cls, lay: Any, **planner: Any) -> "Layout":
+        """The planner's Layout of the owner's (``syncwise.layout.Layout``, resolved): the same degrees, pipeline
+        and expert settings and spec objects, plus the planner's own fields (``planner``)."""
+        shared = {f.name for f in dataclasses.fields(cls)} & {f.name for f in dataclasses.fields(lay)}
+        return cls(**({n: getattr(lay, n) for n in shared} | planner))
+
+    @property
+    def sync_text(self) -> str:
+        """The sync spec as written, ``every-step`` for none."""
+        return str(self.sync) if self.sync is not None else EVERY_STEP
+
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain values; the specs as their text."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)} | {
+            "compress": self.compress.text, "sync": self.sync_text}
 
 
 @dataclass(frozen=True)
@@ -135,7 +158,7 @@ _KEYS = (*_INT_KEYS, "schedule", "pp_schedule", "recompute", "sp", "ep_dispatch"
 
 def parse_layout(text: str, world: Optional[int] = None, field: str = "--layout") -> Layout:
     """``dp=..,tp=..,pp=..,ep=..,microbatch=..,recompute=..`` → Layout, through ``syncwise.specs.parse_spec``.
-    An absent ``dp`` takes the ranks the others leave of ``world`` (ParallelSpec's dp_replicate = 0)."""
+    An absent ``dp`` takes the ranks the others leave of ``world`` (the owner's dp_replicate = 0)."""
     if not isinstance(text, str) or not text.strip():
         raise ConfigError(field, text, LAYOUT_ACCEPTED)
     _, options = parse_spec("layout:" + text.strip(), field, LAYOUT_ACCEPTED)
@@ -168,40 +191,23 @@ def parse_layout(text: str, world: Optional[int] = None, field: str = "--layout"
     return Layout(**kwargs)
 
 
-def owner_layout(layout: Layout, microbatches: int = 0) -> Any:
+def owner_layout(layout: Layout, microbatches: int = 0) -> owner.Layout:
     """The planner's layout as the one owner of the layout's rules sees it (``syncwise.layout.Layout``: degrees,
-    pipeline and expert settings, the parsed compressor and sync specs). The planner's own fields (micro-batch
-    size, recomputation, sequence parallel, zero1) stay here."""
-    from .. import layout as owner
-
-    return owner.Layout.of(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp, pp=layout.pp,
-                           ep=layout.ep, pp_schedule=layout.pp_schedule,
-                           microbatches=microbatches or layout.microbatches, stages_per_rank=layout.stages_per_rank,
-                           ep_dispatch=layout.ep_dispatch, compress=layout.compress, sync=layout.sync)
-
-
-def parallel_spec(layout: Layout, microbatches: int = 0) -> Any:
-    """The layout as syncwise's ``ParallelSpec`` (imports syncwise.parallel, i.e. torch)."""
-    from ..parallel.mesh import ParallelSpec
-
-    return ParallelSpec.from_layout(owner_layout(layout, microbatches))
+    pipeline and expert settings, the parsed compressor and sync specs — the same objects). The planner's own
+    fields (micro-batch size, recomputation, sequence parallel, zero1) stay here."""
+    shared = {f.name for f in dataclasses.fields(owner.Layout)}
+    return owner.Layout(**{f.name: getattr(layout, f.name) for f in dataclasses.fields(layout) if f.name in shared}
+                        | {"microbatches": microbatches or layout.microbatches})
 
 
 def syncwise_refusal(layout: Layout, model: Any, world: int, microbatches: int) -> Optional[str]:
     """Why syncwise cannot run ``layout`` (None when it can): ``syncwise.layout.Layout.check`` and
-    ``check_model`` — the rules every ``syncwise train`` run and every ``OptimizedTrainer`` pass, torch-free —
-    plus the planner-only fields (zero1, sp). Only what needs torch imports it, on first use: the pipeline's
-    schedule rules when pp > 1 (which schedules this torch ships) and fp8 availability for an fp8 expert
-    dispatch."""
+    ``check_model`` — the rules every ``syncwise train`` run and every ``OptimizedTrainer`` pass, pipeline
+    schedules included — plus the planner-only fields (zero1, sp). Torch-free: what the installed torch ships
+    (a schedule's class, float8 for an fp8 dispatch) is the cluster's torch's, checked when its workers start
+    (``syncwise.parallel.mesh.check_torch_support``)."""
     try:
-        lay = owner_layout(layout, microbatches).check(world)
-        if layout.pp > 1:  # (the order of ParallelSpec.check_model: pipeline, dispatch, then the owner's rules)
-            from ..parallel.pipeline import check_pipeline
-            check_pipeline(model.n_layers, lay.pp, lay.pp_schedule, lay.microbatches_per_step, lay.stages_per_rank)
-        if layout.ep > 1 and layout.ep_dispatch == "fp8":
-            from ..parallel.expert_parallel import check_dispatch
-            check_dispatch(layout.ep_dispatch)
-        lay.check_model(model)
+        owner_layout(layout, microbatches).check(world).check_model(model)
         if layout.zero1:
             raise ConfigError("zero1", True, "no: syncwise shards optimizer state only with FSDP2 (dp_shard)")
         if layout.tp > 1 and not layout.sequence_parallel:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from ..layout import SYNC_STATE_COPIES, parse_compress, parse_sync
 from .layout import Layout, Training
 from .model import ModelSpec
 
@@ -115,11 +114,12 @@ def state_bytes(model: ModelSpec, layout: Layout, training: Training, accumulati
             out["gradients"] += sp.total * t.grad_bytes * (1 - 1 / shard)
     elif t.ddp_bucket_copy and layout.dp > 1 and layout.pp == 1 and not (layout.tp > 1 and t.fsdp_with_tp):
         out["ddp_buckets"] = sp.total * t.grad_bytes
-    if parse_compress(layout.compress).error_feedback:  # the compressor's own flag, default or as written
-        out["compressor_state"] = sp.total * 4 / shard     # error-feedback residuals (fp32)
-    sync = parse_sync(layout.sync, "sync")
-    if sync is not None and SYNC_STATE_COPIES[sync.method]:
-        out["sync_state"] = sp.total * 4 * SYNC_STATE_COPIES[sync.method]  # anchor copy (+ outer momentum)
+    state = layout.compress.state_bytes_per_element   # the compressor's spec: residuals (+ DGC momentum), fp32
+    if state:
+        out["compressor_state"] = sp.total * state / shard
+    sync = layout.sync
+    if sync is not None and sync.state_copies:
+        out["sync_state"] = sp.total * 4 * sync.state_copies  # anchor copy (+ outer momentum)
     return out
 
 

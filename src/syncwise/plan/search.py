@@ -3,8 +3,9 @@ predicted step time; ``explain`` says in one line why the best beat the runner-u
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
+from ..layout import NO_COMPRESS, parse_compress, parse_sync
 from .cloud import CloudConfig
 from .cost import Prediction, predict
 from .layout import SYNCWISE, Layout, Training, syncwise_refusal
@@ -33,7 +34,7 @@ def _powers_of_two(n: int, most: int) -> list[int]:
 
 
 def candidate_layouts(cloud: CloudConfig, model: ModelSpec, global_batch: int, *,
-                      compress: Sequence[str] = DEFAULT_COMPRESS, sync: Sequence[str] = ("every-step",),
+                      compress: Sequence[Any] = DEFAULT_COMPRESS, sync: Sequence[Any] = ("every-step",),
                       schedules: Sequence[tuple[str, int]] = PIPELINE_SCHEDULES, max_pp: Optional[int] = None,
                       ep_dispatch: str = "fp32", fsdp: bool = True, zero1: bool = False,
                       sequence_parallel: bool = True) -> Iterable[Layout]:
@@ -42,6 +43,8 @@ def candidate_layouts(cloud: CloudConfig, model: ModelSpec, global_batch: int, *
     dp; the pipeline schedules; compressors only where there is data parallelism, sync strategies only with
     plain replicas. Micro-batch size and recomputation are chosen by :func:`search`."""
     W, G = cloud.world_size, cloud.gpus_per_node
+    compress = [parse_compress(c, "compress") for c in compress]   # each spec parsed once, travels as an object
+    sync = [parse_sync(s, "sync") for s in sync]
     for tp in _powers_of_two(W, G):
         if model.n_heads % tp:
             continue
@@ -58,10 +61,10 @@ def candidate_layouts(cloud: CloudConfig, model: ModelSpec, global_batch: int, *
                     for sched, v in (schedules if pp > 1 else (("1f1b", 1),)):
                         if pp * v > model.n_layers:
                             continue
-                        for c in (compress if dp > 1 else ("none",)):
+                        for c in (compress if dp > 1 else (NO_COMPRESS,)):
                             for s in sync:
-                                if s != "every-step" and (dp == 1 or shard > 1 or tp > 1 or pp > 1 or ep > 1
-                                                          or c != "none"):
+                                if s is not None and (dp == 1 or shard > 1 or tp > 1 or pp > 1 or ep > 1
+                                                      or not c.is_none):
                                     continue
                                 yield Layout(rep, shard, tp, pp, ep, sched, v, compress=c, sync=s,
                                              ep_dispatch=ep_dispatch,
@@ -70,15 +73,15 @@ def candidate_layouts(cloud: CloudConfig, model: ModelSpec, global_batch: int, *
 
 
 def search(cloud: CloudConfig, model: ModelSpec, global_batch: int, seq_len: Optional[int] = None, top: int = 5, *,
-           training: Training = SYNCWISE, syncwise_rules: bool = True, compress: Sequence[str] = DEFAULT_COMPRESS,
-           sync: Sequence[str] = ("every-step",), recompute: Sequence[str] = ("none", "selective", "full"),
+           training: Training = SYNCWISE, syncwise_rules: bool = True, compress: Sequence[Any] = DEFAULT_COMPRESS,
+           sync: Sequence[Any] = ("every-step",), recompute: Sequence[str] = ("none", "selective", "full"),
            micro_batches: Optional[Sequence[int]] = None, schedules: Sequence[tuple[str, int]] = PIPELINE_SCHEDULES,
            distinct: bool = True, max_pp: Optional[int] = None, ep_dispatch: str = "fp32",
            matmul_efficiency: Optional[float] = None, fsdp: bool = True, zero1: bool = False,
            sequence_parallel: bool = True) -> list[Prediction]:
     """The ``top`` fastest layouts that fit in memory, sorted by predicted step time (network_priority breaks
     near-ties). Only layouts whose product equals nodes × gpus_per_node are built; with ``syncwise_rules`` only
-    those ``ParallelSpec.resolve`` / ``check_model`` and the spec parsers accept. For each structure the
+    those ``syncwise.layout.Layout.check`` / ``check_model`` accept. For each structure the
     micro-batch sizes (powers of two up to 32 dividing the per-rank batch, or ``micro_batches``) are tried with
     the least recomputation that fits (more recomputation is never faster in this model); ``distinct`` keeps
     the best micro-batch / recomputation per structure. ``fsdp=False`` leaves dp_shard at 1 (a framework
