@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import ops
-from ..errors import SyncwiseError
+from ..errors import ConfigError, SyncwiseError
 
 
 def opt(default: Any, doc: str) -> Any:
@@ -54,6 +54,22 @@ class CompressorConfig:
     """Options shared by all compressors (subclasses add their own fields)."""
 
     seed: int = opt(0, "base seed for random draws (same on all ranks)")
+
+
+@dataclass
+class WarmupConfig(CompressorConfig):
+    """Options of the lossy compressors that can start uncompressed (issue 26: Adam's moments settle first)."""
+
+    warmup: int = opt(0, "steps each tensor is sent as its fp32 mean before it is compressed")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ConfigError("compress", f"warmup={self.warmup}", "warmup: an integer >= 0 (steps sent uncompressed)")
+
+    @property
+    def start_iter(self) -> int:
+        """The warm-up under PowerSGD's name, which the trainer's summary reads to report warm-up bytes apart."""
+        return self.warmup
 
 
 class Compressor:
@@ -118,8 +134,16 @@ class Compressor:
         if len(keys) != len(tensors):
             raise ValueError("average(): one key per tensor is required")
         comp, ckeys, raw = split_by_policy(tensors, keys, compress)
+        booked = ckeys
+        warm = getattr(self.config, "warmup", 0)
+        if warm and comp:
+            # Warm-up: a tensor's first ``warmup`` averaged steps go out as fp32 (its counter still counts them;
+            # the counters are agreed on every rank, so every rank sends the same payload layout).
+            cold = [self._count(k) < warm for k in ckeys]
+            raw = list(raw) + [t for t, c in zip(comp, cold) if c]
+            comp, ckeys = [t for t, c in zip(comp, cold) if not c], [k for k, c in zip(ckeys, cold) if not c]
         world = dist.get_world_size(group)
-        self.book(self._average(comp, ckeys, raw, group, world), sum(t.numel() for t in tensors), ckeys)
+        self.book(self._average(comp, ckeys, raw, group, world), sum(t.numel() for t in tensors), booked)
         return tensors
 
     @property

@@ -11,11 +11,11 @@ from typing import ClassVar
 import torch
 
 from ..errors import ConfigError
-from .base import CompressorConfig, GatherCompressor, opt
+from .base import GatherCompressor, WarmupConfig, opt
 
 
 @dataclass
-class Int8Config(CompressorConfig):
+class Int8Config(WarmupConfig):
     """Options of the int8 / QSGD compressor."""
 
     chunk: int = opt(1024, "elements per fp32 scale (max |x| of the chunk)")
@@ -81,7 +81,7 @@ class Int8Compressor(GatherCompressor):
 
 
 @dataclass
-class SignConfig(CompressorConfig):
+class SignConfig(WarmupConfig):
     """Options of the sign compressor."""
 
     error_feedback: bool = opt(True, "keep what the sign dropped (EF-SignSGD); without it sign is biased")

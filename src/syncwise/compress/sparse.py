@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import ConfigError
-from .base import (Compressor, CompressorConfig, GatherCompressor, commit, divisor, flatten, nonfinite_flag, opt,
+from .base import (Compressor, GatherCompressor, WarmupConfig, commit, divisor, flatten, nonfinite_flag, opt,
                    sizes_of, unflatten_into)
 
 
@@ -23,7 +23,7 @@ def _check_ratio(name: str, ratio: float) -> None:
 
 
 @dataclass
-class TopKConfig(CompressorConfig):
+class TopKConfig(WarmupConfig):
     """Options of the top-k compressor."""
 
     ratio: float = opt(0.01, "fraction of each tensor's elements sent (k = ceil(ratio * numel))")
@@ -106,7 +106,7 @@ class TopKCompressor(GatherCompressor):
 
 
 @dataclass
-class RandomKConfig(CompressorConfig):
+class RandomKConfig(WarmupConfig):
     """Options of the random-k compressor."""
 
     ratio: float = opt(0.01, "fraction of each tensor's elements sent")
