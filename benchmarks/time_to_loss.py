@@ -7,9 +7,10 @@ at which its validation loss first reaches the target are interpolated linearly 
 bracket it (fp32 DDP's own crossing is measured the same way). The table reports time to target, tokens to target,
 bytes per token (bytes this rank sent up to the target / tokens), parallel efficiency (the bench's compute-only run /
 mean step time) and the ratios against fp32 DDP and against the best peer (PyTorch's own hooks and averagers,
-``torch-*``, and torchft's DiLoCo, ``torchft-diloco``), each formed within one round and averaged over ``--repeats`` rounds (forward then reverse order,
-alternately, as ``syncwise bench --repeat`` does). A configuration that never reaches the target within the cap
-has no time; its row says so and gives its final distance to the target.
+``torch-*``, and torchft's DiLoCo, ``torchft-diloco``), each formed within one round and averaged over
+``--repeats`` rounds (forward then reverse order, alternately, as ``syncwise bench --repeat`` does). A
+configuration that never reaches the target within the cap has no time; its row says so and gives its final
+distance to the target.
 
 Every run is an ordinary ``syncwise train`` run, planned and launched by ``syncwise bench``'s runner
 (``syncwise.commands.bench``: the same configs, the lab, the compute-only reference). The learning rate is constant
@@ -143,7 +144,7 @@ def run_torchft(run: B.BenchRun, threads: int) -> dict[str, Any]:
 
 # -------------------------------------------------------------------------------------------- reading runs
 def curve(run_dir: Path) -> list[dict[str, float]]:
-    """Every evaluation of a run: step, cumulative step time (s), tokens and bytes up to it, validation loss."""
+    """Every evaluation of a run: step, cumulative step time (s), tokens, bytes up to it, validation loss."""
     out, clock, tokens, nbytes = [], 0.0, 0.0, 0.0
     for m in read_jsonl(run_dir / "metrics.jsonl"):
         clock += m["step_time_s"]

@@ -55,7 +55,7 @@ def compare(specs, steps=60):
     base = run_workers(run, 2, steps, None, None)[0]
     print(f"none: val {base[1]:.4f}  bytes/step {base[2].get('comm_bytes_per_step')}")
     for spec in specs:
-        sync = spec if spec.split(":")[0] in ("sparseloco", "diloco", "localsgd") else None
+        sync = spec if spec.split(":")[0] in ("sparseloco", "diloco", "localsgd", "streaming") else None
         out = run_workers(run, 2, steps, None if sync else spec, sync)[0]
         print(f"{spec}: val {out[1]:.4f} ({100 * (out[1] / base[1] - 1):+.2f} %)  bytes/step "
               f"{out[2].get('comm_bytes_per_step')}")

@@ -1,9 +1,9 @@
-"""Issue 26's strategies on real 2-process gloo groups: DeMo (``--compress demo``), the lossy compressors' warm-up and
-SparseLoCo (``--sync sparseloco``) — convergence against fp32 DDP, bit-exact resume, a one-rank NaN, bad specs.
+"""Issue 26's strategies on real 2-process gloo groups: DeMo (``--compress demo``), the lossy compressors' warm-up,
+SparseLoCo (``--sync sparseloco``) and Streaming DiLoCo (``--sync streaming``) — convergence against fp32 DDP, bit-exact resume, a one-rank NaN, bad specs.
 
 Tolerances (tests/convergence.py, `tiny` on the stdlib corpus, 2 ranks, AdamW 3e-3, 60 steps, measured on this
 machine): final validation loss against fp32 DDP's 2.664 — demo +11.7 %, sparseloco:period=4,topk=256 +5.6 %,
-diloco:period=4 +11.2 % (top-k 1 % +22 %; an untrained model sits at ~5.5, +107 %). A tolerance of +20 % leaves room
+streaming:period=4,fragments=2 +11.9 %, diloco:period=4 +11.2 % (top-k 1 % +22 %; an untrained model sits at ~5.5, +107 %). A tolerance of +20 % leaves room
 for the platform's float differences and still fails on a strategy that does not learn from the other rank's data or
 applies a wrong update (e.g. top-k 1 % without warm-up, +22 %).
 """
@@ -28,7 +28,8 @@ TOLERANCE = 0.20
 def _converge(rank, world):
     out = {}
     for name, compress, sync in [("none", None, None), ("demo", "demo", None),
-                                 ("sparseloco", None, "sparseloco:period=4,topk=256")]:
+                                 ("sparseloco", None, "sparseloco:period=4,topk=256"),
+                                 ("streaming", None, "streaming:period=4,fragments=2")]:
         losses, val, summary = run(rank, world, STEPS, compress, sync)
         params = torch.cat([p.detach().reshape(-1) for p in _last_model[0].parameters()]) if _last_model else None
         out[name] = {"val": val, "bytes": summary["comm_bytes_per_step"], "first": losses[0],
@@ -45,11 +46,11 @@ def _spread(flat):
     return (both[0] - both[1]).abs().max().item()
 
 
-def test_demo_and_sparseloco_track_fp32_ddp():
+def test_demo_sparseloco_and_streaming_track_fp32_ddp():
     r0, _ = run_workers(_converge_with_models, 2, timeout=600)
     base = r0["none"]["val"]
     assert base < 0.6 * math.log(256)  # fp32 DDP learned the text (an untrained model sits at ln 256 ≈ 5.5)
-    for name in ("demo", "sparseloco"):
+    for name in ("demo", "sparseloco", "streaming"):
         assert r0[name]["val"] <= base * (1 + TOLERANCE), (name, r0[name]["val"], base)
         assert r0[name]["spread"] == 0.0, name  # every rank decoded the same bytes: identical replicas
     # bytes per step, counted at the collective layer: DeMo ≥ 50x fewer than fp32 DDP (measured 71x on `tiny`,
@@ -93,11 +94,14 @@ def _resume_sparseloco(rank, world, ckpt_dir, sync):
     return _resume_mid_flight(rank, world, ckpt_dir, sync)
 
 
-def test_sparseloco_resumes_bit_exactly_with_a_round_in_flight(tmp_path):
-    sync = "sparseloco:period=4,delay=2,chunk=256,topk=16"
+@pytest.mark.parametrize("sync, rounds", [("sparseloco:period=4,delay=2,chunk=256,topk=16", 3),
+                                         ("streaming:period=4,fragments=2,delay=2,dtype=bf16", 6)])
+def test_sync_state_resumes_bit_exactly_with_a_round_in_flight(tmp_path, sync, rounds):
+    # The run stops after step 5 and resumes to step 9. sparseloco: rounds launched at 4 (in flight at 5, lands at 6),
+    # 8 and 9 (forced). streaming: fragment 0 at 4 (in flight at 5), 8, 9; fragment 1 (staggered by 2) at 2, 6, 9.
     for same, spread, summary in run_workers(_resume_sparseloco, 2, str(tmp_path / "ck"), sync):
-        assert same  # replicas, AdamW state, anchor, accumulator and the in-flight gathered bytes restored
-        assert spread == 0.0 and summary["sync_rounds"] == 3 and summary["sync"] == sync
+        assert same  # replicas, AdamW state, anchors, accumulators / outer momenta, cast residuals restored
+        assert spread == 0.0 and summary["sync_rounds"] == rounds and summary["sync"] == sync
 
 
 # ------------------------------------------------------------------------------------------------- NaN

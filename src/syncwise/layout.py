@@ -187,15 +187,19 @@ METHODS = {
     "torch-localsgd": {"period": 16, "warmup": 0},
     "pipesgd": {"dtype": "fp32"},
     # SparseLoCo (arXiv 2508.15706): chunked top-k + 2-bit pseudo-gradient, error feedback (decay) for outer momentum
+    # Streaming DiLoCo (arXiv 2501.18512): DiLoCo per parameter fragment, the fragments' syncs staggered
+    "streaming": {"period": 16, "fragments": 4, "outer_lr": 0.7, "momentum": 0.9, "nesterov": True, "delay": 0,
+                  "dtype": "fp32", "warmup": 0},
     "sparseloco": {"period": 16, "outer_lr": 1.0, "decay": 0.95, "chunk": 4096, "topk": 64, "bits": 2, "delay": 0,
                    "warmup": 0},
 }
 #: state a sync strategy keeps per parameter, in fp32 copies of the model (anchor; DiLoCo: + outer momentum)
-SYNC_STATE_COPIES = {"localsgd": 1, "diloco": 2, "torch-localsgd": 1, "pipesgd": 0, "sparseloco": 2}
+SYNC_STATE_COPIES = {"localsgd": 1, "diloco": 2, "torch-localsgd": 1, "pipesgd": 0, "sparseloco": 2, "streaming": 2}
 SYNC_ACCEPTED = ("every-step (DDP all-reduce each step); localsgd[:period=H,delay=D,dtype=fp32|bf16|fp16,warmup=W,"
                  "outer_lr=X,momentum=M,nesterov=yes|no]; diloco[:...same keys; defaults outer_lr=0.7,momentum=0.9,"
                  "nesterov=yes]; torch-localsgd[:period=H,warmup=W] (PyTorch's PeriodicModelAverager); "
                  "pipesgd[:dtype=fp32|bf16|fp16] (gradient all-reduce overlapped with the next step); "
+                 "streaming[:fragments=F,...diloco's keys] (Streaming DiLoCo: F fragments synced in turn); "
                  "sparseloco[:period=H,outer_lr=X,decay=B,chunk=C,topk=K,bits=2|32,delay=D,warmup=W] (top-k of each "
                  "chunk + 2-bit pseudo-gradient, error feedback)")
 
@@ -219,6 +223,7 @@ class SyncSpec:
     chunk: int = 4096     # sparseloco: elements per top-k chunk
     topk: int = 64        # sparseloco: elements sent per chunk
     bits: int = 2         # sparseloco: bits per sent value (2, or 32 = fp32)
+    fragments: int = 1    # streaming: parameter fragments, synced in turn
     options: dict = field(default_factory=dict)  # what the user wrote, for the spec string
 
     @property
@@ -250,7 +255,8 @@ class SyncSpec:
                   (0 <= out.decay < 1, "decay", "a number in [0, 1)"),
                   (2 <= out.chunk <= MAX_CHUNK, "chunk", f"an integer in [2, {MAX_CHUNK}]"),
                   (1 <= out.topk <= out.chunk, "topk", f"an integer in [1, chunk] = [1, {out.chunk}]"),
-                  (out.bits in (2, 32), "bits", "2 or 32")]
+                  (out.bits in (2, 32), "bits", "2 or 32"),
+                  (1 <= out.fragments <= out.period, "fragments", f"an integer in [1, period] = [1, {out.period}]")]
         for ok, key, accepted in checks:
             if not ok:
                 raise ConfigError(field_name, spec, f"{key}: {accepted}")
