@@ -104,6 +104,32 @@ def test_sync_state_resumes_bit_exactly_with_a_round_in_flight(tmp_path, sync, r
         assert spread == 0.0 and summary["sync_rounds"] == rounds and summary["sync"] == sync
 
 
+# ------------------------------------------------------------------------------------------------- warm-up
+def _warmup(rank, world):
+    from syncwise.compress import parse_compress_spec
+
+    comp = parse_compress_spec("topk:ratio=0.01,warmup=2")
+    out = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        t = torch.randn(64, 64, generator=g)
+        mean = sum(torch.randn(64, 64, generator=torch.Generator().manual_seed(10 * step + r)) for r in range(world))
+        before = comp.counters["bytes_sent"]
+        comp.average([t], ["w"])
+        out.append((torch.allclose(t, mean / world), comp.counters["bytes_sent"] - before))
+    demo = parse_compress_spec("demo")
+    demo.average([torch.randn(64, 64, generator=torch.Generator().manual_seed(rank))], ["w"])
+    return out, demo.counters["bytes_sent"], demo.payload_bytes([torch.Size([64, 64])])
+
+
+def test_warmup_sends_the_exact_mean_first_then_compresses_and_bytes_are_counted():
+    for [(exact1, b1), (exact2, b2), (exact3, b3)], demo_sent, demo_payload in run_workers(_warmup, 2):
+        assert exact1 and exact2 and not exact3
+        assert b1 == b2 == 64 * 64 * 4 + 4  # fp32 + the non-finite flag
+        assert b3 == 41 * 8 + 4  # k = ceil(1 % of 4,096) = 41 values + int32 indices, and the flag
+        assert demo_sent == demo_payload + 4 == 32 * 6 + 4  # one 64 x 64 tile: 32 (int16 index, fp32 value) pairs
+
+
 # ------------------------------------------------------------------------------------------------- NaN
 def _demo_nan(rank, world, specs):
     import test_compress_ddp

@@ -195,9 +195,3 @@ class DeMoCompressor(GatherCompressor):
         """Bytes this rank sends per step for compressed tensors of ``shapes`` (6 per kept coefficient)."""
         return sum(6 * self.tiling(s).kept for s in shapes)
 
-
-def demo_bytes_per_element(chunk: int = 64, topk: int = 32) -> float:
-    """Nominal bytes per gradient element for a tensor whose sides divide by ``chunk``."""
-    return 6.0 * topk / (chunk * chunk)
-
-
