@@ -182,3 +182,36 @@ def test_bad_specs_fail_in_one_line_before_workers_start(key, value, words):
     with pytest.raises(ConfigError) as e:
         build_config(None, {key: value})
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------------------------------- time to loss
+def _time_to_loss():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "time_to_loss.py"
+    spec = importlib.util.spec_from_file_location("time_to_loss", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_time_to_loss_interpolates_the_crossing_and_refuses_bad_options():
+    ttl = _time_to_loss()
+    points = [{"step": 10, "time_s": 1.0, "tokens": 100.0, "bytes": 40.0, "val_loss": 4.0},
+              {"step": 20, "time_s": 3.0, "tokens": 200.0, "bytes": 80.0, "val_loss": 3.0},
+              {"step": 30, "time_s": 4.0, "tokens": 300.0, "bytes": None, "val_loss": 2.0}]
+    hit = ttl.crossing(points, 3.5)  # halfway between the first two evaluations
+    assert hit == {"step": 15.0, "time_s": 2.0, "tokens": 150.0, "bytes": 60.0, "val_loss": 3.5}
+    assert ttl.crossing(points, 5.0)["step"] == 10  # already there at the first evaluation
+    assert ttl.crossing(points, 2.5)["bytes"] is None  # bytes not counted at the bracketing evaluation
+    assert ttl.crossing(points, 1.0) is None  # never reached within the cap
+    for argv, field in [(["--steps", "10", "--cap", "5"], "cap"), (["--steps", "20", "--val-interval", "10",
+                                                                      "--last-evals", "3"], "last-evals"),
+                        (["--repeats", "0"], "repeats")]:
+        with pytest.raises(ConfigError) as e:
+            ttl.parse_args(argv)
+        assert e.value.field == field
+    with pytest.raises(ConfigError):
+        ttl.torchft_period("torchft-diloco:period=0")
+    assert ttl.torchft_period("torchft-diloco") == 16
