@@ -181,8 +181,10 @@ class DeMoCompressor(GatherCompressor):
             idx = indices[:, koff:koff + t.kept].long().view(world, t.tiles, t.k)
             idx = idx + (torch.arange(t.tiles, device=idx.device) * t.tile_size).view(1, -1, 1)
             coeffs = torch.zeros(t.tiles * t.tile_size, device=gathered.device)
-            # rank-major, one index_add: the same fp32 sum, in the same order, on every rank
-            coeffs.index_add_(0, idx.reshape(-1), values[:, koff:koff + t.kept].reshape(-1))
+            # one index_add per rank, in rank order: a rank's indices are distinct, so even CUDA's atomic adds sum
+            # every coefficient in the same order on every rank (identical replicas without deterministic mode)
+            for w in range(world):
+                coeffs.index_add_(0, idx[w].reshape(-1), values[w, koff:koff + t.kept])
             out[off:off + size] = self._idct(coeffs.view(t.tiles, t.tile_size), t)
             off += size
             koff += t.kept

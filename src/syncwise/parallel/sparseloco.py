@@ -85,7 +85,9 @@ class SparseLoCo(LocalSGD):
             vals = gathered[:, n_idx:n_idx + 4 * c * k].contiguous().view(torch.float32).view(world, c, k)
         flat = idx + (torch.arange(c, device=idx.device) * size).view(1, c, 1)
         out = torch.zeros(c * size, device=gathered.device)
-        return out.index_add_(0, flat.reshape(-1), vals.reshape(-1))  # rank-major: the same sum on every rank
+        for w in range(world):  # rank order, distinct indices per rank: the same fp32 sum on every rank, even on CUDA
+            out.index_add_(0, flat[w].reshape(-1), vals[w].reshape(-1))
+        return out
 
     # --------------------------------------------------------------------------------------- outer step
     @torch.no_grad()
