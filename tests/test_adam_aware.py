@@ -131,20 +131,7 @@ def test_warmup_sends_the_exact_mean_first_then_compresses_and_bytes_are_counted
 
 
 # ------------------------------------------------------------------------------------------------- NaN
-def _demo_nan(rank, world, specs):
-    import test_compress_ddp
-
-    test_compress_ddp.NAN_SPECS = specs
-    return test_compress_ddp._one_rank_nan(rank, world)
-
-
-def test_one_rank_nan_is_skipped_by_every_rank_under_demo_and_warmup():
-    specs = ["demo:chunk=8,topk=4", "demo:sign=no", "topk:ratio=0.1,warmup=1"]
-    r0, r1 = run_workers(_demo_nan, 2, specs)
-    for spec in specs:
-        assert r0[spec]["skipped"] == r1[spec]["skipped"] == [2], spec
-        assert r0[spec]["unchanged"] and r1[spec]["unchanged"], spec
-        assert (r0[spec]["params"] == r1[spec]["params"]).all(), spec
+# DeMo and the warm-up under a one-rank NaN: tests/test_compress_ddp.py's NAN_SPECS.
 
 
 def _sparseloco_nan(rank, world):
