@@ -149,7 +149,7 @@ def test_fp8_sends_raw_tensors_exactly_and_compressed_ones_within_e4m3_precision
 
 
 NAN_SPECS = SPECS + ["fp8:error_feedback=true", "int8:error_feedback=true", "topk:ratio=0.1",
-                     "powersgd:rank=2,start_iter=0"]
+                     "powersgd:rank=2,start_iter=0", "demo:chunk=8,topk=4", "demo:sign=no", "topk:ratio=0.1,warmup=1"]
 
 
 def _one_rank_nan(rank, world):

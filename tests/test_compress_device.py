@@ -88,7 +88,8 @@ def test_random_draws_come_from_a_generator_on_the_tensors_device(one_rank_group
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("spec", DRAWING + ["topk:ratio=0.05,momentum=0.9", "sign", "fp8:error_feedback=true"])
+@pytest.mark.parametrize("spec", DRAWING + ["topk:ratio=0.05,momentum=0.9", "sign", "fp8:error_feedback=true",
+                                  "demo:chunk=8,topk=4", "topk:ratio=0.05,warmup=2"])
 def test_state_dict_round_trip_through_a_file_replays_the_same_draws(one_rank_group, device, spec):
     """Resume exactness: the step counters seed every draw, so a checkpointed state gives the same next
     steps bit for bit; a compressor without that state draws differently."""
@@ -117,7 +118,8 @@ def test_state_dict_round_trip_through_a_file_replays_the_same_draws(one_rank_gr
 
 
 STATEFUL = ["int8:error_feedback=true", "sign", "topk:ratio=0.05,momentum=0.9", "randomk:ratio=0.05", "fp8:error_feedback=true",
-            "powersgd:rank=2,start_iter=0", "powersgd:rank=2,start_iter=0,warm_start=false"]
+            "powersgd:rank=2,start_iter=0", "powersgd:rank=2,start_iter=0,warm_start=false", "demo:chunk=8,topk=4",
+            "demo:sign=no", "sign:warmup=1"]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -236,6 +236,20 @@ def test_compressor_bytes_match_the_lab():
     assert compressor_wire("powersgd:rank=4", small, SYNCWISE).bytes_per_element < 0.3
 
 
+def test_demo_and_sparseloco_are_priced_from_their_options():
+    """DeMo sends 6 B per kept DCT coefficient (topk of chunk² per tile); SparseLoCo gathers per chunk topk int16
+    indices + `bits`-bit codes + one fp32 scale, once per period: both far below fp32's 4 B/element."""
+    small = load_model("small")
+    demo = compressor_wire("demo", small, SYNCWISE)
+    assert demo.kind == "all_gather" and demo.bytes_per_element == pytest.approx(6 * 32 / 64 ** 2)
+    assert compressor_wire("demo:topk=64", small, SYNCWISE).bytes_per_element == pytest.approx(2 * demo.bytes_per_element)
+    c = load_cluster(ROOT / "examples/clusters/cpu-lab-2x2.toml")
+    m = load_model("small", 128)
+    exposed = {s: predict(c, m, Layout(dp_replicate=4, sync=s), 64, 128, syncwise_rules=False).breakdown["sync_exposed"]
+               for s in ("diloco:period=8", "sparseloco:period=8", "sparseloco:period=8,bits=32")}
+    assert 0 < exposed["sparseloco:period=8"] < exposed["sparseloco:period=8,bits=32"] < exposed["diloco:period=8"]
+
+
 def test_sync_period_divides_the_sync_cost():
     c = load_cluster(ROOT / "examples/clusters/cpu-lab-2x2.toml")
     m = load_model("small", 128)

@@ -247,7 +247,9 @@ class ParallelSection:
     sync: str = option("every-step", "how often replicas synchronise: every-step (gradient all-reduce), or local SGD "
                        "/ DiLoCo every H steps: localsgd:period=16, diloco:period=16,delay=4,dtype=bf16, "
                        "torch-localsgd:period=16 (PyTorch's averager), pipesgd[:dtype=fp16] (all-reduce overlapped "
-                       "with the next step); see docs/compression.md. Formerly compress.sync (still read, with a note)",
+                       "with the next step), sparseloco:period=16 (top-k + 2-bit pseudo-gradients, error feedback), "
+                       "streaming:period=16,fragments=4 (Streaming DiLoCo); see docs/compression.md. Formerly "
+                       "compress.sync (still read, with a note)",
                        "a sync spec (see docs/compression.md)")
     dp_replicate: int = option(0, "data-parallel replicas: DDP (with syncwise's compressed gradient sync), or HSDP's "
                                "replica groups when dp_shard > 1; 0 = the ranks dp_shard × tp leave",
@@ -905,7 +907,8 @@ def add_train_arguments(parser) -> None:
     parser.add_argument("--model", help="model preset or hf:FOLDER, a Hugging Face model folder (model.preset)")
     parser.add_argument("--run-dir", dest="run_dir", help="run directory (run_dir)")
     parser.add_argument("--compress", help="gradient compression NAME[:key=value,...] (compress.method)")
-    parser.add_argument("--sync", help="every-step | localsgd:period=H | diloco:period=H,delay=D,... (parallel.sync)")
+    parser.add_argument("--sync", help="every-step | localsgd:period=H | diloco:period=H,delay=D,... | sparseloco:period=H "
+                        "| streaming:period=H,fragments=F (parallel.sync)")
     parser.add_argument("--resume", help="auto | PATH | none (resume). The layout may change at resume: giving any "
                         "--parallel.{dp_replicate,dp_shard,tp,pp,ep} replaces the saved layout as a whole (degrees "
                         "not given take their defaults), not merged degree by degree (docs/resume.md)")

@@ -62,8 +62,14 @@ class CompressorSpec:
 
 def _spec(name: str, summary: str, bpe: Optional[float] = None, torch_hook: bool = False, ef: bool = False,
           wire: tuple = (), **options: tuple) -> CompressorSpec:
-    return CompressorSpec(name, summary, {**({} if torch_hook else {"seed": _SEED}), **options}, bpe, torch_hook, ef,
-                          **dict(wire))
+    warm = {"warmup": _WARMUP} if name in _WARMUP_NAMES else {}
+    return CompressorSpec(name, summary, {**({} if torch_hook else {"seed": _SEED}), **warm, **options}, bpe, torch_hook,
+                          ef, **dict(wire))
+
+
+# the lossy compressors that can send each tensor as fp32 for its first steps (PowerSGD has its own start_iter)
+_WARMUP_NAMES = ("int8", "sign", "topk", "randomk", "demo")
+_WARMUP = ("int", 0, "steps each tensor is sent as its fp32 mean before it is compressed")
 
 
 def _gather(element_bytes: float, kept_fraction: str = "", scale_every: str = "", **more: Any) -> tuple:
@@ -107,6 +113,13 @@ COMPRESSORS: dict[str, CompressorSpec] = {s.name: s for s in [
           warm_start=("bool", True, "reuse last step's Q as the starting point of the power iteration"),
           error_feedback=("bool", True, "add last step's approximation error to the gradient"),
           batch_3d=("bool", True, "treat a 3-D tensor (E, n, m), e.g. MoE expert weights, as E matrices n x m")),
+    _spec("demo", "DeMo decoupled momentum: top-k DCT coefficients per tile of the local momentum, all-gather, "
+          "6 B/kept coefficient (~0.047 B/element at chunk 64, topk 32)",
+          wire=_gather(6.0, kept_fraction="topk/chunk/chunk"),
+          chunk=("int", 64, "DCT tile side: a 2-D view is cut into tiles of up to chunk x chunk (2..128)"),
+          topk=("int", 32, "DCT coefficients sent per chunk x chunk tile (fewer for smaller tiles; at least 1)"),
+          decay=("float", 0.9, "momentum decay: m = decay*m + g; what was sent is removed from m"),
+          sign=("bool", True, "apply the sign of the decoded mean (DeMo's signSGD); false: the decoded mean")),
     # PyTorch's DDP comm hooks (the reference; parallel.data_parallel.TorchHookSpec reads their bounds)
     _spec("torch-allreduce", "PyTorch's default all-reduce hook, 4 B/element", 4.0, torch_hook=True),
     _spec("torch-fp16", "PyTorch's fp16_compress_hook, 2 B/element", 2.0, torch_hook=True),
@@ -163,8 +176,17 @@ class Compress:
             return sp.bytes_per_element
         if sp.element_bytes is None:
             return None
-        return (sp.element_bytes * (o[sp.kept_fraction] if sp.kept_fraction else 1.0)
-                + (4 / o[sp.scale_every] if sp.scale_every else 0.0))
+        return sp.element_bytes * self.kept_fraction + (4 / o[sp.scale_every] if sp.scale_every else 0.0)
+
+    @property
+    def kept_fraction(self) -> float:
+        """The fraction of the elements sent: the spec's ``kept_fraction`` option (top-k's ``ratio``), or a quotient
+        of options (DeMo's ``topk/chunk/chunk``: coefficients kept per chunk × chunk tile); 1 when all are sent."""
+        names = self.spec.kept_fraction.split("/") if self.spec.kept_fraction else []
+        out = float(self.options[names[0]]) if names else 1.0
+        for name in names[1:]:
+            out /= self.options[name]
+        return out
 
     @property
     def state_bytes_per_element(self) -> float:
@@ -215,6 +237,7 @@ SYNC_DTYPES = ("fp32", "bf16", "fp16")
 MAX_PERIOD = 1_000_000
 MAX_WARMUP = 1_000_000_000
 MAX_OUTER_LR = 10.0
+MAX_CHUNK = 32768  # sparseloco: an index within a chunk fits an int16
 # method -> defaults; DiLoCo's outer optimizer follows the paper (lr 0.7, Nesterov momentum 0.9).
 METHODS = {
     "localsgd": {"period": 16, "outer_lr": 1.0, "momentum": 0.0, "nesterov": False, "delay": 0,
@@ -223,13 +246,22 @@ METHODS = {
                "dtype": "fp32", "warmup": 0},
     "torch-localsgd": {"period": 16, "warmup": 0},
     "pipesgd": {"dtype": "fp32"},
+    # SparseLoCo (arXiv 2508.15706): chunked top-k + 2-bit pseudo-gradient, error feedback (decay) for outer momentum
+    # Streaming DiLoCo (arXiv 2501.18512): DiLoCo per parameter fragment, the fragments' syncs staggered
+    "streaming": {"period": 16, "fragments": 4, "outer_lr": 0.7, "momentum": 0.9, "nesterov": True, "delay": 0,
+                  "dtype": "fp32", "warmup": 0},
+    "sparseloco": {"period": 16, "outer_lr": 1.0, "decay": 0.95, "chunk": 4096, "topk": 64, "bits": 2, "delay": 0,
+                   "warmup": 0},
 }
 #: state a sync strategy keeps per parameter, in fp32 copies of the model (anchor; DiLoCo: + outer momentum)
-SYNC_STATE_COPIES = {"localsgd": 1, "diloco": 2, "torch-localsgd": 1, "pipesgd": 0}
+SYNC_STATE_COPIES = {"localsgd": 1, "diloco": 2, "torch-localsgd": 1, "pipesgd": 0, "sparseloco": 2, "streaming": 2}
 SYNC_ACCEPTED = ("every-step (DDP all-reduce each step); localsgd[:period=H,delay=D,dtype=fp32|bf16|fp16,warmup=W,"
                  "outer_lr=X,momentum=M,nesterov=yes|no]; diloco[:...same keys; defaults outer_lr=0.7,momentum=0.9,"
                  "nesterov=yes]; torch-localsgd[:period=H,warmup=W] (PyTorch's PeriodicModelAverager); "
-                 "pipesgd[:dtype=fp32|bf16|fp16] (gradient all-reduce overlapped with the next step)")
+                 "pipesgd[:dtype=fp32|bf16|fp16] (gradient all-reduce overlapped with the next step); "
+                 "streaming[:fragments=F,...diloco's keys] (Streaming DiLoCo: F fragments synced in turn); "
+                 "sparseloco[:period=H,outer_lr=X,decay=B,chunk=C,topk=K,bits=2|32,delay=D,warmup=W] (top-k of each "
+                 "chunk + 2-bit pseudo-gradient, error feedback)")
 
 
 @dataclass
@@ -247,6 +279,11 @@ class SyncSpec:
     delay: int = 0
     dtype: str = "fp32"
     warmup: int = 0
+    decay: float = 0.95   # sparseloco: error-feedback decay (stands in for the outer momentum)
+    chunk: int = 4096     # sparseloco: elements per top-k chunk
+    topk: int = 64        # sparseloco: elements sent per chunk
+    bits: int = 2         # sparseloco: bits per sent value (2, or 32 = fp32)
+    fragments: int = 1    # streaming: parameter fragments, synced in turn
     options: dict = field(default_factory=dict)  # what the user wrote, for the spec string
     text: str = field(default="", compare=False)  # the spec as written (stripped)
 
@@ -286,7 +323,12 @@ class SyncSpec:
                   (0 <= out.warmup <= MAX_WARMUP, "warmup", f"an integer in [0, {MAX_WARMUP:,}]"),
                   (0 < out.outer_lr <= MAX_OUTER_LR, "outer_lr", f"a number in (0, {MAX_OUTER_LR:g}]"),
                   (0 <= out.momentum < 1, "momentum", "a number in [0, 1)"),
-                  (out.dtype in SYNC_DTYPES, "dtype", "one of " + ", ".join(SYNC_DTYPES))]
+                  (out.dtype in SYNC_DTYPES, "dtype", "one of " + ", ".join(SYNC_DTYPES)),
+                  (0 <= out.decay < 1, "decay", "a number in [0, 1)"),
+                  (2 <= out.chunk <= MAX_CHUNK, "chunk", f"an integer in [2, {MAX_CHUNK}]"),
+                  (1 <= out.topk <= out.chunk, "topk", f"an integer in [1, chunk] = [1, {out.chunk}]"),
+                  (out.bits in (2, 32), "bits", "2 or 32"),
+                  (1 <= out.fragments <= out.period, "fragments", f"an integer in [1, period] = [1, {out.period}]")]
         for ok, key, accepted in checks:
             if not ok:
                 raise ConfigError(field_name, spec, f"{key}: {accepted}")

@@ -6,6 +6,7 @@
 from .api import GradientCompressor
 from .base import Compressor, CompressorConfig, GatherCompressor
 from .cast import BF16Compressor, FP8Compressor, FP16Compressor, NoneCompressor
+from .demo import DeMoCompressor
 from .hook import CompressionHookState, CompressionPolicy, compression_hook, torch_reference_hook
 from .powersgd import PowerSGDCompressor
 from .profile import model_gradients, profile_compressor
@@ -16,7 +17,7 @@ from .sparse import RandomKCompressor, TopKCompressor
 __all__ = [
     "Compressor", "CompressorConfig", "GatherCompressor", "NoneCompressor", "FP16Compressor", "BF16Compressor",
     "FP8Compressor", "Int8Compressor", "SignCompressor", "TopKCompressor", "RandomKCompressor",
-    "PowerSGDCompressor", "COMPRESSORS", "CompressorInfo", "describe_compressors", "parse_compress_spec",
+    "PowerSGDCompressor", "DeMoCompressor", "COMPRESSORS", "CompressorInfo", "describe_compressors", "parse_compress_spec",
     "CompressionHookState", "CompressionPolicy", "compression_hook", "torch_reference_hook", "GradientCompressor",
     "profile_compressor", "model_gradients",
 ]

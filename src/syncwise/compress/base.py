@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import ops
-from ..errors import SyncwiseError
+from ..errors import ConfigError, SyncwiseError
 from ..layout import COMPRESSORS
 
 
@@ -57,17 +57,36 @@ class CompressorConfig:
     seed: int = opt(*COMPRESSORS["none"].options["seed"][1:])
 
 
+@dataclass
+class WarmupConfig(CompressorConfig):
+    """Options of the lossy compressors that can start uncompressed (issue 26: Adam's moments settle first)."""
+
+    warmup: int = opt(*COMPRESSORS["topk"].options["warmup"][1:])
+
+    def __post_init__(self) -> None:
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ConfigError("compress", f"warmup={self.warmup}", "warmup: an integer >= 0 (steps sent uncompressed)")
+
+    @property
+    def start_iter(self) -> int:
+        """The warm-up under PowerSGD's name, which the trainer's summary reads to report warm-up bytes apart."""
+        return self.warmup
+
+
 _TYPES = {"int": int, "float": float, "bool": bool, "str": str}
 
 
 def config_class(name: str, class_name: str, module: str) -> type:
     """The ``Config`` dataclass of compressor ``name``, made from its spec in the torch-free table
     (``syncwise.layout.COMPRESSORS``: option names, types, defaults and docs), which owns them; ``class_name`` in
-    ``module`` is where it is bound (so it pickles)."""
+    ``module`` is where it is bound (so it pickles). A compressor with a ``warmup`` option gets
+    :class:`WarmupConfig`'s check and ``start_iter``."""
     spec = COMPRESSORS[name]
+    base = WarmupConfig if "warmup" in spec.options else CompressorConfig
+    inherited = {f.name for f in dataclasses.fields(base)}
     fields = [(key, _TYPES[typ], opt(default, doc)) for key, (typ, default, doc) in spec.options.items()
-              if key != "seed"]
-    cls = dataclasses.make_dataclass(class_name, fields, bases=(CompressorConfig,),
+              if key not in inherited]
+    cls = dataclasses.make_dataclass(class_name, fields, bases=(base,),
                                      namespace={"__doc__": f"Options of the {name} compressor "
                                                            "(syncwise.layout.COMPRESSORS)."})
     cls.__module__ = module
@@ -143,8 +162,16 @@ class Compressor:
         if len(keys) != len(tensors):
             raise ValueError("average(): one key per tensor is required")
         comp, ckeys, raw = split_by_policy(tensors, keys, compress)
+        booked = ckeys
+        warm = getattr(self.config, "warmup", 0)
+        if warm and comp:
+            # Warm-up: a tensor's first ``warmup`` averaged steps go out as fp32 (its counter still counts them;
+            # the counters are agreed on every rank, so every rank sends the same payload layout).
+            cold = [self._count(k) < warm for k in ckeys]
+            raw = list(raw) + [t for t, c in zip(comp, cold) if c]
+            comp, ckeys = [t for t, c in zip(comp, cold) if not c], [k for k, c in zip(ckeys, cold) if not c]
         world = dist.get_world_size(group)
-        self.book(self._average(comp, ckeys, raw, group, world), sum(t.numel() for t in tensors), ckeys)
+        self.book(self._average(comp, ckeys, raw, group, world), sum(t.numel() for t in tensors), booked)
         return tensors
 
     @property

@@ -8,6 +8,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..layout import COMPRESSORS as SPECS, Compress, compressors_accepted, parse_compress
 from .base import Compressor
+from .demo import DeMoCompressor
 from .cast import BF16Compressor, FP8Compressor, FP16Compressor, NoneCompressor
 from .powersgd import PowerSGDCompressor
 from .quant import Int8Compressor, SignCompressor
@@ -27,7 +28,7 @@ class CompressorInfo:
 
 
 _CLASSES = [NoneCompressor, FP16Compressor, BF16Compressor, FP8Compressor, Int8Compressor, SignCompressor,
-            TopKCompressor, RandomKCompressor, PowerSGDCompressor]
+            TopKCompressor, RandomKCompressor, PowerSGDCompressor, DeMoCompressor]
 #: name -> CompressorInfo, in the order the CLI lists them (the table's syncwise compressors)
 COMPRESSORS: dict[str, CompressorInfo] = {
     cls.name: CompressorInfo(cls.name, cls, SPECS[cls.name].summary, dict(SPECS[cls.name].options)) for cls in _CLASSES}

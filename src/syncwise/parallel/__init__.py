@@ -3,6 +3,8 @@ parallel, expert parallel, the pipeline split, DDP + hooks or FSDP2, local SGD /
 from .activation_checkpoint import apply_activation_checkpointing
 from .data_parallel import DataParallel, GradSyncTimer, TorchHookSpec, apply_data_parallel
 from .local_sgd import LocalSGD, TorchPeriodicAveraging
+from .sparseloco import SparseLoCo
+from .streaming import StreamingDiLoCo
 from .mesh import ParallelSpec, build_mesh
 from .parallelize import Parallelized, describe_layout, parallelize, rebind_optimizer
 from .pipe_sgd import PipeSGD
@@ -11,7 +13,8 @@ from .sync_spec import SyncSpec, SyncStrategy
 
 __all__ = ["parallelize", "Parallelized", "ParallelSpec", "build_mesh", "describe_layout", "rebind_optimizer",
            "apply_data_parallel", "TorchHookSpec", "DataParallel", "GradSyncTimer", "apply_activation_checkpointing",
-           "LocalSGD", "TorchPeriodicAveraging", "PipeSGD", "SyncSpec", "SyncStrategy", "build_sync",
+           "LocalSGD", "TorchPeriodicAveraging", "PipeSGD", "SparseLoCo", "StreamingDiLoCo",
+           "SyncSpec", "SyncStrategy", "build_sync",
            "AsyncPipeline", "apply_expert_parallel"]
 
 

@@ -9,16 +9,20 @@ from torch import nn
 from ..comm.stats import STATS, CommStats
 from .local_sgd import LocalSGD, TorchPeriodicAveraging
 from .pipe_sgd import PipeSGD
+from .sparseloco import SparseLoCo
+from .streaming import StreamingDiLoCo
 from .sync_spec import SyncSpec, SyncStrategy
 
 
 def build_sync(spec: "str | SyncSpec | None", model: nn.Module, group: Any = None,
                stats: CommStats = STATS) -> Optional[SyncStrategy]:
-    """The object a ``--sync`` spec names (LocalSGD, TorchPeriodicAveraging, PipeSGD); None for every-step
+    """The object a ``--sync`` spec names (LocalSGD, TorchPeriodicAveraging, PipeSGD, SparseLoCo,
+    StreamingDiLoCo); None for every-step
     sync or a single process."""
     if isinstance(spec, str):
         spec = SyncSpec.parse(spec)
     if spec is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return None
-    cls = {"torch-localsgd": TorchPeriodicAveraging, "pipesgd": PipeSGD}.get(spec.method, LocalSGD)
+    cls = {"torch-localsgd": TorchPeriodicAveraging, "pipesgd": PipeSGD, "sparseloco": SparseLoCo,
+           "streaming": StreamingDiLoCo}.get(spec.method, LocalSGD)
     return cls(model, spec, group=group, stats=stats)

@@ -143,7 +143,9 @@ CODEC_COST: dict[str, tuple[float, float, bool]] = {
     "fp16": (12.0, 0.0, False), "bf16": (12.0, 0.0, False), "torch-fp16": (12.0, 0.0, False),
     "torch-bf16": (12.0, 0.0, False), "fp8": (10.0, 9.0, True), "int8": (14.0, 9.0, True),
     "sign": (16.0, 8.5, True), "topk": (48.0, 16.0, True), "randomk": (16.0, 0.0, True),
-    "powersgd": (24.0, 0.0, True), "torch-powersgd": (24.0, 0.0, True)}
+    "powersgd": (24.0, 0.0, True), "torch-powersgd": (24.0, 0.0, True),
+    # DeMo: momentum update, a DCT and its inverse per tile (two small GEMMs each way), top-k: top-k's order
+    "demo": (48.0, 16.0, True)}
 
 
 def compressor_wire(spec: Any, model: ModelSpec, training: Training) -> Wire:
@@ -163,7 +165,7 @@ def compressor_wire(spec: Any, model: ModelSpec, training: Training) -> Wire:
     if c.name in ("none", "torch-allreduce"):
         return Wire(sp.collective, training.grad_reduce_bytes)
     wire = Wire(sp.collective, c.bytes_per_element or 0.0, raw, compute_bytes=compute,
-                compute_bytes_per_peer=per_peer * (opts[sp.kept_fraction] if sp.kept_fraction else 1.0),
+                compute_bytes_per_peer=per_peer * c.kept_fraction,
                 collectives_per_bucket=sp.collectives_per_bucket)
     if c.bytes_per_element is not None:
         return wire
@@ -430,8 +432,12 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
                 dp_exposed = _overlap(dp_total, training, layout, t_bwd - t_extra, local)
         else:                                    # local SGD / DiLoCo: parameters averaged every H steps
             period, delay, dtype = sync.period, sync.delay, sync.dtype   # syncwise.layout.SyncSpec
-            nbytes = local * {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
-            one = dim_time(cloud, layout, "dp", "all_reduce", nbytes, traffic)
+            if sync.method == "sparseloco":      # top-k per chunk: int16 index + `bits` code, one fp32 scale, gathered
+                per_element = (2 * sync.topk + sync.topk * sync.bits / 8 + 4) / sync.chunk
+                one = dim_time(cloud, layout, "dp", "all_gather", local * per_element * layout.dp_replicate, traffic)
+            else:
+                nbytes = local * {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
+                one = dim_time(cloud, layout, "dp", "all_reduce", nbytes, traffic)
             dp_total = one / period
             sync_exposed = max(0.0, one - delay * t_pipe) / period
     t_opt = (local / layout.dp_shard) * training.optimizer_pass_bytes / acc.hbm_bandwidth
