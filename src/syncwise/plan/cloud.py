@@ -48,10 +48,29 @@ class Accelerator:
     # GEMM costs a fixed gemm_half_flops / (peak × matmul_efficiency) on top of its FLOPs (launch, tail wave,
     # cache warm-up). Measured by `syncwise plan --calibrate`; 0 = size-independent.
     gemm_half_flops: float = 0.0
+    # GEMM shape (first principles, syncwise.plan.cost.gemm_time): a GEMM's output is cut into tiles, one per
+    # streaming multiprocessor at a time; a partial last wave leaves SMs idle (wave quantization), and a GEMM too
+    # thin to reuse its operands runs at HBM bandwidth instead (roofline). 0 = no SM count: size-independent.
+    sm_count: int = 0
+    # Per kernel: the host issues kernels at most one per ``kernel_launch_s`` (CUDA launch + framework dispatch),
+    # the device pays ``kernel_gap_s`` between dependent kernels; a micro-batch of many small kernels is bound by
+    # the host (syncwise.plan.cost.kernels_per_microbatch). 0 = not charged (the CPU lab: in the calibration).
+    kernel_launch_s: float = 0.0
+    kernel_gap_s: float = 0.0
 
     def gemm_efficiency(self, flops: float) -> float:
         """Achieved / peak for one GEMM of ``flops`` FLOPs (monotone non-decreasing in ``flops``)."""
         return self.matmul_efficiency * flops / (flops + self.gemm_half_flops) if flops > 0 else 0.0
+
+    def gemm_shape_efficiency(self, m: int, n: int, k: int, dtype_bytes: int = 2) -> float:
+        """Achieved / peak for one GEMM with an ``m`` × ``n`` output and inner dimension ``k`` (syncwise.plan.cost.
+        gemm_time's model): matmul_efficiency × the best wave efficiency over cuBLAS-like tiles, capped by the
+        roofline (bf16 operands read once, output written once)."""
+        flops = 2.0 * m * n * k
+        if flops <= 0:
+            return 0.0
+        t = gemm_time(self, m, n, k, self.peak_bf16_flops, self.matmul_efficiency, dtype_bytes)
+        return flops / t / self.peak_bf16_flops
 
     def peak(self, dtype: str = "bf16") -> float:
         """Dense peak FLOP/s for ``dtype`` (bf16, fp16, fp8)."""
@@ -87,6 +106,43 @@ class Fabric:
         return self.bandwidth * dict(self.op_efficiency).get(kind, self.efficiency)
 
 
+#: output tiles (rows, cols) a cuBLAS / CUTLASS tensor-core GEMM picks among (NVIDIA, "Matrix Multiplication
+#: Background User's Guide", docs.nvidia.com/deeplearning/performance/dl-performance-matrix-multiplication/:
+#: "Tile Quantization" / "Wave Quantization" — cuBLAS chooses the tile per GEMM; 256×128 and 128×128 are its
+#: A100 examples, 128×64 the next smaller). Smaller tiles reuse operands less; that cost is not modelled.
+GEMM_TILES = ((256, 128), (128, 128), (128, 64))
+
+
+def wave_efficiency(m: int, n: int, sms: int) -> float:
+    """Busy share of ``sms`` streaming multiprocessors over a GEMM with an ``m`` × ``n`` output: tiles / (waves ×
+    SMs) for the best tile of :data:`GEMM_TILES` (one thread block per SM at a time, the guide's model). 1.0 when
+    the tiles fill whole waves; → 1 for large outputs; 1/SMs for a one-tile GEMM."""
+    if sms <= 0 or m <= 0 or n <= 0:
+        return 1.0
+    best = 0.0
+    for tm, tn in GEMM_TILES:
+        tiles = math.ceil(m / tm) * math.ceil(n / tn)
+        waves = math.ceil(tiles / sms)
+        # a partly filled tile does the work of a full one (tile quantization)
+        useful = (m * n) / (tm * tn * tiles)
+        best = max(best, useful * tiles / (waves * sms))
+    return best
+
+
+def gemm_time(acc: "Accelerator", m: float, n: float, k: float, peak: float, eff: float,
+              dtype_bytes: float = 2) -> float:
+    """Seconds of one GEMM (``m`` × ``n`` output, inner ``k``) at ``peak`` × ``eff`` (the large-GEMM efficiency)
+    × the wave efficiency over ``acc.sm_count`` SMs, or at HBM bandwidth where its operands (read once) and output
+    (written once) take longer (roofline). Without an SM count: FLOPs / (peak × eff)."""
+    flops = 2.0 * m * n * k
+    if flops <= 0:
+        return 0.0
+    if not acc.sm_count:
+        return flops / (peak * eff)
+    wave = wave_efficiency(int(math.ceil(m)), int(math.ceil(n)), acc.sm_count)
+    return max(flops / (peak * eff * wave), dtype_bytes * (m * k + k * n + m * n) / acc.hbm_bandwidth)
+
+
 # ------------------------------------------------------------------------------------------------ the catalog
 _NV_A100 = ("NVIDIA A100 Tensor Core GPU datasheet (nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
             "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf): BF16/FP16 tensor 312 TFLOPS dense (624 with "
@@ -95,28 +151,45 @@ _NV_H100 = ("NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center
             "TFLOPS and FP8 3,958 TFLOPS with sparsity, i.e. 989 / 1,979 dense; 80 GB HBM3 at 3.35 TB/s")
 _EFF = ("matmul_efficiency assumed (typical achieved share of dense peak on transformer GEMMs; "
         "calibrate with measured runs)")
+#: SM counts: NVIDIA A100 Tensor Core GPU Architecture whitepaper (108 SMs on A100), NVIDIA H100 Tensor Core GPU
+#: Architecture whitepaper (132 SMs on H100 SXM5; H800 / H200 SXM the same GH100 configuration), L40S datasheet
+#: (142 SMs), AMD CDNA 3 whitepaper (304 compute units on MI300X)
+_SMS = ("; SMs from the vendor's architecture whitepaper; GEMM shape efficiency = wave × tile quantization and "
+        "roofline (NVIDIA Matrix Multiplication Background User's Guide)")
+#: Per-kernel costs. Host: NVIDIA, "Getting Started with CUDA Graphs" (developer.nvidia.com/blog/cuda-graphs/,
+#: 2019): back-to-back stream launches of a 2.9 µs kernel take 3.8 µs each (launch-bound), with CUDA graphs
+#: 3.4 µs; PyTorch's eager dispatcher adds its own per-op host time on top (not counted: 4 µs is a lower
+#: bound). Device: the 3.8 − 2.9 ≈ 1 µs between dependent kernels of that measurement.
+KERNEL_LAUNCH_S = 4e-6
+KERNEL_GAP_S = 1e-6
+_KERNEL = ("; per-kernel host launch 4 µs and device gap 1 µs (NVIDIA, 'Getting Started with CUDA Graphs', "
+           "developer.nvidia.com/blog/cuda-graphs/)")
+_GPU = dict(kernel_launch_s=KERNEL_LAUNCH_S, kernel_gap_s=KERNEL_GAP_S)
 
 ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in (
     Accelerator("a100-40gb", 312e12, 312e12, 0.0, 40 * GIB, 1.555e12, 0.70,
-                source=_NV_A100 + "; 40 GB HBM2 at 1,555 GB/s; no FP8. " + _EFF),
+                source=_NV_A100 + "; 40 GB HBM2 at 1,555 GB/s; no FP8. " + _EFF + _SMS + _KERNEL, sm_count=108, **_GPU),
     Accelerator("a100-80gb", 312e12, 312e12, 0.0, 80 * GIB, 2.039e12, 0.70,
-                source=_NV_A100 + "; 80 GB HBM2e at 2,039 GB/s (SXM); no FP8. " + _EFF),
-    Accelerator("h100-sxm", 989e12, 989e12, 1979e12, 80 * GIB, 3.35e12, 0.65, source=_NV_H100 + ". " + _EFF),
+                source=_NV_A100 + "; 80 GB HBM2e at 2,039 GB/s (SXM); no FP8. " + _EFF + _SMS + _KERNEL, sm_count=108,
+                **_GPU),
+    Accelerator("h100-sxm", 989e12, 989e12, 1979e12, 80 * GIB, 3.35e12, 0.65,
+                source=_NV_H100 + ". " + _EFF + _SMS + _KERNEL, sm_count=132, **_GPU),
     Accelerator("h800", 989e12, 989e12, 1979e12, 80 * GIB, 3.35e12, 0.65,
                 source="NVIDIA H800 SXM (export variant of H100 SXM: same compute and HBM3 per NVIDIA's product "
-                       "brief; NVLink cut to 400 GB/s bidirectional). " + _EFF),
+                       "brief; NVLink cut to 400 GB/s bidirectional). " + _EFF + _SMS + _KERNEL, sm_count=132, **_GPU),
     Accelerator("h200", 989e12, 989e12, 1979e12, 140 * GIB, 4.8e12, 0.65,
                 source="NVIDIA H200 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h200/), SXM: BF16 1,979 "
-                       "and FP8 3,958 TFLOPS with sparsity (989 / 1,979 dense); 141 GB HBM3e at 4.8 TB/s (nvidia-smi reports 143,771 MiB ≈ 140 GiB). " + _EFF),
+                       "and FP8 3,958 TFLOPS with sparsity (989 / 1,979 dense); 141 GB HBM3e at 4.8 TB/s (nvidia-smi reports 143,771 MiB ≈ 140 GiB). " + _EFF + _SMS + _KERNEL,
+                sm_count=132, **_GPU),
     Accelerator("l40s", 362e12, 362e12, 733e12, 48 * GIB, 0.864e12, 0.60,
                 source="NVIDIA L40S datasheet (nvidia.com/en-us/data-center/l40s/): BF16/FP16 tensor 362.05 TFLOPS "
                        "dense (733 with sparsity), FP8 733 dense (1,466 with sparsity); 48 GB GDDR6 at 864 GB/s. "
-                       + _EFF),
+                       + _EFF + _SMS + _KERNEL, sm_count=142, **_GPU),
     Accelerator("mi300x", 1307e12, 1307e12, 2615e12, 192 * GIB, 5.3e12, 0.50,
                 source="AMD Instinct MI300X data sheet (amd.com/en/products/accelerators/instinct/mi300/mi300x.html): "
                        "peak BF16/FP16 dense 1,307.4 TFLOPS, FP8 2,614.9 TFLOPS; 192 GB HBM3 at 5.3 TB/s. "
                        "matmul_efficiency assumed lower than NVIDIA's (published MI300X training runs reach a "
-                       "smaller share of the larger peak); calibrate"),
+                       "smaller share of the larger peak); calibrate" + _SMS + _KERNEL, sm_count=304, **_GPU),
     # The network lab (DESIGN.md §5): one worker process on this project's 2-core VM. 'peak' is the measured
     # effective training throughput (efficiency 1.0), not a hardware peak.
     Accelerator("cpu-lab", 60e9, 60e9, 0.0, 5.5 * GIB, 10e9, 1.0, reserved_bytes=0.4 * GIB,
@@ -233,6 +306,7 @@ _ACC_KEYS = {  # TOML key -> (Accelerator field, scale to SI)
     "peak_fp8_tflops": ("peak_fp8_flops", 1e12), "memory_gib": ("memory_bytes", 2**30),
     "hbm_gbyte_s": ("hbm_bandwidth", 1e9), "matmul_efficiency": ("matmul_efficiency", 1.0),
     "reserved_gib": ("reserved_bytes", 2**30), "gemm_half_gflop": ("gemm_half_flops", 1e9),
+    "sm_count": ("sm_count", 1), "kernel_launch_us": ("kernel_launch_s", 1e-6), "kernel_gap_us": ("kernel_gap_s", 1e-6),
 }
 _FAB_KEYS = {
     "bandwidth_gbit_s": ("bandwidth", 1e9 / 8), "bandwidth_gbyte_s": ("bandwidth", 1e9),
@@ -276,8 +350,13 @@ def _table(path: str, value: Any, catalog: dict, keys: dict, extra: tuple[str, .
     for key, (attr, scale) in keys.items():
         if key in value:
             hi = 1.0 if attr in ("matmul_efficiency", "efficiency") else math.inf
-            lo_open = attr not in ("peak_fp8_flops", "reserved_bytes", "latency", "gemm_half_flops")
+            lo_open = attr not in ("peak_fp8_flops", "reserved_bytes", "latency", "gemm_half_flops", "sm_count",
+                                   "kernel_launch_s", "kernel_gap_s")
             fields[attr] = _number(f"{path}.{key}", value[key], 0.0, lo_open, hi) * scale
+            if attr == "sm_count":
+                if value[key] != int(value[key]):
+                    raise ConfigError(f"{path}.{key}", value[key], "a whole number of SMs ≥ 0")
+                fields[attr] = int(value[key])
     if base is None:
         required = {"peak_bf16_flops": "peak_bf16_tflops", "memory_bytes": "memory_gib",
                     "matmul_efficiency": "matmul_efficiency"} if keys is _ACC_KEYS else \
@@ -305,7 +384,9 @@ def cloud_from_dict(values: dict[str, Any], source: str = "cluster") -> CloudCon
         acc = Accelerator(name, fields["peak_bf16_flops"], fields.get("peak_fp16_flops", fields["peak_bf16_flops"]),
                           fields.get("peak_fp8_flops", 0.0), fields["memory_bytes"], fields.get("hbm_bandwidth", 2e12),
                           fields["matmul_efficiency"], fields.get("reserved_bytes", 3 * GIB), source="cluster file",
-                          gemm_half_flops=fields.get("gemm_half_flops", 0.0))
+                          gemm_half_flops=fields.get("gemm_half_flops", 0.0), sm_count=fields.get("sm_count", 0),
+                          kernel_launch_s=fields.get("kernel_launch_s", 0.0),
+                          kernel_gap_s=fields.get("kernel_gap_s", 0.0))
     else:
         acc = dataclasses.replace(base, **fields)
     fabrics = []

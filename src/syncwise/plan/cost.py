@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 from ..errors import ConfigError
 from ..layout import EVERY_STEP, FSDP_REDUCE_DTYPES, parse_compress
-from .cloud import CloudConfig
+from .cloud import Accelerator, CloudConfig, gemm_time
 from .layout import SYNCWISE, Layout, Training, syncwise_refusal
 from .memory import Memory, activation_terms, memory_per_rank, stage_params
 from .model import ModelSpec
@@ -306,12 +306,15 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
     # forward's again
     n_fwd = gemms_per_forward(model, pp)
     t_gemm0 = acc.gemm_half_flops / (peak * eff)
-    t_matmul = flops_mb / (peak * eff) + 3 * n_fwd * t_gemm0
+    # GEMM shapes (cloud.gemm_time: wave quantization over the SMs, roofline): what this rank's GEMMs cost beyond
+    # FLOPs / (peak × eff), forward and backward (dX and dW), from their shapes at this micro-batch and tp
+    shape_fwd, shape_bwd = gemm_shape_excess(acc, model, layout, tokens_mb, peak, eff)
+    t_matmul = flops_mb / (peak * eff) + 3 * n_fwd * t_gemm0 + shape_fwd + shape_bwd
     recomputed = {"none": 0.0, "selective": 2 * model.n_layers / pp, "full": n_fwd}[layout.recompute]
-    t_extra = extra_mb / (peak * eff) + recomputed * t_gemm0
+    t_extra = extra_mb / (peak * eff) + recomputed * t_gemm0 + (shape_fwd if layout.recompute == "full" else 0.0)
     t_elem = elem_passes * elem_tok * tokens_mb / acc.hbm_bandwidth
-    t_fwd = t_matmul / 3 + t_elem / 3
-    t_bwd = 2 * t_matmul / 3 + 2 * t_elem / 3 + t_extra
+    t_fwd = (t_matmul - shape_bwd - shape_fwd) / 3 + shape_fwd + t_elem / 3
+    t_bwd = 2 * (t_matmul - shape_bwd - shape_fwd) / 3 + shape_bwd + 2 * t_elem / 3 + t_extra
 
     # ---- tensor parallel (per micro-batch, this rank's layers)
     layers_rank = model.n_layers / pp
@@ -359,7 +362,18 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
         passes = 2
         fsdp_gather_total = passes * ag
         t_fsdp_mb = max(unit, ag - t_fwd) + max(unit, ag - (t_bwd - t_extra))
-    tau = t_fwd + t_bwd + t_tp + t_ep + t_fsdp_mb
+    # ---- per-kernel overheads (per micro-batch): the host issues every kernel (and every collective) at
+    # kernel_launch_s at best; the device runs them with kernel_gap_s between. Whichever is longer sets the
+    # micro-batch's compute time; the excess over the device's work is charged as kernel_overhead.
+    n_tp_calls = 0.0
+    if t > 1:
+        n_tp_calls = layers_rank * (3 if layout.recompute == "full" else 2) * (4 if layout.sp else 2)
+    n_kernels = kernels_per_microbatch(model, layout, training, M) + n_tp_calls
+    t_dev = t_fwd + t_bwd
+    t_kernel = max(n_kernels * acc.kernel_gap_s, n_kernels * acc.kernel_launch_s - t_dev - t_tp - t_ep) \
+        if (acc.kernel_gap_s or acc.kernel_launch_s) else 0.0
+    t_kernel = max(t_kernel, 0.0)
+    tau = t_fwd + t_bwd + t_tp + t_ep + t_fsdp_mb + t_kernel
     # Stage-to-stage sends are asynchronous (isend): in the steady state a micro-batch's activations and gradients
     # travel while the stage computes other micro-batches, so the link costs time only where it is slower than
     # the compute, plus one hop each way while the pipeline fills and drains.
@@ -443,6 +457,7 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
     t_opt = (local / layout.dp_shard) * training.optimizer_pass_bytes / acc.hbm_bandwidth
     breakdown = {
         "compute": M * (t_matmul + t_elem),
+        "kernel_overhead": M * t_kernel,
         "recompute": M * t_extra,
         "tp_comm": M * t_tp,
         "ep_comm": M * t_ep,
@@ -470,7 +485,8 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
         inter_node_bytes=traffic.inter_bytes, inter_node_messages=traffic.inter_messages,
         info={"dp_comm_total": dp_total, "fsdp_gather_total_per_microbatch": fsdp_gather_total,
               "layer_share_of_flops": layer_share, "flops_per_token": f_tok, "bubble_fraction":
-              bubble_units / (M + bubble_units), "matmul_efficiency": eff, "training": training.name})
+              bubble_units / (M + bubble_units), "matmul_efficiency": eff, "training": training.name,
+              "kernels_per_microbatch": n_kernels, "gemm_shape_s_per_microbatch": shape_fwd + shape_bwd})
     if syncwise_rules:
         why = syncwise_refusal(layout, model, world, M)
         pred.runnable, pred.not_runnable = why is None, why or ""
@@ -483,6 +499,87 @@ def gemms_per_forward(model: ModelSpec, pp: int = 1) -> float:
     matrix: ``ModelSpec.matrices``' entries), two for the attention core (QKᵀ, AV)."""
     per_layer = sum(len(model.matrices(i)) + 2 for i in range(model.n_layers))
     return (per_layer + 1) / pp
+
+
+def gemm_shapes(model: ModelSpec, layout: Layout, tokens: float) -> list[tuple[float, float, float, float]]:
+    """(count, m, n, k) of the forward GEMMs one stage rank runs on a micro-batch of ``tokens`` tokens: every
+    layer's weight matrices (1/pp of the layers each; the head's share 1/pp) with its tensor-parallel split —
+    column-parallel matrices split their output (n / tp), the attention output and the MLP's last matrix (row
+    parallel) their input (k / tp), as Megatron-LM's layers. A MoE layer's experts as this rank's grouped GEMM:
+    n_routed / ep experts each of tokens × top_k × ep / n_routed rows (balanced routing). The attention core
+    (QKᵀ, AV) is a fused kernel (flash attention) or a batched GEMM: left at the large-GEMM efficiency."""
+    t, pp = layout.tp, layout.pp
+    out: list[tuple[float, float, float, float]] = []
+    for i in range(model.n_layers):
+        attn = model.attention_matrices()
+        for j, (a, b) in enumerate(attn):
+            last = j == len(attn) - 1
+            out.append((1 / pp, tokens, b if last else b / t, a / t if last else a))
+        d = model.d_model
+        if model.layer_is_moe(i):
+            out.append((1 / pp, tokens, model.n_routed_experts, d))               # router (replicated)
+            for n_exp, routed in ((model.n_shared_experts, False), (model.n_routed_experts, True)):
+                if not n_exp:
+                    continue
+                local = n_exp / layout.ep if routed else n_exp
+                rows = tokens * model.top_k * layout.ep / model.n_routed_experts if routed else tokens
+                h = model.moe_hidden
+                for _ in range(model.mlp_matrices - 1):
+                    out.append((local / pp, rows, h / t, d))
+                out.append((local / pp, rows, d, h / t))
+        else:
+            h = model.ffn_hidden
+            for _ in range(model.mlp_matrices - 1):
+                out.append((1 / pp, tokens, h / t, d))
+            out.append((1 / pp, tokens, d, h / t))
+    out.append((1 / pp, tokens, model.vocab_size / t, model.d_model))             # the head
+    return out
+
+
+def gemm_shape_excess(acc: Accelerator, model: ModelSpec, layout: Layout, tokens: float, peak: float,
+                      eff: float) -> tuple[float, float]:
+    """(forward, backward) seconds this rank's GEMMs take beyond FLOPs / (peak × eff) on one micro-batch:
+    each forward GEMM (m, n, k), its backward dX (m, k, n) and dW (k, n, m) through ``cloud.gemm_time``. 0 for an
+    accelerator without an SM count."""
+    if not acc.sm_count:
+        return 0.0, 0.0
+    fwd = bwd = 0.0
+    for c, m, n, k in gemm_shapes(model, layout, tokens):
+        ideal = 2.0 * m * n * k / (peak * eff)
+        fwd += c * (gemm_time(acc, m, n, k, peak, eff) - ideal)
+        bwd += c * (gemm_time(acc, m, k, n, peak, eff) + gemm_time(acc, k, n, m, peak, eff) - 2 * ideal)
+    return max(fwd, 0.0), max(bwd, 0.0)
+
+
+def kernels_per_microbatch(model: ModelSpec, layout: Layout, training: Training, microbatches: int = 1) -> float:
+    """CUDA kernels one stage rank launches for one micro-batch (forward + backward), counted from the model's
+    structure as PyTorch / Megatron-LM run a block (collectives are counted by the caller). Forward, per block:
+    one GEMM per weight matrix (bias in the GEMM's epilogue), 2 norms, 2 residual adds, 2 head split / merge
+    copies, the MLP's activation (1; SwiGLU 2: SiLU and the product), the attention core (flash attention 1; else
+    QKᵀ, fused scale-mask-softmax, AV, and dropout 1), RoPE on q and k (2, without learned positions), dropout
+    after attention and MLP (2, where the recipe drops out); a MoE block also the router's softmax and top-k (2),
+    the token permutation and its inverse (2 gathers, 2 scatters). Backward: 2 GEMMs per forward GEMM (dX, dW),
+    1 kernel per other forward kernel, and under gradient accumulation one add per parameter tensor into .grad.
+    The embedding (1, +2 for learned positions), head GEMM and loss (2) forward; the same backward, ×2 for the
+    head. A full recompute runs the forward of every block again."""
+    pp = layout.pp
+    total = 0.0
+    for i in range(model.n_layers):
+        gemms = len(model.attention_matrices()) + model.mlp_matrices
+        other = 2 + 2 + 2 + (2 if model.mlp == "swiglu" else 1)
+        other += 1 if training.flash_attention else (3 + (1 if training.dropout else 0))
+        other += 0 if model.learned_positions else 2
+        other += 2 if training.dropout else 0
+        params = gemms * (2 if model.biases else 1) + 2 * (2 if model.biases else 1)
+        if model.layer_is_moe(i):
+            gemms += 1                                           # the router
+            other += 2 + 4
+        fwd = gemms + other
+        bwd = 2 * gemms + other + (params if microbatches > 1 else 0)
+        total += fwd + bwd + (fwd if layout.recompute == "full" else 0)
+    edges_fwd = 1 + (2 if model.learned_positions else 0) + 1 + 2
+    total += edges_fwd + edges_fwd + 2
+    return total / pp
 
 
 def _overlap(total: float, training: Training, layout: Layout, window: float, local: float) -> float:
