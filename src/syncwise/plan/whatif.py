@@ -96,7 +96,7 @@ def calibrated_cloud(m: Measured) -> tuple[CloudConfig, Training]:
 
 
 def _compute_part(p: Prediction) -> float:
-    return p.breakdown["compute"] + p.breakdown["recompute"] + p.breakdown["optimizer"]
+    return p.breakdown["compute"] + p.breakdown["kernel_overhead"] + p.breakdown["recompute"] + p.breakdown["optimizer"]
 
 
 def fitted_efficiency(m: Measured, cloud: CloudConfig, training: Training) -> float:

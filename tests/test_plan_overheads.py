@@ -1,0 +1,46 @@
+"""The cost model's GEMM-shape and per-kernel terms (syncwise.plan.cloud.gemm_time / wave_efficiency,
+syncwise.plan.cost.kernels_per_microbatch): pure Python, no torch."""
+import dataclasses
+
+from syncwise.plan import Layout, predict
+from syncwise.plan.cloud import ACCELERATORS, cluster, wave_efficiency
+from syncwise.plan.cost import kernels_per_microbatch
+from syncwise.plan.layout import SYNCWISE
+from syncwise.plan.published import gpt, without_overheads
+
+
+def test_tiny_gemm_runs_below_a_large_ones_efficiency():
+    a100 = ACCELERATORS["a100-80gb"]
+    tiny, large = a100.gemm_shape_efficiency(128, 128, 128), a100.gemm_shape_efficiency(16384, 4096, 4096)
+    assert tiny < 0.1 * large
+    assert large <= a100.matmul_efficiency + 1e-12
+    assert wave_efficiency(128, 128, 108) < wave_efficiency(128 * 108, 128, 108) == 1.0
+    # the catalog's GPUs carry their SM count; an accelerator without one keeps the size-independent model
+    assert a100.sm_count == 108 and ACCELERATORS["h100-sxm"].sm_count == 132
+    assert ACCELERATORS["cpu-lab"].sm_count == 0 and ACCELERATORS["cpu-lab"].kernel_launch_s == 0
+
+
+def test_kernel_count_scales_with_layers():
+    m12, m24 = gpt(1024, 12, 16), gpt(1024, 24, 16)
+    k12, k24 = (kernels_per_microbatch(m, Layout(), SYNCWISE) for m in (m12, m24))
+    per_layer = (k24 - k12) / 12
+    assert per_layer > 20 and abs(k24 - (k12 + 12 * per_layer)) < 1e-9
+    # a full recompute runs every block's forward again; pp splits the layers
+    assert kernels_per_microbatch(m24, Layout(recompute="full"), SYNCWISE) > k24
+    assert kernels_per_microbatch(m24, Layout(pp=2), SYNCWISE) == k24 / 2
+
+
+def test_small_tp_model_is_predicted_slower_with_the_overhead_terms():
+    model = gpt(1024, 24, 16, vocab=50368, seq=2048)           # ~0.35 B
+    cloud = cluster("a100-80gb", 1, 8, intra="nvlink3")
+    lay = Layout(dp_replicate=4, tp=2, micro_batch=1)
+    with_terms = predict(cloud, model, lay, 32, 2048, syncwise_rules=False)
+    without = predict(without_overheads(cloud), model, lay, 32, 2048, syncwise_rules=False)
+    assert with_terms.tokens_per_s < without.tokens_per_s
+    assert with_terms.info["gemm_shape_s_per_microbatch"] > 0 and without.info["gemm_shape_s_per_microbatch"] == 0
+    # a model of tiny kernels is host-bound: the launch overhead shows in the breakdown and grows with the layers
+    tiny = [predict(cloud, gpt(64, L, 4, vocab=512, seq=64), Layout(dp_replicate=8, micro_batch=1), 8, 64,
+                    syncwise_rules=False).breakdown["kernel_overhead"] for L in (4, 8)]
+    assert 0 < tiny[0] < tiny[1]
+    slow_host = dataclasses.replace(cloud, accelerator=dataclasses.replace(cloud.accelerator, kernel_launch_s=20e-6))
+    assert predict(slow_host, model, lay, 32, 2048, syncwise_rules=False).step_time_s >= with_terms.step_time_s
