@@ -5,7 +5,14 @@ bytes and compute, sync strategies — and ``predict``, which puts them together
 Every assumption is stated where it is made and collected in docs/plan.md. In brief:
 
 * Compute: matmul FLOPs / (peak × matmul_efficiency) plus element-wise work (norms, activations, residual
-  adds, softmax without fused attention) as HBM traffic, ≈ 4 passes over each stored activation.
+  adds, softmax without fused attention) as HBM traffic, ≈ 4 passes over each stored activation, and the loss's
+  traffic over the logits (``Training.loss_bytes_per_logit``).
+* GEMM shapes (accelerators with an SM count): each GEMM of a micro-batch — forward, and backward's dX and dW —
+  at the wave efficiency of its output tiles over the SMs, or at HBM bandwidth where it is too thin (roofline:
+  ``cloud.gemm_time``); large GEMMs run at matmul_efficiency, small ones (small d, small micro-batch, tp) slower.
+* Kernels: a micro-batch launches ``kernels_per_microbatch`` kernels (from the model's structure) plus its
+  collectives; it takes the longer of the device's work + ``kernel_gap_s`` per kernel and the host's
+  ``kernel_launch_s`` per kernel (``kernel_overhead`` in the breakdown).
 * Collectives (nccl-tests' bus bandwidth): ring all-reduce moves 2(n−1)/n of the buffer per rank, all-gather /
   reduce-scatter / all-to-all (n−1)/n. A dimension whose group fits in a node uses the intra-node fabric;
   one that spans nodes is bounded by the node's NICs, shared by every group of that dimension on the node
@@ -313,6 +320,9 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
     recomputed = {"none": 0.0, "selective": 2 * model.n_layers / pp, "full": n_fwd}[layout.recompute]
     t_extra = extra_mb / (peak * eff) + recomputed * t_gemm0 + (shape_fwd if layout.recompute == "full" else 0.0)
     t_elem = elem_passes * elem_tok * tokens_mb / acc.hbm_bandwidth
+    # the loss over the logits (vocabulary-parallel under tp; the head's stage, averaged over the stages as the
+    # head's FLOPs are): memory-bound, Training.loss_bytes_per_logit of HBM traffic per logit
+    t_elem += tokens_mb * model.vocab_size / t * training.loss_bytes_per_logit / pp / acc.hbm_bandwidth
     t_fwd = (t_matmul - shape_bwd - shape_fwd) / 3 + shape_fwd + t_elem / 3
     t_bwd = 2 * (t_matmul - shape_bwd - shape_fwd) / 3 + shape_bwd + 2 * t_elem / 3 + t_extra
 

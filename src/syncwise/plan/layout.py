@@ -138,6 +138,10 @@ class Training:
     dropout: bool = False
     peak_dtype: str = "bf16"
     optimizer_pass_bytes: float = 36  # HBM traffic per local parameter of one AdamW step
+    # HBM traffic per logit of the loss (forward + backward) as PyTorch's unfused cross-entropy runs under bf16
+    # autocast: upcast bf16 → fp32 (2 + 4), log_softmax (3 reads + 1 write of 4 B: max, sum of exp, output),
+    # nll_loss's dense gradient (4), log_softmax backward (2 reads + 1 write: 12), downcast to bf16 (4 + 2)
+    loss_bytes_per_logit: float = 44
 
 
 SYNCWISE = Training()

@@ -173,22 +173,22 @@ def runs() -> list[PublishedRun]:
 
 
 def without_overheads(cloud: CloudConfig) -> CloudConfig:
-    """``cloud`` with the GEMM-shape and per-kernel terms off (no SM count, no launch or gap): the cost model as
-    it was before them, for the before / after comparison."""
+    """``cloud`` with the GEMM-shape and per-kernel terms off (no SM count, no launch or gap): with a recipe of
+    ``loss_bytes_per_logit`` 0, the cost model as it was before them, for the before / after comparison."""
     acc = dataclasses.replace(cloud.accelerator, sm_count=0, kernel_launch_s=0.0, kernel_gap_s=0.0)
     return dataclasses.replace(cloud, accelerator=acc)
 
 
 def evaluate(run: PublishedRun, top_check: bool = True) -> dict[str, Any]:
-    """Predict ``run``; its error in the publication's unit (also without the GEMM-shape and per-kernel terms:
-    ``error_without_overheads``); where its layout ranks in the planner's search over the framework's space (no
+    """Predict ``run``; its error in the publication's unit (also without the GEMM-shape, per-kernel and loss
+    traffic terms: ``error_without_overheads``); where its layout ranks in the planner's search over the framework's space (no
     FSDP unless the framework had it; the run's micro-batch, recomputation and schedule kept), by (tp, pp)."""
     pred = predict(run.cloud, run.model, run.layout, run.global_batch, run.seq_len, training=run.training,
                    syncwise_rules=False)
     value = run.predicted(pred)
     error = value / run.reported - 1
     before = predict(without_overheads(run.cloud), run.model, run.layout, run.global_batch, run.seq_len,
-                     training=run.training, syncwise_rules=False)
+                     training=dataclasses.replace(run.training, loss_bytes_per_logit=0.0), syncwise_rules=False)
     row: dict[str, Any] = {
         "name": run.name, "group": run.group, "publication": run.publication, "source": run.source, "confident": run.confident,
         "assumed": run.assumed, "layout": run.layout.describe(), "gpus": run.cloud.world_size,
