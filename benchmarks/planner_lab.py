@@ -11,6 +11,8 @@ compares its measured steady step time (median of rank 0's steps after the first
 
     python benchmarks/planner_lab.py                       # ~10 min on the 2-core VM, quiet machine
     python benchmarks/planner_lab.py --only dp4-none@200mbit --steps 4      # a smoke test of one row
+    python benchmarks/planner_lab.py --repredict benchmarks/results/planner-lab-repredict.json  # no jobs: the
+                                        # committed rows predicted again by the current cost model
 
 Writes benchmarks/results/planner-lab.json (every row, the calibrations, the summary) and prints the table.
 Needs root and the lab's tools (ip netns, veth, bridge, tc tbf); the lab's 4 workers share this machine's
@@ -19,6 +21,7 @@ Needs root and the lab's tools (ip netns, veth, bridge, tc tbf); the lab's 4 wor
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -34,7 +37,8 @@ from syncwise.config import build_config  # noqa: E402
 from syncwise.lab import cluster  # noqa: E402
 from syncwise.lab.launch import lab_torchrun  # noqa: E402
 from syncwise.plan import Layout, cloud_from_dict, load_model, predict  # noqa: E402
-from syncwise.plan.calibrate import calibrate, recipe_for  # noqa: E402
+from syncwise.plan.calibrate import (REFERENCE_BATCH, REFERENCE_PRESET, REFERENCE_SEQ, _median,  # noqa: E402
+                                     calibrate, recipe_for, solve_efficiency)
 
 PREFIX, SUBNET, NODES, PER_NODE = "planlab", "10.78.0.0/24", 2, 2
 WORLD = NODES * PER_NODE
@@ -114,6 +118,45 @@ def run_job(work: Path, name: str, preset: str, batch: int, fields: dict, compre
             "comm_exposed_share": summary.get("comm_exposed_share")}
 
 
+def repredict(path: str, out: str) -> int:
+    """Predict every measured row of a committed planner-lab JSON again with the current cost model, from the
+    calibration stored beside it (no lab, no jobs): matmul_efficiency is solved again from the stored reference
+    steps (as `--calibrate` would now), the rest of each calibrated cluster is kept. Writes ``out``."""
+    data = json.loads(Path(path).read_text())
+    clouds = {}
+    for rate, cal in data["calibrations"].items():
+        cloud = cloud_from_dict(cal["cluster"], f"calibration at {rate}")
+        acc = dataclasses.replace(cloud.accelerator, matmul_efficiency=1.0)
+        eff = solve_efficiency(acc, load_model(REFERENCE_PRESET, REFERENCE_SEQ), REFERENCE_BATCH, REFERENCE_SEQ,
+                               _median(cal["reference_step_s"]))
+        clouds[rate] = dataclasses.replace(cloud, accelerator=dataclasses.replace(acc, matmul_efficiency=eff))
+    rows = []
+    for r in data["rows"]:
+        if "measured_step_s" not in r:
+            continue
+        preset, batch, fields, compress, sync = CONFIGS[r["name"]]
+        cloud = clouds[r["rate"]]
+        pred = predict(cloud, load_model(preset, SEQ), layout_of(fields, compress, sync), batch, SEQ,
+                       training=recipe_for(cloud.accelerator), syncwise_rules=True)
+        rows.append({"name": r["name"], "rate": r["rate"], "measured_step_s": r["measured_step_s"],
+                     "predicted_step_s_committed": r["predicted_step_s"], "error_committed": r["error"],
+                     "predicted_step_s": pred.step_time_s, "error": pred.step_time_s / r["measured_step_s"] - 1,
+                     "caveat": r.get("caveat"), "predicted_breakdown": pred.breakdown})
+        print(f"{r['rate']:8s} {r['name']:14s} measured {r['measured_step_s'] * 1e3:7.0f} ms   committed "
+              f"{r['predicted_step_s'] * 1e3:7.0f} ms ({r['error']:+6.1%})   now {pred.step_time_s * 1e3:7.0f} ms "
+              f"({rows[-1]['error']:+6.1%})")
+    mae = lambda rs, k: sum(abs(x[k]) for x in rs) / len(rs) if rs else None  # noqa: E731
+    clean = [x for x in rows if not x["caveat"]]
+    summary = {"source": os.path.relpath(path, Path(__file__).resolve().parents[1]), "rows": len(rows), "mean_abs_error_committed": mae(rows, "error_committed"),
+               "mean_abs_error": mae(rows, "error"), "mean_abs_error_without_caveats_committed":
+               mae(clean, "error_committed"), "mean_abs_error_without_caveats": mae(clean, "error"),
+               "matmul_efficiency": {rate: c.accelerator.matmul_efficiency for rate, c in clouds.items()}}
+    print(json.dumps(summary, indent=2))
+    Path(out).write_text(json.dumps({"summary": summary, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=10, help="training steps per job (the first two are not timed; "
@@ -121,7 +164,12 @@ def main() -> int:
     p.add_argument("--only", default=None, help="comma list of NAME@RATE rows to run (default: every row)")
     p.add_argument("--json", default=str(Path(__file__).parent / "results" / "planner-lab.json"))
     p.add_argument("--keep", action="store_true", help="keep the run directories (printed)")
+    p.add_argument("--repredict", metavar="OUT", default=None,
+                   help="no lab, no jobs: predict the measured rows of --json again with the current cost model "
+                        "from its stored calibrations and write OUT (e.g. benchmarks/results/planner-lab-repredict.json)")
     a = p.parse_args()
+    if a.repredict:
+        return repredict(a.json, a.repredict)
     plan = {rate: list(names) for rate, names in PLAN.items()}
     if a.only:
         wanted = [x.strip() for x in a.only.split(",") if x.strip()]
