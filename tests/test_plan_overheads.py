@@ -44,3 +44,37 @@ def test_small_tp_model_is_predicted_slower_with_the_overhead_terms():
     assert 0 < tiny[0] < tiny[1]
     slow_host = dataclasses.replace(cloud, accelerator=dataclasses.replace(cloud.accelerator, kernel_launch_s=20e-6))
     assert predict(slow_host, model, lay, 32, 2048, syncwise_rules=False).step_time_s >= with_terms.step_time_s
+
+
+def test_gpu_calibration_carries_sm_count_and_kernel_costs(tmp_path):
+    """derive_cluster / cloud_toml on a GPU calibration's numbers (measure_kernels runs only on CUDA)."""
+    from syncwise.plan.calibrate import cloud_toml, derive_cluster
+    from syncwise.plan.cloud import load_cluster
+
+    gemm = [{"size": s, "flops": 2.0 * s ** 3, "seconds": 2.0 * s ** 3 / 600e12 + 5e-6, "flop_s": 0.0,
+             "dtype": "bfloat16"} for s in (256, 1024, 4096, 8192)]
+    kernels = {"sm_count": 132, "kernel_launch_s": 6e-6, "kernel_gap_s": 1.5e-6}
+    worker = {"gemm": gemm, "memory_bytes_s": 3e12, "reference_step_s": 0.05, "kernels": kernels}
+    result = {"workers": [worker], "world": [], "intra": [], "nodes": 1, "procs_per_node": 1, "world_size": 1,
+              "reference": ["small-dense", 8, 128], "torch": "x", "device": "cuda", "lab": None,
+              "measured_at": "now", "host": "h", "cpu_count": 16, "seconds": 1.0}
+    result["cluster"] = derive_cluster(result)
+    path = tmp_path / "gpu.toml"
+    path.write_text(cloud_toml(result))
+    acc = load_cluster(path).accelerator
+    assert acc.sm_count == 132 and acc.gemm_half_flops == 0.0
+    assert abs(acc.kernel_launch_s - 6e-6) < 1e-9 and abs(acc.kernel_gap_s - 1.5e-6) < 1e-9
+    assert "132 SMs" in path.read_text()
+
+
+def test_loss_traffic_grows_with_the_vocabulary():
+    cloud = cluster("a100-80gb", 1, 8, intra="nvlink3")
+    lay = Layout(dp_shard=8, micro_batch=8)
+    small, large = (predict(cloud, gpt(768, 12, 12, vocab=v), lay, 64, 2048, syncwise_rules=False)
+                    for v in (8192, 65536))
+    off = dataclasses.replace(SYNCWISE, loss_bytes_per_logit=0.0)
+    large_off = predict(cloud, gpt(768, 12, 12, vocab=65536), lay, 64, 2048, training=off, syncwise_rules=False)
+    # 64 × 2048 tokens × 65,536 logits × 44 B over 2.039 TB/s, on each of 8 ranks' eighth of the batch
+    expected = 64 * 2048 / 8 * 65536 * 44 / 2.039e12
+    assert abs((large.step_time_s - large_off.step_time_s) - expected) < 1e-3 * expected + 1e-6
+    assert large.step_time_s > small.step_time_s

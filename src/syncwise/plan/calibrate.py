@@ -174,6 +174,38 @@ def measure_gemm(sizes: Sequence[int] = GEMM_SIZES, seconds: float = 0.25) -> li
     return rows
 
 
+def measure_kernels(n: int = 2000) -> dict:
+    """On a GPU: its SM count (``multi_processor_count``), the host's seconds per launched kernel (``n`` tiny
+    in-place adds issued back to back through PyTorch's eager dispatcher, as a training step issues its kernels)
+    and the device's seconds per kernel when the queue is full (the same adds queued behind a ``torch.cuda._sleep``
+    that lets the host run ahead, timed with CUDA events: kernel time + the gap between kernels). ``{}`` on a
+    CPU, whose per-op cost stays inside the calibrated efficiency."""
+    import torch
+
+    device = _device()
+    if device.type != "cuda":
+        return {}
+    x = torch.zeros(1, device=device)
+    for _ in range(50):
+        x.add_(1.0)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        x.add_(1.0)
+    host = (time.perf_counter() - t0) / n
+    _sync(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(int(5e7))                  # keeps the device busy while the host queues the adds
+    start.record()
+    for _ in range(n):
+        x.add_(1.0)
+    end.record()
+    _sync(device)
+    gap = start.elapsed_time(end) / 1e3 / n
+    return {"sm_count": int(torch.cuda.get_device_properties(device).multi_processor_count),
+            "kernel_launch_s": host, "kernel_gap_s": gap}
+
+
 def measure_memory(nbytes: int = 64 * 2**20, reps: int = 8) -> float:
     """Bytes/s of an element-wise add (read one buffer, write another) over ``nbytes``."""
     import torch
@@ -284,7 +316,8 @@ def worker(options: dict) -> dict:
         memory = measure_memory()
         ref = options.get("reference") or [REFERENCE_PRESET, REFERENCE_BATCH, REFERENCE_SEQ]
         step_s = measure_reference_step(ref[0], int(ref[1]), int(ref[2]), int(options.get("reference_steps", 3)))
-        mine = {"rank": rank, "gemm": gemm, "memory_bytes_s": memory, "reference_step_s": step_s}
+        mine = {"rank": rank, "gemm": gemm, "memory_bytes_s": memory, "reference_step_s": step_s,
+                "kernels": measure_kernels()}
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, mine)
         sizes = sorted({SMALL_MESSAGE, int(options.get("large_bytes", 16 * 2**20))})
@@ -388,8 +421,17 @@ def derive_cluster(result: dict) -> dict:
     hbm = _median([w["memory_bytes_s"] for w in workers])
     step_s = _median([w["reference_step_s"] for w in workers])
     preset, batch, seq = result["reference"]
+    # a GPU's SM count and per-kernel costs (measure_kernels; none on a CPU): the GEMM-shape and launch terms.
+    # With an SM count the shape model prices small GEMMs itself: the fitted fixed cost is not added on top.
+    kern = [w.get("kernels") or {} for w in workers]
+    kern = [k for k in kern if k]
+    sms = int(_median([k["sm_count"] for k in kern])) if kern else 0
+    launch = _median([k["kernel_launch_s"] for k in kern]) if kern else 0.0
+    gap = _median([k["kernel_gap_s"] for k in kern]) if kern else 0.0
+    if sms:
+        half = 0.0
     acc = Accelerator("cpu-measured" if cpu else "gpu-measured", peak, peak, 0.0, 1.0, hbm, 1.0,
-                      gemm_half_flops=half)
+                      gemm_half_flops=half, sm_count=sms, kernel_launch_s=launch, kernel_gap_s=gap)
     eff = solve_efficiency(acc, load_model(preset, int(seq)), int(batch), int(seq), step_s)
     if cpu:
         mem = _physical_memory() / world
@@ -399,6 +441,8 @@ def derive_cluster(result: dict) -> dict:
     accelerator = {"name": acc.name, "peak_bf16_tflops": peak / 1e12, "peak_fp16_tflops": peak / 1e12,
                    "memory_gib": round(mem / GIB, 2), "hbm_gbyte_s": hbm / 1e9, "matmul_efficiency": round(eff, 4),
                    "gemm_half_gflop": half / 1e9, "reserved_gib": reserved}
+    if sms:
+        accelerator.update(sm_count=sms, kernel_launch_us=round(launch * 1e6, 3), kernel_gap_us=round(gap * 1e6, 3))
     # communication
     world_rows = result["world"]
     intra_rows = result["intra"] if nodes > 1 else world_rows
@@ -469,6 +513,10 @@ def cloud_toml(result: dict, command: str = "syncwise plan --calibrate") -> str:
              + f" GFLOP/s ({w[0]['gemm'][0]['dtype']}, rank 0) -> peak = best fit t = F/peak + t0 over "
              "the workers' medians; gemm_half_gflop = t0 × peak (GEMM size at half the peak).",
              f"# memory: element-wise add over 64 MiB, {_median([x['memory_bytes_s'] for x in w]) / 1e9:.1f} GB/s.",
+             *([f"# kernels: {k['sm_count']} SMs; {k['kernel_launch_s'] * 1e6:.2f} µs per launch on the host "
+                f"(back-to-back adds), {k['kernel_gap_s'] * 1e6:.2f} µs per kernel on a full queue (rank 0); "
+                "with an SM count the GEMM-shape model prices small GEMMs, so gemm_half_gflop is 0."]
+               if (k := w[0].get("kernels")) else []),
              f"# matmul_efficiency: the cost model's single-process step equals a measured "
              f"{result['reference'][0]} step ({result['reference'][1]} x {result['reference'][2]} tokens, forward + "
              f"backward + AdamW, no communication): median {_median([x['reference_step_s'] for x in w]) * 1e3:.0f} ms.",
