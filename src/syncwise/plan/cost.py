@@ -372,13 +372,15 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
         passes = 2
         fsdp_gather_total = passes * ag
         t_fsdp_mb = max(unit, ag - t_fwd) + max(unit, ag - (t_bwd - t_extra))
-    # ---- per-kernel overheads (per micro-batch): the host issues every kernel (and every collective) at
-    # kernel_launch_s at best; the device runs them with kernel_gap_s between. Whichever is longer sets the
-    # micro-batch's compute time; the excess over the device's work is charged as kernel_overhead.
+    # ---- per-kernel overheads (per micro-batch): the host issues every kernel (and every collective: tp, ep
+    # all-to-alls, pipeline sends) at kernel_launch_s at best; the device runs them with kernel_gap_s between.
+    # Whichever is longer sets the micro-batch's time; the excess over the device's work is kernel_overhead.
     n_tp_calls = 0.0
     if t > 1:
         n_tp_calls = layers_rank * (3 if layout.recompute == "full" else 2) * (4 if layout.sp else 2)
-    n_kernels = kernels_per_microbatch(model, layout, training, M) + n_tp_calls
+    n_ep_calls = model.n_moe_layers / pp * (6 if layout.recompute == "full" else 4) if layout.ep > 1 else 0.0
+    n_p2p_calls = 2 * v if pp > 1 else 0.0
+    n_kernels = kernels_per_microbatch(model, layout, training, M) + n_tp_calls + n_ep_calls + n_p2p_calls
     t_dev = t_fwd + t_bwd
     t_kernel = max(n_kernels * acc.kernel_gap_s, n_kernels * acc.kernel_launch_s - t_dev - t_tp - t_ep) \
         if (acc.kernel_gap_s or acc.kernel_launch_s) else 0.0
