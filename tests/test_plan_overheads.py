@@ -78,3 +78,18 @@ def test_loss_traffic_grows_with_the_vocabulary():
     expected = 64 * 2048 / 8 * 65536 * 44 / 2.039e12
     assert abs((large.step_time_s - large_off.step_time_s) - expected) < 1e-3 * expected + 1e-6
     assert large.step_time_s > small.step_time_s
+
+
+def test_held_out_and_moe_rows_carry_sources_and_report_before_and_after():
+    from syncwise.plan.published import evaluate, runs
+
+    rows = runs()
+    held = [r for r in rows if r.group == "held-out small"]
+    moe = [r for r in rows if r.group == "moe"]
+    assert len([r for r in rows if r.group == "published"]) == 16 and len(held) == 6 and moe
+    assert all("github.com/" in r.source for r in held + moe)
+    assert all(r.model.n_layers and r.layout.ep > 1 and r.model.is_moe for r in moe)
+    # MPT's shapes reproduce the table's parameter count exactly (125m: 125,311,488)
+    assert [r.model.param_counts()[0] for r in held[:4]] == [125311488, 355985408, 760470528, 1315950592]
+    row = evaluate(held[0], top_check=False)
+    assert row["group"] == "held-out small" and row["error"] != row["error_without_overheads"]
