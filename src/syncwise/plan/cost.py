@@ -521,29 +521,29 @@ def gemm_shapes(model: ModelSpec, layout: Layout, tokens: float) -> list[tuple[f
     n_routed / ep experts each of tokens × top_k × ep / n_routed rows (balanced routing). The attention core
     (QKᵀ, AV) is a fused kernel (flash attention) or a batched GEMM: left at the large-GEMM efficiency."""
     t, pp = layout.tp, layout.pp
+    n_moe = model.n_moe_layers
     out: list[tuple[float, float, float, float]] = []
-    for i in range(model.n_layers):
-        attn = model.attention_matrices()
-        for j, (a, b) in enumerate(attn):
-            last = j == len(attn) - 1
-            out.append((1 / pp, tokens, b if last else b / t, a / t if last else a))
-        d = model.d_model
-        if model.layer_is_moe(i):
-            out.append((1 / pp, tokens, model.n_routed_experts, d))               # router (replicated)
-            for n_exp, routed in ((model.n_shared_experts, False), (model.n_routed_experts, True)):
-                if not n_exp:
-                    continue
-                local = n_exp / layout.ep if routed else n_exp
-                rows = tokens * model.top_k * layout.ep / model.n_routed_experts if routed else tokens
-                h = model.moe_hidden
-                for _ in range(model.mlp_matrices - 1):
-                    out.append((local / pp, rows, h / t, d))
-                out.append((local / pp, rows, d, h / t))
-        else:
-            h = model.ffn_hidden
+    attn = model.attention_matrices()
+    for j, (a, b) in enumerate(attn):
+        last = j == len(attn) - 1
+        out.append((model.n_layers / pp, tokens, b if last else b / t, a / t if last else a))
+    d = model.d_model
+    if n_moe:
+        out.append((n_moe / pp, tokens, model.n_routed_experts, d))                # router (replicated)
+        for n_exp, routed in ((model.n_shared_experts, False), (model.n_routed_experts, True)):
+            if not n_exp:
+                continue
+            local = n_exp / layout.ep if routed else n_exp
+            rows = tokens * model.top_k * layout.ep / model.n_routed_experts if routed else tokens
+            h = model.moe_hidden
             for _ in range(model.mlp_matrices - 1):
-                out.append((1 / pp, tokens, h / t, d))
-            out.append((1 / pp, tokens, d, h / t))
+                out.append((n_moe * local / pp, rows, h / t, d))
+            out.append((n_moe * local / pp, rows, d, h / t))
+    if model.n_layers - n_moe:
+        h = model.ffn_hidden
+        for _ in range(model.mlp_matrices - 1):
+            out.append(((model.n_layers - n_moe) / pp, tokens, h / t, d))
+        out.append(((model.n_layers - n_moe) / pp, tokens, d, h / t))
     out.append((1 / pp, tokens, model.vocab_size / t, model.d_model))             # the head
     return out
 
@@ -576,19 +576,20 @@ def kernels_per_microbatch(model: ModelSpec, layout: Layout, training: Training,
     head. A full recompute runs the forward of every block again."""
     pp = layout.pp
     total = 0.0
-    for i in range(model.n_layers):
+    n_moe = model.n_moe_layers
+    for moe, layers in ((False, model.n_layers - n_moe), (True, n_moe)):
         gemms = len(model.attention_matrices()) + model.mlp_matrices
         other = 2 + 2 + 2 + (2 if model.mlp == "swiglu" else 1)
         other += 1 if training.flash_attention else (3 + (1 if training.dropout else 0))
         other += 0 if model.learned_positions else 2
         other += 2 if training.dropout else 0
         params = gemms * (2 if model.biases else 1) + 2 * (2 if model.biases else 1)
-        if model.layer_is_moe(i):
+        if moe:
             gemms += 1                                           # the router
             other += 2 + 4
         fwd = gemms + other
         bwd = 2 * gemms + other + (params if microbatches > 1 else 0)
-        total += fwd + bwd + (fwd if layout.recompute == "full" else 0)
+        total += layers * (fwd + bwd + (fwd if layout.recompute == "full" else 0))
     edges_fwd = 1 + (2 if model.learned_positions else 0) + 1 + 2
     total += edges_fwd + edges_fwd + 2
     return total / pp
