@@ -147,7 +147,8 @@ def repredict(path: str, out: str) -> int:
               f"({rows[-1]['error']:+6.1%})")
     mae = lambda rs, k: sum(abs(x[k]) for x in rs) / len(rs) if rs else None  # noqa: E731
     clean = [x for x in rows if not x["caveat"]]
-    summary = {"source": os.path.relpath(path, Path(__file__).resolve().parents[1]), "rows": len(rows), "mean_abs_error_committed": mae(rows, "error_committed"),
+    summary = {"source": os.path.relpath(path, Path(__file__).resolve().parents[1]), "rows": len(rows),
+               "mean_abs_error_committed": mae(rows, "error_committed"),
                "mean_abs_error": mae(rows, "error"), "mean_abs_error_without_caveats_committed":
                mae(clean, "error_committed"), "mean_abs_error_without_caveats": mae(clean, "error"),
                "matmul_efficiency": {rate: c.accelerator.matmul_efficiency for rate, c in clouds.items()}}

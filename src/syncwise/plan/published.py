@@ -181,8 +181,9 @@ def without_overheads(cloud: CloudConfig) -> CloudConfig:
 
 def evaluate(run: PublishedRun, top_check: bool = True) -> dict[str, Any]:
     """Predict ``run``; its error in the publication's unit (also without the GEMM-shape, per-kernel and loss
-    traffic terms: ``error_without_overheads``); where its layout ranks in the planner's search over the framework's space (no
-    FSDP unless the framework had it; the run's micro-batch, recomputation and schedule kept), by (tp, pp)."""
+    traffic terms: ``error_without_overheads``); where its layout ranks in the planner's search over the
+    framework's space (no FSDP unless the framework had it; the run's micro-batch, recomputation and schedule
+    kept), by (tp, pp)."""
     pred = predict(run.cloud, run.model, run.layout, run.global_batch, run.seq_len, training=run.training,
                    syncwise_rules=False)
     value = run.predicted(pred)

@@ -158,7 +158,8 @@ def rank(preds: list[Prediction], priority: str = "balanced") -> list[Prediction
     return sorted(near, key=lambda p: (getattr(p, attr), p.step_time_s)) + rest
 
 
-LABELS = {"compute": "compute", "kernel_overhead": "per-kernel launch overhead", "recompute": "recomputation", "tp_comm": "tensor-parallel communication",
+LABELS = {"compute": "compute", "kernel_overhead": "per-kernel launch overhead", "recompute": "recomputation",
+          "tp_comm": "tensor-parallel communication",
           "ep_comm": "expert all-to-alls", "pp_p2p": "pipeline sends", "pp_bubble": "the pipeline bubble",
           "fsdp_comm_exposed": "exposed FSDP gathers", "dp_comm_exposed": "exposed gradient sync",
           "sync_exposed": "exposed replica averaging", "compress_compute": "compression compute",

@@ -96,7 +96,8 @@ def calibrated_cloud(m: Measured) -> tuple[CloudConfig, Training]:
 
 
 def _compute_part(p: Prediction) -> float:
-    return p.breakdown["compute"] + p.breakdown["kernel_overhead"] + p.breakdown["recompute"] + p.breakdown["optimizer"]
+    b = p.breakdown
+    return b["compute"] + b["kernel_overhead"] + b["recompute"] + b["optimizer"]
 
 
 def fitted_efficiency(m: Measured, cloud: CloudConfig, training: Training) -> float:
