@@ -149,7 +149,7 @@ class InFlight:
 
     op: str
     group: object  # the process group (None: the default one); named only when a report needs it
-    started: float  # time.monotonic()
+    started: Optional[float]  # time.monotonic(); None for torch's own collective found in a traceback
     interval: Optional[Interval] = None  # CUDA events of an NCCL collective: in flight until its end completed
 
     def describe(self) -> str:
@@ -176,6 +176,16 @@ def new_group(ranks: Optional[list[int]] = None, backend: Optional[str] = None, 
     if backend is not None and group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
         declare_backend(backend, group)  # an explicit backend: the strict check holds the group to it
     return group
+
+
+def adopt_group(group) -> None:
+    """Give a process group torch created — a DeviceMesh dimension: ``init_device_mesh`` and ``_flatten`` make their
+    subgroups with torch's default timeout, 30 min on gloo — the job's collective timeout, as :func:`new_group` gives
+    syncwise's own. Without it a rank stopped inside FSDP2's collectives on such a group (HSDP's all-reduce across
+    replicas) was never reported: the waiting ranks sat there for 30 min (issue 23). No-op without a job timeout."""
+    if _timeout is None or group is None or group is dist.GroupMember.NON_GROUP_MEMBER:
+        return
+    dist.distributed_c10d._set_pg_timeout(_timeout, group)
 
 
 def group_device(group=None) -> torch.device:
@@ -213,9 +223,40 @@ def oldest_in_flight() -> Optional[InFlight]:
     return min(items, key=lambda f: f.started) if items else None
 
 
-def last_failed() -> Optional[InFlight]:
-    """The last collective that raised (e.g. timed out)."""
-    return _last_failed
+def last_failed(exc: Optional[BaseException] = None) -> Optional[InFlight]:
+    """The collective that raised ``exc`` (e.g. timed out), else the last one issued here that raised.
+
+    A collective torch issues itself (FSDP2's all-gather, reduce-scatter and HSDP all-reduce, DTensor's, the
+    pipeline schedule's) never passes through this module; when ``exc``'s traceback ends in one, it is named from
+    the traceback: the ``torch.distributed`` call and the ``group`` it was given (issue 23: HSDP's stopped rank was
+    reported as "DDP's gradient all-reduce on process group 'default'")."""
+    found = _torch_collective(exc) if exc is not None else None
+    return found if found is not None else _last_failed
+
+
+_TORCH_OWNERS = (("/fsdp/", "FSDP2's "), ("/tensor/", "DTensor's "), ("/pipelining/", "the pipeline schedule's "),
+                 ("/nn/parallel/", "DDP's "))
+_TORCH_OPS = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
+              "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
+              "all_to_all_single": "all_to_all", "batch_isend_irecv": "send/recv"}
+
+
+def _torch_collective(exc: BaseException) -> Optional[InFlight]:
+    """The innermost ``torch.distributed.distributed_c10d`` collective in ``exc``'s traceback, unless it was issued
+    through this module (then :data:`_last_failed` already names it); who called it (FSDP2, DTensor, ...) in front."""
+    frames, tb = [], exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    c10d = [i for i, f in enumerate(frames) if f.f_code.co_filename.endswith("distributed_c10d.py")
+            and not f.f_code.co_name.startswith("_")]
+    if not c10d or any(f.f_code.co_filename == __file__ for f in frames[:c10d[-1]]):
+        return None
+    frame = frames[c10d[-1]]
+    owner = next((label for f in reversed(frames[:c10d[-1]]) for part, label in _TORCH_OWNERS
+                  if part in f.f_code.co_filename.replace("\\", "/") and "/torch/" in f.f_code.co_filename), "")
+    name = frame.f_code.co_name
+    return InFlight(owner + _TORCH_OPS.get(name, name), frame.f_locals.get("group"), None)
 
 
 _timing_streams: dict = {}

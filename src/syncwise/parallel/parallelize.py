@@ -36,7 +36,7 @@ from ..errors import ConfigError
 from ..layout import NO_COMPRESS, Compress, parse_compress
 from .activation_checkpoint import apply_activation_checkpointing
 from .data_parallel import DataParallel, StageGradientSync, apply_data_parallel
-from .mesh import ParallelSpec, build_mesh
+from .mesh import ParallelSpec, adopt_mesh, build_mesh
 from .sync import build_sync
 from .sync_spec import SyncSpec, SyncStrategy
 
@@ -337,7 +337,7 @@ def _split_pipeline(par: Parallelized, model: nn.Module, mesh: Any, device: torc
     elif spec.dp_replicate == 1:
         par.dp_group = mesh["dp_shard"].get_group()
     else:
-        par.dp_group = mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
+        par.dp_group = adopt_mesh(mesh["dp_replicate", "dp_shard"]._flatten("dp")).get_group()
 
 
 def _expert_names(model: nn.Module) -> list[str]:

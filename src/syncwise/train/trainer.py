@@ -481,7 +481,7 @@ class OptimizedTrainer:
         text = str(e).lower()
         if "timed out" not in text and "timeout" not in text:
             return e
-        failed = ops.last_failed()
+        failed = ops.last_failed(e)
         what = failed.describe() if failed is not None else (
             "DDP's gradient all-reduce on process group 'default'" if "gradient sync" in self.phase else None)
         if self.watchdog is not None:
