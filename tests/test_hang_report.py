@@ -35,6 +35,27 @@ def test_report_names_silent_and_lagging_ranks_from_heartbeats(tmp_path):
     assert json.loads((tmp_path / "rank_00000.json").read_text())["step"] == 0  # its own beat
 
 
+def _name_a_failed_torch_collective(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    group = ops.new_group([0], desc="probe")
+    try:
+        dist.all_reduce([torch.ones(1)], group=group)  # raises inside torch's own all_reduce (not a tensor)
+    except Exception as e:
+        return ops.last_failed(e).describe(), ops.last_failed() is None
+
+
+def test_a_failed_torch_collective_is_named_from_its_exception():
+    """FSDP2's, DTensor's and the pipeline's collectives bypass syncwise.comm: the report names the torch call and
+    the group it was given from the exception's traceback (before: "DDP's gradient all-reduce on 'default'")."""
+    from distributed import run_workers
+
+    [(named, nothing_recorded)] = run_workers(_name_a_failed_torch_collective, 1)
+    assert named == "all_reduce on process group 'probe [0]'"
+    assert nothing_recorded  # syncwise.comm issued nothing that failed
+
+
 def _stop_one_worker(run, stopped: int, nproc: int, *flags: str) -> tuple[float, str]:
     """Start a `syncwise train` of ``nproc`` workers, SIGSTOP worker ``stopped`` once steps are logged; return the
     first hang report (seconds after the stop, text), or fail with the job's stderr."""

@@ -153,7 +153,12 @@ class InFlight:
     interval: Optional[Interval] = None  # CUDA events of an NCCL collective: in flight until its end completed
 
     def describe(self) -> str:
+        if self.group is UNKNOWN_GROUP:
+            return self.op
         return f"{self.op} on process group '{group_name(self.group)}'"
+
+
+UNKNOWN_GROUP = object()  # InFlight.group of torch's collective waited on without its call in the traceback
 
 
 def set_collective_timeout(seconds: Optional[float]) -> None:
@@ -248,15 +253,18 @@ def _torch_collective(exc: BaseException) -> Optional[InFlight]:
     while tb is not None:
         frames.append(tb.tb_frame)
         tb = tb.tb_next
+    if any(f.f_code.co_filename == __file__ for f in frames):
+        return None
     c10d = [i for i, f in enumerate(frames) if f.f_code.co_filename.endswith("distributed_c10d.py")
             and not f.f_code.co_name.startswith("_")]
-    if not c10d or any(f.f_code.co_filename == __file__ for f in frames[:c10d[-1]]):
-        return None
-    frame = frames[c10d[-1]]
-    owner = next((label for f in reversed(frames[:c10d[-1]]) for part, label in _TORCH_OWNERS
+    end = c10d[-1] if c10d else len(frames)
+    owner = next((label for f in reversed(frames[:end]) for part, label in _TORCH_OWNERS
                   if part in f.f_code.co_filename.replace("\\", "/") and "/torch/" in f.f_code.co_filename), "")
-    name = frame.f_code.co_name
-    return InFlight(owner + _TORCH_OPS.get(name, name), frame.f_locals.get("group"), None)
+    if not c10d:  # a wait() on an async collective (a C++ call): who waited, without the group
+        return InFlight(f"one of {owner}collectives (waited for in {frames[-1].f_code.co_name})", UNKNOWN_GROUP,
+                        None) if owner else None
+    name = frames[end].f_code.co_name
+    return InFlight(owner + _TORCH_OPS.get(name, name), frames[end].f_locals.get("group"), None)
 
 
 _timing_streams: dict = {}
