@@ -56,6 +56,20 @@ def test_a_failed_torch_collective_is_named_from_its_exception():
     assert nothing_recorded  # syncwise.comm issued nothing that failed
 
 
+def test_a_timeout_wrapped_by_the_pipeline_stage_is_still_a_hang():
+    """torch's PipelineStage re-raises a failed forward as "[Stage 1] failed to run forward" from the collective's
+    error: the timeout is the cause, and the report must still be made (issue 23: under pp 2 × ep 2, once the ep
+    group carried the timeout, the rank whose all_to_all timed out inside a stage ended with a plain traceback)."""
+    try:
+        try:
+            raise RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv")
+        except RuntimeError as e:
+            raise RuntimeError("[Stage 1] failed to run forward") from e
+    except RuntimeError as wrapper:
+        assert ops.timed_out(wrapper)
+    assert not ops.timed_out(RuntimeError("[Stage 1] failed to run forward"))
+
+
 def _stop_one_worker(run, stopped: int, nproc: int, *flags: str) -> tuple[float, str]:
     """Start a `syncwise train` of ``nproc`` workers, SIGSTOP worker ``stopped`` once steps are logged; return the
     first hang report (seconds after the stop, text), or fail with the job's stderr."""

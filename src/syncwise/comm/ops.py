@@ -228,6 +228,21 @@ def oldest_in_flight() -> Optional[InFlight]:
     return min(items, key=lambda f: f.started) if items else None
 
 
+def _chain(exc: BaseException) -> list:
+    """``exc`` and the exceptions it was raised from, outermost first (a wrapper such as the pipeline stage's
+    "failed to run forward" carries the collective's timeout as its cause)."""
+    out: list = []
+    while exc is not None and exc not in out:
+        out.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return out
+
+
+def timed_out(exc: BaseException) -> bool:
+    """Whether ``exc``, or an exception it was raised from, is a collective's timeout."""
+    return any("timed out" in str(x).lower() or "timeout" in str(x).lower() for x in _chain(exc))
+
+
 def last_failed(exc: Optional[BaseException] = None) -> Optional[InFlight]:
     """The collective that raised ``exc`` (e.g. timed out), else the last one issued here that raised.
 
@@ -235,7 +250,7 @@ def last_failed(exc: Optional[BaseException] = None) -> Optional[InFlight]:
     pipeline schedule's) never passes through this module; when ``exc``'s traceback ends in one, it is named from
     the traceback: the ``torch.distributed`` call and the ``group`` it was given (issue 23: HSDP's stopped rank was
     reported as "DDP's gradient all-reduce on process group 'default'")."""
-    found = _torch_collective(exc) if exc is not None else None
+    found = _torch_collective(_chain(exc)[-1]) if exc is not None else None  # where it was raised first
     return found if found is not None else _last_failed
 
 

@@ -479,8 +479,7 @@ class OptimizedTrainer:
             self.watchdog.at(self.step + 1, value)
 
     def _explain_hang(self, e: RuntimeError) -> Exception:
-        text = str(e).lower()
-        if "timed out" not in text and "timeout" not in text:
+        if not ops.timed_out(e):  # (also as the cause of a wrapper: the pipeline stage's "failed to run forward")
             return e
         failed = ops.last_failed(e)
         what = failed.describe() if failed is not None else (
