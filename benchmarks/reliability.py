@@ -20,8 +20,9 @@ Two lab nodes, one worker each (builds its own lab, prefix ``rlab``, and takes i
 Hostile mode (``--hostile``): faults a user meets, across compressors and sync strategies, each counted as
 tried / recovered / bit-exact / reported within the timeout — external SIGKILL of a random worker at a random
 moment (torchrun restarts the group, which resumes), SIGSTOP of a random worker (the other rank must report
-the hang within --dist.timeout_s + 5 s, naming the stopped rank), NaN on one rank (the step is skipped on
-every rank, the run finishes), a disk that fills during a save (a syncwise message, earlier checkpoints
+the hang within --dist.timeout_s + 5 s, naming the stopped rank), NaN on one rank (the step is listed as skipped
+in every rank's summary and the run finishes with a finite loss; under local SGD the replica that saw it drops its
+update and the others learn the step at the next average), a disk that fills during a save (a syncwise message, earlier checkpoints
 intact), and two runs started 0.3 s apart in one run directory (exactly one refused, the other whole):
     python benchmarks/reliability.py --hostile --trials 2
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import re
@@ -419,11 +421,17 @@ def hostile_nan(work: Path, config: list[str], trial: int, rng: random.Random, w
                             "--inject-fault", f"nan:step={step},rank={rank}"))
     code = job.wait(300)
     rows = read_rows(run) if (run / "metrics.jsonl").exists() else []
-    skipped = [r["step"] for r in rows if r.get("skipped")]
-    local = "--sync" in config  # local SGD: only the replica that saw the NaN skips (its own step)
+    # The run's record on every rank (summary.json is rank 0's; ranks/rankR.json each rank's): under local SGD
+    # only the replica that saw the NaN drops its update, and every replica learns the step at the next average.
+    summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
+    per_rank = [json.loads(p.read_text()).get("skipped_steps") for p in sorted((run / "ranks").glob("rank*.json"))]
+    skipped = summary.get("skipped_steps")
+    final = summary.get("final_loss")
     return {"fault": "NaN on one rank", "config": " ".join(config), "trial": trial, "tried": True, "rank": rank,
-            "step": step, "exit_code": code, "skipped": skipped,
-            "recovered": code == 0 and len(rows) == 20 and (local or skipped == [step])}
+            "step": step, "exit_code": code, "skipped": skipped, "skipped_per_rank": per_rank,
+            "skipped_rows": [r["step"] for r in rows if r.get("skipped")], "final_loss": final,
+            "recovered": code == 0 and len(rows) == 20 and skipped == [step] and len(per_rank) == world
+            and all(s == [step] for s in per_rank) and final is not None and math.isfinite(final)}
 
 
 def hostile_disk_full(work: Path, trial: int) -> dict:

@@ -112,7 +112,8 @@ def _cast_feedback(rank, world):
     dropped = outer.residual.abs().max().item()
     dtype = outer._send.dtype
     outer._land()
-    return conserved, dropped, dtype, stats.total_bytes, sent.numel() * 2
+    # the pseudo-gradient in bf16, and one flag per step of the period (steps a replica dropped; issue 23)
+    return conserved, dropped, dtype, stats.total_bytes, (sent.numel() + 2) * 2
 
 
 def test_bf16_pseudo_gradient_keeps_what_the_cast_dropped_and_counts_its_bytes():
@@ -252,3 +253,39 @@ def test_resume_without_its_own_state_restarts_the_outer_loop_from_the_loaded_we
     restored.load_state_dict(saved)
     restored.resumed()  # its own state was in the checkpoint: kept
     assert torch.equal(restored.anchor, saved["anchor"])
+
+
+NAN_STEP = 5  # rank 1's loss is NaN at step 5; the checkpoint after step 5 holds its drop before any average
+
+
+def _nan_on_one_replica(rank, world, ckpt_dir, sync):
+    torch.use_deterministic_algorithms(True)
+    fault = [f"nan:step={NAN_STEP},rank=1"]
+    straight, loader, _ = _fresh(rank, world, steps=STEPS, sync=sync, inject_faults=fault)
+    straight.checkpointer = SmartCheckpointer(ckpt_dir, interval=5, max_checkpoints=5, async_save=False)
+    summary = straight.train(loader, steps=STEPS)
+    resumed, loader2, _ = _fresh(rank, world, steps=STEPS, sync=sync, inject_faults=fault)
+    resumed.checkpointer = SmartCheckpointer(ckpt_dir, interval=1000, max_checkpoints=5, async_save=False)
+    again = resumed.train(loader2, steps=STEPS, resume=str(__import__("pathlib").Path(ckpt_dir) / step_dirname(5)))
+    same = all(torch.equal(x, y) for x, y in zip(straight.model.state_dict().values(),
+                                                  resumed.model.state_dict().values()))
+    replicas = _gather(torch.cat([t.flatten().float() for t in straight.model.state_dict().values()]))
+    lrs = _gather(torch.tensor([straight.optimizer.param_groups[0]["lr"]], dtype=torch.float64))
+    return (summary["skipped_steps"], again["skipped_steps"], summary["final_loss"], same,
+            (replicas[0] - replicas[1]).abs().max().item(), lrs[0].item() == lrs[1].item())
+
+
+@pytest.mark.parametrize("sync, skipped", [("localsgd:period=2", NAN_STEP), ("diloco:period=4,delay=2,dtype=bf16", NAN_STEP),
+                                           ("torch-localsgd:period=2", NAN_STEP), ("pipesgd", NAN_STEP + 1)])
+def test_a_nan_on_one_replica_is_skipped_and_recorded_by_every_replica(tmp_path, sync, skipped):
+    """Issue 23: under local SGD no every-step collective carries the non-finite flag, so the replica that saw the
+    NaN dropped the step alone and the others never knew (an empty skipped list on rank 0). The drop now rides on
+    the next average: every rank lists the step, also after a --deterministic resume between the drop and that
+    average (bit-identical), the LR schedules stay together, and the replicas end identical and finite. Pipe-SGD
+    averages every step's gradient, so every rank skips the update that applies the NaN gradient (one step later)."""
+    for straight, resumed, final_loss, same, spread, same_lr in run_workers(_nan_on_one_replica, 2,
+                                                                           str(tmp_path / "ck"), sync):
+        assert straight == [skipped] and resumed == [skipped]
+        assert final_loss is not None and final_loss == final_loss  # finite: not NaN
+        assert same  # the resumed run is bit-identical to the uninterrupted one
+        assert spread == 0.0 and same_lr

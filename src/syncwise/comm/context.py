@@ -92,8 +92,7 @@ def resolve_backend(backend: str, device: str = "auto") -> str:
 
 
 def _is_timeout(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return "timed out" in text or "timeout" in text
+    return ops.timed_out(exc)
 
 
 class CommContext:

@@ -149,11 +149,16 @@ class InFlight:
 
     op: str
     group: object  # the process group (None: the default one); named only when a report needs it
-    started: float  # time.monotonic()
+    started: Optional[float]  # time.monotonic(); None for torch's own collective found in a traceback
     interval: Optional[Interval] = None  # CUDA events of an NCCL collective: in flight until its end completed
 
     def describe(self) -> str:
+        if self.group is UNKNOWN_GROUP:
+            return self.op
         return f"{self.op} on process group '{group_name(self.group)}'"
+
+
+UNKNOWN_GROUP = object()  # InFlight.group of torch's collective waited on without its call in the traceback
 
 
 def set_collective_timeout(seconds: Optional[float]) -> None:
@@ -176,6 +181,16 @@ def new_group(ranks: Optional[list[int]] = None, backend: Optional[str] = None, 
     if backend is not None and group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
         declare_backend(backend, group)  # an explicit backend: the strict check holds the group to it
     return group
+
+
+def adopt_group(group) -> None:
+    """Give a process group torch created — a DeviceMesh dimension: ``init_device_mesh`` and ``_flatten`` make their
+    subgroups with torch's default timeout, 30 min on gloo — the job's collective timeout, as :func:`new_group` gives
+    syncwise's own. Without it a rank stopped inside FSDP2's collectives on such a group (HSDP's all-reduce across
+    replicas) was never reported: the waiting ranks sat there for 30 min (issue 23). No-op without a job timeout."""
+    if _timeout is None or group is None or group is dist.GroupMember.NON_GROUP_MEMBER:
+        return
+    dist.distributed_c10d._set_pg_timeout(_timeout, group)
 
 
 def group_device(group=None) -> torch.device:
@@ -213,9 +228,58 @@ def oldest_in_flight() -> Optional[InFlight]:
     return min(items, key=lambda f: f.started) if items else None
 
 
-def last_failed() -> Optional[InFlight]:
-    """The last collective that raised (e.g. timed out)."""
-    return _last_failed
+def _chain(exc: BaseException) -> list:
+    """``exc`` and the exceptions it was raised from, outermost first (a wrapper such as the pipeline stage's
+    "failed to run forward" carries the collective's timeout as its cause)."""
+    out: list = []
+    while exc is not None and exc not in out:
+        out.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return out
+
+
+def timed_out(exc: BaseException) -> bool:
+    """Whether ``exc``, or an exception it was raised from, is a collective's timeout."""
+    return any("timed out" in str(x).lower() or "timeout" in str(x).lower() for x in _chain(exc))
+
+
+def last_failed(exc: Optional[BaseException] = None) -> Optional[InFlight]:
+    """The collective that raised ``exc`` (e.g. timed out), else the last one issued here that raised.
+
+    A collective torch issues itself (FSDP2's all-gather, reduce-scatter and HSDP all-reduce, DTensor's, the
+    pipeline schedule's) never passes through this module; when ``exc``'s traceback ends in one, it is named from
+    the traceback: the ``torch.distributed`` call and the ``group`` it was given (issue 23: HSDP's stopped rank was
+    reported as "DDP's gradient all-reduce on process group 'default'")."""
+    found = _torch_collective(_chain(exc)[-1]) if exc is not None else None  # where it was raised first
+    return found if found is not None else _last_failed
+
+
+_TORCH_OWNERS = (("/fsdp/", "FSDP2's "), ("/tensor/", "DTensor's "), ("/pipelining/", "the pipeline schedule's "),
+                 ("/nn/parallel/", "DDP's "))
+_TORCH_OPS = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
+              "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
+              "all_to_all_single": "all_to_all", "batch_isend_irecv": "send/recv"}
+
+
+def _torch_collective(exc: BaseException) -> Optional[InFlight]:
+    """The innermost ``torch.distributed.distributed_c10d`` collective in ``exc``'s traceback, unless it was issued
+    through this module (then :data:`_last_failed` already names it); who called it (FSDP2, DTensor, ...) in front."""
+    frames, tb = [], exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    if any(f.f_code.co_filename == __file__ for f in frames):
+        return None
+    c10d = [i for i, f in enumerate(frames) if f.f_code.co_filename.endswith("distributed_c10d.py")
+            and not f.f_code.co_name.startswith("_")]
+    end = c10d[-1] if c10d else len(frames)
+    owner = next((label for f in reversed(frames[:end]) for part, label in _TORCH_OWNERS
+                  if part in f.f_code.co_filename.replace("\\", "/") and "/torch/" in f.f_code.co_filename), "")
+    if not c10d:  # a wait() on an async collective (a C++ call): who waited, without the group
+        return InFlight(f"one of {owner}collectives (waited for in {frames[-1].f_code.co_name})", UNKNOWN_GROUP,
+                        None) if owner else None
+    name = frames[end].f_code.co_name
+    return InFlight(owner + _TORCH_OPS.get(name, name), frames[end].f_locals.get("group"), None)
 
 
 _timing_streams: dict = {}

@@ -80,7 +80,7 @@ class Watchdog:
         arrive (as far as the heartbeats tell)."""
         what = what or (collective.describe() if collective is not None else "a collective")
         waited = (f"{time.monotonic() - collective.started:.0f} s" if collective is not None
-                  else f"the {self.timeout_s:g} s timeout")
+                  and collective.started is not None else f"the {self.timeout_s:g} s timeout")
         return (f"{what} during {self.phase} of step {self.step} did not complete "
                 f"(waited {waited}; --dist.timeout_s={self.timeout_s:g}). {self.missing_ranks()} "
                 "Check those ranks' logs; raise --dist.timeout_s if steps are legitimately slow.")

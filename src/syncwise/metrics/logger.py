@@ -96,7 +96,10 @@ class MetricsLogger:
             for k, v in row.items():
                 if isinstance(v, (int, float)) and k != "step" and v is not None:
                     self._tb.add_scalar(k, v, row["step"])
-        loss = "skipped (non-finite)" if row.get("skipped") else f"{row['loss']:.4f}"
+        # A non-finite loss whose step was not skipped: Pipe-SGD applies a step's gradient one step later, so the
+        # update that carries it is skipped then (issue 23: this line raised a TypeError and ended the run).
+        loss = ("skipped (non-finite)" if row.get("skipped") else "non-finite" if row.get("loss") is None
+                else f"{row['loss']:.4f}")
         info = f"loss {loss}  {row['tokens_per_s']:,.0f} tok/s  comm {row['comm_exposed_s'] * 1e3:.0f} ms"
         if row.get("val_loss") is not None:
             info += f"  val {row['val_loss']:.4f}"

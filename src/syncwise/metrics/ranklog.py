@@ -122,7 +122,8 @@ class RankLog:
         self._file = None
         out = {"rank": self.rank, "world_size": self.world_size, "steps": summary.get("steps"),
                "mean_step_time_s": summary.get("mean_step_time_s"), "comm": STATS.since(self._stats_mark),
-               "checkpoint_saves": summary.get("checkpoint_saves", [])}
+               "checkpoint_saves": summary.get("checkpoint_saves", []),
+               "skipped_steps": summary.get("skipped_steps", [])}  # this rank's record (local SGD: after the averages)
         for name, (stats, mark) in (self._control or {}).items():
             out[name] = stats.since(mark)
         path = self.dir / f"rank{self.rank}.json"

@@ -119,7 +119,7 @@ class DeepSeekLM(nn.Module):
         ``reduce_fn(t)`` (e.g. an all-reduce sum over the data-parallel group) must sum ``t`` in
         place across ranks, so every rank applies the same update and biases stay identical. All
         layers' counts go in one (n_moe_layers, E) int64 tensor: one collective per step. ``apply``: a bool
-        tensor, False when the optimizer skipped the step on the device (the counts are reset either way)."""
+        tensor, False when the optimizer skipped the step (the counts are reset either way)."""
         moes = list(self.moe_layers())
         if not moes:
             return

@@ -301,15 +301,14 @@ class MoE(nn.Module):
         """bias += rate * sign(mean_load - load) from ``counts`` (default: own counts); reset counts.
 
         Decided on the device, without reading anything back: no update when no token was counted, nor
-        where ``apply`` (a bool tensor: the trainer's "this step was not skipped") is False; the counts are then
-        kept for the next update."""
+        where ``apply`` (a bool tensor: the trainer's "this step was not skipped") is False. The counts are reset
+        either way: a skipped step's routing goes with its update (they are a transient that checkpoints do not
+        hold, so carrying them into the next update made a resume from a checkpoint just after a skipped step
+        differ from the run that went on; issue 23)."""
         load = (self.tokens_per_expert if counts is None else counts).to(self.expert_bias.device).float()
         ok = balance_bias_(self.expert_bias, load, self.bias_update_rate, apply)
         self.last_load = torch.where(ok, load, load if self.last_load is None else self.last_load)
-        # A skipped step's counts carry over to the next update, as when the caller skips the call.
-        zeros = torch.zeros_like(self.tokens_per_expert)
-        self.tokens_per_expert = zeros if apply is None else torch.where(apply.to(zeros.device), zeros,
-                                                                         self.tokens_per_expert)
+        self.tokens_per_expert = torch.zeros_like(self.tokens_per_expert)
 
     def reset_parameters(self, std: float, out_std: float) -> None:
         """Re-initialise weights and zero the selection bias and load counts."""

@@ -47,6 +47,7 @@ class LocalSGD(SyncStrategy):
     """
 
     def __init__(self, model: nn.Module, spec: SyncSpec, group: Any = None, stats: CommStats = STATS):
+        super().__init__()
         self.spec, self.group, self.stats = spec, group, stats
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.tensors = self.params + [b for b in model.buffers() if b.is_floating_point()]
@@ -54,9 +55,13 @@ class LocalSGD(SyncStrategy):
         self.anchor = self.flat.clone()  # the last agreed replica state
         self.outer_opt = torch.optim.SGD([self.anchor], lr=spec.outer_lr, momentum=spec.momentum,
                                          nesterov=spec.nesterov and spec.momentum > 0)
-        self._delta = torch.empty_like(self.flat)  # pseudo-gradient, then the averaged one (fp32)
+        # What one average carries: the pseudo-gradient (then the averaged one), fp32, and behind it one flag per step
+        # since the last average, set where this replica dropped a step (non-finite gradients; SyncStrategy.skip).
+        n = self.flat.numel()
+        self._wire = torch.empty(n + spec.period, dtype=torch.float32, device=self.flat.device)
+        self._delta, self._flags = self._wire[:n], self._wire[n:]
         low = DTYPES[spec.dtype] != torch.float32
-        self._send = torch.empty_like(self.flat, dtype=DTYPES[spec.dtype]) if low else self._delta
+        self._send = torch.empty_like(self._wire, dtype=DTYPES[spec.dtype]) if low else self._wire
         # Error feedback of the low-precision cast: what it dropped goes out with the next sync.
         self.residual: Optional[torch.Tensor] = torch.zeros_like(self.flat) if low else None
         self._at_launch = torch.empty_like(self.flat) if spec.delay else None
@@ -93,10 +98,11 @@ class LocalSGD(SyncStrategy):
         if delay:
             self._at_launch.copy_(current)  # θ at launch: the local progress after it is kept
         torch.sub(self.anchor, current, out=self._delta)  # this replica's pseudo-gradient
+        self._pack_skips(step, self._flags)  # the steps it dropped since the last average ride along
         if self.residual is not None:
             self._delta.add_(self.residual)
-            self._send.copy_(self._delta)
-            torch.sub(self._delta, self._send, out=self.residual)
+            self._send.copy_(self._wire)
+            torch.sub(self._delta, self._send[:self._delta.numel()], out=self.residual)
         work = ops.all_reduce(self._send, "avg", group=self.group, async_op=True, stats=self.stats)
         self._pending = {"launched_at": step, "apply_at": step + delay, "work": work}
 
@@ -109,8 +115,9 @@ class LocalSGD(SyncStrategy):
             if pending["work"] is not None:
                 pending["work"].wait()
         waited = iv.seconds()
-        if self._send is not self._delta:
-            self._delta.copy_(self._send)
+        if self._send is not self._wire:
+            self._wire.copy_(self._send)
+        self._unpack_skips(pending["launched_at"], self._flags)  # every replica records the steps any one dropped
         self.anchor.grad = self._delta  # the averaged pseudo-gradient
         self.outer_opt.step()
         self.anchor.grad = None
@@ -161,7 +168,7 @@ class LocalSGD(SyncStrategy):
                        "at_launch": None if self._at_launch is None else self._at_launch.clone()}
         return {"anchor": self.anchor.clone(), "outer_opt": self.outer_opt.state_dict(),
                 "residual": None if self.residual is None else self.residual.clone(), "pending": pending,
-                "syncs": self.syncs}
+                "syncs": self.syncs, "skips": list(self.skips)}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -172,11 +179,14 @@ class LocalSGD(SyncStrategy):
         pending = state.get("pending")
         self._pending = None
         if pending is not None:
-            self._send.copy_(pending["averaged"])
+            averaged = pending["averaged"]
+            self._send.zero_()  # a checkpoint from before the flags (issue 23) holds the pseudo-gradient alone
+            self._send[:averaged.numel()].copy_(averaged)
             if pending.get("at_launch") is not None:
                 self._at_launch.copy_(pending["at_launch"])
             self._pending = {"launched_at": pending["launched_at"], "apply_at": pending["apply_at"], "work": None}
         self.syncs = int(state.get("syncs", 0))
+        self.skips = [int(s) for s in state.get("skips", [])]
         self.restored = True
 
 
@@ -208,6 +218,7 @@ class TorchPeriodicAveraging(SyncStrategy):
     def __init__(self, model: nn.Module, spec: SyncSpec, group: Any = None, stats: CommStats = STATS):
         from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
+        super().__init__()
         self.spec, self.stats = spec, stats
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buffers = [b for b in model.buffers() if b.is_floating_point()]
@@ -236,13 +247,20 @@ class TorchPeriodicAveraging(SyncStrategy):
             return 0.0
         if self.buffers:
             average_parameters(iter(self.buffers), group)
+        # The steps a replica dropped since the last average (SyncStrategy.skip): torch's averager has no room for
+        # them, so a tiny all-reduce of one flag per step rides next to it (per average, not per step).
+        flags = torch.empty(self.spec.period, device=self.params[0].device if self.params else None)
+        self._pack_skips(step, flags)
+        ops.all_reduce(flags, "max", group=group, stats=self.stats)
+        self._unpack_skips(step, flags)
         self.stats.record("all_reduce", sum(t.numel() * t.element_size() for t in averaged + self.buffers))
         self.syncs += 1
         return iv.stop().seconds()  # CUDA events on a GPU (torch's averager returns at enqueue under NCCL)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"syncs": self.syncs}
+        return {"syncs": self.syncs, "skips": list(self.skips)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.syncs = int(state.get("syncs", 0))
+        self.skips = [int(s) for s in state.get("skips", [])]
         self.restored = True

@@ -47,7 +47,7 @@ def build_mesh(spec: ParallelSpec, device_type: str) -> Optional[Any]:
         return None
     spec = spec.resolve(dist.get_world_size())
     names = DIMS if spec.pp > 1 else DIMS[1:]
-    return init_device_mesh(device_type, tuple(getattr(spec, n) for n in names), mesh_dim_names=names)
+    return adopt_mesh(init_device_mesh(device_type, tuple(getattr(spec, n) for n in names), mesh_dim_names=names))
 
 
 def build_expert_mesh(spec: ParallelSpec, device_type: str) -> Any:
@@ -61,4 +61,16 @@ def build_expert_mesh(spec: ParallelSpec, device_type: str) -> Any:
     spec = spec.resolve(dist.get_world_size())
     names = ("pp", "ep_replicate", "ep", "tp") if spec.pp > 1 else ("ep_replicate", "ep", "tp")
     sizes = {"pp": spec.pp, "ep_replicate": spec.dp // spec.ep, "ep": spec.ep, "tp": spec.tp}
-    return init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
+    return adopt_mesh(init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names))
+
+
+def adopt_mesh(mesh: Any) -> Any:
+    """``mesh`` with the job's collective timeout (``--dist.timeout_s``) on every dimension's process group
+    (``syncwise.comm.ops.adopt_group``: torch makes them with its 30 min default), so a rank that stops inside
+    FSDP2's, DTensor's or the pipeline's own collectives is reported within the timeout like one inside
+    syncwise's. Returns ``mesh``; call it on a flattened mesh (``_flatten``) too."""
+    from ..comm import ops
+
+    for name in mesh.mesh_dim_names or ():
+        ops.adopt_group(mesh[name].get_group())
+    return mesh

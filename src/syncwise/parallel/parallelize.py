@@ -37,7 +37,7 @@ from ..errors import ConfigError
 from ..layout import NO_COMPRESS, Compress, Layout, parse_compress, parse_sync
 from .activation_checkpoint import apply_activation_checkpointing
 from .data_parallel import DataParallel, StageGradientSync, apply_data_parallel, compressor_of
-from .mesh import build_mesh, check_torch_support
+from .mesh import adopt_mesh, build_mesh, check_torch_support
 from .sync import build_sync
 from .sync_spec import SyncStrategy
 
@@ -345,7 +345,7 @@ def _split_pipeline(par: Parallelized, model: nn.Module, mesh: Any, device: torc
     elif spec.dp_replicate == 1:
         par.dp_group = mesh["dp_shard"].get_group()
     else:
-        par.dp_group = mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
+        par.dp_group = adopt_mesh(mesh["dp_replicate", "dp_shard"]._flatten("dp")).get_group()
 
 
 def _expert_names(model: nn.Module) -> list[str]:

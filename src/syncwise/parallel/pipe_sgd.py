@@ -27,6 +27,7 @@ class PipeSGD(SyncStrategy):
     replicas_diverge = False  # every rank applies the same averaged gradient
 
     def __init__(self, model: nn.Module, spec: SyncSpec, group: Any = None, stats: CommStats = STATS):
+        super().__init__()
         self.spec, self.group, self.stats = spec, group, stats
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._pending: Optional[dict[str, Any]] = None

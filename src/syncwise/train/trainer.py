@@ -5,7 +5,8 @@ What one optimizer step does (``_train_step``):
      that fits, the step redone from the same batches after an out-of-memory); all but the last micro-batch
      under DDP's ``no_sync`` so only the last one communicates (its gradient sync overlaps its backward);
   2. gradients are unscaled (fp16), clipped, checked for NaN/Inf (a bad step is skipped on every rank; under
-     local SGD by the replica that saw it; with fused AdamW inside the optimizer, without a host read);
+     local SGD by the replica that saw it, and recorded by every replica at the next average; with fused AdamW
+     inside the optimizer, without a host read);
   3. optimizer, LR schedule and model-specific updates (MoE router bias) step;
   4. with ``sync=`` other than every-step, the sync strategy moves the parameters instead: local SGD / DiLoCo
      keep gradients local and average the replicas every H steps; Pipe-SGD applies the previous step's
@@ -478,10 +479,9 @@ class OptimizedTrainer:
             self.watchdog.at(self.step + 1, value)
 
     def _explain_hang(self, e: RuntimeError) -> Exception:
-        text = str(e).lower()
-        if "timed out" not in text and "timeout" not in text:
+        if not ops.timed_out(e):  # (also as the cause of a wrapper: the pipeline stage's "failed to run forward")
             return e
-        failed = ops.last_failed()
+        failed = ops.last_failed(e)
         what = failed.describe() if failed is not None else (
             "DDP's gradient all-reduce on process group 'default'" if "gradient sync" in self.phase else None)
         if self.watchdog is not None:
@@ -575,11 +575,12 @@ class OptimizedTrainer:
             reduce = self._sum_across_ranks if in_lockstep else None
             if isinstance(skipped, torch.Tensor):  # skipped on the device: so is the bias update, unread
                 update_bias(reduce, apply=~skipped)
-            elif not skipped:
-                update_bias(reduce)
+            else:  # a skipped step's load counts go with it (no update; see MoE.update_bias)
+                update_bias(reduce, apply=torch.tensor(not skipped))
         if self.sync is not None:
             self.phase = f"{self.sync_spec} sync"
             comm_waited += self.sync.after_step(step, last)
+            self.skipped_steps = sorted(set(self.skipped_steps).union(self.sync.take_skips()))
         comm_bytes = self.par.comm_bytes()
         if loss_work is not None:
             loss_work.wait()
@@ -604,7 +605,8 @@ class OptimizedTrainer:
         self.scaler.unscale_(self.optimizer)
         grad_norm = self.par.clip_grad_norm(self.clip_grad_norm if self.clip_grad_norm > 0 else math.inf)
         # Synced gradients are identical on every rank, so every rank decides alike; under local SGD each
-        # replica skips its own bad step (the others' gradients are fine, and the next average mixes them).
+        # replica skips its own bad step (the others' gradients are fine, and the next average mixes them and
+        # tells every replica which steps were dropped: SyncStrategy.skip).
         if self._skips_on_device:
             nonfinite = ~torch.isfinite(grad_norm)
             self.optimizer.found_inf, self.optimizer.grad_scale = nonfinite.float(), None
@@ -619,6 +621,10 @@ class OptimizedTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.skipped_steps.append(step)
             self.scaler.update()
+            # Local SGD: this replica alone drops the step (the others learn it at the next average); the LR
+            # schedule is the run's and keeps pace with theirs.
+            if self.sync is not None and self.sync.skip(step) and self.lr_scheduler is not None:
+                self.lr_scheduler.step()
             return grad_norm, True
         self.scaler.step(self.optimizer)
         self.scaler.update()
