@@ -12,7 +12,7 @@ from syncwise.compress import CompressionPolicy, compression_hook, parse_compres
 from syncwise.compress.hierarchical import HierarchicalHookState
 from syncwise.config import build_config
 from syncwise.data import TokenBatchLoader
-from syncwise.errors import ConfigError
+from syncwise.errors import ConfigError, SyncwiseError
 from syncwise.layout import Layout
 from syncwise.models import build_model
 from syncwise.train import OptimizedTrainer, adamw
@@ -73,6 +73,14 @@ def _run(rank, world, ckpt_dir):
     out["hop_bytes"] = dict(state.hop_bytes)
     out["inter_counted"] = state.compressor.counters["bytes_sent"]
     out["state_keys"] = sorted(state.state_dict()["compressor"]["per_tensor"])
+    # a state saved by one sync is refused by the other (each hierarchical rank holds its own tensors' state only)
+    refused = []
+    for src, dst in ((state, flat.par.dp.hook_state), (flat.par.dp.hook_state, state)):
+        try:
+            dst.load_state_dict(src.state_dict())
+        except SyncwiseError as e:
+            refused.append(str(e))
+    out["refused"] = refused
     numel = {n: p.numel() for n, p in hier.model.named_parameters()}
     out["plans"] = {sig: plan for sig, plan in state._owners.items()}
     out["numel"] = numel
@@ -138,6 +146,7 @@ def test_hierarchical_sync_on_2_nodes_x_2(tmp_path):
     res = run_workers(_run, 4, str(tmp_path / "ck"), local_world_size=2, timeout=600)
     r0 = res[0]
     assert r0["flat_topology"] is None and r0["topology"] == Topology(2, 2)
+    assert len(r0["refused"]) == 2 and all("--dist.hierarchical" in m for m in r0["refused"]), r0["refused"]
     # replicas identical, on every node
     assert all((r["params"] == r0["params"]).all() for r in res)
     # the loss tracks flat compression

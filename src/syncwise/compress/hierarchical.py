@@ -28,6 +28,7 @@ from torch import nn
 
 from ..comm import ops
 from ..comm.context import CommContext
+from ..errors import SyncwiseError
 from .base import Compressor
 from .hook import CompressionHookState, CompressionPolicy
 
@@ -132,8 +133,6 @@ class HierarchicalHookState(CompressionHookState):
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from ..errors import SyncwiseError
-
         saved = state.get("hierarchical")
         here = {"nodes": self.ctx.topology.nodes, "procs_per_node": self.procs}
         if saved != here:
@@ -142,7 +141,7 @@ class HierarchicalHookState(CompressionHookState):
             raise SyncwiseError(f"the compressor state was saved by a {_describe(saved)} gradient sync; this job runs "
                                 f"a hierarchical one on {here['nodes']} nodes × {here['procs_per_node']} ranks: resume "
                                 "on the same topology with the same --dist.hierarchical")
-        super().load_state_dict(state)
+        super().load_state_dict({k: v for k, v in state.items() if k != "hierarchical"})
 
 
 def _describe(saved: Optional[dict]) -> str:

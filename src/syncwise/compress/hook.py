@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import ConfigError
+from ..errors import ConfigError, SyncwiseError
 from ..comm import ops, streams
 from .base import Compressor, GatherCompressor, split_by_policy
 
@@ -129,6 +129,11 @@ class CompressionHookState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
         self.wait_idle()
+        if state.get("hierarchical") is not None and type(self) is CompressionHookState:
+            h = state["hierarchical"]
+            raise SyncwiseError(f"the compressor state was saved by the hierarchical gradient sync on {h['nodes']} "
+                                f"nodes × {h['procs_per_node']} ranks (each rank kept only its own tensors' state); "
+                                "this job runs the flat one: resume with the same topology and --dist.hierarchical")
         self.compressor.load_state_dict(state["compressor"])
         self.steps = int(state.get("steps", 0))
 
