@@ -19,8 +19,10 @@ from syncwise.train import OptimizedTrainer, adamw
 
 STEPS = 6
 SPEC = "powersgd:rank=2,start_iter=1"  # error feedback + warm-started Q: state that must follow its tensors
-LOSS_TOL = 0.02  # relative, per step: hierarchical vs flat powersgd (fp32 inside the node changes rounding only
-# at the node sums; PowerSGD's approximation then differs by how the node sums differ from the rank gradients)
+# PowerSGD is linear in the gradients for a shared Q (P = MQ, Q' = M^T P, both averaged), so averaging node means
+# instead of rank gradients changes only rounding (measured: 9e-8 relative over 6 steps); top-k and fp8 are not linear
+# and differ by more (benchmarks/hierarchical.py measures their loss)
+LOSS_TOL = 1e-5  # relative, per step: hierarchical vs flat powersgd
 
 
 def _trainer(rank, world, hierarchical, ckpt_dir=None):
