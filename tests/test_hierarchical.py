@@ -15,6 +15,7 @@ from syncwise.data import TokenBatchLoader
 from syncwise.errors import ConfigError, SyncwiseError
 from syncwise.layout import Layout
 from syncwise.models import build_model
+from syncwise.parallel import describe_layout
 from syncwise.train import OptimizedTrainer, adamw
 
 STEPS = 6
@@ -71,6 +72,7 @@ def _run(rank, world, ckpt_dir):
     hier.train(loader, steps=STEPS)
     out["buckets"] = buckets
     out["topology"] = hier.par.dp.hierarchical
+    out["layout"] = describe_layout(hier.par)
     out["params"] = _flat_params(hier)
     out["hop_bytes"] = dict(state.hop_bytes)
     out["inter_counted"] = state.compressor.counters["bytes_sent"]
@@ -148,6 +150,7 @@ def test_hierarchical_sync_on_2_nodes_x_2(tmp_path):
     res = run_workers(_run, 4, str(tmp_path / "ck"), local_world_size=2, timeout=600)
     r0 = res[0]
     assert r0["flat_topology"] is None and r0["topology"] == Topology(2, 2)
+    assert "hierarchical sync on 2 nodes × 2: fp32 inside a node, compressed across" in r0["layout"], r0["layout"]
     assert len(r0["refused"]) == 2 and all("--dist.hierarchical" in m for m in r0["refused"]), r0["refused"]
     # replicas identical, on every node
     assert all((r["params"] == r0["params"]).all() for r in res)

@@ -411,4 +411,8 @@ def describe_layout(par: Parallelized) -> str:
     """'dp_shard 2 × tp 2 (FSDP2)' for the summary."""
     kind = "FSDP2" if par.fsdp and par.spec.dp_replicate == 1 else "HSDP" if par.fsdp and par.spec.sharded else \
         "FSDP2 replicas" if par.fsdp else "DDP" if par.dp.distributed else None
+    topo = par.dp.hierarchical
+    if topo is not None and kind:  # dist.hierarchical: where the compressor runs, for the summary and metrics
+        kind += (f", hierarchical sync on {topo.nodes} nodes × {topo.procs_per_node}: fp32 inside a node, "
+                 + ("compressed across" if par.dp.hook_state is not None else "fp32 across"))
     return par.spec.describe + (f" ({kind})" if kind else "")
