@@ -101,9 +101,8 @@ class HierarchicalHookState(CompressionHookState):
                 buf[start:start + t.numel()].copy_(t.reshape(-1))
                 places[i], fill[plan[i]] = (start, t.numel()), start + t.numel()
             bad = torch.stack([torch.isfinite(t).all() for t in tensors]).all().logical_not()
-            nan = torch.tensor(float("nan"), dtype=dtype, device=ref.device)
-            for o in range(p):
-                buf[o * seg + seg - 1] = torch.where(bad, nan, torch.zeros((), dtype=dtype, device=ref.device))
+            # each segment's last slot: 0, or NaN when this rank's bucket is non-finite (a device op: no host sync)
+            buf.view(p, seg)[:, -1].copy_(torch.where(bad, float("nan"), 0.0).to(dtype).expand(p))
             if self.intra_group is not None:
                 shard = torch.empty(seg, dtype=dtype, device=ref.device)
                 ops.reduce_scatter(shard, buf, "sum", group=self.intra_group)
