@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .errors import ConfigError, SyncwiseError
-from .layout import DISPATCH, SCHEDULES
+from .layout import DISPATCH, HIERARCHICAL, SCHEDULES
 from .specs import parse_bool
 
 if TYPE_CHECKING:
@@ -228,6 +228,11 @@ class DistSection:
     bucket_cap_mb: float = option(25.0, "DDP gradient bucket size in MB", "a number in [0.001, 10000] (1 KB at "
                                   "least: below that every tensor is a bucket of its own)",
                                   lambda v: 0.001 <= v <= 10_000)
+    hierarchical: str = option("auto", "gradient sync across nodes: on = reduce inside each node at full precision, "
+                               "run compress.method only across nodes (each local rank owns part of every bucket), "
+                               "gather inside the node; auto = on when the job has > 1 node and > 1 worker per node "
+                               "and a syncwise compressor runs every step on DDP replicas; off = the flat sync "
+                               "(docs/compression.md)", *_one_of(*HIERARCHICAL))
     timeout_s: float = option(300.0, "a collective that takes longer fails with a message",
                               f"a number of seconds from 1 to {_seconds(_MAX_TIMEOUT_S)} (one week)",
                               _in(1, _MAX_TIMEOUT_S))
@@ -735,7 +740,7 @@ def run_layout(cfg: RunConfig) -> Any:
     with _as_field("compress.method", cfg.compress.method):
         compress = parse_compress(cfg.compress.method, "compress.method")
     # [parallel]'s keys are the Layout's field names (the section adds the command line's docs and bounds)
-    return Layout.of(compress=compress, **dataclasses.asdict(cfg.parallel))
+    return Layout.of(compress=compress, hierarchical=cfg.dist.hierarchical, **dataclasses.asdict(cfg.parallel))
 
 
 def _check_model(lay: Any, model_config: Any) -> None:

@@ -450,6 +450,21 @@ def check_pipeline_shape(n_layers: int, pp: int, schedule: str, microbatches: in
     return spec
 
 
+#: dist.hierarchical's values
+HIERARCHICAL = ("auto", "on", "off")
+
+
+def hierarchical_applies(lay: "Layout", nodes: int, procs_per_node: int) -> bool:
+    """Whether the hierarchical gradient sync runs for checked layout ``lay`` on ``nodes`` × ``procs_per_node``
+    ranks: 'on' always (a one-node or one-rank-per-node topology degenerates to one of the hops); 'auto' when
+    there is a slow hop to spare (> 1 node, > 1 rank per node) and a syncwise compressor runs every step on DDP
+    replicas (fp32 'none' keeps DDP's built-in all-reduce under auto: the baseline stays PyTorch's)."""
+    if lay.hierarchical == "on":
+        return True
+    return (lay.hierarchical == "auto" and nodes > 1 and procs_per_node > 1 and lay.replicas_only
+            and lay.sync is None and not lay.compress.is_none and not lay.compress.torch_hook)
+
+
 @dataclass(frozen=True)
 class Layout:
     """How a job is laid out; ``dp_replicate=0`` means "every rank left over" until :meth:`resolve`.
@@ -466,8 +481,13 @@ class Layout:
     ep_dispatch: str = "fp32"   # fp8 is DeepSeek-V3's choice (with a bf16 combine)
     compress: Compress = NO_COMPRESS   # (text is parsed on construction)
     sync: Optional[SyncSpec] = None    # None: every-step
+    # dist.hierarchical: reduce inside a node at full precision, compress only the inter-node hop (auto: when the
+    # job has > 1 node and > 1 rank per node, which only the workers know; see compress.hierarchical)
+    hierarchical: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.hierarchical not in HIERARCHICAL:
+            raise ConfigError("dist.hierarchical", self.hierarchical, "one of: " + ", ".join(HIERARCHICAL))
         # Specs given as text are parsed here, once (a parsed spec passes through as it is).
         if not isinstance(self.compress, Compress):
             object.__setattr__(self, "compress", parse_compress(self.compress, "compress.method"))
@@ -572,6 +592,14 @@ class Layout:
             raise ConfigError("parallel.sync", _text(s), "every-step when compress.method is set (local SGD sends "
                               f"pseudo-gradients, not gradients; got compress.method={c.text})")
         lay = self.resolve(world_size) if world_size is not None else self
+        if self.hierarchical == "on":
+            # The hierarchical sync replaces DDP's per-bucket gradient average: whole replicas, every step, with a
+            # syncwise compressor (or none: an fp32 hierarchical all-reduce); PyTorch's hooks issue their own.
+            why = ("parallel.sync=" + _text(s) if s is not None else f"compress.method={c.text}" if c.torch_hook
+                   else lay._split_by() if not lay.replicas_only else "")
+            if why:
+                raise ConfigError("dist.hierarchical", "on", f"auto or off with {why}: the hierarchical gradient sync "
+                                  "needs DDP replicas synced every step with a syncwise compressor (or none)")
         if lay.replicas_only:
             return lay
         # The reduced-sync strategies average whole replicas; sharded, tensor, pipeline and expert parallel split

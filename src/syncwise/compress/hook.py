@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import ConfigError
+from ..errors import ConfigError, SyncwiseError
 from ..comm import ops, streams
 from .base import Compressor, GatherCompressor, split_by_policy
 
@@ -98,6 +98,9 @@ class CompressionHookState:
         # (multi-collective compressors then do not overlap the backward on the CPU; on CUDA they still run on
         # the side stream). Set by parallelize (apply_data_parallel(inline_compress=True)) when ep > 1.
         self.inline = False
+        # One-collective compressors (casts, fp8) skip the worker from the hook (_direct_*); a state whose bucket
+        # average is more than the compressor's collective (the hierarchical sync) turns that off.
+        self.direct = True
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._worker: Optional[threading.Thread] = None
         self._lock = threading.Lock()
@@ -126,6 +129,11 @@ class CompressionHookState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
         self.wait_idle()
+        if state.get("hierarchical") is not None and type(self) is CompressionHookState:
+            h = state["hierarchical"]
+            raise SyncwiseError(f"the compressor state was saved by the hierarchical gradient sync on {h['nodes']} "
+                                f"nodes × {h['procs_per_node']} ranks (each rank kept only its own tensors' state); "
+                                "this job runs the flat one: resume with the same topology and --dist.hierarchical")
         self.compressor.load_state_dict(state["compressor"])
         self.steps = int(state.get("steps", 0))
 
@@ -164,7 +172,7 @@ class CompressionHookState:
                     side.wait_event(ready)
                     streams.keep_for_stream([*tensors, result], side)  # made on the backward's stream
                 start, waited = time.perf_counter(), ops.STATS.total_time_s
-                self.compressor.average(tensors, keys, self.comm_group, flags)
+                self._average_bucket(tensors, keys, flags)
                 self.compute_s += max(0.0, time.perf_counter() - start - (ops.STATS.total_time_s - waited))
                 if is_last:
                     self.steps += 1
@@ -172,6 +180,10 @@ class CompressionHookState:
         except BaseException as exc:  # surface on the training thread instead of hanging it
             if not fut.done():
                 fut.set_exception(exc)
+
+    def _average_bucket(self, tensors: list[torch.Tensor], keys: list[str], flags: list[bool]) -> None:
+        """Average one bucket in place over the group (subclasses: the hierarchical sync)."""
+        self.compressor.average(tensors, keys, self.comm_group, flags)
 
     def run_inline(self, tensors: list[torch.Tensor], keys: list[str], flags: list[bool], result: torch.Tensor,
                    is_last: bool) -> "torch.futures.Future[torch.Tensor]":
@@ -270,10 +282,10 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
     rank is flagged inside the compressor's own payload, comes back as NaN on every rank (the trainer
     skips the step everywhere) and leaves the compressor's state untouched.
     """
-    if getattr(state.compressor, "wire_dtype", None) is not None:
-        return _direct_single_collective(state, bucket)
     comp = state.compressor
-    if isinstance(comp, GatherCompressor) and comp.direct:
+    if state.direct and getattr(comp, "wire_dtype", None) is not None:
+        return _direct_single_collective(state, bucket)
+    if state.direct and isinstance(comp, GatherCompressor) and comp.direct:
         return _direct_gather(state, bucket)
     params = bucket.parameters()
     grads = bucket.gradients()

@@ -20,8 +20,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..comm import ops, timing
+from ..comm.context import CommContext
+from ..comm.topology import TopoAwareCollective, topo_allreduce_hook
 from ..comm.stats import STATS
 from ..compress import CompressionHookState, CompressionPolicy, Compressor, compression_hook, torch_reference_hook
+from ..compress.hierarchical import HierarchicalHookState
 from ..compress.registry import build_compressor
 from ..errors import ConfigError
 from ..layout import COMPRESSORS, Compress
@@ -168,6 +171,7 @@ class DataParallel:
     hook_state: Optional[CompressionHookState] = None
     bytes_counted: bool = True  # False for torch's PowerSGD hook, whose collectives bypass syncwise.comm
     builtin_sync_bytes: int = 0  # DDP's built-in all-reduce: bytes this rank sends per gradient sync
+    hierarchical: Any = None  # the comm.Topology of the hierarchical gradient sync; None: flat
 
     def record_sync(self) -> None:
         """Count one gradient sync of DDP's built-in all-reduce (its collective bypasses syncwise.comm)."""
@@ -199,13 +203,16 @@ def _counted(bytes_per_element: int, hook):
 def apply_data_parallel(model: nn.Module, compressor: "Optional[Compressor | TorchHookSpec]" = None, bucket_cap_mb: float = 25.0,
                         min_numel: int = 4096, device: Optional[torch.device] = None,
                         find_unused_parameters: Optional[bool] = None, process_group: Any = None,
-                        ignore: "Optional[list[str]]" = None, inline_compress: bool = False) -> DataParallel:
+                        ignore: "Optional[list[str]]" = None, inline_compress: bool = False,
+                        hierarchical: bool = False) -> DataParallel:
     """Wrap ``model`` in DDP when a multi-rank process group exists; else return it as is.
 
     ``find_unused_parameters`` defaults to the model's ``has_sparse_params`` (MoE experts that received
     no token in a step get no gradient). ``process_group``: the data-parallel ranks (default: every rank; a
     pipeline stage's replicas otherwise). ``ignore``: names of parameters DDP leaves alone (expert-parallel
-    experts, whose gradients are summed over their own group).
+    experts, whose gradients are summed over their own group). ``hierarchical``: average each bucket inside the
+    node at full precision and run the compressor only across nodes (``compress.hierarchical``; with no compressor
+    an fp32 hierarchical all-reduce, ``comm.topology``); the caller decides (``layout.hierarchical_applies``).
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) == 1:
         return DataParallel(module=model)
@@ -219,6 +226,8 @@ def apply_data_parallel(model: nn.Module, compressor: "Optional[Compressor | Tor
               # Buffers (e.g. MoE router biases) are kept identical by the model's own update, not re-sent
               # every forward.
               **_no_forward_buffer_sync())
+    if hierarchical:
+        return _hierarchical(ddp, model, compressor, min_numel, device, inline_compress)
     if isinstance(compressor, TorchHookSpec):
         state, hook = compressor.state_and_hook(process_group)
         per_element = TORCH_HOOKS[compressor.name]
@@ -240,6 +249,25 @@ def apply_data_parallel(model: nn.Module, compressor: "Optional[Compressor | Tor
     timer = GradSyncTimer(state, compression_hook, device)
     ddp.register_comm_hook(timer, _timed_hook)
     return DataParallel(module=ddp, timer=timer, hook_state=state)
+
+
+def _hierarchical(ddp: DDP, model: nn.Module, compressor: Any, min_numel: int, device: Optional[torch.device],
+                  inline_compress: bool) -> DataParallel:
+    """DDP over every rank with the hierarchical hook: the node-local and cross-node groups of a CommContext
+    (made here, on every rank alike; the topology from torchrun's LOCAL_WORLD_SIZE / GROUP_RANK)."""
+    ctx = CommContext(timeout_s=ops.collective_timeout_s() or 300.0,
+                      device=device.type if device is not None else "auto")
+    if compressor is None or getattr(compressor, "name", None) == "none":
+        coll = TopoAwareCollective(ctx, algorithm="hierarchical")
+        timer = GradSyncTimer(coll, topo_allreduce_hook, device)
+        ddp.register_comm_hook(timer, _timed_hook)
+        return DataParallel(module=ddp, timer=timer, hierarchical=ctx.topology)
+    state = HierarchicalHookState(compressor, ctx, {p: n for n, p in model.named_parameters()},
+                                  CompressionPolicy(min_numel=min_numel))
+    state.inline = inline_compress
+    timer = GradSyncTimer(state, compression_hook, device)
+    ddp.register_comm_hook(timer, _timed_hook)
+    return DataParallel(module=ddp, timer=timer, hook_state=state, hierarchical=ctx.topology)
 
 
 class StageGradientSync:

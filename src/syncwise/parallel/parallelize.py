@@ -31,10 +31,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm.context import Topology
 from ..comm.counting import CollectiveCounter, mesh_groups
 from ..comm.stats import STATS
-from ..errors import ConfigError
-from ..layout import NO_COMPRESS, Compress, Layout, parse_compress, parse_sync
+from ..errors import ConfigError, SyncwiseError
+from ..layout import NO_COMPRESS, Compress, Layout, hierarchical_applies, parse_compress, parse_sync
 from .activation_checkpoint import apply_activation_checkpointing
 from .data_parallel import DataParallel, StageGradientSync, apply_data_parallel, compressor_of
 from .mesh import adopt_mesh, build_mesh, check_torch_support
@@ -285,7 +286,8 @@ def parallelize(model: nn.Module, spec: "Layout | dict | None" = None, device: O
     elif dp_dims:  # dp_replicate alone: DDP (the experts of expert parallel excluded: summed in their own group)
         ignore = _expert_names(model) if spec.ep > 1 else None
         par.dp = apply_data_parallel(model, compressor, bucket_cap_mb, min_numel, device, process_group=par.dp_group,
-                                     ignore=ignore, inline_compress=spec.ep > 1)
+                                     ignore=ignore, inline_compress=spec.ep > 1,
+                                     hierarchical=_hierarchical_here(spec, world))
         par.module = par.dp.module
         # 6. reduced-sync strategy, over the same ranks (whole replicas only: Layout.check)
         par.sync = build_sync(sync, model)
@@ -298,6 +300,20 @@ def parallelize(model: nn.Module, spec: "Layout | dict | None" = None, device: O
     if compile:
         par.module = torch.compile(par.module)
     return par
+
+
+def _hierarchical_here(spec: Layout, world: int) -> bool:
+    """dist.hierarchical on this job's topology (torchrun's LOCAL_WORLD_SIZE; ``layout.hierarchical_applies``).
+    Under 'auto' a topology the hierarchical sync cannot split (uneven nodes) keeps the flat sync."""
+    if spec.hierarchical == "off" or world < 2:
+        return False
+    try:
+        topo = Topology.from_env(world)
+    except (ConfigError, SyncwiseError):
+        if spec.hierarchical == "auto":
+            return False
+        raise
+    return hierarchical_applies(spec, topo.nodes, topo.procs_per_node)
 
 
 def check_layout(spec: Layout, compressor: Any, sync: Any, world: int, model_config: Any = None) -> Layout:
@@ -395,4 +411,8 @@ def describe_layout(par: Parallelized) -> str:
     """'dp_shard 2 × tp 2 (FSDP2)' for the summary."""
     kind = "FSDP2" if par.fsdp and par.spec.dp_replicate == 1 else "HSDP" if par.fsdp and par.spec.sharded else \
         "FSDP2 replicas" if par.fsdp else "DDP" if par.dp.distributed else None
+    topo = par.dp.hierarchical
+    if topo is not None and kind:  # dist.hierarchical: where the compressor runs, for the summary and metrics
+        kind += (f", hierarchical sync on {topo.nodes} nodes × {topo.procs_per_node}: fp32 inside a node, "
+                 + ("compressed across" if par.dp.hook_state is not None else "fp32 across"))
     return par.spec.describe + (f" ({kind})" if kind else "")
