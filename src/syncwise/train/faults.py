@@ -20,10 +20,10 @@ import math
 import os
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, ContextManager, Iterator, Optional
 
 from ..errors import ConfigError
 from ..specs import check_keys, parse_spec, read_float, read_int
@@ -104,11 +104,16 @@ class FaultPlan:
         if ms > 0:
             time.sleep(ms / 1000)
 
-    @contextmanager
-    def straggling(self, step: int, rank: int) -> Iterator[None]:
+    def straggling(self, step: int, rank: int) -> ContextManager[None]:
         """``slow``: around the step's forward/backward. Before it, sleep (factor − 1) × the last measured
         forward/backward time (the sleep comes before the gradient sync, so the other ranks wait for it there, as
-        for a slow GPU); after it, keep its time for the next stretch."""
+        for a slow GPU); after it, keep its time for the next stretch. A no-op context without a ``slow`` fault."""
+        if not any(f.kind == "slow" for f in self.faults):
+            return nullcontext()
+        return self._stretch(step, rank)
+
+    @contextmanager
+    def _stretch(self, step: int, rank: int) -> Iterator[None]:
         for f in self.faults:
             if f.kind == "slow" and step >= f.step and f.rank == rank and f.value > 1:
                 time.sleep((f.value - 1) * self._micro_s)

@@ -18,9 +18,8 @@ feeds which dimension, and which collectives are not a step's traffic (:data:`CO
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -169,15 +168,9 @@ class StepMeter:
         self.bytes.begin()
         return self
 
-    @contextmanager
-    def data_wait(self) -> Iterator[None]:
-        """Around the wait for the step's batches (phase 'data loading')."""
-        self.phase = "data loading"
-        iv = Interval().start()
-        try:
-            yield
-        finally:
-            self._data += iv.stop().seconds()
+    def data_wait(self) -> "_DataWait":
+        """``with meter.data_wait(): ...`` around the wait for the step's batches (phase 'data loading')."""
+        return _DataWait(self)
 
     def backward_done(self, loss: torch.Tensor) -> None:
         """After the step's last backward: take the layout's reader of the exposed gradient sync (read when the row
@@ -207,6 +200,22 @@ class StepMeter:
                            tokens=tokens_of(batches) * self.par.dp_size, lr=lr,
                            micro_batch=self.batcher.size if self.batcher is not None else None,
                            parallel_metrics={**self.par.step_metrics(), **self.probe.take()})
+
+
+class _DataWait:
+    """The data-wait timer's context (a plain class: the step pays no generator for it)."""
+
+    __slots__ = ("meter", "interval")
+
+    def __init__(self, meter: StepMeter):
+        self.meter, self.interval = meter, Interval()
+
+    def __enter__(self) -> None:
+        self.meter.phase = "data loading"
+        self.interval.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.meter._data += self.interval.stop().seconds()
 
 
 def tokens_of(batches: list) -> int:
