@@ -1,9 +1,12 @@
 """The trainer's tax: OptimizedTrainer (optimizations off) vs a plain hand-written DDP loop.
 
 Same model, same data, same optimizer, same steps, 2 local workers over gloo; the two loops alternate
-(A B A B ...) inside one run so machine noise hits both alike. Reports the median step-time ratio.
+(A B A B ...) inside one run so machine noise hits both alike. Reports the median step-time ratio, and the
+median over rounds of each round's back-to-back ratio (steadier on a shared machine).
 
-    python benchmarks/trainer_tax.py [--preset small] [--steps 30] [--rounds 3]
+    python benchmarks/trainer_tax.py [--preset small] [--steps 30] [--rounds 3] [--label L] [--out FILE]
+
+To compare two versions of syncwise, run this same file with PYTHONPATH pointing at each one's src/.
 """
 from __future__ import annotations
 
@@ -92,20 +95,27 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--label", default="", help="what code ran (recorded in the results file)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "trainer_tax.json"))
     a = p.parse_args()
     samples: dict[str, list[float]] = {"plain": [], "syncwise": []}
+    rounds: dict[str, list[float]] = {"plain": [], "syncwise": []}  # each round's median step
     for r in range(a.rounds):
         for which in ("plain", "syncwise"):
             res = run_local(_worker, a.nproc, which, a.preset, a.steps, a.seq_len, a.batch)
             # A step takes as long as its slowest rank.
-            samples[which] += [max(ts) for ts in zip(*res.values())]
-            print(f"round {r + 1}/{a.rounds} {which:9s} median step {statistics.median(samples[which]) * 1e3:.1f} ms",
-                  flush=True)
+            steps = [max(ts) for ts in zip(*res.values())]
+            samples[which] += steps
+            rounds[which].append(statistics.median(steps))
+            print(f"round {r + 1}/{a.rounds} {which:9s} median step {rounds[which][-1] * 1e3:.1f} ms", flush=True)
     plain, ours = statistics.median(samples["plain"]), statistics.median(samples["syncwise"])
+    # On a shared machine the load drifts between rounds: the ratio of the two runs of one round (back to back)
+    # is steadier than the ratio of the medians over all rounds.
+    paired = statistics.median(s / p for p, s in zip(rounds["plain"], rounds["syncwise"]))
     result = {"preset": a.preset, "nproc": a.nproc, "steps_per_round": a.steps, "rounds": a.rounds,
               "seq_len": a.seq_len, "batch": a.batch, "plain_median_step_s": plain,
               "syncwise_median_step_s": ours, "ratio": ours / plain, "tax_percent": (ours / plain - 1) * 100,
+              "paired_ratio": paired, "round_medians_s": rounds, "label": a.label,
               "torch": torch.__version__}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -17,7 +17,7 @@ The order (torchtitan's ``parallelize_llama``, for the same reasons):
 
 The trainer talks only to the returned :class:`Parallelized`: ``module`` to run, ``micro_batch(syncing)``
 around each micro-batch's forward/backward (DDP's ``no_sync`` and FSDP2's ``set_requires_gradient_sync``
-behind one name, with the exposed-communication timer), ``take_exposed()`` / ``comm_bytes()`` per parallel
+behind one name, with the exposed-communication timer), ``take_exposed()`` / ``counted_bytes()`` per parallel
 dimension, ``state_components()`` for checkpoints, ``clip_grad_norm`` that works on sharded gradients.
 """
 from __future__ import annotations
@@ -33,7 +33,6 @@ from torch import nn
 
 from ..comm.context import Topology
 from ..comm.counting import CollectiveCounter, mesh_groups
-from ..comm.stats import STATS
 from ..errors import ConfigError, SyncwiseError
 from ..layout import NO_COMPRESS, Compress, Layout, hierarchical_applies, parse_compress, parse_sync
 from .activation_checkpoint import apply_activation_checkpointing
@@ -61,9 +60,7 @@ class Parallelized:
     expert_replicas: Any = None      # ranks holding the same routed experts (expert parallel; None: no copies)
     pipeline: Any = None             # AsyncPipeline (pp > 1): runs this rank's stages; the step calls its step()
     stage_sync: Any = None           # StageGradientSync: a pipeline stage's data parallel (pp > 1, dp > 1)
-    _ep_mark: int = 0
     _exposed: Callable[[], float] = lambda: 0.0
-    _bytes_mark: int = 0
     _counter: Optional[CollectiveCounter] = None  # FSDP2's and DTensor's collectives (they bypass syncwise.comm)
     _counting: bool = False
     _steps_counted: int = 0
@@ -131,32 +128,26 @@ class Parallelized:
         return reader
 
     def begin_step(self) -> None:
-        """Start counting the step's bytes: collectives between steps (checkpoint agreement, resume) are not
-        the step's. FSDP2's and DTensor's collectives are counted by a dispatch mode during the first
-        ``COUNTED_STEPS`` steps only (it intercepts every operator); later steps repeat the last count."""
-        self._bytes_mark = STATS.total_bytes
-        if self.spec.ep > 1:
-            from .expert_parallel import EP_STATS
-            self._ep_mark = EP_STATS.total_bytes
+        """Arm the dispatch counter for this step: FSDP2's and DTensor's collectives (they bypass syncwise.comm)
+        are counted during the first ``COUNTED_STEPS`` steps only (it intercepts every operator); later steps
+        repeat the last count."""
         self._counting = self._counter is not None and self._steps_counted < COUNTED_STEPS
         if self._counting:
             self._counter.reset()
 
-    def comm_bytes(self) -> dict[str, Optional[int]]:
-        """Bytes this rank sent per parallel dimension since ``begin_step`` (None: not counted)."""
-        dp = STATS.total_bytes - self._bytes_mark  # syncwise's own collectives (DDP, compressors, the loss)
+    def counted_bytes(self) -> dict[str, int]:
+        """The step's bytes that no ``CommStats`` sees, per dimension: FSDP2's (``dp``) and DTensor's (``tp``)
+        collectives from the dispatch counter, the pipeline's activations and their gradients (``pp``). The step
+        meter (``syncwise.train.meter.StepBytes``) adds syncwise's own collectives and attributes them."""
         if self._counting:
             self._counted = dict(self._counter.bytes)
             self._steps_counted += 1
             self._counting = False
-        out: dict[str, Optional[int]] = {"dp": dp + self._counted.get("dp", 0) if self.dp.bytes_counted else None}
+        out = {"dp": self._counted.get("dp", 0)}
         if self.spec.tp > 1:
             out["tp"] = self._counted.get("tp", 0)
         if self.pipeline is not None:  # activations and their gradients sent to the neighbouring stages
             out["pp"] = self.pipeline.last_p2p_bytes
-        if self.spec.ep > 1:  # the all-to-alls, counted where they are issued (parallel/expert_parallel.py)
-            from .expert_parallel import EP_STATS
-            out["ep"] = EP_STATS.total_bytes - self._ep_mark
         return out
 
     def step_metrics(self) -> dict[str, Optional[float]]:

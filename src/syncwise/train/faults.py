@@ -16,12 +16,14 @@ Specs (``syncwise.specs`` syntax, one parser):
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, ContextManager, Iterator, Optional
 
 from ..errors import ConfigError
 from ..specs import check_keys, parse_spec, read_float, read_int
@@ -102,18 +104,27 @@ class FaultPlan:
         if ms > 0:
             time.sleep(ms / 1000)
 
-    def stretch(self, step: int, rank: int) -> float:
-        """``slow``: before the step's forward/backward, sleep (factor − 1) × the last measured forward/backward
-        time (the sleep comes before the gradient sync, so the other ranks wait for it there, as for a slow
-        GPU). Returns the clock to pass, once they are done, to :meth:`stretched`."""
+    def straggling(self, step: int, rank: int) -> ContextManager[None]:
+        """``slow``: around the step's forward/backward. Before it, sleep (factor − 1) × the last measured
+        forward/backward time (the sleep comes before the gradient sync, so the other ranks wait for it there, as
+        for a slow GPU); after it, keep its time for the next stretch. A no-op context without a ``slow`` fault."""
+        if not any(f.kind == "slow" for f in self.faults):
+            return nullcontext()
+        return self._stretch(step, rank)
+
+    @contextmanager
+    def _stretch(self, step: int, rank: int) -> Iterator[None]:
         for f in self.faults:
             if f.kind == "slow" and step >= f.step and f.rank == rank and f.value > 1:
                 time.sleep((f.value - 1) * self._micro_s)
-        return time.perf_counter()
+        start = time.perf_counter()
+        yield
+        self._micro_s = time.perf_counter() - start
 
-    def stretched(self, seconds: float) -> None:
-        """The forward/backward time just measured (what the next ``slow`` stretch is based on)."""
-        self._micro_s = seconds
+    def poison_stage(self, model: Any) -> None:
+        """``nan`` on a pipeline stage without the loss (a NaN weight reaches only the last stage's loss): make one
+        gradient of this stage NaN, before the stage's replicas sync, so the whole step is skipped everywhere."""
+        next(p for p in model.parameters() if p.grad is not None).grad.mul_(math.nan)
 
     def skew_router(self, model: Any) -> None:
         """``skew``: raise the selection bias of the first K routed experts of every MoE layer (once, at the start

@@ -11,9 +11,12 @@ What one optimizer step does (``_train_step``):
   4. with ``sync=`` other than every-step, the sync strategy moves the parameters instead: local SGD / DiLoCo
      keep gradients local and average the replicas every H steps; Pipe-SGD applies the previous step's
      averaged gradient while this step's all-reduce runs;
-  5. the step returns a ``PendingStep``; the loop reads its numbers (loss, norm, data wait / compute /
-     exposed communication, bytes) ``log_lag`` steps later — on a GPU one step, so the host never waits for
-     the device inside the loop.
+  5. the step meter (``train/meter.py``) returns a ``PendingStep``; the loop reads its numbers (loss, norm, data
+     wait / compute / exposed communication, bytes per dimension) ``log_lag`` steps later — on a GPU one step,
+     so the host never waits for the device inside the loop.
+
+Faults, the MoE router-bias update, sync strategies and dynamic batching hook in through small named methods and
+the ``after_update`` callbacks, not inline (docs/trainer.md).
 """
 from __future__ import annotations
 
@@ -23,7 +26,6 @@ import itertools
 import json
 import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -33,24 +35,24 @@ from torch import nn
 
 from ..checkpoint import ModelOptimizerState, RNGState, SmartCheckpointer, TrainState
 from ..comm import ops
-from ..comm.stats import CommStats
 from ..comm.watchdog import Watchdog
 from ..data.sharding import position_is_global, shard_loader
 from ..errors import ConfigError, SyncwiseError
 from ..models import lm_loss
 from ..specs import count
 from ..metrics import MetricsLogger, detect_peak, mfu, peak_memory_mb, read_jsonl
-from ..metrics.ranklog import RankLog, StepProbe, plain
+from ..metrics.ranklog import RankLog, plain
 from ..parallel import ParallelSpec, TorchHookSpec, describe_layout, parallelize, rebind_optimizer
-from . import arguments
+from . import arguments, options
 from .dynamic_batch import DynamicBatcher
 from .faults import FaultPlan
 from .claim import claim
+from .meter import CONTROL_STATS, PendingStep, StepMeter, StepResult
+from .options import CommOptions, FaultOptions, RunOptions, StepOptions
 from .preemption import DEFAULT_GRACE_S, PreemptionGuard
 
-# Collectives that are not gradient sync (loss averaging, validation, router-load sums) are counted here, so
-# the per-step ``comm_bytes`` is exactly the gradient traffic.
-CONTROL_STATS = CommStats()
+__all__ = ["OptimizedTrainer", "CommOptions", "StepOptions", "RunOptions", "FaultOptions", "PendingStep",
+           "StepResult", "CONTROL_STATS", "lm_loss", "warmup_steps", "warmup_figures"]
 
 
 def _world() -> tuple[int, int]:
@@ -75,58 +77,6 @@ def _resolve_compressor(spec: Any):
     return getattr(spec, "compressor", spec)
 
 
-@dataclass
-class StepResult:
-    """What one optimizer step measured."""
-
-    loss: float
-    step_time_s: float
-    compute_s: float
-    comm_exposed_s: float
-    data_wait_s: float
-    comm_bytes: Optional[int]  # data-parallel bytes; None when they bypass syncwise.comm (torch's PowerSGD, FSDP2)
-    tokens: int
-    grad_norm: float
-    skipped: bool
-    comm_bytes_by_dim: Optional[dict] = None  # per parallel dimension ('dp', 'tp'); None where not counted
-
-
-@dataclass
-class PendingStep:
-    """A step the host has queued; its device-side numbers are read by ``settle()`` when its row is logged.
-
-    On a GPU the host runs ahead of the device: reading the loss or the gradient norm at once would make it
-    wait for every queued kernel each step. The loop settles a step one step later (as torchtitan logs), by
-    which time its kernels have long finished, so the read costs nothing and the GPU queue never drains.
-    """
-
-    step: int
-    loss: torch.Tensor
-    grad_norm: torch.Tensor
-    skipped: "bool | torch.Tensor"  # a 0-d bool tensor when the optimizer skipped on the device
-    step_time_s: float
-    data_wait_s: float
-    comm_waited_s: float  # host-timed waits of a sync strategy
-    exposed_comm: Callable[[], float]  # reads the DDP timer's events
-    comm_bytes: dict  # per parallel dimension: bytes this rank sent (None where not counted)
-    tokens: int
-    lr: float  # the learning rate this step's update used
-    micro_batch: Optional[int] = None  # DynamicBatcher's micro size after this step
-    parallel_metrics: dict = field(default_factory=dict)  # what the layout measured (the pipeline's bubble)
-    _settled: Optional[StepResult] = None
-
-    def settle(self) -> StepResult:
-        if self._settled is None:
-            comm = self.comm_waited_s + self.exposed_comm()
-            self._settled = StepResult(
-                loss=float(self.loss), step_time_s=self.step_time_s,
-                compute_s=max(0.0, self.step_time_s - self.data_wait_s - comm), comm_exposed_s=comm,
-                data_wait_s=self.data_wait_s, comm_bytes=self.comm_bytes.get("dp"), tokens=self.tokens,
-                comm_bytes_by_dim=self.comm_bytes,
-                grad_norm=float(self.grad_norm), skipped=bool(self.skipped))
-        return self._settled
-
-
 class OptimizedTrainer:
     """Train any ``nn.Module`` data-parallel, with compressed gradient sync, AMP, accumulation and metrics.
 
@@ -147,10 +97,20 @@ class OptimizedTrainer:
     ``pipeline_split=`` its pipeline split (``split_fn(model, stage_index, n_stages) -> stage module``; syncwise's
     model and ``nn.Sequential`` need none) (docs/parallelism.md). ``dynamic_batch=DynamicBatcher(...)`` runs micro-batches that
     fit in memory at an unchanged global batch (docs/dynamic-batch.md).
+
+    Options come in four typed groups (``syncwise.train``; docs/trainer.md): ``comm=CommOptions(...)`` (layout,
+    compression, sync, buckets), ``step=StepOptions(...)`` (precision, accumulation, clipping, dynamic batch,
+    compile), ``run=RunOptions(...)`` (device, run directory, validation, progress, checkpointer) and
+    ``faults=FaultOptions(...)`` (collective timeout, preemption grace, injected faults). Every field is also a
+    keyword of its own here, with the same name and default; ``.options`` holds the four groups the trainer uses.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 loss_fn: Callable[[Any, Any], torch.Tensor] = lm_loss, *, compress_gradients: Any = None,
+                 loss_fn: Callable[[Any, Any], torch.Tensor] = lm_loss, *, comm: Optional[CommOptions] = None,
+                 step: Optional[StepOptions] = None, run: Optional[RunOptions] = None,
+                 faults: Optional[FaultOptions] = None,
+                 # the groups' fields, flat (the seed's keywords): same names, same defaults (syncwise.train.options)
+                 compress_gradients: Any = None,
                  mixed_precision: str = "auto", grad_accum_steps: int = 1, clip_grad_norm: float = 1.0,
                  lr_scheduler: Any = None, compile: bool = False, activation_checkpointing: bool = False,
                  bucket_cap_mb: float = 25.0, min_numel: int = 4096, device: Optional[torch.device] = None,
@@ -162,82 +122,53 @@ class OptimizedTrainer:
                  parallel: "ParallelSpec | dict | None" = None, tp_plan: Optional[dict] = None,
                  pipeline_split: Optional[Callable[[nn.Module, int, int], nn.Module]] = None,
                  preempt_grace_s: Optional[float] = DEFAULT_GRACE_S, log_interval: int = 10):
-        given_precision = mixed_precision  # errors echo what the caller wrote ('half'), not its normal form
-        mixed_precision = arguments.mixed_precision_mode(mixed_precision)
-        self.grad_accum_steps = count("grad_accum_steps", grad_accum_steps)
-        self.clip_grad_norm = arguments.finite("clip_grad_norm", clip_grad_norm)
-        self.val_interval = count("val_interval", val_interval, minimum=0)
-        self.log_interval = count("log_interval", log_interval)  # plain output: a progress line every N steps
-        self.data_seed = count("data_seed", data_seed, minimum=0)  # shuffle order of a sharded loader
-        arguments.finite("bucket_cap_mb", bucket_cap_mb, inclusive=False)
-        if collective_timeout_s is not None:
-            arguments.finite("collective_timeout_s", collective_timeout_s, inclusive=False)
-        run_dir = arguments.as_path("run_dir", run_dir)
-        self.device = device or next(model.parameters()).device
+        self.options = options.gather({k: v for k, v in locals().items() if k in options.KEYWORDS},
+                                      comm=comm, step=step, run=run, faults=faults)
+        c, s, r, f = self.options.comm, self.options.step, self.options.run, self.options.faults
+        self.grad_accum_steps, self.clip_grad_norm, self.lr_scheduler = s.grad_accum_steps, s.clip_grad_norm, \
+            s.lr_scheduler
+        self.val_loader, self.val_interval, self.log_interval = r.val_loader, r.val_interval, r.log_interval
+        self.run_dir, self.show_progress, self.flops_per_token = r.run_dir, r.show_progress, r.flops_per_token
+        self.data_seed, self.checkpointer = r.data_seed, r.checkpointer  # data_seed: a sharded loader's shuffle
+        self.collective_timeout_s = f.collective_timeout_s
+        self.device = r.device or next(model.parameters()).device
         # Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR set) and no process group yet: join the job, so the
         # ranks train one model together instead of WORLD_SIZE independent copies.
-        self.owns_process_group = arguments.join_torchrun(self.device, collective_timeout_s)
+        self.owns_process_group = arguments.join_torchrun(self.device, f.collective_timeout_s)
         self.rank, self.world_size = _world()
-        if collective_timeout_s:
-            ops.set_collective_timeout(collective_timeout_s)  # also for the groups the hook creates below
+        if f.collective_timeout_s:
+            ops.set_collective_timeout(f.collective_timeout_s)  # also for the groups the hook creates below
         self.model = model.to(self.device)  # the plain module: evaluation, checkpoints, router updates
-        if self.device.type == "cuda" and tf32:
+        if self.device.type == "cuda" and s.tf32:
             # fp32 matmuls (the parts autocast leaves in fp32, and mixed_precision='none') on tensor cores.
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
-        try:
-            self.compressor = _resolve_compressor(compress_gradients)
-        except ConfigError as e:  # the spec parser names its own field; here the argument is compress_gradients
-            raise ConfigError("compress_gradients", compress_gradients, e.accepted) from None
-        self.compress_spec = compress_gradients if isinstance(compress_gradients, str) else (
-            getattr(self.compressor, "spec", None) or getattr(self.compressor, "name", "none"))
-        try:
-            self.amp_dtype = self._amp_dtype(mixed_precision)
-        except ConfigError as e:
-            raise ConfigError(e.field, given_precision, e.accepted) from None
-        # Everything parallel happens behind this one seam (syncwise.parallel.parallelize, in its one order).
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        self.par = parallelize(self.model, parallel, self.device, compressor=self.compressor,
-                               bucket_cap_mb=bucket_cap_mb, min_numel=min_numel, sync=sync,
-                               activation_checkpointing=activation_checkpointing, compile=compile, tp_plan=tp_plan,
-                               loss_fn=loss_fn, split_fn=pipeline_split,
-                               # bf16 autocast: FSDP2 gathers bf16 parameters, reduces fp32 (issue 24)
-                               param_dtype=torch.bfloat16 if self.amp_dtype == torch.bfloat16 else None)
-        self.model = self.par.model  # under pipeline parallel: this rank's stages only
-        # FSDP2 / TP put sharded parameters in the model's place; a pipeline stage keeps some of them.
-        rebind_optimizer(optimizer, names, self.model, keep_only_present=self.par.pipeline is not None)
-        self.sync = self.par.sync  # the reduced-sync strategy the step drives (None: every-step sync)
-        self.sync_spec = self.sync.spec.spec if self.sync is not None else "every-step"
-        self.optimizer, self.lr_scheduler, self.loss_fn = optimizer, lr_scheduler, loss_fn
-        if self.amp_dtype == torch.float16 and self.par.pipeline is not None:
-            raise ConfigError("mixed_precision", given_precision, "bf16 or none with pipeline parallel: fp16 needs "
-                              "GradScaler's loss scaling, which cannot wrap the schedule's own backward")
-        # fp16 needs loss scaling; bf16 and fp32 do not.
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype == torch.float16)
-        self.val_loader, self.run_dir, self.show_progress = val_loader, run_dir, show_progress
-        self.flops_per_token = flops_per_token
+        self._set_precision(s.mixed_precision)
+        self._lay_out(c, s, optimizer, loss_fn)
+        self.optimizer, self.loss_fn = optimizer, loss_fn
         self.peak = detect_peak(self.device)  # the part's dense bf16 peak, for MFU (None on a CPU)
-        self.checkpointer = checkpointer
-        self.faults = FaultPlan(inject_faults or [], run_dir)
+        self.faults = FaultPlan(f.inject_faults or [], self.run_dir)
         # SIGTERM / SIGUSR1 during train(): stop after a step every rank agrees on, save, raise Preempted
         # (train/preemption.py); None or 0 leaves the signals alone.
-        self.preemption = PreemptionGuard(arguments.finite("preempt_grace_s", preempt_grace_s or 0.0),
-                                          self.rank, self.world_size)
-        self._probe = StepProbe(self.model, self.par)  # per-step extras for `syncwise doctor` (no collectives)
-        self.collective_timeout_s = collective_timeout_s
-        if dynamic_batch is not None and not isinstance(dynamic_batch, DynamicBatcher):
-            raise ConfigError("dynamic_batch", dynamic_batch, "None or a syncwise.train.DynamicBatcher")
-        if dynamic_batch is not None and not self.par.spec.replicas_only:
-            raise ConfigError("dynamic_batch", dynamic_batch, "None with FSDP2 or tensor parallel: every forward "
+        self.preemption = PreemptionGuard(f.preempt_grace_s or 0.0, self.rank, self.world_size)
+        if s.dynamic_batch is not None and not self.par.spec.replicas_only:
+            raise ConfigError("dynamic_batch", s.dynamic_batch, "None with FSDP2 or tensor parallel: every forward "
                               "there is collective, so one rank cannot probe or redo a micro-batch alone")
-        self.batcher = dynamic_batch  # micro-batches that fit; None: each loader batch is one micro-batch
+        self.batcher = s.dynamic_batch  # micro-batches that fit; None: each loader batch is one micro-batch
         self.step = 0
         self.total_steps = 0
         self.tokens_seen = 0
         self.skipped_steps: list[int] = []
         self.metric_sinks: list[Any] = []  # each gets every metrics.jsonl row: syncwise.metrics.sinks (Prometheus, W&B)
-        self.watchdog: Optional[Watchdog] = None  # hang reports; runs during train() when distributed
-        self.phase = "start"  # what the step is doing, for the message when a collective hangs
+        # Timers, bytes per dimension, per-step extras and the watchdog's phase of every step (train/meter.py)
+        # Replicas that diverge (local SGD) skip every per-step collective (the logged loss's mean, the router
+        # loads): each would hold the ranks in lockstep, and the step would wait for the slowest one.
+        self._lockstep = self.world_size > 1 and not (self.sync is not None and self.sync.replicas_diverge)
+        self.meter = StepMeter(self.model, self.par, lockstep=self._lockstep, batcher=self.batcher)
+        # The step's callbacks after its update(s), with `skipped` (a bool, or a 0-d tensor skipped on the device)
+        self.after_update: list[Callable[[Any], None]] = []
+        if hasattr(self.model, "update_router_bias"):
+            self.after_update.append(self._update_router_bias)
         # Skip a non-finite step inside the optimizer (no host read of the gradient norm) where it can: fused
         # AdamW takes GradScaler's found_inf flag. fp16 keeps GradScaler's own path; reduced-sync strategies
         # decide per replica on the host.
@@ -249,6 +180,40 @@ class OptimizedTrainer:
         # Rows (loss, norm, timings) are read this many steps late: on a GPU the host then never waits for
         # the device inside the loop; on a CPU there is nothing to gain.
         self.log_lag = 1 if self.device.type == "cuda" else 0
+
+    def _set_precision(self, given: Any) -> None:
+        """The autocast dtype (None: fp32) and the GradScaler (fp16 needs loss scaling; bf16 and fp32 do not).
+        Errors echo what the caller wrote ('half'), not its normal form."""
+        try:
+            self.amp_dtype = self._amp_dtype(arguments.mixed_precision_mode(given))
+        except ConfigError as e:
+            raise ConfigError(e.field, given, e.accepted) from None
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype == torch.float16)
+        self._given_precision = given
+
+    def _lay_out(self, c: CommOptions, s: StepOptions, optimizer: torch.optim.Optimizer, loss_fn: Any) -> None:
+        """The compressor and everything parallel, behind one seam (syncwise.parallel.parallelize, in its order)."""
+        try:
+            self.compressor = _resolve_compressor(c.compress_gradients)
+        except ConfigError as e:  # the spec parser names its own field; here the argument is compress_gradients
+            raise ConfigError("compress_gradients", c.compress_gradients, e.accepted) from None
+        self.compress_spec = c.compress_gradients if isinstance(c.compress_gradients, str) else (
+            getattr(self.compressor, "spec", None) or getattr(self.compressor, "name", "none"))
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        self.par = parallelize(self.model, c.parallel, self.device, compressor=self.compressor,
+                               bucket_cap_mb=c.bucket_cap_mb, min_numel=c.min_numel, sync=c.sync,
+                               activation_checkpointing=s.activation_checkpointing, compile=s.compile,
+                               tp_plan=c.tp_plan, loss_fn=loss_fn, split_fn=c.pipeline_split,
+                               # bf16 autocast: FSDP2 gathers bf16 parameters, reduces fp32 (issue 24)
+                               param_dtype=torch.bfloat16 if self.amp_dtype == torch.bfloat16 else None)
+        self.model = self.par.model  # under pipeline parallel: this rank's stages only
+        # FSDP2 / TP put sharded parameters in the model's place; a pipeline stage keeps some of them.
+        rebind_optimizer(optimizer, names, self.model, keep_only_present=self.par.pipeline is not None)
+        self.sync = self.par.sync  # the reduced-sync strategy the step drives (None: every-step sync)
+        self.sync_spec = self.sync.spec.spec if self.sync is not None else "every-step"
+        if self.amp_dtype == torch.float16 and self.par.pipeline is not None:
+            raise ConfigError("mixed_precision", self._given_precision, "bf16 or none with pipeline parallel: fp16 "
+                              "needs GradScaler's loss scaling, which cannot wrap the schedule's own backward")
 
     # ----------------------------------------------------------------------------------------- public API
     def train(self, loader: Iterable, epochs: Optional[int] = None, steps: Optional[int] = None,
@@ -268,17 +233,7 @@ class OptimizedTrainer:
         # state see it); loaders that shard and checkpoint themselves (TokenBatchLoader) are left as they are.
         loader = shard_loader(loader, self.par.dp_rank, self.par.dp_size, seed=self.data_seed)
         total = self.total_steps = self._total_steps(loader, epochs, steps)
-        if checkpoint_dir is not None and self.checkpointer is None:
-            self.checkpointer = SmartCheckpointer(checkpoint_dir)
-        if resume is not None and self.checkpointer is None:
-            raise ConfigError("resume", resume, "None/False unless checkpoint_dir= is given to train() (or a "
-                              "SmartCheckpointer to OptimizedTrainer): there is nothing to resume from")
-        # The run directory's lock, and no fresh run over an earlier one's files (as `syncwise train`): train/claim.py
-        self._run_dir_lock = claim(self.run_dir, self.checkpointer.directory if self.checkpointer else None, resume,
-                                   self.step > 0, self.rank, self.world_size, getattr(self, "_run_dir_lock", None))
-        state = self.train_state(loader)
-        redone = self._resume(resume, state)
-        self._start_step = self.step  # > 0: resumed; the summary then covers the earlier steps too (_earlier_steps)
+        state, redone = self._open(loader, checkpoint_dir, resume)
         if self.step >= total:
             return self._already_finished(total)
         # Files on rank 0 whenever there is a run directory; show_progress=False only silences the console.
@@ -287,29 +242,22 @@ class OptimizedTrainer:
         if redone is not None:
             logger.note(f"resumed from step {self.step}; {redone} step(s) after it are redone")
         rank_log = RankLog(self.run_dir, self.rank, self.world_size, start_step=self.step)  # every rank's own rows
-        rank_log.watch(CONTROL_STATS, self._probe.ep_stats)
+        self.meter.watch(rank_log)
         if self.step == 0:
             self.faults.skew_router(self.model)
         batches = _forever(loader)
         if self.batcher is not None and not self.batcher.found:
             batches = self._find_micro_batch(batches, logger)
         layout_check = None
-        if cloud_config is not None:  # the planner's verdict on this layout (it warns when > 1.25× the best)
-            first = next(batches)
-            batches = itertools.chain([first], batches)
-            # plan sits above train (DESIGN.md §3): the CloudConfig the caller hands in runs the check itself
-            check = getattr(cloud_config, "check_training_run", None)
-            layout_check = check(self, first) if check else {"skipped": "cloud_config is not a syncwise.plan."
-                                                             "CloudConfig (load a TOML with syncwise.plan.load_cluster)"}
-            if layout_check.get("warning"):
-                logger.note(layout_check["warning"])
+        if cloud_config is not None:
+            batches, layout_check = self._check_layout(cloud_config, batches, logger)
         if self.world_size > 1 and self.collective_timeout_s:
             self.watchdog = Watchdog(self.collective_timeout_s, self.rank, self.world_size,
                                      Path(self.run_dir) / "heartbeats" if self.run_dir else None)
         history: list[StepResult] = []
         unlogged: collections.deque = collections.deque()  # (PendingStep, checkpoint save in flight during it)
-        changes_seen = len(self.batcher.history) if self.batcher is not None else 0
-        val_loss = None
+        self._changes_seen = len(self.batcher.history) if self.batcher is not None else 0
+        self._val_loss: Optional[float] = None
         started = time.perf_counter()
         self.preemption.install(self.run_dir or (self.checkpointer.directory if self.checkpointer else None),
                                 self.checkpointer.directory if self.checkpointer else None)
@@ -321,11 +269,8 @@ class OptimizedTrainer:
                 in_flight = self.checkpointer is not None and self.checkpointer.save_in_flight
                 unlogged.append((self._train_step(batches), in_flight))
                 self.step += 1
-                if self.batcher is not None:
-                    for change in self.batcher.history[changes_seen:]:
-                        logger.note(f"dynamic batch: step {change.step}: micro-batch {change.old} → {change.new} "
-                                    f"({change.reason})")
-                    changes_seen = len(self.batcher.history)
+                self.tokens_seen += unlogged[-1][0].tokens
+                self._note_batch_changes(logger)
                 validate = self.val_loader is not None and (self.step == total or (
                     self.val_interval and self.step % self.val_interval == 0))
                 # A SIGTERM/SIGUSR1 on any rank: every rank stops after this same step (the save is the final one).
@@ -334,32 +279,14 @@ class OptimizedTrainer:
                     self.checkpointer.should_save(self.step, unlogged[-1][0].step_time_s)
                 # Rows are read `log_lag` steps late (see PendingStep), at once when this step's row is needed.
                 keep = 0 if validate or save or stop or self.step == total else self.log_lag
-                while len(unlogged) > keep:
-                    queued, in_flight = unlogged.popleft()
-                    result = queued.settle()
-                    history.append(result)
-                    row = self._row(result, queued)
-                    if self.checkpointer is not None:
-                        row["ckpt_in_flight"] = in_flight
-                    if validate and queued.step == self.step:
-                        self.phase = "validation"
-                        val_loss = row["val_loss"] = self.evaluate()
-                    logger.log_step(row)
-                    rank_log.log_step(row)
-                    for sink in self.metric_sinks:
-                        sink.log_step(row)
+                history += self._log_rows(unlogged, keep, validate, (logger, rank_log))
                 if save:
                     self._settle_skip()
                     self.phase = "checkpoint save"
                     self.checkpointer.save(self.step, state)
                 if stop:
                     break
-            self._settle_skip()
-            if self.checkpointer is not None:
-                self.phase = "final checkpoint save"
-                if self.checkpointer.last_save is None or self.checkpointer.last_save.step != self.step:
-                    self.checkpointer.save(self.step, state)
-                self.checkpointer.close()
+            self._final_save(state)
         except RuntimeError as e:
             raise self._explain_hang(e) from e
         finally:
@@ -368,7 +295,33 @@ class OptimizedTrainer:
                 self.watchdog.close()
                 self.watchdog = None
             self.par.close()
-        summary = self._summary(history, val_loss, time.perf_counter() - started)
+        summary = self._finish(history, time.perf_counter() - started, cloud_config, layout_check)
+        logger.finish(summary)
+        rank_log.finish(summary)
+        if self._run_dir_lock is not None:
+            self._run_dir_lock.release()
+        return self.preemption.finish(summary)  # raises Preempted (exit code 83) after a stop
+
+    def _open(self, loader: Any, checkpoint_dir: Optional[str], resume: Optional[str]) -> tuple[TrainState, Any]:
+        """The checkpointer, the run directory's claim, the train state, and the resume: (state, steps redone;
+        None for a fresh run)."""
+        if checkpoint_dir is not None and self.checkpointer is None:
+            self.checkpointer = SmartCheckpointer(checkpoint_dir)
+        if resume is not None and self.checkpointer is None:
+            raise ConfigError("resume", resume, "None/False unless checkpoint_dir= is given to train() (or a "
+                              "SmartCheckpointer to OptimizedTrainer): there is nothing to resume from")
+        # The run directory's lock, and no fresh run over an earlier one's files (as `syncwise train`): train/claim.py
+        self._run_dir_lock = claim(self.run_dir, self.checkpointer.directory if self.checkpointer else None, resume,
+                                   self.step > 0, self.rank, self.world_size, getattr(self, "_run_dir_lock", None))
+        state = self.train_state(loader)
+        redone = self._resume(resume, state)
+        self._start_step = self.step  # > 0: resumed; the summary then covers the earlier steps too (_earlier_steps)
+        self.meter.step = self.step + 1
+        return state, redone
+
+    def _finish(self, history: list[StepResult], wall: float, cloud_config: Any, layout_check: Any) -> dict[str, Any]:
+        """The run's summary: the steps' figures, this rank's checkpoint saves, the layout check, a preemption."""
+        summary = self._summary(history, self._val_loss, wall)
         if self.checkpointer is not None:
             # This rank's save costs (rank 0's total_s runs until the checkpoint is published).
             summary["checkpoint_saves"] = [
@@ -379,11 +332,53 @@ class OptimizedTrainer:
             summary["layout_check"] = layout_check
         if self.preemption.stopping_step is not None:  # saved above; rank 0 writes RUN_DIR/preempted.json
             summary["preempted"] = self.preemption.record(self.checkpointer)
-        logger.finish(summary)
-        rank_log.finish(summary)
-        if self._run_dir_lock is not None:
-            self._run_dir_lock.release()
-        return self.preemption.finish(summary)  # raises Preempted (exit code 83) after a stop
+        return summary
+
+    def _log_rows(self, unlogged: collections.deque, keep: int, validate: bool, logs: tuple) -> list[StepResult]:
+        """Settle the queued steps until ``keep`` are left (see PendingStep), validating after the newest one when
+        ``validate``; every row goes to the logs (metrics.jsonl, the rank's own) and the metric sinks."""
+        settled = []
+        while len(unlogged) > keep:
+            queued, in_flight = unlogged.popleft()
+            result = queued.settle()
+            settled.append(result)
+            row = self._row(result, queued)
+            if self.checkpointer is not None:
+                row["ckpt_in_flight"] = in_flight
+            if validate and queued.step == self.step:
+                self.phase = "validation"
+                self._val_loss = row["val_loss"] = self.evaluate()
+            for sink in (*logs, *self.metric_sinks):
+                sink.log_step(row)
+        return settled
+
+    def _note_batch_changes(self, logger: MetricsLogger) -> None:
+        """The DynamicBatcher's micro-batch changes of the last step, as notes in the log."""
+        if self.batcher is None:
+            return
+        for change in self.batcher.history[self._changes_seen:]:
+            logger.note(f"dynamic batch: step {change.step}: micro-batch {change.old} → {change.new} ({change.reason})")
+        self._changes_seen = len(self.batcher.history)
+
+    def _check_layout(self, cloud_config: Any, batches: Iterator, logger: MetricsLogger) -> tuple[Iterator, dict]:
+        """The planner's verdict on this layout (it warns when > 1.25× the best); the first batch is not consumed."""
+        first = next(batches)
+        # plan sits above train (DESIGN.md §3): the CloudConfig the caller hands in runs the check itself
+        check = getattr(cloud_config, "check_training_run", None)
+        verdict = check(self, first) if check else {"skipped": "cloud_config is not a syncwise.plan.CloudConfig "
+                                                    "(load a TOML with syncwise.plan.load_cluster)"}
+        if verdict.get("warning"):
+            logger.note(verdict["warning"])
+        return itertools.chain([first], batches), verdict
+
+    def _final_save(self, state: TrainState) -> None:
+        """The run's last checkpoint (unless the newest one is of this step), then the checkpointer's close."""
+        self._settle_skip()
+        if self.checkpointer is not None:
+            self.phase = "final checkpoint save"
+            if self.checkpointer.last_save is None or self.checkpointer.last_save.step != self.step:
+                self.checkpointer.save(self.step, state)
+            self.checkpointer.close()
 
     def _find_micro_batch(self, batches: Iterator, logger: MetricsLogger) -> Iterator:
         """Probe the largest micro-batch on the first loader batch (on the plain module: no collectives, so
@@ -470,13 +465,21 @@ class OptimizedTrainer:
 
     @property
     def phase(self) -> str:
-        return self._phase
+        """What the loop is doing (the step meter's phase: the hang report and the watchdog's heartbeat name it)."""
+        return self.meter.phase
 
     @phase.setter
     def phase(self, value: str) -> None:
-        self._phase = value
-        if self.watchdog is not None:
-            self.watchdog.at(self.step + 1, value)
+        self.meter.phase = value
+
+    @property
+    def watchdog(self) -> Optional[Watchdog]:
+        """The hang watchdog while a distributed ``train()`` with a collective timeout runs (else None)."""
+        return self.meter.watchdog
+
+    @watchdog.setter
+    def watchdog(self, value: Optional[Watchdog]) -> None:
+        self.meter.watchdog = value
 
     def _explain_hang(self, e: RuntimeError) -> Exception:
         if not ops.timed_out(e):  # (also as the cause of a wrapper: the pipeline stage's "failed to run forward")
@@ -509,97 +512,109 @@ class OptimizedTrainer:
 
     # ----------------------------------------------------------------------------------------- one step
     def _train_step(self, batches: Iterator) -> PendingStep:
-        t_start = time.perf_counter()
-        comm_waited = 0.0
-        self.par.begin_step()
-        self.optimizer.zero_grad(set_to_none=True)
-        accum = self.grad_accum_steps
-        # Local SGD: gradients stay on this replica except during its warm-up.
-        sync_grads = self.par.syncs_gradients(self.step + 1)
-        poison = self.faults.poison_loss(self.step + 1, self.rank)
-        self.phase = "data loading"
-        t_data = time.perf_counter()
-        loaded = [next(batches) for _ in range(accum)]
-        self.faults.delay_data(self.step + 1, self.rank)  # slowdata: a starved loader (injected)
-        data_wait = time.perf_counter() - t_data
-        tokens = sum(x.numel() if not x.is_floating_point() else x.size(0) for x, _ in loaded)
-
-        def run_micro(inputs: Any, targets: Any, weight: float, last: bool) -> torch.Tensor:
-            """Forward/backward one micro-batch; only the last one of the step syncs gradients."""
-            inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
-            with self.par.micro_batch(syncing=last and sync_grads):
-                self.phase = "forward/backward (gradient sync)"
-                if self.par.pipeline is not None:  # the schedule runs every microbatch's forward and backward
-                    self.phase = "pipeline schedule"
-                    with self._autocast():
-                        loss = self.par.pipeline.step(inputs, targets, weight=weight * (math.nan if poison else 1.0))
-                    if poison and not self.par.pipeline.has_last:  # (the weight reaches only the last stage's loss)
-                        next(p for p in self.model.parameters() if p.grad is not None).grad.mul_(math.nan)
-                    return loss
-                with self._autocast():
-                    loss = self.loss_fn(self.par.module(inputs), targets) * weight
-                if poison:
-                    loss = loss * float("nan")
-                self.scaler.scale(loss).backward()
-            return loss.detach()
-
-        t_micro = self.faults.stretch(self.step + 1, self.rank)  # slow: a straggler (injected)
-        if self.batcher is None:
-            loss_sum = sum(run_micro(x, y, 1 / accum, i == accum - 1) for i, (x, y) in enumerate(loaded))
-        else:  # micro-batches of the size that fits; an out-of-memory redoes the step from `loaded`
-            loss_sum = self.batcher.accumulate(loaded, run_micro, lambda: self.optimizer.zero_grad(set_to_none=True),
-                                               syncs=sync_grads, step=self.step + 1)
-        self.faults.stretched(time.perf_counter() - t_micro)
-        exposed_comm = self.par.take_exposed()
-        # The logged loss is the mean over ranks; its tiny all-reduce runs while the optimizer steps. Replicas
-        # that diverge (local SGD) skip every per-step collective: each would hold the ranks in lockstep, and
-        # the step would wait for the slowest one; rank 0's replica's loss is logged instead.
-        in_lockstep = self.world_size > 1 and not (self.sync is not None and self.sync.replicas_diverge)
-        loss_work = ops.all_reduce(loss_sum, "avg", async_op=True, stats=CONTROL_STATS) if in_lockstep else None
-
-        self.phase = "optimizer step"
+        """One optimizer step: get batch → forward/backward (accumulating) → sync → update → meter."""
         step, last = self.step + 1, self.step + 1 >= self.total_steps
-        updates: list = [None]  # None: apply the gradients in .grad (synced by DDP, or local under local SGD)
-        if self.sync is not None:
-            updates, waited = self.sync.exchange(step, last)  # Pipe-SGD: 0 updates on step 1, 2 on the last
-            comm_waited += waited
+        meter = self.meter.begin(step)
+        self.optimizer.zero_grad(set_to_none=True)
+        loaded = self._next_batches(batches, step)
+        syncing = self.par.syncs_gradients(step)  # local SGD: gradients stay on this replica after its warm-up
+        loss = self._forward_backward(loaded, syncing, step)
+        meter.backward_done(loss)
+        updates = self._sync_exchange(step, last)
+        grad_norm, skipped = self._update(step, updates)
+        self._sync_after_step(step, last)
+        return meter.end(loss, grad_norm, skipped, loaded, self._lr_used)
+
+    def _next_batches(self, batches: Iterator, step: int) -> list:
+        """The step's ``grad_accum_steps`` loader batches; the meter times the wait for them."""
+        with self.meter.data_wait():
+            loaded = [next(batches) for _ in range(self.grad_accum_steps)]
+            self.faults.delay_data(step, self.rank)  # slowdata: a starved loader (injected)
+        return loaded
+
+    def _forward_backward(self, loaded: list, syncing: bool, step: int) -> torch.Tensor:
+        """The step's loader batches forward and backward, gradients accumulating; only the last micro-batch syncs
+        (when ``syncing``). With a DynamicBatcher: in micro-batches of the size that fits, the step redone from
+        ``loaded`` after an out-of-memory. Returns the summed (weighted) loss."""
+        poison = self.faults.poison_loss(step, self.rank)  # nan: this step's loss is NaN (injected)
+
+        def micro(inputs: Any, targets: Any, weight: float, last: bool) -> torch.Tensor:
+            return self._micro_batch(inputs, targets, weight, syncing=last and syncing, poison=poison)
+
+        with self.faults.straggling(step, self.rank):  # slow: a straggler (injected)
+            if self.batcher is not None:
+                return self.batcher.accumulate(loaded, micro, lambda: self.optimizer.zero_grad(set_to_none=True),
+                                               syncs=syncing, step=step)
+            n = len(loaded)
+            return sum(micro(x, y, 1 / n, i == n - 1) for i, (x, y) in enumerate(loaded))
+
+    def _micro_batch(self, inputs: Any, targets: Any, weight: float, syncing: bool, poison: bool) -> torch.Tensor:
+        """Forward/backward one micro-batch, its loss scaled by ``weight`` (its share of the step); its backward
+        syncs gradients when ``syncing``. A ``poison``ed micro-batch's loss is NaN."""
+        inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+        weight = weight * (math.nan if poison else 1.0)
+        with self.par.micro_batch(syncing=syncing):
+            if self.par.pipeline is not None:  # the schedule runs every microbatch's forward and backward
+                self.phase = "pipeline schedule"
+                with self._autocast():
+                    loss = self.par.pipeline.step(inputs, targets, weight=weight)
+                if poison and not self.par.pipeline.has_last:  # (the weight reaches only the last stage's loss)
+                    self.faults.poison_stage(self.model)
+                return loss
+            self.phase = "forward/backward (gradient sync)"
+            with self._autocast():
+                loss = self.loss_fn(self.par.module(inputs), targets) * weight
+            self.scaler.scale(loss).backward()
+        return loss.detach()
+
+    def _update(self, step: int, updates: list) -> "tuple[torch.Tensor, bool | torch.Tensor]":
+        """Apply the step's updates (``_apply_update``; none, one, or Pipe-SGD's two on the last step), then the
+        ``after_update`` callbacks (the MoE router bias) with whether the step was skipped: (grad norm, skipped)."""
         grad_norm, skipped = torch.zeros(()), False
         for grads in updates:
-            if grads is not None:
-                for p, g in zip(self.sync.params, grads):
-                    p.grad = g
-            grad_norm, skipped = self._apply_update(step)
-        update_bias = getattr(self.model, "update_router_bias", None)
-        if updates and update_bias is not None:
-            # Under local SGD each replica balances its own experts; the biases are averaged with the rest.
-            reduce = self._sum_across_ranks if in_lockstep else None
-            if isinstance(skipped, torch.Tensor):  # skipped on the device: so is the bias update, unread
-                update_bias(reduce, apply=~skipped)
-            else:  # a skipped step's load counts go with it (no update; see MoE.update_bias)
-                update_bias(reduce, apply=torch.tensor(not skipped))
+            grad_norm, skipped = self._apply_update(step, grads)
+        for callback in self.after_update if updates else ():
+            callback(skipped)
+        return grad_norm, skipped
+
+    def _sync_exchange(self, step: int, last: bool) -> list:
+        """The updates this step applies: ``[None]`` (the gradients in ``.grad``: synced by DDP, or local under
+        local SGD), or a sync strategy's gradients (Pipe-SGD: none on step 1, two on the last)."""
+        if self.sync is None:
+            return [None]
+        updates, waited = self.sync.exchange(step, last)
+        self.meter.waited(waited)
+        return updates
+
+    def _sync_after_step(self, step: int, last: bool) -> None:
+        """A sync strategy's work after the update (local SGD / DiLoCo: the replicas' average every H steps)."""
         if self.sync is not None:
             self.phase = f"{self.sync_spec} sync"
-            comm_waited += self.sync.after_step(step, last)
+            self.meter.waited(self.sync.after_step(step, last))
+            # local SGD: the steps a replica dropped, learnt by every replica at the average (SyncStrategy.skip)
             self.skipped_steps = sorted(set(self.skipped_steps).union(self.sync.take_skips()))
-        comm_bytes = self.par.comm_bytes()
-        if loss_work is not None:
-            loss_work.wait()
-        self.tokens_seen += tokens * self.par.dp_size
-        return PendingStep(step=step, loss=loss_sum, grad_norm=grad_norm, skipped=skipped,
-                           step_time_s=time.perf_counter() - t_start, data_wait_s=data_wait,
-                           comm_waited_s=comm_waited, exposed_comm=exposed_comm,
-                           comm_bytes=comm_bytes, tokens=tokens * self.par.dp_size, lr=self._lr_used,
-                           micro_batch=self.batcher.size if self.batcher is not None else None,
-                           parallel_metrics={**self.par.step_metrics(), **self._probe.take()})
 
-    def _apply_update(self, step: int) -> "tuple[torch.Tensor, bool | torch.Tensor]":
+    def _update_router_bias(self, skipped: "bool | torch.Tensor") -> None:
+        """After-update callback of an MoE model: aux-loss-free balancing nudges the router biases (not on a
+        skipped step). Under local SGD each replica balances its own experts; the biases are averaged with the rest."""
+        reduce = self._sum_across_ranks if self._lockstep else None
+        if isinstance(skipped, torch.Tensor):  # skipped on the device: so is the bias update, unread
+            self.model.update_router_bias(reduce, apply=~skipped)
+        else:  # a skipped step's load counts go with it (no update; see MoE.update_bias)
+            self.model.update_router_bias(reduce, apply=torch.tensor(not skipped))
+
+    def _apply_update(self, step: int, grads: Optional[list] = None) -> "tuple[torch.Tensor, bool | torch.Tensor]":
         """Unscale, clip, skip a non-finite step (on every rank), optimizer and LR step: (grad norm, skipped).
+        ``grads``: a sync strategy's gradients to apply instead of those in ``.grad`` (None: those).
 
         With an optimizer that can skip on the device (fused AdamW: GradScaler's ``found_inf`` protocol), the
         host never waits for the gradient norm: the optimizer gets the non-finite flag as a tensor, and the
         LR schedule and the skipped-step list follow when the flag is read, before the next update
         (``_settle_skip``). Otherwise the norm is read here.
         """
+        if grads is not None:
+            for p, g in zip(self.sync.params, grads):
+                p.grad = g
         self._settle_skip()
         self._lr_used = self.optimizer.param_groups[0]["lr"]
         self.scaler.unscale_(self.optimizer)

@@ -1,0 +1,140 @@
+"""``OptimizedTrainer``'s options in four typed groups, one per component (as torchtitan's per-component configs).
+
+    OptimizedTrainer(model, optimizer, loss_fn,
+                     comm=CommOptions(compress_gradients="powersgd:rank=4", parallel={"dp_shard": 2}),
+                     step=StepOptions(mixed_precision="bf16", grad_accum_steps=4),
+                     run=RunOptions(run_dir="runs/a", log_interval=5),
+                     faults=FaultOptions(collective_timeout_s=60))
+
+Every field is also a keyword of ``OptimizedTrainer`` itself, with the same name and default (the seed's
+``OptimizedTrainer(model, optimizer, loss_fn, compress_gradients=..., mixed_precision=..., dynamic_batch=...)``);
+a keyword set to something other than its default together with the group that holds it is refused (it would be
+given twice). Each group checks its own fields when it is made, with the error naming the field as the keyword
+does; what depends on the device or the layout (fp16 needs CUDA, dynamic batching needs replicas) is checked by
+the trainer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Iterable, Optional
+
+from ..errors import ConfigError
+from ..specs import count
+from . import arguments
+from .dynamic_batch import DynamicBatcher
+from .faults import Fault
+from .preemption import DEFAULT_GRACE_S
+
+
+@dataclass
+class CommOptions:
+    """How the ranks communicate: the layout, gradient compression, reduced sync and DDP's buckets."""
+
+    compress_gradients: Any = None   # None/'none', a spec ('powersgd:rank=4', 'torch-fp16'), True, or a Compressor
+    sync: Any = None                 # None (every step) or 'localsgd:period=H' / 'diloco:...' / 'pipesgd' (a SyncSpec)
+    parallel: Any = None             # a syncwise.parallel.ParallelSpec or a dict of its fields; None: DDP replicas
+    tp_plan: Optional[dict] = None   # a user model's tensor-parallel plan (parallelize_module's dict)
+    pipeline_split: Optional[Callable[[Any, int, int], Any]] = None  # split_fn(model, stage, n_stages) -> stage
+    bucket_cap_mb: float = 25.0      # DDP's gradient bucket size
+    min_numel: int = 4096            # tensors smaller than this are sent uncompressed
+
+    def __post_init__(self) -> None:
+        arguments.finite("bucket_cap_mb", self.bucket_cap_mb, inclusive=False)
+
+
+@dataclass
+class StepOptions:
+    """What one optimizer step does: precision, accumulation, clipping, micro-batching, compile, recompute."""
+
+    mixed_precision: Any = "auto"    # 'auto' (bf16 on a GPU that has it), 'bf16', 'fp16' (CUDA), 'none'/False
+    grad_accum_steps: int = 1        # loader batches per optimizer step (only the last one communicates)
+    clip_grad_norm: float = 1.0      # 0: measure the norm only
+    lr_scheduler: Any = None         # stepped after each applied update
+    dynamic_batch: Optional[DynamicBatcher] = None  # micro-batches that fit in memory (docs/dynamic-batch.md)
+    compile: bool = False            # torch.compile the wrapped module
+    activation_checkpointing: bool = False
+    tf32: bool = True                # fp32 matmuls on tensor cores (CUDA)
+
+    def __post_init__(self) -> None:
+        arguments.mixed_precision_mode(self.mixed_precision)  # the trainer keeps the spelling for its errors
+        self.grad_accum_steps = count("grad_accum_steps", self.grad_accum_steps)
+        self.clip_grad_norm = arguments.finite("clip_grad_norm", self.clip_grad_norm)
+        if self.dynamic_batch is not None and not isinstance(self.dynamic_batch, DynamicBatcher):
+            raise ConfigError("dynamic_batch", self.dynamic_batch, "None or a syncwise.train.DynamicBatcher")
+
+
+@dataclass
+class RunOptions:
+    """Where the run lives and what it reports: device, run directory, validation, progress, checkpoints."""
+
+    device: Any = None               # default: the model's
+    run_dir: Any = None              # metrics.jsonl, summary.json, ranks/, heartbeats/
+    val_loader: Optional[Iterable] = None
+    val_interval: int = 0            # validate every N steps (and at the end); 0: at the end only
+    log_interval: int = 10           # plain output: a progress line every N steps
+    show_progress: bool = True       # False silences the console only; files are still written
+    flops_per_token: Optional[float] = None  # for MFU
+    checkpointer: Any = None         # a SmartCheckpointer (or train(checkpoint_dir=...))
+    data_seed: int = 0               # shuffle order of a sharded loader
+
+    def __post_init__(self) -> None:
+        self.val_interval = count("val_interval", self.val_interval, minimum=0)
+        self.log_interval = count("log_interval", self.log_interval)
+        self.data_seed = count("data_seed", self.data_seed, minimum=0)
+        self.run_dir = arguments.as_path("run_dir", self.run_dir)
+
+
+@dataclass
+class FaultOptions:
+    """When something goes wrong: hung collectives, preemption signals, and injected faults for tests and demos."""
+
+    collective_timeout_s: Optional[float] = None  # a collective that takes longer is reported as a hang
+    preempt_grace_s: Optional[float] = DEFAULT_GRACE_S  # SIGTERM/SIGUSR1: stop, save, exit 83; None/0: signals alone
+    inject_faults: Optional[list] = None          # 'kill:rank=R,step=S', 'nan:step=S', ... (train/faults.py)
+
+    def __post_init__(self) -> None:
+        if self.collective_timeout_s is not None:
+            arguments.finite("collective_timeout_s", self.collective_timeout_s, inclusive=False)
+        arguments.finite("preempt_grace_s", self.preempt_grace_s or 0.0)
+        # parsed once, here: the trainer's FaultPlan gets Fault objects (a bad spec fails before anything is built)
+        self.inject_faults = [Fault.parse(x) if isinstance(x, str) else x for x in self.inject_faults or []]
+
+
+@dataclass
+class TrainerOptions:
+    """The four groups one trainer was made with (``OptimizedTrainer.options``)."""
+
+    comm: CommOptions
+    step: StepOptions
+    run: RunOptions
+    faults: FaultOptions
+
+
+GROUPS = {"comm": CommOptions, "step": StepOptions, "run": RunOptions, "faults": FaultOptions}
+KEYWORDS = frozenset(f.name for kind in GROUPS.values() for f in fields(kind))  # OptimizedTrainer's flat keywords
+
+
+def gather(keywords: dict[str, Any], **groups: Any) -> TrainerOptions:
+    """The four groups from ``OptimizedTrainer``'s flat ``keywords`` and the groups given (``comm=``, ``step=``,
+    ``run=``, ``faults=``): a group given is used as it is; otherwise it is made from the keywords."""
+    out: dict[str, Any] = {}
+    for name, kind in GROUPS.items():
+        given = groups.get(name)
+        if given is None:
+            out[name] = kind(**{f.name: keywords[f.name] for f in fields(kind)})
+            continue
+        if not isinstance(given, kind):
+            raise ConfigError(name, given, f"None or a syncwise.train.{kind.__name__}")
+        for f in fields(kind):
+            if not _is_default(keywords[f.name], f.default):
+                raise ConfigError(f.name, keywords[f.name], f"its default ({f.default!r}) when {name}= is given: "
+                                  f"set it in the {kind.__name__} instead")
+        out[name] = given
+    return TrainerOptions(**out)
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    if value is default:
+        return True
+    plain = (bool, int, float, str)
+    return isinstance(value, plain) and isinstance(default, plain) and type(value) is type(default) and value == default
