@@ -223,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0, help="seed of the kill plans")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds before one run is declared hung")
-    ap.add_argument("--lab", action="store_true", help="2 lab nodes with one worker each instead of 2 local workers")
+    ap.add_argument("--lab", action="store_true", help="2 lab nodes with one worker each instead of 2 local workers "
+                    "(--hostile --layouts: the layout's ranks split over 2 lab nodes, on the lab's default prefix)")
     ap.add_argument("--bandwidth", default="1gbit", help="lab link rate (with --lab)")
     ap.add_argument("--prefix", default="rlab", help="lab prefix (never the default 'swlab' others use)")
     ap.add_argument("--subnet", default="10.79.0.0/24", help="lab subnet (with --lab)")
@@ -319,22 +320,43 @@ def _hostile_cmd(run_dir: Path, steps: int, *extra: str) -> list[str]:
 
 
 class _Job:
-    """A `syncwise train` subprocess whose stderr lines are kept with their arrival times."""
+    """A `syncwise train` subprocess whose stderr lines are kept with their arrival times (with ``--lab`` in the
+    command also its stdout: node 0's workers print there through the lab launcher)."""
 
     def __init__(self, cmd: list[str]):
         import threading
 
         self.t0 = time.monotonic()
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                     start_new_session=True)
+        self.lab = "--lab" in cmd
+        self.run_dir = cmd[cmd.index("--run-dir") + 1]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE if self.lab else subprocess.DEVNULL, stderr=subprocess.STDOUT if self.lab else
+            subprocess.PIPE, text=True, start_new_session=True)
+        stream = self.proc.stdout if self.lab else self.proc.stderr
         self.lines: list[tuple[float, str]] = []
         self._pump = threading.Thread(target=lambda: self.lines.extend(
-            (time.monotonic(), x.rstrip()) for x in self.proc.stderr), daemon=True)
+            (time.monotonic(), x.rstrip()) for x in stream), daemon=True)
         self._pump.start()
 
     def workers(self) -> list[int]:
-        out = subprocess.run(["pgrep", "-s", str(self.proc.pid), "-f", "spawn_main"], capture_output=True, text=True)
-        return sorted(int(p) for p in out.stdout.split())  # spawned in local-rank order
+        """The job's worker processes, in rank order."""
+        if not self.lab:
+            out = subprocess.run(["pgrep", "-s", str(self.proc.pid), "-f", "spawn_main"], capture_output=True,
+                                 text=True)
+            return sorted(int(p) for p in out.stdout.split())  # spawned in local-rank order
+        # On the lab each node's torchrun agent (in its own session) starts `python -u -m syncwise.commands.worker
+        # --config RUN_DIR/config.json`; a worker's rank is in its environment.
+        out = subprocess.run(["pgrep", "-f", f"syncwise.commands.worker --config {self.run_dir}/"],
+                             capture_output=True, text=True)
+        ranked = []
+        for pid in (int(p) for p in out.stdout.split()):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                env = dict(x.split(b"=", 1) for x in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in x)
+            except OSError:
+                continue
+            if b"RANK" in env and not any(b"torchrun" in c or b"distributed.run" in c or b"netns" in c for c in cmd):
+                ranked.append((int(env[b"RANK"]), pid))
+        return [pid for _, pid in sorted(ranked)]
 
     def wait(self, timeout: float) -> object:
         try:
@@ -558,6 +580,11 @@ def hostile_layouts_main(args: argparse.Namespace) -> int:
         # sent at a random step lands while the run is still going (a tiny model's step takes ~15 ms).
         config = [*LAYOUTS[layout], "--inject-fault", f"slowdata:ms={PACE_MS}"]
         world = LAYOUTS_WORLD[layout]
+        if args.lab:  # the layout across 2 lab nodes (`syncwise train --lab`: the lab's default prefix)
+            from syncwise import lab
+
+            lab.up(2, args.bandwidth, procs_per_node=world // 2)
+            config += ["--lab", "--nproc", str(world // 2)]
         ref_dir = work / f"ref-{layout}"
         ref_job = _Job(_hostile_cmd(ref_dir, steps, *config, "--ckpt.interval=4"))
         if ref_job.wait(600) != 0:
@@ -572,6 +599,10 @@ def hostile_layouts_main(args: argparse.Namespace) -> int:
             record(hostile_stop(work, config, trial, rng))
             record(hostile_nan(work, config, trial, rng, world))
             record(hostile_corrupt(work, config, trial, rng, ref_dir, ref))
+    if args.lab:
+        from syncwise import lab
+
+        lab.down()
     table: dict[str, dict[str, dict[str, int]]] = {}
     for r in results:
         t = table.setdefault(r["layout"], {}).setdefault(r["fault"], {"tried": 0, "ok": 0, "bit_exact": 0})
@@ -582,7 +613,9 @@ def hostile_layouts_main(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else RESULTS / ("reliability-hostile-layouts" + ("-smoke" if args.smoke else "")
                                                      + ".json")
     out.write_text(json.dumps({"command": f"python benchmarks/reliability.py --hostile --layouts {args.layouts} "
-                                          f"--trials {args.trials} --seed {args.seed}" + (" --smoke" if args.smoke else ""),
+                                          f"--trials {args.trials} --seed {args.seed}" + (" --smoke" if args.smoke else "")
+                                          + (f" --lab --bandwidth {args.bandwidth}" if args.lab else ""),
+                               "lab": {"nodes": 2, "bandwidth": args.bandwidth} if args.lab else None,
                                "steps": steps, "hang_timeout_s": HANG_TIMEOUT_S, "summary": table, "runs": results},
                               indent=1) + "\n")
     faults = sorted({f for t in table.values() for f in t})

@@ -276,7 +276,9 @@ def _nan_on_one_replica(rank, world, ckpt_dir, sync):
 
 
 @pytest.mark.parametrize("sync, skipped", [("localsgd:period=2", NAN_STEP), ("diloco:period=4,delay=2,dtype=bf16", NAN_STEP),
-                                           ("torch-localsgd:period=2", NAN_STEP), ("pipesgd", NAN_STEP + 1)])
+                                           ("torch-localsgd:period=2", NAN_STEP), ("pipesgd", NAN_STEP + 1),
+                                           ("sparseloco:period=4,chunk=256,topk=8", NAN_STEP),
+                                           ("streaming:period=4,fragments=2", NAN_STEP)])
 def test_a_nan_on_one_replica_is_skipped_and_recorded_by_every_replica(tmp_path, sync, skipped):
     """Issue 23: under local SGD no every-step collective carries the non-finite flag, so the replica that saw the
     NaN dropped the step alone and the others never knew (an empty skipped list on rank 0). The drop now rides on

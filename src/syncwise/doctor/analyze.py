@@ -5,7 +5,7 @@ The step is split (seconds per optimizer step, steady steps: the first ones are 
 * ``compute`` — forward, backward and optimizer of the median rank, without waits (the useful work);
 * ``straggler_wait`` — how much longer the slowest rank computes than the others (they wait for it): the median
   over steps, so a few noisy steps do not make a straggler;
-* ``data_wait`` — the longest wait of any rank for its batches (the others wait for that rank);
+* ``data_wait`` — the longest wait of any rank for its batches (its median step: a loader that cannot keep up is slow every step, a blip is not) (the others wait for that rank);
 * ``compress`` — compression compute on the critical path (the hook's encode/decode after the last bucket);
 * ``comm_dp`` — exposed gradient communication on the wire (the least any rank waited: waiting for a peer is
   the peer's cause, not the link's);
@@ -149,6 +149,9 @@ def diagnose(run: Run, predict: bool = True) -> Diagnosis:
         step_r = m(r, "step_time_s")
         vals = {k: m(r, k) for k in ("step_time_s", "compute_s", "data_wait_s", "comm_exposed_s", "compress_s",
                                      "ep_comm_s", "pp_bubble", "expert_imbalance")}
+        # a loader that cannot keep up makes every step wait: the median step's wait, so that one step's blip (a
+        # page fault, a descheduled rank on shared cores) is not reported as a slow loader
+        vals["data_wait_s"] = statistics.median(_num(by_rank[r][s], "data_wait_s") for s in use) if use else 0.0
         own[r] = max(0.0, vals["compute_s"] - vals["ep_comm_s"] - vals["pp_bubble"] * step_r)
         vals["own_compute_s"] = own[r]
         per_rank[r] = vals

@@ -51,7 +51,7 @@ class SparseLoCo(LocalSGD):
         """Bytes each rank sends per round: per chunk k int16 indices, k values (2 bits, or fp32), one fp32 scale."""
         k, c = self.spec.topk, self.chunks
         values = c * (-(-k // 4) if self.spec.bits == 2 else 4 * k)
-        return c * 2 * k + values + (4 * c if self.spec.bits == 2 else 0) + _FLAG
+        return c * 2 * k + values + (4 * c if self.spec.bits == 2 else 0) + self.spec.period + _FLAG
 
     def encode(self, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(uint8 payload without the flag, the dense decode of it) of the accumulator ``e`` (chunks × chunk)."""
@@ -101,7 +101,10 @@ class SparseLoCo(LocalSGD):
         bad = (~torch.isfinite(acc).all()).to(torch.int32).reshape(1)
         payload, sent = self.encode(torch.nan_to_num(acc).view(self.chunks, self.spec.chunk))
         self._staged = acc.sub_(sent.view(-1))  # what stays for the next round
-        payload = torch.cat([payload, bad.view(torch.uint8)])
+        # then one byte per step since the last round, set where this replica dropped a step (SyncStrategy.skip),
+        # and the non-finite flag
+        self._pack_skips(step, self._flags)
+        payload = torch.cat([payload, self._flags.to(torch.uint8), bad.view(torch.uint8)])
         out = torch.empty(self._world() * payload.numel(), dtype=torch.uint8, device=payload.device)
         work = ops.all_gather(out, payload, group=self.group, async_op=True, stats=self.stats)
         self._pending = {"launched_at": step, "apply_at": step + delay, "work": work, "gathered": out,
@@ -121,8 +124,10 @@ class SparseLoCo(LocalSGD):
         waited = iv.seconds()
         gathered = pending["gathered"].view(-1, pending["payload"])
         ok = bool(gathered[:, -_FLAG:].contiguous().view(torch.int32).eq(0).all())
+        skips = -_FLAG - self.spec.period
+        self._unpack_skips(pending["launched_at"], gathered[:, skips:-_FLAG].amax(0))  # every replica records them
         if ok:
-            mean = self.decode_sum(gathered[:, :-_FLAG])[:self.flat.numel()].div_(gathered.shape[0])
+            mean = self.decode_sum(gathered[:, :skips])[:self.flat.numel()].div_(gathered.shape[0])
             self.anchor.sub_(mean, alpha=self.spec.outer_lr)
             self.error.copy_(self._staged)
         self._staged = None

@@ -54,6 +54,7 @@ class StreamingDiLoCo(SyncStrategy):
     """F staggered DiLoCo outer loops over the model's parameter fragments (module doc)."""
 
     def __init__(self, model: nn.Module, spec: SyncSpec, group: Any = None, stats: CommStats = STATS):
+        super().__init__()
         self.spec = spec
         self.params = [p for p in model.parameters() if p.requires_grad]
         inner = dataclasses.replace(spec, method="diloco", warmup=0)
@@ -66,6 +67,21 @@ class StreamingDiLoCo(SyncStrategy):
 
     def syncs_gradients(self, step: int) -> bool:
         return step <= self.spec.warmup
+
+    def skip(self, step: int) -> bool:
+        """A step this replica dropped rides on every fragment's next average (in the fragment's step numbering),
+        so every replica learns it even while some fragments' averages are still a period away."""
+        if not super().skip(step):
+            return False
+        self.skips = []
+        for f, shift in zip(self.fragments, self.shifts):
+            f.skips.append(step - self.spec.warmup + shift)
+        return True
+
+    def take_skips(self) -> list[int]:
+        """Steps some replica dropped, learned from any fragment's average (back in the run's step numbering)."""
+        return sorted({s - shift + self.spec.warmup for f, shift in zip(self.fragments, self.shifts)
+                       for s in f.take_skips()})
 
     def after_step(self, step: int, last: bool = False) -> float:
         if step <= self.spec.warmup:
