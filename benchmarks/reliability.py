@@ -33,6 +33,7 @@ dualpipev), ep 2, pp 2 × ep 2 (4 ranks) and local SGD, plus SIGTERM / SIGUSR1 p
 resume falls back to the previous checkpoint, bit-exact). ``--smoke`` shortens every run to prove the harness:
     python benchmarks/reliability.py --hostile --layouts all --trials 1
     python benchmarks/reliability.py --hostile --layouts pp2-1f1b --trials 1 --smoke
+    python benchmarks/reliability.py --hostile --lab --layouts ddp,hsdp --trials 1   # each layout over 2 lab nodes
 """
 from __future__ import annotations
 
