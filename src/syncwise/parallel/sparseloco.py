@@ -158,7 +158,8 @@ class SparseLoCo(LocalSGD):
                        "gathered": self._pending["gathered"].clone(), "payload": self._pending["payload"],
                        "staged": self._staged.clone(),
                        "at_launch": None if self._at_launch is None else self._at_launch.clone()}
-        return {"anchor": self.anchor.clone(), "error": self.error.clone(), "pending": pending, "syncs": self.syncs}
+        return {"anchor": self.anchor.clone(), "error": self.error.clone(), "pending": pending, "syncs": self.syncs,
+                "skips": list(self.skips)}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -173,6 +174,7 @@ class SparseLoCo(LocalSGD):
             self._pending = {"launched_at": pending["launched_at"], "apply_at": pending["apply_at"], "work": None,
                              "gathered": pending["gathered"].clone(), "payload": pending["payload"]}
         self.syncs = int(state.get("syncs", 0))
+        self.skips = [int(s) for s in state.get("skips", [])]  # dropped here, not yet carried on an average
         self.restored = True
 
 
