@@ -40,9 +40,20 @@ USER_SCRIPT = PREAMBLE + textwrap.dedent('''
 ''')
 
 
+# An open defect (see the issue notes): now and then a worker that joined torchrun through the Python API aborts at
+# interpreter exit, after its script has finished, with "terminate called without an active exception" (SIGABRT; 1 in 7
+# runs of the resume test here) — the shape of pytorch/pytorch#190489 / #179291 (gloo work released during
+# finalization). Such a run counts as finished only when nothing else failed (no Python traceback from a worker);
+# every caller then checks the files the script writes as its last act, so an abort before the end still fails.
+_EXIT_ABORT = "terminate called without an active exception"
+
+
 def _torchrun(script, *args, nproc=2, cwd=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                           str(script), *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                        str(script), *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    if p.returncode != 0 and _EXIT_ABORT in p.stderr and "Traceback" not in p.stderr.split(_EXIT_ABORT)[0]:
+        p.returncode = 0  # the exit abort alone (above); the callers' file checks decide
+    return p
 
 
 @pytest.mark.parametrize("compress", ["none", "powersgd:rank=2"])
