@@ -156,16 +156,22 @@ class LocalSGD(SyncStrategy):
             self._pending = None
 
     # ------------------------------------------------------------------------------------- checkpoints
+    def _settled_pending(self) -> Optional[dict[str, Any]]:
+        """The in-flight average's schedule for a checkpoint, after waiting for it (None: none in flight); the
+        subclass adds what it carries."""
+        if self._pending is None:
+            return None
+        if self._pending["work"] is not None:
+            self._pending["work"].wait()
+            self._pending["work"] = None
+        return {"launched_at": self._pending["launched_at"], "apply_at": self._pending["apply_at"],
+                "at_launch": None if self._at_launch is None else self._at_launch.clone()}
+
     def state_dict(self) -> dict[str, Any]:
         """Anchor, outer momentum, cast residual and an in-flight average (waited for: its result is saved)."""
-        pending = None
-        if self._pending is not None:
-            if self._pending["work"] is not None:
-                self._pending["work"].wait()
-                self._pending["work"] = None
-            pending = {"launched_at": self._pending["launched_at"], "apply_at": self._pending["apply_at"],
-                       "averaged": self._send.clone(),
-                       "at_launch": None if self._at_launch is None else self._at_launch.clone()}
+        pending = self._settled_pending()
+        if pending is not None:
+            pending["averaged"] = self._send.clone()
         return {"anchor": self.anchor.clone(), "outer_opt": self.outer_opt.state_dict(),
                 "residual": None if self.residual is None else self.residual.clone(), "pending": pending,
                 "syncs": self.syncs, "skips": list(self.skips)}

@@ -149,15 +149,10 @@ class SparseLoCo(LocalSGD):
     # ------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Anchor, accumulator and an in-flight round (waited for: its gathered bytes and staged accumulator)."""
-        pending = None
-        if self._pending is not None:
-            if self._pending["work"] is not None:
-                self._pending["work"].wait()
-                self._pending["work"] = None
-            pending = {"launched_at": self._pending["launched_at"], "apply_at": self._pending["apply_at"],
-                       "gathered": self._pending["gathered"].clone(), "payload": self._pending["payload"],
-                       "staged": self._staged.clone(),
-                       "at_launch": None if self._at_launch is None else self._at_launch.clone()}
+        pending = self._settled_pending()
+        if pending is not None:
+            pending.update(gathered=self._pending["gathered"].clone(), payload=self._pending["payload"],
+                           staged=self._staged.clone())
         return {"anchor": self.anchor.clone(), "error": self.error.clone(), "pending": pending, "syncs": self.syncs,
                 "skips": list(self.skips)}
 
