@@ -117,3 +117,21 @@ def test_plan_strategy_prints_the_ranked_table(table, capsys, tmp_path):
     assert "time to fp32 DDP's loss" in text and "never reached" in text and "auto: " in text
     rows = json.loads(out.read_text())
     assert rows["chosen"] == rows["rows"][0]["spec"] and len(rows["rows"]) == 6
+
+
+def test_a_real_run_trains_with_what_auto_chose(table, tmp_path, capsys):
+    """`syncwise train --compress auto`: 2 gloo workers, 2 steps; the workers run the strategy the line named."""
+    from syncwise.cli import main
+
+    toml = tmp_path / "slow.toml"
+    toml.write_text('nodes = 1\ngpus_per_node = 2\n[accelerator]\nname = "cpu-lab"\n[intra_node]\nname = '
+                    '"lab-loopback"\nbandwidth_gbit_s = 0.01\n[inter_node]\nname = "none"\n')
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", "--steps", "2", "--nproc", "2", "--dist.device=cpu",
+                 "--compress", "auto", "--compress.auto_cluster", str(toml), "--run-dir", str(run),
+                 "--train.val_interval=0", "--data.seq_len=32"]) == 0
+    line = [ln for ln in capsys.readouterr().err.splitlines() if "auto:" in ln]
+    assert len(line) == 1, line
+    summary = json.loads((run / "summary.json").read_text())
+    chosen = json.loads((run / "config.json").read_text())["compress"]["method"]
+    assert line[0].startswith(f"syncwise: auto: {chosen} ") and summary["compressor"] == chosen != "none"
