@@ -41,6 +41,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per worker per step (data.batch_size)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--top", type=int, default=3, help="candidates of auto's ranking to run beside fp32 DDP (default 3)")
+    p.add_argument("--repeats", type=int, default=1, help="time_to_loss rounds (alternating order; default 1)")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--json", required=True)
     args = p.parse_args(argv)
@@ -77,10 +78,10 @@ def main(argv=None) -> int:
             cands = [r.spec for r in ranked if not r.why_not]
             run = [s for s in [pick] + cands if s != "none"]
             run = list(dict.fromkeys(run))[:args.top]
-            per_rate = out_dir / f"time-to-loss-{rate}.json"
+            per_rate = Path(args.json).with_name(f"{Path(args.json).stem}-{rate}.json")   # next to the summary
             argv2 = ["--lab", rate, "--lab-prefix", args.prefix, "--nodes", str(args.nodes), "--preset", args.preset,
                      "--steps", str(args.steps), "--cap", str(args.cap), "--val-interval", str(args.val_interval),
-                     "--val-batches", str(args.val_batches), "--configs", ",".join(run), "--peers", "",
+                     "--val-batches", str(args.val_batches), "--repeats", str(args.repeats), "--configs", ",".join(run), "--peers", "",
                      "--set", f"data.batch_size={args.batch_size}", "--set", f"data.seq_len={args.seq_len}",
                      "--out-dir", str(out_dir / rate), "--json", str(per_rate)]
             if run:
