@@ -250,7 +250,7 @@ class ParallelSection:
     """[parallel] how the replicas are laid out and kept in step (``syncwise.parallel``)."""
 
     sync: str = option("every-step", "how often replicas synchronise: every-step (gradient all-reduce), or local SGD "
-                       "/ DiLoCo every H steps: localsgd:period=16, diloco:period=16,delay=4,dtype=bf16, "
+                       "/ DiLoCo every H steps (auto: the one predicted to reach fp32 DDP's loss soonest, chosen at start-up): localsgd:period=16, diloco:period=16,delay=4,dtype=bf16, "
                        "torch-localsgd:period=16 (PyTorch's averager), pipesgd[:dtype=fp16] (all-reduce overlapped "
                        "with the next step), sparseloco:period=16 (top-k + 2-bit pseudo-gradients, error feedback), "
                        "streaming:period=16,fragments=4 (Streaming DiLoCo); see docs/compression.md. Formerly "
@@ -292,7 +292,8 @@ class CompressSection:
     """[compress] gradient communication."""
 
     method: str = option("none", "gradient compression NAME[:key=value,...], e.g. fp16, powersgd:rank=4, "
-                         "topk:ratio=0.01 (list below); torch-fp16, torch-powersgd:rank=4 ... use PyTorch's own hooks",
+                         "topk:ratio=0.01 (list below); torch-fp16, torch-powersgd:rank=4 ... use PyTorch's own hooks; auto = the one "
+                         "predicted to reach fp32 DDP's loss soonest on this cluster (docs/plan.md), chosen at start-up",
                          "a compressor spec (list below)")
     min_numel: int = option(4096, "tensors with fewer elements (norms, biases) are sent uncompressed",
                             "an integer from 0 to 2,147,483,647", _in(0, 2**31 - 1))
@@ -974,8 +975,8 @@ def add_train_arguments(parser) -> None:
     parser.add_argument("--preset", help="model preset (model.preset)")
     parser.add_argument("--model", help="model preset or hf:FOLDER, a Hugging Face model folder (model.preset)")
     parser.add_argument("--run-dir", dest="run_dir", help="run directory (run_dir)")
-    parser.add_argument("--compress", help="gradient compression NAME[:key=value,...] (compress.method)")
-    parser.add_argument("--sync", help="every-step | localsgd:period=H | diloco:period=H,delay=D,... | sparseloco:period=H "
+    parser.add_argument("--compress", help="gradient compression NAME[:key=value,...] or auto (compress.method)")
+    parser.add_argument("--sync", help="every-step | auto | localsgd:period=H | diloco:period=H,delay=D,... | sparseloco:period=H "
                         "| streaming:period=H,fragments=F (parallel.sync)")
     parser.add_argument("--resume", help="auto | PATH | none (resume). The layout may change at resume: giving any "
                         "--parallel.{dp_replicate,dp_shard,tp,pp,ep} replaces the saved layout as a whole (degrees "
