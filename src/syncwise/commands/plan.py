@@ -152,6 +152,11 @@ def run(args: argparse.Namespace) -> int:
     training = MEGATRON if args.recipe == "megatron" else SYNCWISE
     if args.strategy:
         return _strategy(args, cloud, model, training)
+    from ..layout import names_auto
+
+    for flag, values in (("--compress", args.compress or []), ("--sync", args.sync or [])):
+        if any(names_auto(v) for v in values):
+            raise ConfigError(flag, "auto", "a spec; to see what auto would choose here: syncwise plan --strategy")
     rules = not args.any_layout
     if args.layout:
         layout = parse_layout(args.layout, cloud.world_size)
