@@ -250,7 +250,7 @@ class ParallelSection:
     """[parallel] how the replicas are laid out and kept in step (``syncwise.parallel``)."""
 
     sync: str = option("every-step", "how often replicas synchronise: every-step (gradient all-reduce), or local SGD "
-                       "/ DiLoCo every H steps: localsgd:period=16, diloco:period=16,delay=4,dtype=bf16, "
+                       "/ DiLoCo every H steps (auto: the one predicted to reach fp32 DDP's loss soonest, chosen at start-up): localsgd:period=16, diloco:period=16,delay=4,dtype=bf16, "
                        "torch-localsgd:period=16 (PyTorch's averager), pipesgd[:dtype=fp16] (all-reduce overlapped "
                        "with the next step), sparseloco:period=16 (top-k + 2-bit pseudo-gradients, error feedback), "
                        "streaming:period=16,fragments=4 (Streaming DiLoCo); see docs/compression.md. Formerly "
@@ -292,10 +292,15 @@ class CompressSection:
     """[compress] gradient communication."""
 
     method: str = option("none", "gradient compression NAME[:key=value,...], e.g. fp16, powersgd:rank=4, "
-                         "topk:ratio=0.01 (list below); torch-fp16, torch-powersgd:rank=4 ... use PyTorch's own hooks",
+                         "topk:ratio=0.01 (list below); torch-fp16, torch-powersgd:rank=4 ... use PyTorch's own hooks; auto = the one "
+                         "predicted to reach fp32 DDP's loss soonest on this cluster (docs/plan.md), chosen at start-up",
                          "a compressor spec (list below)")
     min_numel: int = option(4096, "tensors with fewer elements (norms, biases) are sent uncompressed",
                             "an integer from 0 to 2,147,483,647", _in(0, 2**31 - 1))
+    auto_cluster: str = option("", "with compress.method or parallel.sync = auto: the cluster TOML the strategies are "
+                               "priced on (`syncwise plan --calibrate` writes one); '' = this job's: the catalog's "
+                               "CPU worker over loopback, or the running network lab's link rate with --lab",
+                               "'' or a cluster TOML file (examples/clusters/*.toml)")
 
 
 @dataclass
@@ -555,8 +560,67 @@ def build_config(file_values: dict[str, Any] | None = None, overrides: dict[str,
             _set(cfg, key, value, from_text=False)
     for key, value in (overrides or {}).items():
         _set(cfg, key, value, from_text=True)
+    resolve_auto(cfg)
     check_references(cfg, here)
     return cfg
+
+
+_auto_said: set = set()
+
+
+def resolve_auto(cfg: RunConfig) -> str:
+    """``compress.method = auto`` / ``parallel.sync = auto``: replace them, before anything else is checked and any
+    worker starts, by the strategy ``syncwise.plan.strategy`` predicts reaches fp32 DDP's loss soonest on this job's
+    cluster, and say so in one line on stderr (returned; '' when neither is auto). The cluster: ``compress.
+    auto_cluster`` (a calibrated TOML), else this job's (``plan.strategy.job_cloud``)."""
+    from .layout import names_auto
+
+    if not (names_auto(cfg.compress.method) or names_auto(cfg.parallel.sync)):
+        return ""   # (nothing parsed here: the specs are parsed once, by check_references)
+    lay = run_layout(cfg)   # auto is a parsed value of the layout owner; a conflicting option is refused there
+    lay.auto_choices()
+    from .plan import load_cluster, load_model
+    from .plan.strategy import job_cloud, resolve_auto as choose
+
+    local, _, world = _workers(cfg)
+    if cfg.compress.auto_cluster:
+        with _as_field("compress.auto_cluster", cfg.compress.auto_cluster):
+            cloud = load_cluster(cfg.compress.auto_cluster)
+        if cloud.world_size != world:
+            raise ConfigError("compress.auto_cluster", cfg.compress.auto_cluster, f"a cluster of this job's {world} "
+                              f"worker(s) (it has {cloud.nodes} × {cloud.gpus_per_node})")
+    else:
+        if cfg.dist.device == "cuda" or (cfg.dist.device == "auto" and _visible_gpus()):
+            raise ConfigError("compress.auto_cluster", "", "a calibrated cluster TOML (`syncwise plan --calibrate "
+                              "--out cluster.toml`) for auto on GPU workers: the built-in cluster is the CPU lab's")
+        inter = None
+        if cfg.dist.lab:
+            from .lab.cluster import status
+
+            state = status()
+            if state is None:
+                raise ConfigError("dist.lab", True, "a running lab (`syncwise cluster up`) for auto, which prices "
+                                  "the strategies on its link rate")
+            inter = state.inter_node_bps
+        cloud = job_cloud(world // local, local, inter)
+    with _as_field("model.preset", cfg.model.preset):
+        model = load_model(cfg.model.preset, cfg.data.seq_len)
+    inner = lay.dp_shard * lay.tp * lay.pp
+    dp = (lay.dp_replicate or max(1, world // inner)) * lay.dp_shard
+    chosen, line, _ = choose(lay, cloud, model, cfg.data.batch_size * cfg.train.grad_accum * dp, cfg.data.seq_len,
+                             micro_batch=cfg.data.batch_size, microbatches=cfg.train.grad_accum)
+    cfg.compress.method = chosen.compress.text
+    cfg.parallel.sync = str(chosen.sync) if chosen.sync is not None else "every-step"
+    if line not in _auto_said:
+        _auto_said.add(line)
+        print(f"syncwise: {line}", file=sys.stderr, flush=True)
+    return line
+
+
+def _visible_gpus() -> bool:
+    from .devices import visible_gpus
+
+    return visible_gpus() > 0
 
 
 @contextlib.contextmanager
@@ -911,8 +975,8 @@ def add_train_arguments(parser) -> None:
     parser.add_argument("--preset", help="model preset (model.preset)")
     parser.add_argument("--model", help="model preset or hf:FOLDER, a Hugging Face model folder (model.preset)")
     parser.add_argument("--run-dir", dest="run_dir", help="run directory (run_dir)")
-    parser.add_argument("--compress", help="gradient compression NAME[:key=value,...] (compress.method)")
-    parser.add_argument("--sync", help="every-step | localsgd:period=H | diloco:period=H,delay=D,... | sparseloco:period=H "
+    parser.add_argument("--compress", help="gradient compression NAME[:key=value,...] or auto (compress.method)")
+    parser.add_argument("--sync", help="every-step | auto | localsgd:period=H | diloco:period=H,delay=D,... | sparseloco:period=H "
                         "| streaming:period=H,fragments=F (parallel.sync)")
     parser.add_argument("--resume", help="auto | PATH | none (resume). The layout may change at resume: giving any "
                         "--parallel.{dp_replicate,dp_shard,tp,pp,ep} replaces the saved layout as a whole (degrees "

@@ -135,8 +135,20 @@ FSDP_REDUCE_DTYPES = ("none", "bf16", "fp16")
 _TYPES = {"int": int, "float": float, "bool": bool, "str": str}
 
 
+#: ``--compress auto`` / ``--sync auto``: a parsed value (:data:`AUTO_COMPRESS`, :data:`AUTO_SYNC`), replaced before
+#: any worker starts by the strategy predicted to reach fp32 DDP's loss soonest (``syncwise.plan.strategy``, the one
+#: place it is resolved); :meth:`Layout.auto_choices` says what it chooses among and refuses a conflicting option.
+AUTO = "auto"
+
+
+def names_auto(text: Any) -> bool:
+    """Whether a ``--compress`` / ``--sync`` value is ``auto`` (the one test; the parsers below use it)."""
+    return isinstance(text, str) and text.strip().lower() == AUTO
+
+
 def compressors_accepted() -> str:
-    return "NAME[:key=value,...] with NAME in " + ", ".join(n for n, s in COMPRESSORS.items() if not s.torch_hook)
+    return ("NAME[:key=value,...] with NAME in " + ", ".join(n for n, s in COMPRESSORS.items() if not s.torch_hook)
+            + "; or auto (the strategy predicted to reach fp32 DDP's loss soonest on this cluster)")
 
 
 @dataclass(frozen=True)
@@ -199,6 +211,11 @@ class Compress:
     def is_none(self) -> bool:
         return self.name == "none"
 
+    @property
+    def is_auto(self) -> bool:
+        """``auto``: not a compressor yet; resolved at start-up (``syncwise.plan.strategy.resolve_auto``)."""
+        return self.name == AUTO
+
     def __hash__(self) -> int:  # (equal specs have equal text; ``given`` is a dict)
         return hash((self.name, self.text))
 
@@ -213,6 +230,8 @@ def parse_compress(text: Any, field_name: str = "compress") -> Compress:
         return text
     if text is None:
         return NO_COMPRESS
+    if names_auto(text):
+        return AUTO_COMPRESS
     torch_hook = isinstance(text, str) and text.strip().lower().startswith("torch-")
     accepted = (compressors_accepted() if not torch_hook else
                 "torch-allreduce, torch-fp16, torch-bf16, torch-powersgd[:rank=R,start_iter=N,min_compression_rate=X]")
@@ -228,6 +247,7 @@ def parse_compress(text: Any, field_name: str = "compress") -> Compress:
 
 
 NO_COMPRESS = Compress()
+AUTO_COMPRESS = Compress(AUTO, {}, AUTO)
 
 # ============================================================================================ sync specs
 EVERY_STEP = "every-step"
@@ -255,7 +275,8 @@ METHODS = {
 }
 #: state a sync strategy keeps per parameter, in fp32 copies of the model (anchor; DiLoCo: + outer momentum)
 SYNC_STATE_COPIES = {"localsgd": 1, "diloco": 2, "torch-localsgd": 1, "pipesgd": 0, "sparseloco": 2, "streaming": 2}
-SYNC_ACCEPTED = ("every-step (DDP all-reduce each step); localsgd[:period=H,delay=D,dtype=fp32|bf16|fp16,warmup=W,"
+SYNC_ACCEPTED = ("every-step (DDP all-reduce each step); auto (the strategy predicted to reach fp32 DDP's loss "
+                 "soonest on this cluster); localsgd[:period=H,delay=D,dtype=fp32|bf16|fp16,warmup=W,"
                  "outer_lr=X,momentum=M,nesterov=yes|no]; diloco[:...same keys; defaults outer_lr=0.7,momentum=0.9,"
                  "nesterov=yes]; torch-localsgd[:period=H,warmup=W] (PyTorch's PeriodicModelAverager); "
                  "pipesgd[:dtype=fp32|bf16|fp16] (gradient all-reduce overlapped with the next step); "
@@ -293,6 +314,11 @@ class SyncSpec:
         return self.method + (f":{opts}" if opts else "")
 
     @property
+    def is_auto(self) -> bool:
+        """``auto``: not a strategy yet; resolved at start-up (``syncwise.plan.strategy.resolve_auto``)."""
+        return self.method == AUTO
+
+    @property
     def state_copies(self) -> int:
         """fp32 copies of the model the strategy keeps (:data:`SYNC_STATE_COPIES`)."""
         return SYNC_STATE_COPIES[self.method]
@@ -309,6 +335,8 @@ class SyncSpec:
         method, raw_options = parse_spec(spec, field_name, SYNC_ACCEPTED)
         if method == EVERY_STEP and not raw_options:
             return None
+        if method == AUTO and not raw_options:
+            return AUTO_SYNC
         if method not in METHODS:
             raise ConfigError(field_name, spec, SYNC_ACCEPTED)
         values: dict[str, Any] = dict(METHODS[method])
@@ -346,10 +374,15 @@ def _coerce(field_name: str, spec: str, key: str, text: str, default: Any) -> An
     return text
 
 
+AUTO_SYNC = SyncSpec(AUTO, text=AUTO)
+
+
 def parse_sync(text: Any, field_name: str = "parallel.sync") -> Optional[SyncSpec]:
     """A sync spec (text, a SyncSpec, or None for every-step) as a SyncSpec or None."""
     if text is None or isinstance(text, SyncSpec):
         return text
+    if names_auto(text):
+        return AUTO_SYNC
     return SyncSpec.parse(text, field_name)
 
 
@@ -507,6 +540,28 @@ class Layout:
         parsed; None: none / every-step); spec errors name ``compress.method`` / ``parallel.sync``."""
         return cls(compress=NO_COMPRESS if compress is None else compress, sync=sync, **degrees)
 
+    # ------------------------------------------------------------------------------------ auto
+    @property
+    def auto(self) -> bool:
+        """``compress.method`` or ``parallel.sync`` is ``auto`` (not resolved yet)."""
+        return self.compress.is_auto or (self.sync is not None and self.sync.is_auto)
+
+    def auto_choices(self) -> tuple[bool, bool]:
+        """(whether ``auto`` chooses the compressor, whether it chooses the sync strategy). ``compress.method=auto``
+        chooses among the every-step compressors (parallel.sync every-step), ``parallel.sync=auto`` among the sync
+        strategies and fp32 every-step (compress.method none), both auto among all of them. An explicit choice
+        that rules out what auto would choose among is a ConfigError, not silently dropped."""
+        ca, sa = self.compress.is_auto, self.sync is not None and self.sync.is_auto
+        # A gradient compressor runs every step; local SGD / DiLoCo send pseudo-gradients, not gradients.
+        if ca and not sa and self.sync is not None:
+            raise ConfigError("compress.method", AUTO, f"a compressor spec, or auto with parallel.sync every-step or "
+                              f"auto (compressors run every step; got parallel.sync={self.sync})")
+        if sa and not ca and not self.compress.is_none:
+            raise ConfigError("parallel.sync", AUTO, f"a sync spec, or auto with compress.method none or auto (the "
+                              f"sync strategies send uncompressed pseudo-gradients; got compress.method="
+                              f"{self.compress.text})")
+        return ca, sa
+
     # ------------------------------------------------------------------------------------ derived
     @property
     def microbatches_per_step(self) -> int:
@@ -586,6 +641,13 @@ class Layout:
         """Every rule between the degrees, the compressor and the sync strategy; the resolved layout (self when
         ``world_size`` is None: the world is not known yet, only the rules that do not need it are checked)."""
         c, s = self.compress, self.sync
+        if self.auto:
+            # auto is a choice still to make (before any worker starts), not a strategy a worker can build.
+            field_name = "compress.method" if c.is_auto else "parallel.sync"
+            self.auto_choices()
+            raise ConfigError(field_name, AUTO, "a strategy resolved before the layout is checked: syncwise train "
+                              "and build_config resolve auto at start-up (syncwise.plan.strategy.resolve_auto, with "
+                              "a CloudConfig)")
         # Local SGD / DiLoCo / Pipe-SGD average parameters (pseudo-gradients), not gradients: a gradient
         # compressor would have nothing to compress.
         if s is not None and not c.is_none:

@@ -4,6 +4,8 @@
     syncwise plan ... --layout dp=4,tp=2,microbatch=2,recompute=full      # evaluate one layout
     syncwise plan ... --json rows.json --emit-config train.toml
     syncwise plan --calibrate [--lab] [--out cluster.toml]             # measure this machine / the lab
+    syncwise plan --strategy --cluster C --model M --global-batch B --seq-len S   # rank the sync strategies
+    syncwise plan --convergence-from benchmarks/results/time-to-loss-X.json       # regenerate their table
 """
 from __future__ import annotations
 
@@ -47,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, metavar="FILE", help="write the rows as JSON")
     parser.add_argument("--emit-config", default=None, metavar="FILE",
                         help="write the `syncwise train` TOML that runs the best layout")
+    st = parser.add_argument_group("communication strategy (what --compress auto / --sync auto choose)")
+    st.add_argument("--strategy", action="store_true", help="rank the communication strategies by predicted time to "
+                    "fp32 DDP's loss: the planner's step time × the steps each needed in benchmarks/time_to_loss.py "
+                    "(the convergence table); with --layout, on that layout's degrees")
+    st.add_argument("--convergence-from", default=None, metavar="RESULTS.json", help="regenerate the convergence "
+                    "table (syncwise/plan/convergence.json, or --out) from a benchmarks/time_to_loss.py results file")
     cal = parser.add_argument_group("calibration (--calibrate: measure, write a cluster TOML; about 10-60 s)")
     cal.add_argument("--calibrate", action="store_true",
                      help="measure this machine (or the network lab with --lab): GEMM FLOP/s over sizes, memory "
@@ -95,9 +103,40 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _strategy(args: argparse.Namespace, cloud, model, training) -> int:
+    from ..layout import Layout as Owner
+    from ..plan.strategy import choose, explain, load_table, rank, render
+
+    if args.compress or args.sync:
+        raise ConfigError("--compress" if args.compress else "--sync", args.compress or args.sync,
+                          "nothing with --strategy: it ranks every strategy of the convergence table")
+    lay = parse_layout(args.layout, cloud.world_size) if args.layout else None
+    owner = Owner(**({k: getattr(lay, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "ep")} if lay else {}),
+                  compress="auto", sync="auto")
+    table = load_table()
+    ranked = rank(cloud, model, owner, args.global_batch, args.seq_len, table, training,
+                  micro_batch=lay.micro_batch if lay else 0, microbatches=lay.microbatches if lay else 0)
+    render(ranked, cloud, table, f"{model.describe()}\non {cloud.describe()}, global batch {args.global_batch} × "
+           f"{args.seq_len} tokens: time to fp32 DDP's loss, best first")
+    print(explain(ranked, cloud, table) if any(not r.why_not for r in ranked) else "no candidate can run here")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cluster": cloud.describe(), "model": model.describe(),
+                                               "convergence_table": table.source, "chosen": choose(ranked).spec,
+                                               "rows": [{"spec": r.spec, "step_time_s": r.step_time_s,
+                                                         "steps_ratio": r.steps_ratio, "time_ratio": r.time_ratio,
+                                                         "not_a_candidate": r.why_not} for r in ranked]},
+                                              indent=2) + "\n")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.calibrate:
         return _calibrate(args)
+    if args.convergence_from:
+        from ..plan.strategy import write_table
+
+        print(f"wrote {write_table(args.convergence_from, args.out)}")
+        return 0
     if args.lab:
         raise ConfigError("--lab", True, "only with --calibrate")
     for flag, value in (("--cluster", args.cluster), ("--model", args.model), ("--global-batch", args.global_batch),
@@ -111,6 +150,13 @@ def run(args: argparse.Namespace) -> int:
     if args.top < 1:
         raise ConfigError("--top", args.top, "a positive integer")
     training = MEGATRON if args.recipe == "megatron" else SYNCWISE
+    if args.strategy:
+        return _strategy(args, cloud, model, training)
+    from ..layout import names_auto
+
+    for flag, values in (("--compress", args.compress or []), ("--sync", args.sync or [])):
+        if any(names_auto(v) for v in values):
+            raise ConfigError(flag, "auto", "a spec; to see what auto would choose here: syncwise plan --strategy")
     rules = not args.any_layout
     if args.layout:
         layout = parse_layout(args.layout, cloud.world_size)

@@ -193,6 +193,14 @@ class OptimizedTrainer:
 
     def _lay_out(self, c: CommOptions, s: StepOptions, optimizer: torch.optim.Optimizer, loss_fn: Any) -> None:
         """The compressor and everything parallel, behind one seam (syncwise.parallel.parallelize, in its order)."""
+        from ..layout import names_auto
+
+        for name, value in (("compress_gradients", c.compress_gradients), ("sync", c.sync)):
+            if names_auto(value):   # the choice needs the cluster and the convergence table: the planner's, above
+                raise ConfigError(name, value, "a spec: auto is resolved before workers start by syncwise train / "
+                                  "syncwise.config.build_config, or syncwise.plan.strategy.resolve_auto(layout, "
+                                  "cloud, model, global_batch) for this API (a trainer has no cluster to price "
+                                  "strategies on)")
         try:
             self.compressor = _resolve_compressor(c.compress_gradients)
         except ConfigError as e:  # the spec parser names its own field; here the argument is compress_gradients

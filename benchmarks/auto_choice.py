@@ -1,0 +1,123 @@
+"""Does ``--compress auto --sync auto`` pick the strategy that reaches fp32 DDP's loss soonest? (issue 28, item 5)
+
+At each lab link rate: resolve auto exactly as ``syncwise train`` does (``syncwise.plan.strategy.resolve_auto``: the
+planner's step time on this lab's link × the measured steps to fp32 DDP's loss of ``syncwise/plan/convergence.json``),
+then run benchmarks/time_to_loss.py across the lab at that rate with fp32 DDP, auto's pick and the next ``--top``
+candidates of its ranking, and compare auto's pick with the best measured in the same run, in time to the target loss.
+Goal: within 10 %.
+
+    python benchmarks/auto_choice.py --rates 20mbit,100mbit,1gbit --prefix swau --subnet 10.77.35.0/24 \\
+        --preset tiny --steps 300 --cap 600 --json benchmarks/results/auto-choice-lab.json
+
+Writes one JSON with, per rate: the start-up line, the predicted ranking, the time-to-loss rows (and their own
+results file) and the verdict. The machine may be shared: every time is measured within one run at one rate.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from syncwise.errors import ConfigError, SyncwiseError  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rates", default="20mbit,100mbit,1gbit", help="lab link rates, comma list (tc units)")
+    p.add_argument("--prefix", default="swau", help="lab name prefix (default swau)")
+    p.add_argument("--subnet", default="10.77.35.0/24", help="lab subnet (when this script brings the lab up)")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--steps", type=int, default=300, help="fp32 DDP's steps (time_to_loss --steps)")
+    p.add_argument("--cap", type=int, default=600, help="step cap of the others (time_to_loss --cap)")
+    p.add_argument("--val-interval", type=int, default=20)
+    p.add_argument("--val-batches", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per worker per step (data.batch_size)")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--top", type=int, default=3, help="candidates of auto's ranking to run beside fp32 DDP (default 3)")
+    p.add_argument("--repeats", type=int, default=1, help="time_to_loss rounds (alternating order; default 1)")
+    p.add_argument("--out-dir", default=None)
+    p.add_argument("--json", required=True)
+    args = p.parse_args(argv)
+    if args.top < 1:
+        raise ConfigError("--top", args.top, "an integer ≥ 1")
+
+    from syncwise import lab
+    from syncwise.lab.cluster import parse_rate
+    from syncwise.layout import Layout
+    from syncwise.plan import load_model
+    from syncwise.plan.strategy import job_cloud, load_table, resolve_auto
+    import time_to_loss
+
+    rates = [r.strip() for r in args.rates.split(",") if r.strip()]
+    for r in rates:
+        parse_rate(r, "--rates")
+    out_dir = Path(args.out_dir or Path("runs") / time.strftime("auto-choice-%Y%m%d-%H%M%S"))
+    table = load_table()
+    model = load_model(args.preset, args.seq_len)
+    created = False
+    if lab.status(prefix=args.prefix) is None:
+        lab.up(args.nodes, rates[0], subnet=args.subnet, prefix=args.prefix)
+        created = True
+    results = []
+    try:
+        for rate in rates:
+            state = lab.shape(inter_node=rate, prefix=args.prefix)
+            cloud = job_cloud(state.num_nodes, 1, state.inter_node_bps)
+            lay, line, ranked = resolve_auto(Layout.of(compress="auto", sync="auto"), cloud, model,
+                                             args.batch_size * state.num_nodes, args.seq_len, table,
+                                             micro_batch=args.batch_size)
+            pick = str(lay.sync) if lay.sync is not None else lay.compress.text
+            print(f"{rate}: {line}", flush=True)
+            cands = [r.spec for r in ranked if not r.why_not]
+            run = [s for s in [pick] + cands if s != "none"]
+            run = list(dict.fromkeys(run))[:args.top]
+            per_rate = Path(args.json).with_name(f"{Path(args.json).stem}-{rate}.json")   # next to the summary
+            argv2 = ["--lab", rate, "--lab-prefix", args.prefix, "--nodes", str(args.nodes), "--preset", args.preset,
+                     "--steps", str(args.steps), "--cap", str(args.cap), "--val-interval", str(args.val_interval),
+                     "--val-batches", str(args.val_batches), "--repeats", str(args.repeats), "--configs", ",".join(run), "--peers", "",
+                     "--set", f"data.batch_size={args.batch_size}", "--set", f"data.seq_len={args.seq_len}",
+                     "--out-dir", str(out_dir / rate), "--json", str(per_rate)]
+            if run:
+                time_to_loss.main(argv2)
+            else:  # auto picked fp32 DDP and no other candidate: run fp32 DDP alone
+                time_to_loss.main(argv2[:argv2.index("--configs")] + ["--configs", "none"] + argv2[argv2.index("--peers"):])
+            ttl = json.loads(per_rate.read_text())
+            measured = {r["name"]: r["time_to_target_s"] for r in ttl["rows"]}
+            reached = {k: v for k, v in measured.items() if v}
+            best = min(reached, key=reached.get) if reached else None
+            auto_t = measured.get(pick)
+            ratio = auto_t / reached[best] if auto_t and best else None
+            results.append({"rate": rate, "line": line, "pick": pick, "predicted": [
+                                {"spec": r.spec, "step_time_s": r.step_time_s, "steps_ratio": r.steps_ratio,
+                                 "time_ratio": r.time_ratio, "not_a_candidate": r.why_not} for r in ranked],
+                            "ran": ["none"] + run, "time_to_target_s": measured, "best_measured": best,
+                            "auto_over_best": ratio, "within_10pct": ratio is not None and ratio <= 1.10,
+                            "time_to_loss_results": str(per_rate), "time_to_loss_command": ttl["command"],
+                            "efficiency": {r["name"]: r["parallel_efficiency"] for r in ttl["rows"]}})
+            print(f"{rate}: auto picked {pick}; best measured {best}; auto / best = "
+                  f"{ratio if ratio is None else round(ratio, 3)}", flush=True)
+    finally:
+        if created:
+            lab.down(prefix=args.prefix)
+    out = {"command": "python benchmarks/auto_choice.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "convergence_table": table.source, "machine": "2-core VM shared with other jobs: times are comparable "
+           "only within one rate's run", "rates": results}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"results: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (ConfigError, SyncwiseError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,338 @@
+"""``--compress auto`` / ``--sync auto`` and ``syncwise plan --strategy``: the communication strategy predicted to
+reach fp32 DDP's loss soonest on this cluster (issue 28, item 5).
+
+Time to fp32 DDP's target loss, relative to fp32 DDP, is predicted as
+
+    (predicted step time of the strategy / predicted step time of fp32 DDP)   — the planner's cost model
+                                                                                (``syncwise.plan.cost.predict``)
+  × (steps the strategy needed to reach fp32 DDP's target / steps fp32 DDP needed)
+                                                                              — MEASURED by
+                                                                                benchmarks/time_to_loss.py
+
+The second factor is the *convergence cost* of each strategy: data, not a guess, in ``convergence.json`` next to
+this module, with the results file and the command it came from. ``python -m syncwise.plan.strategy RESULTS.json``
+(or ``syncwise plan --convergence-from RESULTS.json``) regenerates it from a time-to-loss results file. A strategy
+that never reached the target within the benchmark's step cap is listed (its cap is a lower bound on its cost) but
+never chosen: its time to the target is unknown. A strategy the table does not list is not a candidate.
+
+Assumption, stated in the start-up line's table reference: the step ratio measured on the benchmark's model, batch
+and run length carries over to the job (it does at equal batch and similar length; DiLoCo-style methods' ratio
+shrinks with longer runs in the literature). The choice is resolved here, once, before any worker starts
+(``resolve_auto``); the layout owner (``syncwise.layout``) parses ``auto`` and refuses conflicting options.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from ..errors import ConfigError, SyncwiseError
+from .. import layout as owner
+from ..layout import METHODS, SyncSpec, parse_compress, parse_sync
+from .cloud import CloudConfig
+from .cost import CODEC_COST, predict
+from .layout import SYNCWISE, Layout, Training
+from .model import ModelSpec
+
+TABLE_PATH = Path(__file__).with_name("convergence.json")
+#: peers that run outside syncwise (their rows are measured, but syncwise cannot run them as a strategy)
+NOT_RUNNABLE = ("torchft-diloco",)
+
+
+# ------------------------------------------------------------------------------------------------ the table
+@dataclass(frozen=True)
+class ConvergenceCost:
+    """One strategy's measured convergence cost: ``steps_ratio`` = its steps to fp32 DDP's target / fp32 DDP's
+    (mean over the rounds that reached it; None: never reached within ``cap_ratio`` × fp32 DDP's steps)."""
+
+    spec: str
+    steps_ratio: Optional[float]
+    cap_ratio: float
+    reached_in: int
+    repeats: int
+
+    @property
+    def reached(self) -> bool:
+        return self.steps_ratio is not None
+
+    def parsed(self) -> tuple[owner.Compress, Optional[SyncSpec]]:
+        """(compressor, sync strategy) of the spec as ``syncwise bench`` runs it: a ``--sync`` method runs
+        uncompressed, anything else is a compressor every step."""
+        name = self.spec.partition(":")[0].strip().lower()
+        if name in METHODS:
+            return owner.NO_COMPRESS, parse_sync(self.spec)
+        return parse_compress(self.spec), None
+
+
+@dataclass(frozen=True)
+class ConvergenceTable:
+    costs: dict[str, ConvergenceCost]
+    source: str          # the time-to-loss results file
+    command: str         # the command that produced it
+    preset: str
+    where: str
+    fp32_steps: float    # fp32 DDP's steps to its own target
+    smoke: bool = False
+
+    @property
+    def reference(self) -> str:
+        return f"{Path(self.source).name}, {self.preset} preset"
+
+
+def table_from_results(results: dict[str, Any], source: str) -> dict[str, Any]:
+    """The convergence table (``convergence.json``'s content) from a benchmarks/time_to_loss.py results file."""
+    rows = results.get("rows")
+    if not isinstance(rows, list) or not rows or rows[0].get("name") != "none":
+        raise ConfigError("results", source, "a benchmarks/time_to_loss.py results file (rows, fp32 DDP first)")
+    ratios_fp32 = []
+    for rnd in rows[0]["rounds"]:
+        ratios_fp32.append(rnd.get("steps_to_target"))
+    if not all(isinstance(v, (int, float)) and v > 0 for v in ratios_fp32):
+        raise ConfigError("results", source, "a results file in which fp32 DDP reached its own target every round")
+    fp32_steps = sum(ratios_fp32) / len(ratios_fp32)
+    command = results.get("command", "")
+    steps = _option(command, "--steps")
+    cap = _option(command, "--cap") or (2 * steps if isinstance(steps, int) else None)   # time_to_loss's default
+    costs = {}
+    for row in rows:
+        # ratios formed within each round (paired), then averaged over the rounds that reached the target
+        per = [r["steps_to_target"] / b for r, b in zip(row["rounds"], ratios_fp32)
+               if isinstance(r.get("steps_to_target"), (int, float))]
+        cap_steps = cap if isinstance(cap, int) else 0
+        costs[row["name"]] = {"steps_ratio": sum(per) / len(per) if per else None,
+                              "cap_ratio": cap_steps / fp32_steps if cap_steps else None,
+                              "reached_in": row.get("reached_in", len(per)), "repeats": row.get("repeats", 1),
+                              "final_gap": row.get("final_gap")}
+    return {"about": "steps to fp32 DDP's target validation loss, relative to fp32 DDP's own steps, per strategy "
+                     "(syncwise.plan.strategy; regenerate: python -m syncwise.plan.strategy RESULTS.json)",
+            "source": source, "command": command, "where": results.get("where", ""), "smoke": bool(results.get("smoke")),
+            "preset": _option(command, "--preset") or "small", "target_val_loss": results.get("target_val_loss"),
+            "fp32_steps_to_target": fp32_steps, "costs": costs}
+
+
+def _option(command: str, flag: str) -> Any:
+    parts = command.split()
+    if flag in parts and parts.index(flag) + 1 < len(parts):
+        value = parts[parts.index(flag) + 1]
+        return int(value) if value.isdigit() else value
+    return None
+
+
+def load_table(path: "str | Path | None" = None) -> ConvergenceTable:
+    """The convergence table (default: ``convergence.json`` next to this module)."""
+    p = Path(path) if path is not None else TABLE_PATH
+    try:
+        data = json.loads(p.read_text())
+        costs = {name: ConvergenceCost(name, c["steps_ratio"], c.get("cap_ratio") or 0.0, c["reached_in"],
+                                       c["repeats"]) for name, c in data["costs"].items()}
+        return ConvergenceTable(costs, data["source"], data["command"], data["preset"], data.get("where", ""),
+                                data["fp32_steps_to_target"], bool(data.get("smoke")))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SyncwiseError(f"the convergence table {p} cannot be read ({e}); regenerate it: "
+                            "python -m syncwise.plan.strategy RESULTS.json") from None
+
+
+# ------------------------------------------------------------------------------------------------ ranking
+@dataclass(frozen=True)
+class Ranked:
+    """One candidate: its spec, predicted step time, measured steps ratio and predicted time to fp32 DDP's target
+    relative to fp32 DDP (``time_ratio`` < 1: sooner); ``sooner`` = 1 / time_ratio."""
+
+    spec: str
+    compress: owner.Compress
+    sync: Optional[SyncSpec]
+    step_time_s: float
+    steps_ratio: Optional[float]
+    time_ratio: Optional[float]
+    cap_ratio: float = 0.0
+    why_not: str = ""      # why it is not a candidate (never reached the target / cannot run on this layout)
+
+    @property
+    def sooner(self) -> Optional[float]:
+        return 1.0 / self.time_ratio if self.time_ratio else None
+
+
+def _allowed(lay: owner.Layout, c: owner.Compress, s: Optional[SyncSpec], world: Optional[int]) -> str:
+    """'' when the candidate (c, s) is in auto's space for ``lay`` and the layout owner accepts it; else why not."""
+    choose_c, choose_s = lay.auto_choices() if lay.auto else (True, True)
+    if not c.is_none and not choose_c:
+        return "a compressor (compress.method is not auto)"
+    if s is not None and not choose_s:
+        return "a sync strategy (parallel.sync is not auto)"
+    try:
+        dataclasses.replace(lay, compress=c, sync=s).check(world)
+    except ConfigError as e:
+        return f"not on this layout ({e.accepted})"
+    return ""
+
+
+def rank(cloud: CloudConfig, model: ModelSpec, lay: owner.Layout, global_batch: int, seq_len: Optional[int] = None,
+         table: Optional[ConvergenceTable] = None, training: Training = SYNCWISE, micro_batch: int = 0,
+         microbatches: int = 0) -> list[Ranked]:
+    """Every strategy of the convergence table that syncwise can run (PyTorch's hooks included, torchft's DiLoCo not),
+    best first: candidates (in auto's space for ``lay``, reached the target) by predicted time to fp32 DDP's target,
+    then the others with ``why_not``. fp32 DDP (``none``) is always first among equals at ratio 1."""
+    table = table or load_table()
+    if "none" not in table.costs:
+        raise SyncwiseError(f"the convergence table ({table.source}) has no fp32 DDP ('none') row")
+    world = cloud.world_size
+    base = dataclasses.replace(lay, compress=owner.NO_COMPRESS, sync=None)
+
+    def step(c: owner.Compress, s: Optional[SyncSpec]) -> float:
+        planned = Layout.of_owner(dataclasses.replace(base, compress=c, sync=s).resolve(world),
+                                  micro_batch=micro_batch, microbatches=microbatches)
+        return predict(cloud, model, planned, global_batch, seq_len, training=training, syncwise_rules=False
+                       ).step_time_s
+
+    t_none = step(owner.NO_COMPRESS, None)
+    out: list[Ranked] = []
+    for name, cost in table.costs.items():
+        if name.partition(":")[0] in NOT_RUNNABLE:
+            continue
+        try:
+            c, s = cost.parsed()
+        except ConfigError:
+            continue  # a spec this syncwise no longer parses (an old table): not a candidate
+        if c.name not in CODEC_COST:
+            continue
+        why = _allowed(lay, c, s, world)
+        if not cost.reached and not why:
+            why = f"never reached fp32 DDP's loss within {cost.cap_ratio:.1f}× its steps"
+        t = step(c, s)
+        ratio = (t * cost.steps_ratio / t_none) if cost.reached else None
+        out.append(Ranked(name, c, s, t, cost.steps_ratio, ratio, cost.cap_ratio, why))
+    out.sort(key=lambda r: (bool(r.why_not), r.time_ratio if r.time_ratio is not None else float("inf")))
+    return out
+
+
+def link_words(cloud: CloudConfig) -> str:
+    """The link the data-parallel sync crosses, in words: 'N Mbit/s' between nodes, else the intra-node fabric."""
+    fabric = cloud.inter_node if cloud.nodes > 1 else cloud.intra_node
+    bits = fabric.bandwidth * 8
+    rate = f"{bits / 1e9:.3g} Gbit/s" if bits >= 1e9 else f"{bits / 1e6:.3g} Mbit/s"
+    return f"{rate} ({fabric.name}{', between nodes' if cloud.nodes > 1 else ', one node'})"
+
+
+def job_cloud(nodes: int, per_node: int, inter_bps: Optional[float] = None, accelerator: str = "cpu-lab"
+              ) -> CloudConfig:
+    """The cluster a job runs on when no calibrated cluster TOML is given: ``nodes`` × ``per_node`` workers of the
+    catalog's ``accelerator`` (cpu-lab: the lab's measured CPU worker), the intra-node loopback, and between nodes
+    the network lab's link at ``inter_bps`` bit/s (its tbf rate)."""
+    from .cloud import cluster
+
+    cloud = cluster(accelerator, nodes, per_node)
+    if nodes > 1 and inter_bps:
+        cloud = dataclasses.replace(cloud, inter_node=dataclasses.replace(cloud.inter_node, bandwidth=inter_bps / 8))
+    return cloud
+
+
+#: a strategy replaces fp32 DDP only when predicted at least this much sooner (time ratio ≤ MIN_GAIN): closer than
+#: that is inside the planner's error (benchmarks/RESULTS.md §11-12), and fp32 DDP changes nothing
+MIN_GAIN = 0.97
+
+
+def choose(ranked: Sequence[Ranked]) -> Ranked:
+    """The first candidate, unless fp32 DDP (``none``) is a candidate and it is not ≥ 3 % sooner (:data:`MIN_GAIN`)."""
+    candidates = [r for r in ranked if not r.why_not]
+    if not candidates:
+        raise ConfigError("compress.method", owner.AUTO, "a strategy chosen explicitly: no strategy of the "
+                          "convergence table can run on this layout")
+    none = next((r for r in candidates if r.spec == "none"), None)
+    if none is not None and candidates[0].time_ratio > MIN_GAIN:
+        return none
+    return candidates[0]
+
+
+def explain(ranked: Sequence[Ranked], cloud: CloudConfig, table: ConvergenceTable) -> str:
+    """The one start-up line: what auto chose and why, e.g. 'auto: fp8 (predicted 1.9× sooner to fp32 DDP's loss
+    than none on 100 Mbit/s ...; powersgd:rank=4 1.4×, needs 1.3× the steps; table: ...)'."""
+    best = choose(ranked)
+    others = [r for r in ranked if not r.why_not and r is not best][:2]
+
+    def steps(r: Ranked) -> str:
+        return f", needs {r.steps_ratio:.2f}× the steps" if r.steps_ratio and abs(r.steps_ratio - 1) >= 0.005 else ""
+
+    def part(r: Ranked) -> str:
+        return f"{r.spec} {r.sooner:.2f}×" + steps(r)
+
+    excluded = sum(1 for r in ranked if r.why_not.startswith("never reached"))
+    head = (f"auto: {best.spec} (predicted {best.sooner:.2f}× sooner to fp32 DDP's loss than none"
+            if best.spec != "none" else "auto: none (fp32 DDP predicted soonest to its own loss, within "
+            f"{100 * (1 - MIN_GAIN):.0f} %")
+    return (f"{head} on {link_words(cloud)}{steps(best)}; next: " + ("; ".join(part(r) for r in others) or "-")
+            + (f"; {excluded} never reached the loss" if excluded else "")
+            + f"; convergence: {table.reference}" + (" SMOKE" if table.smoke else "") + ")")
+
+
+def resolve_auto(lay: owner.Layout, cloud: CloudConfig, model: ModelSpec, global_batch: int,
+                 seq_len: Optional[int] = None, table: Optional[ConvergenceTable] = None,
+                 training: Training = SYNCWISE, micro_batch: int = 0, microbatches: int = 0
+                 ) -> tuple[owner.Layout, str, list[Ranked]]:
+    """The one place ``auto`` is resolved: (the layout with the chosen compressor and sync strategy, the start-up
+    line, the ranked candidates). A layout without ``auto`` comes back as it is."""
+    if not lay.auto:
+        return lay, "", []
+    lay.auto_choices()   # a conflicting explicit option: ConfigError naming it
+    table = table or load_table()
+    ranked = rank(cloud, model, lay, global_batch, seq_len, table, training, micro_batch, microbatches)
+    best = choose(ranked)
+    return dataclasses.replace(lay, compress=best.compress, sync=best.sync), explain(ranked, cloud, table), ranked
+
+
+def render(ranked: Sequence[Ranked], cloud: CloudConfig, table: ConvergenceTable, title: str) -> None:
+    """``syncwise plan --strategy``'s table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left", caption=f"steps: measured by benchmarks/time_to_loss.py "
+              f"({table.source}); step time: the planner's cost model on {link_words(cloud)}")
+    for col in ("#", "strategy", "step ms (predicted)", "steps to fp32's loss (measured)", "time to fp32's loss",
+                "sooner than none", "not a candidate"):
+        t.add_column(col, justify="left" if col in ("strategy", "not a candidate") else "right", overflow="fold")
+    for i, r in enumerate(ranked, 1):
+        steps = f"{r.steps_ratio:.2f}×" if r.steps_ratio else f"> {r.cap_ratio:.1f}×"
+        t.add_row(str(i) if not r.why_not else "-", r.spec, f"{r.step_time_s * 1e3:.4g}", steps,
+                  f"{r.time_ratio:.2f}×" if r.time_ratio else "-", f"{r.sooner:.2f}×" if r.sooner else "-",
+                  r.why_not)
+    Console(file=sys.stdout, width=160).print(t)
+
+
+def write_table(results_path: "str | Path", out: "str | Path | None" = None) -> Path:
+    """Regenerate the convergence table from a time-to-loss results file; returns where it was written."""
+    src = Path(results_path)
+    try:
+        results = json.loads(src.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError("results", str(src), f"a readable benchmarks/time_to_loss.py results file ({e})") from None
+    try:
+        shown = str(src.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        shown = str(src)
+    data = table_from_results(results, shown)
+    dest = Path(out) if out is not None else TABLE_PATH
+    dest.write_text(json.dumps(data, indent=1) + "\n")
+    return dest
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m syncwise.plan.strategy",
+                                description="regenerate the convergence table from a time-to-loss results file")
+    p.add_argument("results", help="a benchmarks/time_to_loss.py results JSON")
+    p.add_argument("--out", default=None, help=f"where to write it (default {TABLE_PATH})")
+    args = p.parse_args(argv)
+    try:
+        dest = write_table(args.results, args.out)
+    except (ConfigError, SyncwiseError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {dest}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

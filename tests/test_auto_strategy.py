@@ -1,0 +1,137 @@
+"""--compress auto / --sync auto and `syncwise plan --strategy` (issue 28 item 5): the choice = the planner's step
+time × the measured steps to fp32 DDP's loss (syncwise.plan.strategy), resolved once before workers start."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from syncwise.errors import ConfigError
+from syncwise.layout import Layout
+from syncwise.plan import load_model
+from syncwise.plan import strategy as S
+
+
+def _results(steps: dict[str, float | None]) -> dict:
+    """A benchmarks/time_to_loss.py results file with these steps to the target (None: never reached)."""
+    rows = []
+    for name, s in steps.items():
+        rows.append({"name": name, "peer": name.startswith("torch-"), "repeats": 1, "reached_in": int(s is not None),
+                     "rounds": [{"steps_to_target": s, "reached": s is not None}], "steps_to_target": s,
+                     "final_gap": 0.0 if s is not None else 0.4})
+    return {"smoke": False, "command": "python benchmarks/time_to_loss.py --preset tiny --steps 100 --cap 200",
+            "where": "2 local workers over loopback", "target_val_loss": 2.0, "rows": rows}
+
+
+STEPS = {"none": 90.0, "fp16": 90.0, "fp8": 91.0, "powersgd:rank=4": 117.0, "topk:ratio=0.01": None,
+         "diloco:period=16": 135.0, "torchft-diloco:period=16": 95.0}
+
+
+@pytest.fixture
+def table(tmp_path, monkeypatch):
+    src = tmp_path / "ttl.json"
+    src.write_text(json.dumps(_results(STEPS)))
+    dest = S.write_table(src, tmp_path / "convergence.json")
+    monkeypatch.setattr(S, "TABLE_PATH", dest)
+    return S.load_table(dest)
+
+
+def test_the_table_is_regenerated_from_time_to_loss_results(table):
+    assert table.preset == "tiny" and table.fp32_steps == 90.0
+    assert table.costs["powersgd:rank=4"].steps_ratio == pytest.approx(1.3)
+    assert table.costs["topk:ratio=0.01"].steps_ratio is None and table.costs["topk:ratio=0.01"].cap_ratio == \
+        pytest.approx(200 / 90)
+
+
+def _pick(table, mbit: float, lay: Layout) -> tuple[Layout, str, list]:
+    cloud = S.job_cloud(2, 1, mbit * 1e6)
+    return S.resolve_auto(lay, cloud, load_model("tiny", 128), 16, 128, table, micro_batch=8)
+
+
+def test_a_fast_link_picks_none_or_a_lossless_cast_and_a_slow_one_compresses(table):
+    fast, line, _ = _pick(table, 100_000, Layout.of(compress="auto", sync="auto"))
+    assert fast.compress.name in ("none", "fp16", "bf16") and fast.sync is None, line
+    slow, line, ranked = _pick(table, 5, Layout.of(compress="auto", sync="auto"))
+    assert (slow.compress.name, slow.sync and slow.sync.method) in (("fp8", None), ("powersgd", None),
+                                                                    ("none", "diloco")), line
+    assert line.startswith(f"auto: {ranked[0].spec} (predicted ") and "Mbit/s" in line and "× sooner" in line
+    # never chosen: the strategy that did not reach the loss, and torchft's DiLoCo (syncwise cannot run it)
+    assert {r.spec for r in ranked} >= {"topk:ratio=0.01"} and "torchft-diloco:period=16" not in {r.spec for r in ranked}
+    assert next(r for r in ranked if r.spec == "topk:ratio=0.01").why_not.startswith("never reached")
+
+
+def test_auto_chooses_only_in_its_space(table):
+    lay, _, _ = _pick(table, 5, Layout.of(compress="auto"))          # compressors, every step
+    assert lay.sync is None and not lay.compress.is_auto
+    lay, _, _ = _pick(table, 5, Layout.of(sync="auto"))              # sync strategies (or fp32 every step)
+    assert lay.compress.is_none and (lay.sync is None or lay.sync.method == "diloco")
+
+
+def test_the_start_up_line_and_the_resolved_config(table, tmp_path, capsys):
+    from syncwise.config import build_config
+
+    toml = tmp_path / "slow.toml"
+    toml.write_text('nodes = 2\ngpus_per_node = 1\n[accelerator]\nname = "cpu-lab"\n[intra_node]\nname = '
+                    '"lab-loopback"\n[inter_node]\nname = "lab-tbf"\nbandwidth_gbit_s = 0.005\n')
+    cfg = build_config(None, {"compress.method": "auto", "parallel.sync": "auto", "model.preset": "tiny",
+                              "dist.nproc": "2", "dist.device": "cpu", "compress.auto_cluster": str(toml)})
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "auto:" in ln]
+    assert len(err) == 1 and err[0].startswith("syncwise: auto: ") and "5 Mbit/s" in err[0]
+    chosen = cfg.compress.method if cfg.parallel.sync == "every-step" else cfg.parallel.sync
+    assert err[0].startswith(f"syncwise: auto: {chosen} ") and chosen not in ("auto", "none", "fp16")
+
+
+@pytest.mark.parametrize("overrides,field", [
+    ({"compress.method": "auto", "parallel.sync": "localsgd:period=4"}, "compress.method"),
+    ({"compress.method": "fp8", "parallel.sync": "auto"}, "parallel.sync"),
+])
+def test_auto_with_a_conflicting_option_is_one_config_error(overrides, field):
+    from syncwise.config import build_config
+
+    with pytest.raises(ConfigError) as e:
+        build_config(None, {**overrides, "model.preset": "tiny"})
+    assert e.value.field == field and e.value.value == "auto" and "\n" not in str(e.value)
+
+
+def test_the_command_line_refuses_a_conflict_in_one_line(capsys):
+    from syncwise.cli import main
+
+    assert main(["train", "--check", "--preset", "tiny", "--compress", "auto", "--sync", "diloco:period=8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'compress.method': 'auto'" in err[0] and "parallel.sync=diloco:period=8" in err[0]
+
+
+def test_an_unresolved_auto_never_reaches_a_worker():
+    with pytest.raises(ConfigError) as e:
+        Layout.of(compress="auto").check(2)
+    assert e.value.field == "compress.method" and "resolve" in e.value.accepted
+
+
+def test_plan_strategy_prints_the_ranked_table(table, capsys, tmp_path):
+    from syncwise.cli import main
+
+    out = tmp_path / "rows.json"
+    assert main(["plan", "--strategy", "--cluster", "examples/clusters/cpu-lab-2x2.toml", "--model", "tiny",
+                 "--global-batch", "32", "--seq-len", "128", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "time to fp32 DDP's loss" in text and "never reached" in text and "auto: " in text
+    rows = json.loads(out.read_text())
+    assert rows["chosen"] == rows["rows"][0]["spec"] and len(rows["rows"]) == 6
+
+
+def test_a_real_run_trains_with_what_auto_chose(table, tmp_path, capsys):
+    """`syncwise train --compress auto`: 2 gloo workers, 2 steps; the workers run the strategy the line named."""
+    from syncwise.cli import main
+
+    toml = tmp_path / "slow.toml"
+    toml.write_text('nodes = 1\ngpus_per_node = 2\n[accelerator]\nname = "cpu-lab"\n[intra_node]\nname = '
+                    '"lab-loopback"\nbandwidth_gbit_s = 0.01\n[inter_node]\nname = "none"\n')
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", "--steps", "2", "--nproc", "2", "--dist.device=cpu",
+                 "--compress", "auto", "--compress.auto_cluster", str(toml), "--run-dir", str(run),
+                 "--train.val_interval=0", "--data.seq_len=32"]) == 0
+    line = [ln for ln in capsys.readouterr().err.splitlines() if "auto:" in ln]
+    assert len(line) == 1, line
+    summary = json.loads((run / "summary.json").read_text())
+    chosen = json.loads((run / "config.json").read_text())["compress"]["method"]
+    assert line[0].startswith(f"syncwise: auto: {chosen} ") and summary["compressor"] == chosen != "none"
