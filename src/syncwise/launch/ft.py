@@ -177,7 +177,8 @@ def merge_metrics(run_dir: str | Path, total_steps: int) -> dict[str, Any]:
     attempts = _attempts(run_dir)
     by_step: dict[int, dict] = {}
     trained: dict[int, set[int]] = {}  # replica -> steps it took part in (any attempt)
-    for r, a, d in attempts:
+    # A step logged twice (every replica lost: the fallback from a checkpoint redid it) is the latest attempt's.
+    for r, a, d in sorted(attempts, key=lambda t: (-t[1], t[0])):
         for row in _read_rows(d / "metrics.jsonl"):
             step = int(row.get("step", 0))
             trained.setdefault(r, set()).add(step)

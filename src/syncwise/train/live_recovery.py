@@ -26,6 +26,7 @@ torchft is imported only when live recovery is on (requirements-dev.txt pins it;
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -84,6 +85,7 @@ class LiveRecovery:
         self.heals: list[dict] = []             # {"step", "seconds"}: state received from a live peer
         self.discarded = 0                      # steps whose update did not commit (batch skipped, step redone)
         self.participants = 0                   # replica groups in the current quorum
+        self.members: list[int] = []            # their indices
         self.changes: list[dict] = []           # quorum size changes: {"step", "replicas", "lost"}
         self.fallback_step: Optional[int] = None  # every replica lost: resumed from this checkpoint step
         self._quorum_ready = False
@@ -210,7 +212,21 @@ class LiveRecovery:
 
     def summary(self) -> dict[str, Any]:
         return {"replica": self.replica, "replicas": self.replicas, "heals": self.heals,
-                "discarded_steps": self.discarded, "quorum_changes": self.changes, "fallback_step": self.fallback_step}
+                "discarded_steps": self.discarded, "quorum_changes": self.changes, "fallback_step": self.fallback_step,
+                "param_digest": self.param_digest()}
+
+    def param_digest(self) -> Optional[str]:
+        """sha256 of this rank's parameters (replicas must end identical; None above 50 M elements: too slow to
+        hash at every run's end)."""
+        if self._trainer is None:
+            return None
+        params = [p.detach() for p in self._trainer.model.parameters()]
+        if sum(p.numel() for p in params) > 50_000_000:
+            return None
+        h = hashlib.sha256()
+        for p in params:
+            h.update(p.cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
 
     def close(self) -> None:
         if self.manager is not None:
@@ -226,14 +242,17 @@ class LiveRecovery:
             raise SyncwiseError(f"live recovery: replica {self.replica} could not join the quorum for step {step}: "
                                 f"{self.manager.errored()}")
         n = self.manager.num_participants()
-        if n != self.participants:
-            lost = self._lost() if n < self.participants else []
-            self.changes.append({"step": step, "replicas": n, "lost": lost})
+        members = self._members()
+        if n != self.participants or members != self.members:
+            lost = sorted(set(self.members) - set(members))
+            joined = sorted(set(members) - set(self.members))
+            self.changes.append({"step": step, "replicas": n, "lost": lost, "joined": joined})
             if self.participants:
-                what = f"lost replica(s) {lost or '(unknown)'}" if n < self.participants else "replica(s) rejoined"
+                what = "; ".join([f"lost {self._describe_lost(lost)}"] * bool(lost) +
+                                 [f"replica(s) {joined} (re)joined"] * bool(joined)) or "the quorum changed"
                 print(f"syncwise: live recovery: step {step}: {what}; {n} of {self.replicas} replicas train on "
                       f"(global batch × {n}/{self.replicas})", file=sys.stderr, flush=True)
-            self.participants = n
+            self.participants, self.members = n, members
         if self.manager.current_step() != before:  # healed: the state came from a live peer
             seconds = time.perf_counter() - started
             self.heals.append({"step": self.manager.current_step(), "seconds": seconds})
@@ -243,6 +262,9 @@ class LiveRecovery:
     def _state(self, state: Any) -> dict[str, Any]:
         """What a joining replica receives: the train state's components (model, optimizer, scheduler, scaler,
         trainer counters, data position), this rank's own where per-rank (the peer's rank of the same index)."""
+        trainer = self._trainer
+        if trainer is not None:  # (injected: healkill, a failure during the healing transfer)
+            trainer.faults.maybe_kill_healing(trainer.step, trainer.rank)
         return {name: state[name].state_dict() for name in _healed_names(state)}
 
     def _load(self, state: Any, sd: dict[str, Any]) -> None:
@@ -269,28 +291,30 @@ class LiveRecovery:
             self.status_dir.mkdir(parents=True, exist_ok=True)
             path = self.status_dir / f"replica{self.replica}.json"
             tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps({"step": step, "pid": os.getpid(), "time": time.time()}))
+            tmp.write_text(json.dumps({"step": step, "pid": os.getpid(), "host": _advertised_host(),
+                                       "time": time.time()}))
             os.replace(tmp, path)
         except OSError:
             pass
 
-    def _lost(self) -> list[str]:
-        """The replica groups whose last recorded step is behind this one's (their status files: the lighthouse
-        does not say whom it dropped)."""
-        if self.status_dir is None:
-            return []
-        mine = self._trainer.step if self._trainer is not None else 0
-        lost = []
-        for r in range(self.replicas):
-            if r == self.replica:
-                continue
+    def _members(self) -> list[int]:
+        """The replica indices of the current quorum: torchft hands its reconfigurable process group the quorum's
+        global ranks (replica index × group size + group rank; ``ProcessGroupGloo._global_ranks``)."""
+        ranks = getattr(getattr(self.manager, "_pg", None), "_global_ranks", None) or []
+        size = max(1, getattr(self.manager, "_group_world_size", 1))
+        return sorted({int(r) // size for r in ranks})
+
+    def _describe_lost(self, lost: list[int]) -> str:
+        """'replica 1 (last step 4, pid 1234)': who left the quorum and, from its status file, where it stopped."""
+        out = []
+        for r in lost:
             try:
-                last = json.loads((self.status_dir / f"replica{r}.json").read_text())["step"]
-            except (OSError, ValueError, KeyError):
-                last = -1
-            if last < mine:
-                lost.append(f"replica {r} (last step {last})" if last >= 0 else f"replica {r}")
-        return lost
+                last = json.loads((self.status_dir / f"replica{r}.json").read_text()) if self.status_dir else {}
+            except (OSError, ValueError):
+                last = {}
+            detail = f" (last step {last['step']}, pid {last.get('pid')} on {last.get('host')})" if "step" in last else ""
+            out.append(f"replica {r}{detail}")
+        return ", ".join(out)
 
 
 # Per-rank components that must not travel: the RNG (this rank's own streams) and the micro-batch size found here.
