@@ -40,7 +40,8 @@ def _summary(run_dir):
 
 
 def _final_digests(summary):
-    """Each replica's parameter digest at the end of its last attempt."""
+    """Each replica's parameter digest at the end of its last attempt that trained (an attempt started after the
+    run had finished trains nothing and writes no summary)."""
     last = {}
     for a in summary["live_recovery"]["attempts"]:
         if a["replica"] not in last or a["attempt"] > last[a["replica"]]["attempt"]:
@@ -53,11 +54,14 @@ def _tail_loss(rows, n=5):
 
 
 def _check_run(run_dir, replicas=3):
+    """One metrics row per step; the replicas that trained to the end hold identical parameters (``replicas``: how
+    many must have; None: at least one)."""
     rows = _rows(run_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # one row per step, none missing
     summary = _summary(run_dir)
     digests = _final_digests(summary)
-    assert len(digests) == replicas and len(set(digests.values())) == 1, digests  # replicas identical at the end
+    assert len(set(digests.values())) == 1, digests  # replicas identical at the end
+    assert len(digests) == replicas if replicas else digests, digests
     assert summary["live_recovery"]["steps_missing"] == []
     return rows, summary
 
@@ -152,11 +156,13 @@ def test_a_failure_during_the_healing_transfer(tmp_path):
     assert _train(run_dir, "--ft.replicas=3", "--inject-fault", "kill:rank=1,step=3",
                   "--inject-fault", "healkill:rank=0,step=4", "--inject-fault", "healkill:rank=2,step=4",
                   "--ft.replica_restarts=4") == 0
-    rows, summary = _check_run(run_dir)
-    attempts = summary["live_recovery"]["attempts"]
-    assert max(a["attempt"] for a in attempts if a["replica"] == 1) >= 1
-    assert any(a["attempt"] >= 1 for a in attempts if a["replica"] in (0, 2))  # a sender died and was replaced
-    assert rows[-1]["replicas"] == 3
+    rows, summary = _check_run(run_dir, replicas=None)
+    ft = run_dir / "ft"
+    assert "could not join the quorum" in (ft / "replica1.log").read_text()  # its heal failed: it restarted
+    assert (ft / "replica1.1").is_dir() and (ft / "replica1.2").is_dir()
+    senders = [r for r in (0, 2) if "killing rank 0 during a healing transfer" in (ft / f"replica{r}.log").read_text()]
+    assert len(senders) == 1 and (ft / f"replica{senders[0]}.1").is_dir()  # the sender died and was restarted
+    assert summary["live_recovery"]["exit_codes"] == [0, 0, 0]
 
 
 @needs_torchft
