@@ -122,13 +122,16 @@ def test_a_killed_replica_is_replaced_and_heals_from_a_live_peer(tmp_path, unint
     assert _train(run_dir, "--ft.replicas=3", "--inject-fault", "kill:rank=1,step=5") == 0
     rows, summary = _check_run(run_dir)
     counts = [r["replicas"] for r in rows]
-    assert counts[:4] == [3] * 4 and 2 in counts and counts[-1] == 3  # shrank, then grew back
+    assert counts[:4] == [3] * 4 and counts[-1] == 3
     attempts = {(a["replica"], a["attempt"]): a for a in summary["live_recovery"]["attempts"]}
     heal = attempts[(1, 1)]["heals"]  # the replacement received the state from a live peer
     assert heal and heal[0]["step"] >= 4 and attempts[(1, 1)]["fallback_step"] is None
-    lost = [c for c in attempts[(0, 0)]["quorum_changes"] if c["lost"]]
-    assert lost[0]["lost"] == [1] and lost[0]["step"] == 5  # the survivors name the lost replica
-    assert summary["live_recovery"]["data_skipped_by_replica"]["replica1"][0].startswith("5")
+    if 2 in counts:  # the survivors trained on without it (shrank, then grew back) and named it
+        lost = [c for c in attempts[(0, 0)]["quorum_changes"] if c["lost"]]
+        assert lost[0]["lost"] == [1] and lost[0]["step"] == 5
+        assert summary["live_recovery"]["data_skipped_by_replica"]["replica1"][0].startswith("5")
+    else:  # the replacement was back before the lighthouse's heartbeat timeout: it joined step 5's quorum
+        assert heal[0]["step"] == 4
     assert abs(_tail_loss(rows) - _tail_loss(uninterrupted)) < LOSS_TOLERANCE
 
 
@@ -154,7 +157,7 @@ def test_a_failure_during_the_healing_transfer(tmp_path):
     survivor, and the killed sender is replaced too."""
     run_dir = tmp_path / "heal"
     assert _train(run_dir, "--ft.replicas=3", "--inject-fault", "kill:rank=1,step=3",
-                  "--inject-fault", "healkill:rank=0,step=4", "--inject-fault", "healkill:rank=2,step=4",
+                  "--inject-fault", "healkill:rank=0", "--inject-fault", "healkill:rank=2",
                   "--ft.replica_restarts=4") == 0
     rows, summary = _check_run(run_dir, replicas=None)
     ft = run_dir / "ft"

@@ -27,11 +27,7 @@ from typing import Any, Optional, Sequence
 from ..errors import SyncwiseError
 from .local import free_port, threads_per_worker
 
-FT_DIR = "ft"  # RUN_DIR/ft/replica{R}.{attempt}: each replica group attempt's own run directory
-
-
-def replica_dir(run_dir: str | Path, replica: int, attempt: int) -> Path:
-    return Path(run_dir) / FT_DIR / f"replica{replica}.{attempt}"
+FT_DIR = "ft"  # RUN_DIR/ft/replica{R}.{attempt}: each replica group attempt's own run directory (LiveRecovery.run_dir)
 
 
 class Lighthouse:
@@ -214,3 +210,33 @@ def _ranges(steps: list[int]) -> list[str]:
             out.append(f"{start}" if start == s else f"{start}-{s}")
             start = None
     return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m syncwise.launch.ft --replicas 3 [--nproc 1] [--restarts 3] --run-dir D -- script.py ARGS``: a
+    user's training script (``OptimizedTrainer(..., live_recovery=LiveRecovery.from_env())``) under live recovery."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m syncwise.launch.ft", description=main.__doc__)
+    p.add_argument("--replicas", type=int, required=True)
+    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--restarts", type=int, default=3)
+    p.add_argument("--min-replicas", type=int, default=1)
+    p.add_argument("--lighthouse", default="")
+    p.add_argument("--quorum-timeout-s", type=float, default=60.0)
+    p.add_argument("--timeout-s", type=float, default=30.0)
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("script", nargs=argparse.REMAINDER)
+    args = p.parse_args(argv)
+    script = args.script[1:] if args.script[:1] == ["--"] else args.script
+    if args.replicas < 2 or not 1 <= args.min_replicas <= args.replicas or args.nproc < 1 or not script:
+        p.error("needs --replicas ≥ 2, 1 ≤ --min-replicas ≤ --replicas, --nproc ≥ 1 and a script")
+    codes = run_replicas(script, args.run_dir, args.replicas, args.nproc, args.restarts, lighthouse=args.lighthouse,
+                         min_replicas=args.min_replicas, quorum_timeout_s=args.quorum_timeout_s,
+                         timeout_s=args.timeout_s)
+    print(f"replica groups ended with exit codes {codes}; logs in {Path(args.run_dir) / FT_DIR}", file=sys.stderr)
+    return 0 if not all(codes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

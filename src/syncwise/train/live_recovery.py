@@ -103,6 +103,12 @@ class LiveRecovery:
                    quorum_timeout_s=float(os.environ.get(ENV_QUORUM_TIMEOUT, "60")),
                    timeout_s=float(os.environ.get(ENV_TIMEOUT, "30")), status_dir=os.environ.get(ENV_STATUS_DIR))
 
+    def run_dir(self, base: str) -> str:
+        """This replica group attempt's own run directory under ``base`` (BASE/ft/replica{R}.{attempt}), as
+        ``syncwise train`` uses: a restarted group never writes over its earlier attempt's files."""
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        return str(Path(base) / "ft" / f"replica{self.replica}.{attempt}")
+
     # ------------------------------------------------------------------------ what the trainer asks (its seam)
     replicas_diverge = False  # the sync-strategy protocol: replicas hold the same parameters after every step
     restored = False
