@@ -179,3 +179,39 @@ def test_losing_every_replica_falls_back_to_the_newest_checkpoint(tmp_path):
     rows, summary = _check_run(run_dir, replicas=2)
     fallbacks = [a["fallback_step"] for a in summary["live_recovery"]["attempts"] if a["attempt"] == 1]
     assert 5 in fallbacks or 8 in fallbacks, summary["live_recovery"]["attempts"]  # resumed from a checkpoint
+
+
+API_SCRIPT = '''
+import json, sys, torch
+from torch.utils.data import DataLoader, TensorDataset
+from syncwise.models import build_model
+from syncwise.train import OptimizedTrainer
+from syncwise.train.live_recovery import LiveRecovery
+
+live = LiveRecovery.from_env()                  # set by python -m syncwise.launch.ft
+torch.manual_seed(0)
+model = build_model("tiny", vocab_size=64, seq_len=16)
+tokens = torch.randint(0, 64, (64, 17), generator=torch.Generator().manual_seed(1))
+loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
+trainer = OptimizedTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), live_recovery=live,
+                           run_dir=live.run_dir(sys.argv[1]), show_progress=False)
+summary = trainer.train(loader, steps=6)
+assert summary["live_recovery"]["replicas"] == 2
+'''
+
+
+@needs_torchft
+@pytest.mark.slow
+def test_python_api_trains_replica_groups_through_the_trainer(tmp_path):
+    """A user's script: ``OptimizedTrainer(..., live_recovery=LiveRecovery.from_env())`` under
+    ``python -m syncwise.launch.ft``; the trainer shards the loader over both replica groups and they end identical."""
+    from syncwise.launch.ft import main as ft_main
+
+    script = tmp_path / "train.py"
+    script.write_text(API_SCRIPT)
+    base = tmp_path / "run"
+    assert ft_main(["--replicas", "2", "--run-dir", str(base), "--", str(script), str(base)]) == 0
+    summaries = [json.loads((base / "ft" / f"replica{r}.0" / "summary.json").read_text()) for r in (0, 1)]
+    assert summaries[0]["live_recovery"]["param_digest"] == summaries[1]["live_recovery"]["param_digest"]
+    rows = [json.loads(line) for line in (base / "ft" / "replica0.0" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7)) and all(r["replicas"] == 2 for r in rows)

@@ -169,7 +169,10 @@ class LiveRecovery:
         """Average the gradients over the quorum's replicas, then ask whether the step commits: ``[None]`` (apply
         the averaged ``.grad``) or ``[]`` (no update: the step is redone). Returns (updates, seconds waited)."""
         start = time.perf_counter()
-        grads = [p.grad for p in self.params if p.grad is not None]
+        for p in self.params:  # a parameter unused this step (an MoE expert no token chose) on one replica only:
+            if p.grad is None:  # every replica must hand the all-reduce the same buffer, so it sends zeros
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in self.params]
         works = []
         for flat, members in _flat_buckets(grads):
             works.append((self.manager.allreduce(flat), flat, members))
