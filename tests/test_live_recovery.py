@@ -215,3 +215,19 @@ def test_python_api_trains_replica_groups_through_the_trainer(tmp_path):
     assert summaries[0]["live_recovery"]["param_digest"] == summaries[1]["live_recovery"]["param_digest"]
     rows = [json.loads(line) for line in (base / "ft" / "replica0.0" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 7)) and all(r["replicas"] == 2 for r in rows)
+
+
+@needs_torchft
+@pytest.mark.slow
+def test_a_relaunched_run_resumes_from_its_checkpoint(tmp_path):
+    """`--resume auto` on a live-recovery run: the new launch's attempts number on after the first launch's, the
+    replicas (none alive to heal from) load the newest checkpoint, and metrics.jsonl covers every step once."""
+    args = ["train", "--run-dir", str(tmp_path / "run"), "--preset", "tiny", "--nproc", "1", "--data.seq_len=32",
+            "--train.val_batches=1", "--ft.replicas=2"]
+    assert main([*args, "--steps", "4"]) == 0
+    assert main([*args, "--steps", "7", "--resume", "auto"]) == 0
+    rows = _rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == list(range(1, 8)) and [r["attempt"] for r in rows] == [0] * 4 + [1] * 3
+    summary = _summary(tmp_path / "run")
+    assert summary["steps"] == 7
+    assert {a["fallback_step"] for a in summary["live_recovery"]["attempts"] if a["attempt"] == 1} == {4}

@@ -106,6 +106,10 @@ def run_replicas(module_args: Sequence[str], run_dir: str | Path, replicas: int,
     codes. Each group's output goes to ``RUN_DIR/ft/replica{R}.log``. SIGINT/SIGTERM here stop every group."""
     run_dir = Path(run_dir)
     (run_dir / FT_DIR).mkdir(parents=True, exist_ok=True)
+    # A resumed run (--resume auto) launched again: its attempts are numbered after the earlier launches' ones, and
+    # the earlier status files (the start-up wait's) are not this launch's.
+    first_attempt = 1 + max((a for _, a, _ in _attempts(run_dir)), default=-1)
+    shutil.rmtree(run_dir / FT_DIR / "status", ignore_errors=True)
     server = None
     if not lighthouse:
         # a replica stopped (not dead) is dropped once its heartbeat is this late: not later than the collective
@@ -120,6 +124,7 @@ def run_replicas(module_args: Sequence[str], run_dir: str | Path, replicas: int,
         for r in range(replicas):
             env = replica_env(r, replicas, lighthouse, nproc, min_replicas, quorum_timeout_s, timeout_s,
                               str(run_dir / FT_DIR / "status"))
+            env["SYNCWISE_FT_FIRST_ATTEMPT"] = str(first_attempt)
             log = open(run_dir / FT_DIR / f"replica{r}.log", "ab")
             logs.append(log)
             procs.append(subprocess.Popen(replica_command(module_args, nproc, restarts), env=env, stdout=log,
@@ -183,7 +188,9 @@ def merge_metrics(run_dir: str | Path, total_steps: int) -> dict[str, Any]:
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     summaries = [(r, a, json.loads((d / "summary.json").read_text())) for r, a, d in attempts
                  if (d / "summary.json").exists()]
-    summary: dict[str, Any] = dict(summaries[0][2]) if summaries else {"steps": max(by_step, default=0)}
+    # the summary of the attempt that got furthest (the latest such attempt, then the lowest replica)
+    best = min(summaries, key=lambda t: (-int(t[2].get("steps") or 0), -t[1], t[0]), default=None)
+    summary: dict[str, Any] = dict(best[2]) if best else {"steps": max(by_step, default=0)}
     replicas = sorted({r for r, _, _ in attempts})
     missed = {}
     for r in replicas:

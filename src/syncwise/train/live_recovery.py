@@ -106,7 +106,8 @@ class LiveRecovery:
     def run_dir(self, base: str) -> str:
         """This replica group attempt's own run directory under ``base`` (BASE/ft/replica{R}.{attempt}), as
         ``syncwise train`` uses: a restarted group never writes over its earlier attempt's files."""
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) + \
+            int(os.environ.get("SYNCWISE_FT_FIRST_ATTEMPT", "0") or 0)  # (a relaunch numbers on after the last)
         return str(Path(base) / "ft" / f"replica{self.replica}.{attempt}")
 
     # ------------------------------------------------------------------------ what the trainer asks (its seam)
