@@ -231,3 +231,42 @@ def test_a_relaunched_run_resumes_from_its_checkpoint(tmp_path):
     summary = _summary(tmp_path / "run")
     assert summary["steps"] == 7
     assert {a["fallback_step"] for a in summary["live_recovery"]["attempts"] if a["attempt"] == 1} == {4}
+
+
+@needs_torchft
+@pytest.mark.slow
+def test_a_stopped_replica_is_dropped_after_the_timeout_and_heals_when_it_resumes(tmp_path):
+    """SIGSTOP (a hung replica, not a dead one): the survivors discard the step that waited for it (its time is
+    ``discarded_s`` in the row) and train on without it; after SIGCONT it finds itself behind and heals in place."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run_dir = tmp_path / "stop"
+    proc = subprocess.Popen([sys.executable, "-m", "syncwise.cli", "train", "--run-dir", str(run_dir), "--ft.replicas=3",
+                             "--ft.timeout_s=5", *[a for a in BASE if a != "--ft.timeout_s=10"]],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    status = run_dir / "ft" / "status" / "replica1.json"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            last = json.loads(status.read_text())
+            if last["step"] >= 3:
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    else:
+        proc.kill()
+        pytest.fail("replica 1 never reached step 3")
+    os.kill(last["pid"], signal.SIGSTOP)
+    time.sleep(10)
+    os.kill(last["pid"], signal.SIGCONT)
+    assert proc.wait(timeout=300) == 0
+    rows, summary = _check_run(run_dir)
+    assert any(r.get("discarded_s", 0) >= 4 for r in rows)  # the step that waited out the 5 s timeout
+    assert 2 in [r["replicas"] for r in rows] and rows[-1]["replicas"] == 3
+    attempts = {(a["replica"], a["attempt"]): a for a in summary["live_recovery"]["attempts"]}
+    assert attempts[(1, 0)]["heals"]  # healed in the same process: no restart

@@ -91,6 +91,8 @@ class LiveRecovery:
         self._quorum_ready = False
         self._committed = True
         self._discarded_this_step = 0
+        self._quorum_s = self._discarded_s = 0.0     # this step's quorum time, its discarded attempts' time
+        self._attempt_started = 0.0
         self._trainer: Any = None
 
     @classmethod
@@ -157,11 +159,17 @@ class LiveRecovery:
         self._record_status(trainer.step)
 
     def begin_step(self, step: int) -> None:
-        """Before step ``step``'s batch: the step's quorum (after :meth:`join`, its first quorum serves)."""
-        self._discarded_this_step = 0
+        """Before step ``step``'s batch: the step's quorum (after :meth:`join`, its first quorum serves). The time
+        it takes is outside the step meter's clock: the row reports it (``quorum_s``), and the time of the step's
+        discarded attempts (``discarded_s``)."""
+        now = time.perf_counter()
+        if self._committed:  # a new step (not a redo of a discarded one)
+            self._discarded_this_step, self._quorum_s, self._discarded_s = 0, 0.0, 0.0
+        self._attempt_started = now
         if not self._quorum_ready:
             self._quorum(step)
         self._quorum_ready = False
+        self._quorum_s += time.perf_counter() - now
 
     def syncs_gradients(self, step: int) -> bool:
         return True  # inside the replica group: DDP every step
@@ -188,6 +196,7 @@ class LiveRecovery:
         if not self._committed:
             self.discarded += 1
             self._discarded_this_step += 1
+            self._discarded_s += time.perf_counter() - self._attempt_started
         return ([None] if self._committed else []), time.perf_counter() - start
 
     @property
@@ -215,9 +224,10 @@ class LiveRecovery:
 
     def row(self) -> dict[str, Any]:
         """Extra columns of this step's metrics row."""
-        out: dict[str, Any] = {"replicas": self.participants, "replica": self.replica}
-        if self._discarded_this_step:
+        out: dict[str, Any] = {"replicas": self.participants, "replica": self.replica, "quorum_s": self._quorum_s}
+        if self._discarded_this_step:  # the attempts that did not commit: their batches and time (outside step_time_s)
             out["discarded_batches"] = self._discarded_this_step
+            out["discarded_s"] = self._discarded_s
         return out
 
     def summary(self) -> dict[str, Any]:
