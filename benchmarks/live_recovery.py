@@ -77,6 +77,7 @@ def job_cmd(args: argparse.Namespace, path: str, run_dir: Path, failures: int) -
         cmd += ["--nproc", str(args.replicas), f"--ckpt.interval={args.interval}", "--max-restarts", str(restarts)]
     elif path == "ft":
         cmd += ["--nproc", "1", f"--ft.replicas={args.replicas}", f"--ft.replica_restarts={restarts}",
+                f"--ft.timeout_s={args.timeout_s}",
                 f"--ckpt.interval={args.ft_interval}", *args.ft_arg]
     else:
         raise ValueError(path)
@@ -163,17 +164,32 @@ def _signal(pid: int, sig: signal.Signals) -> None:
 
 
 # ------------------------------------------------------------------------------------------ the timeline
+_ATTEMPT = re.compile(r"^ft/replica(\d+)\.\d+/")
+
+
 def sources(run_dir: Path) -> dict[str, list[dict]]:
-    """Every per-step log of the run: rank 0's metrics.jsonl and each rank's own (any replica's run dir)."""
+    """Every rank's own per-step log (``ranks/rankR.jsonl``), rows in time order. Live recovery writes each replica
+    group attempt to ``ft/replica{R}.{attempt}/``: a replica's attempts are one source (``replicaR/rankK``), so a
+    replacement continues its replica's timeline."""
     from syncwise.metrics.logger import read_jsonl
 
-    out = {}
-    for p in sorted(run_dir.rglob("*.jsonl")):
-        if p.name == "metrics.jsonl" or (p.parent.name == "ranks" and p.name.startswith("rank")):
-            rows = [r for r in read_jsonl(p) if "time" in r and "step" in r]
-            if rows:
-                out[str(p.relative_to(run_dir))] = rows
-    return out
+    out: dict[str, list[dict]] = {}
+    for p in sorted(run_dir.rglob("rank*.jsonl")):
+        if p.parent.name != "ranks":
+            continue
+        rel = str(p.relative_to(run_dir))
+        m = _ATTEMPT.match(rel)
+        name = f"replica{m.group(1)}/{p.stem}" if m else p.stem
+        rows = [r for r in read_jsonl(p) if "time" in r and "step" in r]
+        out.setdefault(name, []).extend(rows)
+    return {k: sorted(v, key=lambda r: r["time"]) for k, v in out.items() if v}
+
+
+def main_rows(run_dir: Path) -> list[dict]:
+    """The run's one row per step: metrics.jsonl (live recovery merges its replica groups' into it at the end)."""
+    from syncwise.metrics.logger import read_jsonl
+
+    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if "time" in r]
 
 
 def newest_row(run_dir: Path) -> Optional[dict]:
@@ -218,7 +234,7 @@ def inject(job: Job, kind: str, rng: random.Random, args: argparse.Namespace) ->
     return event
 
 
-def analyse_failure(ev: dict, srcs: dict[str, list[dict]], step_s: float, log: str) -> dict:
+def analyse_failure(ev: dict, srcs: dict[str, list[dict]], rows: list[dict], step_s: float) -> dict:
     t = ev["t"]
     after = {name: [r for r in rows if r["time"] > t] for name, rows in srcs.items()}
     started_after = {name: next((r for r in rows if r["time"] - r.get("step_time_s", 0.0) >= t), None)
@@ -228,11 +244,11 @@ def analyse_failure(ev: dict, srcs: dict[str, list[dict]], step_s: float, log: s
     out["survivors_s"] = min(firsts) - t if firsts else None
     out["rejoined_s"] = max(firsts) - t if firsts and all(started_after.values()) else None
     s = ev["step_done"]
-    main_rows = srcs.get("metrics.jsonl") or next(iter(srcs.values()), [])
-    first_after = next((r for r in main_rows if r["time"] > t), None)
+    main = sorted(rows, key=lambda r: r["time"])
+    first_after = next((r for r in main if r["time"] > t), None)
     out["first_step_after"] = first_after["step"] if first_after else None
     out["steps_lost"] = max(0, s - (first_after["step"] - 1)) if first_after else None
-    nxt = next((r for r in main_rows if r["time"] > t and r["step"] == s + 1), None)
+    nxt = next((r for r in main if r["time"] > t and r["step"] == s + 1), None)
     if nxt is not None and ev.get("step_done_t") is not None:
         out["lost_s"] = nxt["time"] - ev["step_done_t"] - step_s
     else:
@@ -260,22 +276,25 @@ def run_job(args: argparse.Namespace, path: str, name: str, plan: list[tuple[str
         if events:
             prev = events[-1]["t"]
             wait_for(job, lambda: all(rs[-1]["time"] > prev for rs in sources(run_dir).values()), args.job_timeout)
+        if (newest_row(run_dir) or {}).get("step", 0) > args.steps - 6:
+            print(f"  {name}: {kind} planned at step {step} not injected: the run is nearly over", flush=True)
+            break
         ev = inject(job, kind, rng, args)
         if ev is not None:
             events.append(ev)
             print(f"  {name}: {kind} at step {ev['step_done']} ({ev.get('rank', ev.get('node'))})", flush=True)
     code = job.wait(args.job_timeout - (time.time() - job.t0))
     srcs = sources(run_dir)
-    main_rows = srcs.get("metrics.jsonl", [])
-    step_s = steady_step_s(main_rows) or 0.0
+    rows = main_rows(run_dir)
+    step_s = steady_step_s(rows) or 0.0
     log = "".join(job.lines)
-    done = sorted({r["step"] for r in main_rows})
-    final = main_rows[-1].get("loss") if main_rows else None
+    done = sorted({r["step"] for r in rows})
+    final = rows[-1].get("loss") if rows else None
     return {"path": path, "name": name, "command": " ".join(job.cmd[2:]), "exit_code": code, "wall_s": job.wall_s,
-            "steps_logged": len(main_rows), "every_step": done == list(range(1, args.steps + 1)),
-            "one_row_per_step": [r["step"] for r in main_rows] == list(range(1, args.steps + 1)),
+            "steps_logged": len(rows), "every_step": done == list(range(1, args.steps + 1)),
+            "one_row_per_step": [r["step"] for r in rows] == list(range(1, args.steps + 1)),
             "final_loss": final, "step_s_median": step_s or None, "resumes": RESUMED_RE.findall(log),
-            "failures": [analyse_failure(ev, srcs, step_s, log) for ev in events],
+            "failures": [analyse_failure(ev, srcs, rows, step_s) for ev in events],
             "tail": log.strip().splitlines()[-4:] if code != 0 else []}
 
 
