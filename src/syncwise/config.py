@@ -333,6 +333,38 @@ class MetricsSection:
     wandb_project: str = option("syncwise", "the W&B project", "a non-empty string", lambda v: bool(v.strip()))
 
 
+def _host_port_ok(v: str) -> bool:
+    """'' or HOST:PORT (an optional http:// in front), the port 1..65535."""
+    if v == "":
+        return True
+    rest = v.split("://", 1)[1] if v.startswith(("http://", "https://")) else v
+    host, sep, port = rest.rpartition(":")
+    return bool(sep and host and port.isdigit() and 1 <= int(port) <= 65535 and "/" not in rest)
+
+
+@dataclass
+class FaultToleranceSection:
+    """[ft] live recovery: a lost data-parallel replica is replaced while the others train on (torchft;
+    docs/live-recovery.md)."""
+
+    replicas: int = option(0, "replica groups, each a whole copy of the model (its own torchrun job of dist.nproc DDP "
+                           "workers); when one is lost the others train on and a restarted replica heals from a live "
+                           "peer (no checkpoint read); 0 = off", "0 (off) or an integer from 2 to 1,024",
+                           lambda v: v == 0 or 2 <= v <= 1024)
+    min_replicas: int = option(1, "replica groups that must take part for a step to commit (fewer: the step waits "
+                               "and is redone)", "an integer from 1 to ft.replicas", _in(1, 1024))
+    lighthouse: str = option("", "the torchft lighthouse (quorum server) as HOST:PORT; '' = syncwise train starts "
+                             "one next to the replica groups", "'' or HOST:PORT", _host_port_ok)
+    quorum_timeout_s: float = option(60.0, "how long a replica waits for the others to form a step's quorum",
+                                     "a number of seconds from 1 to 86,400", _in(1, 86_400))
+    timeout_s: float = option(30.0, "the cross-replica all-reduce's and the healing transfer's timeout: a replica "
+                              "stopped (not dead) this long is dropped from the step",
+                              "a number of seconds from 1 to 86,400", _in(1, 86_400))
+    replica_restarts: int = option(3, "how often each replica group's torchrun restarts its workers after a failure "
+                                   "(each restart rejoins and heals from a live peer)", "an integer from 0 to 1,000",
+                                   _in(0, 1000))
+
+
 @dataclass
 class RunConfig:
     """Everything one `syncwise train` run needs."""
@@ -355,6 +387,7 @@ class RunConfig:
     compress: CompressSection = field(default_factory=CompressSection)
     ckpt: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
+    ft: FaultToleranceSection = field(default_factory=FaultToleranceSection)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -663,6 +696,9 @@ def check_references(cfg: RunConfig, here: bool = True) -> None:
                           f"weight_decay every step; lr={cfg.train.lr:g}, weight_decay={cfg.train.weight_decay:g})")
     local, fewest, most = _workers(cfg)
     _check_layout(cfg, specs.layout, fewest, most)
+    if cfg.ft.replicas:
+        _check_live_recovery(cfg, specs)
+        most *= cfg.ft.replicas  # fault ranks count over every replica group's workers
     for spec, fault in zip(cfg.inject_fault, specs.faults):
         if fault.step > cfg.train.steps:
             raise ConfigError("inject_fault", spec, f"a step S ≤ train.steps ({cfg.train.steps}): a fault at a "
@@ -670,7 +706,7 @@ def check_references(cfg: RunConfig, here: bool = True) -> None:
         if fault.rank is not None and fault.rank >= most:
             raise ConfigError("inject_fault", spec, f"a rank R below the job's {most} worker(s) (dist.nproc × "
                               "nodes): no worker has that rank")
-        if fault.kind == "kill" and cfg.dist.max_restarts == 0:
+        if fault.kind == "kill" and cfg.dist.max_restarts == 0 and not (cfg.ft.replicas and cfg.ft.replica_restarts):
             raise ConfigError("inject_fault", spec, "a kill only with --max-restarts ≥ 1 (else the run just dies)")
     if here and cfg.resume not in ("none", "auto"):
         from .checkpoint.storage import verify_checkpoint  # the checkpoint store's own rule (no checksums here)
@@ -700,6 +736,38 @@ def check_references(cfg: RunConfig, here: bool = True) -> None:
         raise ConfigError("train.mixed_precision", "fp16", "none, bf16 or auto when the workers run on the CPU "
                           f"(dist.device={cfg.dist.device} resolves to the CPU here; fp16 needs CUDA and a GradScaler)")
     _check_data_and_memory(cfg, local, fewest, where, specs.layout)
+
+
+def _check_live_recovery(cfg: RunConfig, specs: Any) -> None:
+    """Live recovery ([ft], docs/live-recovery.md) needs each replica group to be a whole copy of the model: DDP
+    replicas with a gradient sync every step, on one machine's processes or a cluster's (not the lab yet)."""
+    ft = cfg.ft
+    if ft.min_replicas > ft.replicas:
+        raise ConfigError("ft.min_replicas", ft.min_replicas, f"an integer from 1 to ft.replicas ({ft.replicas})")
+    for name in ("dp_shard", "tp", "pp", "ep"):
+        value = getattr(cfg.parallel, name)
+        if value > 1:
+            raise ConfigError(f"parallel.{name}", value, "1 with ft.replicas ≥ 2: live recovery needs each replica "
+                              "group to hold a whole copy of the model's state (DDP replicas); sharded, tensor, "
+                              "pipeline and expert groups inside a replica are not covered (docs/live-recovery.md)")
+    if specs.sync is not None:
+        raise ConfigError("parallel.sync", cfg.parallel.sync, "every-step with ft.replicas ≥ 2: local SGD / DiLoCo "
+                          "under live recovery is not covered yet (docs/live-recovery.md)")
+    if cfg.dist.lab:
+        raise ConfigError("dist.lab", True, "false with ft.replicas ≥ 2 (the lab's live-recovery launch is not "
+                          "wired yet; docs/live-recovery.md)")
+    if cfg.dist.nnodes != "1":
+        raise ConfigError("dist.nnodes", cfg.dist.nnodes, "'1' with ft.replicas ≥ 2: each replica group is one "
+                          "node's torchrun job (more nodes: more replica groups)")
+    if cfg.dist.max_restarts:
+        raise ConfigError("dist.max_restarts", cfg.dist.max_restarts, "0 with ft.replicas ≥ 2: a replica group's "
+                          "restarts are ft.replica_restarts (each rejoins from a live peer, not a checkpoint)")
+    if cfg.resume not in ("none", "auto"):
+        raise ConfigError("resume", cfg.resume, "'none' or 'auto' with ft.replicas ≥ 2 (replicas that find no live "
+                          "peer load the newest checkpoint of RUN_DIR/checkpoints themselves)")
+    from .train.live_recovery import require_torchft
+
+    require_torchft()
 
 
 def _check_hf_run(cfg: RunConfig) -> None:

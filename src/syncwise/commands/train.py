@@ -188,6 +188,8 @@ def launch(cfg: RunConfig) -> dict:
     from .worker import run_worker, train_worker
 
     grace = cfg.ckpt.preempt_grace_s
+    if cfg.ft.replicas:
+        return launch_live_recovery(cfg)
     if cfg.dist.lab:
         from ..lab.launch import lab_torchrun
 
@@ -227,6 +229,28 @@ def launch(cfg: RunConfig) -> dict:
                             f"({type(e).__name__}: {e}){disk_full_hint(cfg.run_dir)}; each worker's own "
                             "message is printed above") from None
     return results[0]
+
+
+def launch_live_recovery(cfg: RunConfig) -> dict:
+    """``--ft.replicas=N``: the lighthouse and N replica groups (``syncwise.launch.ft``), then the run's merged
+    metrics.jsonl and summary.json. Fails when a replica group ended in failure (its restarts spent) and no
+    replica finished the run."""
+    from ..launch.ft import merge_metrics, run_replicas
+
+    ft = cfg.ft
+    print(f"syncwise: live recovery: {ft.replicas} replica groups of {cfg.dist.nproc} worker(s), lighthouse "
+          f"{ft.lighthouse or 'started here'}; replica logs in {Path(cfg.run_dir) / 'ft'}", flush=True)
+    codes = run_replicas(["-m", "syncwise.commands.worker", "--config", str(Path(cfg.run_dir) / "config.json")],
+                         cfg.run_dir, ft.replicas, cfg.dist.nproc, ft.replica_restarts, lighthouse=ft.lighthouse,
+                         min_replicas=ft.min_replicas, quorum_timeout_s=ft.quorum_timeout_s, timeout_s=ft.timeout_s)
+    summary = merge_metrics(cfg.run_dir, cfg.train.steps)
+    summary["live_recovery"]["exit_codes"] = codes
+    (Path(cfg.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if summary.get("steps", 0) < cfg.train.steps or all(codes):
+        raise SyncwiseError(f"live recovery: the replica groups ended with exit codes {codes} and the run reached "
+                            f"step {summary.get('steps', 0)} of {cfg.train.steps}; see {Path(cfg.run_dir) / 'ft'}"
+                            "/replica*.log")
+    return summary
 
 
 def _stopped(cfg: RunConfig, signal_name: str) -> int:

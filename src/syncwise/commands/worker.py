@@ -11,6 +11,7 @@ is the same entry point, kept as an alias for existing command lines).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import signal
@@ -127,6 +128,29 @@ def resume_target(cfg: RunConfig, rank: int) -> str:
     return cfg.resume
 
 
+def _live_recovery(cfg: RunConfig, rank: int, world: int, faults: list) -> tuple[Any, Any, list]:
+    """With ``ft.replicas`` (a worker of a replica group that ``syncwise.launch.ft`` started): this group's
+    LiveRecovery, its attempt's own run directory (RUN_DIR/ft/replica{R}.{attempt}) and the faults aimed at its
+    workers (a fault's rank counts over every replica group: replica R's worker r is rank R × nproc + r).
+    Otherwise (None, run_dir, faults)."""
+    if not cfg.ft.replicas:
+        return None, cfg.run_dir, faults
+    from ..launch.ft import replica_dir
+    from ..train.live_recovery import LiveRecovery
+
+    live = LiveRecovery.from_env()
+    if live is None:
+        raise SyncwiseError("ft.replicas is set but this worker was not started by syncwise's live-recovery "
+                            "launcher (SYNCWISE_FT_REPLICA is missing): use `syncwise train --ft.replicas=N`, or "
+                            "syncwise.launch.ft on each replica group")
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    run_dir = str(replica_dir(cfg.run_dir, live.replica, attempt)) if cfg.run_dir else None
+    first = live.replica * world
+    mine = [dataclasses.replace(f, rank=f.rank - first) if f.rank is not None else f for f in faults
+            if f.rank is None or first <= f.rank < first + world]
+    return live, run_dir, mine
+
+
 def run_worker(cfg: RunConfig) -> dict[str, Any]:
     """Train as one worker of the job; returns the run summary (on every rank).
 
@@ -174,6 +198,9 @@ def train_worker(cfg: RunConfig) -> dict[str, Any]:
         #                      TorchHookSpec built from the parsed compressor spec, a SyncSpec or None, Faults
         parallel = specs.layout.resolve(world)
         dp_rank, dp = parallel.dp_rank(rank), parallel.dp
+        live, run_dir, faults = _live_recovery(cfg, rank, world, specs.faults)
+        if live is not None:  # one data shard per rank of every configured replica group
+            dp_rank, dp = live.data_shard(dp_rank, dp)
         loader = TokenBatchLoader(corpus.train, cfg.data.batch_size, cfg.data.seq_len, dp_rank, dp,
                                   seed=cfg.train.seed)
         batches = SmartPrefetcher(loader, lookahead=cfg.data.prefetch, device=device) if cfg.data.prefetch else loader
@@ -195,16 +222,20 @@ def train_worker(cfg: RunConfig) -> dict[str, Any]:
             grad_accum_steps=cfg.train.grad_accum, clip_grad_norm=cfg.train.clip_grad, lr_scheduler=scheduler,
             compile=cfg.train.compile, activation_checkpointing=cfg.train.activation_checkpointing,
             bucket_cap_mb=cfg.dist.bucket_cap_mb, min_numel=cfg.compress.min_numel, device=device,
-            val_loader=val, val_interval=cfg.train.val_interval, run_dir=cfg.run_dir,
+            val_loader=val, val_interval=cfg.train.val_interval, run_dir=run_dir,
             flops_per_token=model_flops_per_token(model), checkpointer=checkpointer,
-            inject_faults=specs.faults, collective_timeout_s=cfg.dist.timeout_s,
+            inject_faults=faults, collective_timeout_s=cfg.dist.timeout_s, live_recovery=live,
             sync=specs.sync, parallel=parallel, preempt_grace_s=cfg.ckpt.preempt_grace_s, tp_plan=_tp_plan(model, parallel),
             log_interval=cfg.train.log_interval,
             dynamic_batch=DynamicBatcher(1, cfg.data.batch_size, memory_threshold=cfg.train.memory_threshold,
                                          device=device) if cfg.train.dynamic_batch else None)
+        if live is not None:  # a kill fires once per run, not once per replica-group attempt
+            trainer.faults.marker_dir = Path(cfg.run_dir) / "faults" / f"replica{live.replica}"
         trainer.metric_sinks = open_sinks(cfg, rank, checkpointer)  # [metrics]: Prometheus, W&B
         try:
-            summary = trainer.train(batches, steps=cfg.train.steps, resume=resume_target(cfg, rank))
+            # (live recovery: a replica loads a checkpoint only when no live peer has trained: LiveRecovery.join)
+            summary = trainer.train(batches, steps=cfg.train.steps,
+                                    resume=None if live is not None else resume_target(cfg, rank))
         finally:
             close_sinks(trainer.metric_sinks)
         summary["params"] = count_params(model)

@@ -91,6 +91,7 @@ class FaultOptions:
     collective_timeout_s: Optional[float] = None  # a collective that takes longer is reported as a hang
     preempt_grace_s: Optional[float] = DEFAULT_GRACE_S  # SIGTERM/SIGUSR1: stop, save, exit 83; None/0: signals alone
     inject_faults: Optional[list] = None          # 'kill:rank=R,step=S', 'nan:step=S', ... (train/faults.py)
+    live_recovery: Any = None                     # a train.live_recovery.LiveRecovery: this replica group's torchft side
 
     def __post_init__(self) -> None:
         if self.collective_timeout_s is not None:

@@ -121,7 +121,8 @@ class OptimizedTrainer:
                  tf32: bool = True, dynamic_batch: Optional[DynamicBatcher] = None,
                  parallel: "ParallelSpec | dict | None" = None, tp_plan: Optional[dict] = None,
                  pipeline_split: Optional[Callable[[nn.Module, int, int], nn.Module]] = None,
-                 preempt_grace_s: Optional[float] = DEFAULT_GRACE_S, log_interval: int = 10):
+                 preempt_grace_s: Optional[float] = DEFAULT_GRACE_S, log_interval: int = 10,
+                 live_recovery: Any = None):
         self.options = options.gather({k: v for k, v in locals().items() if k in options.KEYWORDS},
                                       comm=comm, step=step, run=run, faults=faults)
         c, s, r, f = self.options.comm, self.options.step, self.options.run, self.options.faults
@@ -146,6 +147,7 @@ class OptimizedTrainer:
         self._set_precision(s.mixed_precision)
         self._lay_out(c, s, optimizer, loss_fn)
         self.optimizer, self.loss_fn = optimizer, loss_fn
+        self._attach_live_recovery(f.live_recovery)
         self.peak = detect_peak(self.device)  # the part's dense bf16 peak, for MFU (None on a CPU)
         self.faults = FaultPlan(f.inject_faults or [], self.run_dir)
         # SIGTERM / SIGUSR1 during train(): stop after a step every rank agrees on, save, raise Preempted
@@ -215,6 +217,21 @@ class OptimizedTrainer:
             raise ConfigError("mixed_precision", self._given_precision, "bf16 or none with pipeline parallel: fp16 "
                               "needs GradScaler's loss scaling, which cannot wrap the schedule's own backward")
 
+    def _attach_live_recovery(self, live: Any) -> None:
+        """Live recovery (train/live_recovery.py) drives the step as a sync strategy on the exchange seam: the
+        cross-replica average and the commit decision. Only where a replica group is a whole copy of the model."""
+        self.live = live
+        if live is None:
+            return
+        if self.sync is not None:
+            raise ConfigError("parallel.sync", self.sync_spec, "every-step with live recovery (ft.replicas ≥ 2): "
+                              "local SGD / DiLoCo replicas are not covered yet (docs/live-recovery.md)")
+        if not self.par.spec.replicas_only:
+            raise ConfigError("parallel", describe_layout(self.par), "DDP replicas (no FSDP2, tensor, pipeline or "
+                              "expert parallel) with live recovery: a replica group must hold a whole copy of the "
+                              "model's state (docs/live-recovery.md)")
+        self.sync = live
+
     # ----------------------------------------------------------------------------------------- public API
     def train(self, loader: Iterable, epochs: Optional[int] = None, steps: Optional[int] = None,
               checkpoint_dir: Optional[str] = None, resume: Optional[str] = None,
@@ -231,7 +248,10 @@ class OptimizedTrainer:
         checkpoint_dir = arguments.as_path("checkpoint_dir", checkpoint_dir)
         # A user's DataLoader gets this rank's shard and a resumable position (before len() and the train
         # state see it); loaders that shard and checkpoint themselves (TokenBatchLoader) are left as they are.
-        loader = shard_loader(loader, self.par.dp_rank, self.par.dp_size, seed=self.data_seed)
+        # (live recovery: one shard per rank of every configured replica group, fixed while replicas come and go)
+        shard = (self.par.dp_rank, self.par.dp_size) if self.live is None else \
+            self.live.data_shard(self.par.dp_rank, self.par.dp_size)
+        loader = shard_loader(loader, *shard, seed=self.data_seed)
         total = self.total_steps = self._total_steps(loader, epochs, steps)
         state, redone = self._open(loader, checkpoint_dir, resume)
         if self.step >= total:
@@ -264,10 +284,18 @@ class OptimizedTrainer:
         try:
             while self.step < total:
                 self.faults.maybe_kill(self.step + 1, self.rank)
+                if self.live is not None:  # the step's quorum; a replica behind heals from a live peer (step moves)
+                    self.phase = "live recovery quorum"
+                    self.live.begin_step(self.step + 1)
+                    if self.step >= total:
+                        break
                 # Whether an async checkpoint write runs in the background during this step: the benchmarks
                 # compare such steps with the others to measure what an in-flight save costs training.
                 in_flight = self.checkpointer is not None and self.checkpointer.save_in_flight
-                unlogged.append((self._train_step(batches), in_flight))
+                pending = self._train_step(batches)
+                if self.live is not None and not self.live.committed:
+                    continue  # the update did not commit on every replica: redo this step with the next batch
+                unlogged.append((pending, in_flight))
                 self.step += 1
                 self.tokens_seen += unlogged[-1][0].tokens
                 self._note_batch_changes(logger)
@@ -276,7 +304,7 @@ class OptimizedTrainer:
                 # A SIGTERM/SIGUSR1 on any rank: every rank stops after this same step (the save is the final one).
                 stop = self.step < total and self.preemption.stop_after(self.step)
                 save = not stop and self.checkpointer is not None and self.step < total and \
-                    self.checkpointer.should_save(self.step, unlogged[-1][0].step_time_s)
+                    self._saves_checkpoints() and self.checkpointer.should_save(self.step, unlogged[-1][0].step_time_s)
                 # Rows are read `log_lag` steps late (see PendingStep), at once when this step's row is needed.
                 keep = 0 if validate or save or stop or self.step == total else self.log_lag
                 history += self._log_rows(unlogged, keep, validate, (logger, rank_log))
@@ -295,6 +323,8 @@ class OptimizedTrainer:
                 self.watchdog.close()
                 self.watchdog = None
             self.par.close()
+            if self.live is not None:
+                self.live.close()
         summary = self._finish(history, time.perf_counter() - started, cloud_config, layout_check)
         logger.finish(summary)
         rank_log.finish(summary)
@@ -311,10 +341,19 @@ class OptimizedTrainer:
             raise ConfigError("resume", resume, "None/False unless checkpoint_dir= is given to train() (or a "
                               "SmartCheckpointer to OptimizedTrainer): there is nothing to resume from")
         # The run directory's lock, and no fresh run over an earlier one's files (as `syncwise train`): train/claim.py
-        self._run_dir_lock = claim(self.run_dir, self.checkpointer.directory if self.checkpointer else None, resume,
+        # (live recovery: the replica groups share the launcher's checkpoint directory, which it checked itself)
+        shared = self.checkpointer.directory if self.checkpointer and self.live is None else None
+        self._run_dir_lock = claim(self.run_dir, shared, resume,
                                    self.step > 0, self.rank, self.world_size, getattr(self, "_run_dir_lock", None))
         state = self.train_state(loader)
         redone = self._resume(resume, state)
+        if self.live is not None:
+            # The first quorum: a replacement heals from a live peer; with every replica lost (all at step 0 in
+            # the quorum), the newest checkpoint is the fallback.
+            self.phase = "live recovery join"
+            self.live.join(self, state, lambda: self.checkpointer.load("auto", state) if self.checkpointer else None)
+            if self.step and redone is None:
+                redone = 0
         self._start_step = self.step  # > 0: resumed; the summary then covers the earlier steps too (_earlier_steps)
         self.meter.step = self.step + 1
         return state, redone
@@ -330,6 +369,8 @@ class OptimizedTrainer:
         if cloud_config is not None:
             summary["cloud_config"] = repr(cloud_config)
             summary["layout_check"] = layout_check
+        if self.live is not None:
+            summary["live_recovery"] = self.live.summary()
         if self.preemption.stopping_step is not None:  # saved above; rank 0 writes RUN_DIR/preempted.json
             summary["preempted"] = self.preemption.record(self.checkpointer)
         return summary
@@ -374,7 +415,9 @@ class OptimizedTrainer:
     def _final_save(self, state: TrainState) -> None:
         """The run's last checkpoint (unless the newest one is of this step), then the checkpointer's close."""
         self._settle_skip()
-        if self.checkpointer is not None:
+        if self.checkpointer is not None and not self._saves_checkpoints():
+            self.checkpointer.close()
+        elif self.checkpointer is not None:
             self.phase = "final checkpoint save"
             if self.checkpointer.last_save is None or self.checkpointer.last_save.step != self.step:
                 self.checkpointer.save(self.step, state)
@@ -677,7 +720,13 @@ class OptimizedTrainer:
         row.update({k: plain(v) for k, v in queued.parallel_metrics.items()})
         if r.skipped:
             row["skipped"] = True
+        if self.live is not None:  # the replicas that took part, this replica's index, batches discarded
+            row.update(self.live.row())
         return row
+
+    def _saves_checkpoints(self) -> bool:
+        """Whether this rank's replica writes checkpoints (live recovery: only the replica of participating rank 0)."""
+        return self.live is None or self.live.saves_checkpoints()
 
     def _earlier_steps(self) -> list[StepResult]:
         """After a resume, rank 0's steps before it as its metrics.jsonl recorded them: a summary covers the run."""

@@ -1,0 +1,215 @@
+"""Start a live-recovery job on this machine: torchft's lighthouse and N replica groups (docs/live-recovery.md).
+
+Each replica group is its own ``torchrun`` job (``python -m torch.distributed.run``) of ``nproc`` workers with
+``--max-restarts R``: when one of its workers dies, that torchrun restarts the group's workers, which rejoin the
+others through the lighthouse's quorum and heal from a live peer. The other replica groups never stop. The
+lighthouse (``torchft._torchft.LighthouseServer``, Rust, in the torchft wheel) runs in this process unless an
+address is given (a cluster runs one lighthouse for the job: the Slurm/Kubernetes files say where).
+
+After the replica groups end, :func:`merge_metrics` writes the run's ``metrics.jsonl`` (one row per step, taken
+from the replica group that trained it, first by replica index then attempt) and ``summary.json`` (the summary of
+a replica group that finished, with every attempt's live-recovery record and the data each lost replica skipped).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from ..errors import SyncwiseError
+from .local import free_port, threads_per_worker
+
+FT_DIR = "ft"  # RUN_DIR/ft/replica{R}.{attempt}: each replica group attempt's own run directory
+
+
+def replica_dir(run_dir: str | Path, replica: int, attempt: int) -> Path:
+    return Path(run_dir) / FT_DIR / f"replica{replica}.{attempt}"
+
+
+class Lighthouse:
+    """torchft's lighthouse (``torchft_lighthouse``, the Rust server in the torchft wheel) as a child process of
+    this launcher, its log in ``log_path``; ``address`` is its http://HOST:PORT."""
+
+    def __init__(self, min_replicas: int, log_path: Path, heartbeat_timeout_ms: int = 5_000,
+                 join_timeout_ms: int = 60_000):
+        port = free_port()
+        self.address = f"http://{socket.gethostname()}:{port}"
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen(
+            [_lighthouse_program(), "--bind", f"[::]:{port}", "--min_replicas", str(min_replicas),
+             "--join_timeout_ms", str(join_timeout_ms), "--heartbeat_timeout_ms", str(heartbeat_timeout_ms)],
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 30
+        while True:  # listening before any replica group asks it
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.shutdown()
+                    raise SyncwiseError(f"torchft's lighthouse did not start (see {log_path})") from None
+                time.sleep(0.1)
+
+    def shutdown(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def _lighthouse_program() -> str:
+    """torchft's ``torchft_lighthouse`` console script: next to this Python, else on PATH."""
+    here = Path(sysconfig.get_path("scripts")) / "torchft_lighthouse"
+    found = str(here) if here.exists() else shutil.which("torchft_lighthouse")
+    if not found:
+        raise SyncwiseError("torchft's torchft_lighthouse program was not found (pip install torchft==0.2.0)")
+    return found
+
+
+def replica_command(module_args: Sequence[str], nproc: int, restarts: int) -> list[str]:
+    """One replica group's torchrun command line (its own rendezvous on this host)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+            "--max-restarts", str(restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+            "--monitor-interval", "0.5", *module_args]
+
+
+def replica_env(replica: int, replicas: int, lighthouse: str, nproc: int, min_replicas: int,
+                quorum_timeout_s: float, timeout_s: float, status_dir: str,
+                base: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """The environment a replica group's workers read (``syncwise.train.live_recovery.LiveRecovery.from_env``)."""
+    env = dict(os.environ if base is None else base)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(key, None)
+    # Field notes: sharing the rendezvous TCP store makes restarts flaky on gloo; a separate store is reliable.
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    env["OMP_NUM_THREADS"] = str(threads_per_worker(nproc * replicas))
+    env.update({"SYNCWISE_FT_REPLICA": str(replica), "SYNCWISE_FT_REPLICAS": str(replicas),
+                "TORCHFT_LIGHTHOUSE": lighthouse, "SYNCWISE_FT_MIN_REPLICAS": str(min_replicas),
+                "SYNCWISE_FT_QUORUM_TIMEOUT_S": str(quorum_timeout_s), "SYNCWISE_FT_TIMEOUT_S": str(timeout_s),
+                "SYNCWISE_FT_STATUS_DIR": status_dir})
+    return env
+
+
+def run_replicas(module_args: Sequence[str], run_dir: str | Path, replicas: int, nproc: int, restarts: int,
+                 lighthouse: str = "", min_replicas: int = 1, quorum_timeout_s: float = 60.0,
+                 timeout_s: float = 30.0) -> list[int]:
+    """Start the lighthouse (unless ``lighthouse`` names one) and ``replicas`` torchrun jobs running
+    ``module_args`` (e.g. ``['-m', 'syncwise.commands.worker', '--config', FILE]``); wait for all; return their exit
+    codes. Each group's output goes to ``RUN_DIR/ft/replica{R}.log``. SIGINT/SIGTERM here stop every group."""
+    run_dir = Path(run_dir)
+    (run_dir / FT_DIR).mkdir(parents=True, exist_ok=True)
+    server = None
+    if not lighthouse:
+        # a replica stopped (not dead) is dropped once its heartbeat is this late: not later than the collective
+        server = Lighthouse(min_replicas, run_dir / FT_DIR / "lighthouse.log",
+                            heartbeat_timeout_ms=int(min(5.0, timeout_s) * 1000))
+        lighthouse = server.address
+    elif "://" not in lighthouse:
+        lighthouse = f"http://{lighthouse}"
+    procs: list[subprocess.Popen] = []
+    logs = []
+    try:
+        for r in range(replicas):
+            env = replica_env(r, replicas, lighthouse, nproc, min_replicas, quorum_timeout_s, timeout_s,
+                              str(run_dir / FT_DIR / "status"))
+            log = open(run_dir / FT_DIR / f"replica{r}.log", "ab")
+            logs.append(log)
+            procs.append(subprocess.Popen(replica_command(module_args, nproc, restarts), env=env, stdout=log,
+                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          start_new_session=True))
+        return [p.wait() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for log in logs:
+            log.close()
+        if server is not None:
+            server.shutdown()
+
+
+def _read_rows(path: Path) -> list[dict]:
+    rows = []
+    try:
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                pass  # a line cut by a kill
+    except OSError:
+        pass
+    return rows
+
+
+def _attempts(run_dir: Path) -> list[tuple[int, int, Path]]:
+    """(replica, attempt, directory) of every replica group attempt, ordered by replica then attempt."""
+    found = []
+    for d in (run_dir / FT_DIR).glob("replica*.*"):
+        name = d.name[len("replica"):]
+        r, _, a = name.partition(".")
+        if d.is_dir() and r.isdigit() and a.isdigit():
+            found.append((int(r), int(a), d))
+    return sorted(found)
+
+
+def merge_metrics(run_dir: str | Path, total_steps: int) -> dict[str, Any]:
+    """``RUN_DIR/metrics.jsonl`` (one row per step) and ``summary.json`` from the replica groups' own files."""
+    run_dir = Path(run_dir)
+    attempts = _attempts(run_dir)
+    by_step: dict[int, dict] = {}
+    trained: dict[int, set[int]] = {}  # replica -> steps it took part in (any attempt)
+    for r, a, d in attempts:
+        for row in _read_rows(d / "metrics.jsonl"):
+            step = int(row.get("step", 0))
+            trained.setdefault(r, set()).add(step)
+            by_step.setdefault(step, {**row, "attempt": a})
+    rows = [by_step[s] for s in sorted(by_step)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    summaries = [(r, a, json.loads((d / "summary.json").read_text())) for r, a, d in attempts
+                 if (d / "summary.json").exists()]
+    summary: dict[str, Any] = dict(summaries[0][2]) if summaries else {"steps": max(by_step, default=0)}
+    replicas = sorted({r for r, _, _ in attempts})
+    missed = {}
+    for r in replicas:
+        steps = sorted(set(range(1, total_steps + 1)) - trained.get(r, set()))
+        if steps:
+            missed[f"replica{r}"] = _ranges(steps)
+    summary["live_recovery"] = {
+        "attempts": [{"replica": r, "attempt": a, **(s.get("live_recovery") or {})} for r, a, s in summaries],
+        "steps_logged": len(rows), "steps_missing": sorted(set(range(1, total_steps + 1)) - set(by_step)),
+        # a lost replica's shard: the batches of the steps it was absent for were not trained on (skipped)
+        "data_skipped_by_replica": missed,
+        "discarded_batches": sum(int(row.get("discarded_batches", 0)) for row in rows),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _ranges(steps: list[int]) -> list[str]:
+    out, start = [], None
+    for i, s in enumerate(steps):
+        if start is None:
+            start = s
+        if i + 1 == len(steps) or steps[i + 1] != s + 1:
+            out.append(f"{start}" if start == s else f"{start}-{s}")
+            start = None
+    return out

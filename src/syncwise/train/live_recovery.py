@@ -1,0 +1,315 @@
+"""Live recovery: a data-parallel replica is the unit of failure (engine: torchft 0.2.0; docs/live-recovery.md).
+
+Each replica group (a whole copy of the model: one torchrun job of ``dist.nproc`` DDP workers) has a torchft
+``Manager``. Every optimizer step the trainer asks this object three things, on the sync-strategy seam:
+
+1. ``begin_step`` (before the step's batch): a quorum with the other replica groups through the lighthouse. A
+   replica that is behind (a replacement just started, or one whose last step was discarded) receives the current
+   state from a live peer over torchft's HTTP checkpoint transport (model, optimizer, LR schedule, GradScaler,
+   the trainer's counters and the data position) — no checkpoint is read — and continues at the peers' step.
+2. ``exchange`` (after backward): the gradients are averaged over the replicas that took part in the quorum
+   (torchft's reconfigurable gloo process group, one flat buffer per dtype), then ``should_commit``: every replica
+   group applies the update only when the all-reduce succeeded everywhere in it and at least ``min_replicas``
+   replicas took part. A step that does not commit is redone with the next batch (same step number: metrics.jsonl
+   keeps one row per step); the batch it used is skipped, not repeated, and counted (``discarded_batches``).
+3. ``saves_checkpoints``: only the replica of participating rank 0 writes the shared checkpoints (the replicas are
+   identical); when every replica is lost, the first replicas to start again find no live peer (every one is at
+   step 0 in the first quorum) and load the newest checkpoint — the checkpoint path as the fallback.
+
+Batch and learning rate while the replica count changes: torchft averages over the participants, so with k of R
+replicas the step's global batch is k/R of the configured one and the LR schedule runs on unchanged (one step per
+committed step). Fewer samples per step only make the gradient noisier for those steps (no bias); the rows carry
+``replicas`` so the loss curve can be read against it. The data each lost replica's shard would have used during
+its absence is skipped, never repeated: a replacement continues from the peers' position in its own shard.
+
+torchft is imported only when live recovery is on (requirements-dev.txt pins it; docs say how to install it).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..errors import ConfigError, SyncwiseError
+
+ENV_REPLICA = "SYNCWISE_FT_REPLICA"          # this replica group's index, 0 .. replicas-1
+ENV_REPLICAS = "SYNCWISE_FT_REPLICAS"        # the configured replica groups
+ENV_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"        # torchft's own variable: the lighthouse's http://HOST:PORT
+ENV_MIN = "SYNCWISE_FT_MIN_REPLICAS"
+ENV_QUORUM_TIMEOUT = "SYNCWISE_FT_QUORUM_TIMEOUT_S"
+ENV_TIMEOUT = "SYNCWISE_FT_TIMEOUT_S"
+ENV_STATUS_DIR = "SYNCWISE_FT_STATUS_DIR"     # where each replica group records its last step (lost-replica names)
+
+
+def require_torchft() -> None:
+    """torchft importable, else one line that says how to get it."""
+    import importlib
+
+    try:
+        importlib.import_module("torchft")
+    except ImportError as e:
+        raise ConfigError("ft.replicas", "≥ 2", f"0 unless torchft is installed (pip install torchft==0.2.0; "
+                          f"import failed: {e})") from None
+
+
+class LiveRecovery:
+    """One replica group's side of live recovery (see the module doc). Build it with :meth:`from_env` in a worker
+    started by ``syncwise train --ft.replicas=N`` (or ``syncwise.launch.ft``), or with explicit values, and give it
+    to ``OptimizedTrainer(..., live_recovery=...)``."""
+
+    def __init__(self, replica: int, replicas: int, lighthouse: str, min_replicas: int = 1,
+                 quorum_timeout_s: float = 60.0, timeout_s: float = 30.0, status_dir: Optional[str] = None):
+        if replicas < 2:
+            raise ConfigError("ft.replicas", replicas, "0 (off) or an integer ≥ 2")
+        if not 0 <= replica < replicas:
+            raise ConfigError("replica", replica, f"an integer from 0 to {replicas - 1}")
+        if not 1 <= min_replicas <= replicas:
+            raise ConfigError("ft.min_replicas", min_replicas, f"an integer from 1 to ft.replicas ({replicas})")
+        if not lighthouse:
+            raise ConfigError("ft.lighthouse", lighthouse, "the lighthouse's HOST:PORT")
+        require_torchft()
+        self.replica, self.replicas, self.min_replicas = replica, replicas, min_replicas
+        self.lighthouse = lighthouse if "://" in lighthouse else f"http://{lighthouse}"
+        self.quorum_timeout_s, self.timeout_s = quorum_timeout_s, timeout_s
+        self.status_dir = Path(status_dir) if status_dir else None
+        self.manager: Any = None
+        self.params: list = []
+        self.heals: list[dict] = []             # {"step", "seconds"}: state received from a live peer
+        self.discarded = 0                      # steps whose update did not commit (batch skipped, step redone)
+        self.participants = 0                   # replica groups in the current quorum
+        self.changes: list[dict] = []           # quorum size changes: {"step", "replicas", "lost"}
+        self.fallback_step: Optional[int] = None  # every replica lost: resumed from this checkpoint step
+        self._quorum_ready = False
+        self._committed = True
+        self._discarded_this_step = 0
+        self._trainer: Any = None
+
+    @classmethod
+    def from_env(cls) -> Optional["LiveRecovery"]:
+        """The values ``syncwise.launch.ft`` puts in each replica group's environment; None when not set."""
+        if ENV_REPLICA not in os.environ:
+            return None
+        return cls(int(os.environ[ENV_REPLICA]), int(os.environ[ENV_REPLICAS]), os.environ[ENV_LIGHTHOUSE],
+                   min_replicas=int(os.environ.get(ENV_MIN, "1")),
+                   quorum_timeout_s=float(os.environ.get(ENV_QUORUM_TIMEOUT, "60")),
+                   timeout_s=float(os.environ.get(ENV_TIMEOUT, "30")), status_dir=os.environ.get(ENV_STATUS_DIR))
+
+    # ------------------------------------------------------------------------ what the trainer asks (its seam)
+    replicas_diverge = False  # the sync-strategy protocol: replicas hold the same parameters after every step
+    restored = False
+    syncs = 0
+
+    def data_shard(self, dp_rank: int, dp_size: int) -> tuple[int, int]:
+        """This rank's data shard over all configured replicas: (shard index, shards). A replica's shard is fixed
+        while others come and go (what a lost replica's shard misses is skipped, see the module doc)."""
+        return self.replica * dp_size + dp_rank, self.replicas * dp_size
+
+    def join(self, trainer: Any, state: Any, resume_fallback: Callable[[], Optional[int]]) -> None:
+        """Start the Manager and take part in the first quorum (it counts as the quorum of the trainer's next
+        step): heal from a live peer when behind. When no replica has trained yet in this quorum (a fresh job, or
+        every replica was lost), ``resume_fallback()`` loads the newest checkpoint (None/0: there is none)."""
+        import torch.distributed as dist
+        from torchft import Manager, ProcessGroupGloo
+
+        self._trainer = trainer
+        self.params = [p for p in trainer.model.parameters() if p.requires_grad]
+        group_rank = dist.get_rank() if dist.is_initialized() else 0
+        group_size = dist.get_world_size() if dist.is_initialized() else 1
+        store_addr = os.environ.get("MASTER_ADDR", "localhost")
+        store_port = int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ else None
+        if store_port is None:  # one process, no torchrun: a store of its own
+            self._store = dist.TCPStore(host_name="localhost", port=0, is_master=True, wait_for_workers=False)
+            store_port = self._store.port
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timedelta(seconds=self.timeout_s)), min_replica_size=self.min_replicas,
+            load_state_dict=lambda sd: self._load(state, sd), state_dict=lambda: self._state(state),
+            use_async_quorum=False,  # heal before the step's forward: the joiner's first gradient is a real one
+            replica_id=f"replica_{self.replica}", store_addr=store_addr, store_port=store_port, rank=group_rank,
+            world_size=group_size, lighthouse_addr=self.lighthouse, hostname=_advertised_host(),
+            timeout=timedelta(seconds=self.timeout_s), quorum_timeout=timedelta(seconds=self.quorum_timeout_s),
+            connect_timeout=timedelta(seconds=self.quorum_timeout_s))
+        self.manager.load_state_dict({"step": trainer.step, "batches_committed": 0})
+        self._wait_for_the_others_at_start()
+        self._quorum(trainer.step + 1)
+        self._quorum_ready = True
+        if self.manager.current_step() == 0 and trainer.step == 0:
+            step = resume_fallback()
+            if step:
+                self.fallback_step = step
+                self.manager.load_state_dict({"step": step, "batches_committed": 0})
+                self._quorum_ready = False  # a new quorum at the checkpoint's step (the others loaded it too)
+        self._record_status(trainer.step)
+
+    def begin_step(self, step: int) -> None:
+        """Before step ``step``'s batch: the step's quorum (after :meth:`join`, its first quorum serves)."""
+        self._discarded_this_step = 0
+        if not self._quorum_ready:
+            self._quorum(step)
+        self._quorum_ready = False
+
+    def syncs_gradients(self, step: int) -> bool:
+        return True  # inside the replica group: DDP every step
+
+    def exchange(self, step: int, last: bool = False) -> tuple[list, float]:
+        """Average the gradients over the quorum's replicas, then ask whether the step commits: ``[None]`` (apply
+        the averaged ``.grad``) or ``[]`` (no update: the step is redone). Returns (updates, seconds waited)."""
+        start = time.perf_counter()
+        grads = [p.grad for p in self.params if p.grad is not None]
+        works = []
+        for flat, members in _flat_buckets(grads):
+            works.append((self.manager.allreduce(flat), flat, members))
+        for work, flat, members in works:
+            work.wait()
+            offset = 0
+            for g in members:
+                n = g.numel()
+                g.copy_(flat[offset:offset + n].view_as(g))
+                offset += n
+        self._committed = self.manager.should_commit()
+        if not self._committed:
+            self.discarded += 1
+            self._discarded_this_step += 1
+        return ([None] if self._committed else []), time.perf_counter() - start
+
+    @property
+    def committed(self) -> bool:
+        """Whether the last :meth:`exchange` committed (False: the trainer redoes the step with the next batch)."""
+        return self._committed
+
+    def after_step(self, step: int, last: bool = False) -> float:
+        if self._committed:
+            self._record_status(step)
+        return 0.0
+
+    def skip(self, step: int) -> bool:
+        return False  # a non-finite step: the averaged gradient is non-finite on every replica, all skip alike
+
+    def take_skips(self) -> list[int]:
+        return []
+
+    def resumed(self) -> None:
+        pass
+
+    def saves_checkpoints(self) -> bool:
+        """Only the replica of participating rank 0 writes the (shared) checkpoints."""
+        return self.manager is None or self.manager.participating_rank() == 0
+
+    def row(self) -> dict[str, Any]:
+        """Extra columns of this step's metrics row."""
+        out: dict[str, Any] = {"replicas": self.participants, "replica": self.replica}
+        if self._discarded_this_step:
+            out["discarded_batches"] = self._discarded_this_step
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        return {"replica": self.replica, "replicas": self.replicas, "heals": self.heals,
+                "discarded_steps": self.discarded, "quorum_changes": self.changes, "fallback_step": self.fallback_step}
+
+    def close(self) -> None:
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
+            self.manager = None
+
+    # ------------------------------------------------------------------------ internals
+    def _quorum(self, step: int) -> None:
+        started = time.perf_counter()
+        before = self.manager.current_step()
+        self.manager.start_quorum()
+        if self.manager.errored():
+            raise SyncwiseError(f"live recovery: replica {self.replica} could not join the quorum for step {step}: "
+                                f"{self.manager.errored()}")
+        n = self.manager.num_participants()
+        if n != self.participants:
+            lost = self._lost() if n < self.participants else []
+            self.changes.append({"step": step, "replicas": n, "lost": lost})
+            if self.participants:
+                what = f"lost replica(s) {lost or '(unknown)'}" if n < self.participants else "replica(s) rejoined"
+                print(f"syncwise: live recovery: step {step}: {what}; {n} of {self.replicas} replicas train on "
+                      f"(global batch × {n}/{self.replicas})", file=sys.stderr, flush=True)
+            self.participants = n
+        if self.manager.current_step() != before:  # healed: the state came from a live peer
+            seconds = time.perf_counter() - started
+            self.heals.append({"step": self.manager.current_step(), "seconds": seconds})
+            print(f"syncwise: live recovery: replica {self.replica} healed from a live peer at step "
+                  f"{self.manager.current_step()} in {seconds:.2f} s (no checkpoint read)", file=sys.stderr, flush=True)
+
+    def _state(self, state: Any) -> dict[str, Any]:
+        """What a joining replica receives: the train state's components (model, optimizer, scheduler, scaler,
+        trainer counters, data position), this rank's own where per-rank (the peer's rank of the same index)."""
+        return {name: state[name].state_dict() for name in _healed_names(state)}
+
+    def _load(self, state: Any, sd: dict[str, Any]) -> None:
+        for name, value in sd.items():
+            state[name].load_state_dict(value)
+
+    def _wait_for_the_others_at_start(self) -> None:
+        """A fresh job (this group's first attempt): wait up to ``quorum_timeout_s`` until every configured replica
+        group is up (its status file), so the first quorum holds them all; otherwise the first to start would
+        train alone and the others join later as replacements. A restarted group joins at once."""
+        self._record_status(-1 if self._trainer is None or not self._trainer.step else self._trainer.step)
+        if self.status_dir is None or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+            return
+        deadline = time.monotonic() + self.quorum_timeout_s
+        while time.monotonic() < deadline:
+            if all((self.status_dir / f"replica{r}.json").exists() for r in range(self.replicas)):
+                return
+            time.sleep(0.1)
+
+    def _record_status(self, step: int) -> None:
+        if self.status_dir is None:
+            return
+        try:
+            self.status_dir.mkdir(parents=True, exist_ok=True)
+            path = self.status_dir / f"replica{self.replica}.json"
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps({"step": step, "pid": os.getpid(), "time": time.time()}))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+
+    def _lost(self) -> list[str]:
+        """The replica groups whose last recorded step is behind this one's (their status files: the lighthouse
+        does not say whom it dropped)."""
+        if self.status_dir is None:
+            return []
+        mine = self._trainer.step if self._trainer is not None else 0
+        lost = []
+        for r in range(self.replicas):
+            if r == self.replica:
+                continue
+            try:
+                last = json.loads((self.status_dir / f"replica{r}.json").read_text())["step"]
+            except (OSError, ValueError, KeyError):
+                last = -1
+            if last < mine:
+                lost.append(f"replica {r} (last step {last})" if last >= 0 else f"replica {r}")
+        return lost
+
+
+# Per-rank components that must not travel: the RNG (this rank's own streams) and the micro-batch size found here.
+_NOT_HEALED = ("rng", "batcher")
+
+
+def _healed_names(state: Any) -> list[str]:
+    return [name for name in (*state.global_components, *state.per_rank_components) if name not in _NOT_HEALED]
+
+
+def _flat_buckets(grads: list[torch.Tensor]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """The gradients in one flat buffer per (dtype, device): one all-reduce each."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.dtype, g.device), []).append(g)
+    return [(torch.cat([g.reshape(-1) for g in members]), members) for members in groups.values()]
+
+
+def _advertised_host() -> str:
+    """The host name peers reach this replica's manager and checkpoint server at (SYNCWISE_FT_HOST overrides:
+    the network lab's namespaces share one host name)."""
+    return os.environ.get("SYNCWISE_FT_HOST") or socket.gethostname()
