@@ -288,9 +288,9 @@ class LiveRecoveryJob:
         quorum needs ``min_replicas``; join and heartbeat timeouts as ``syncwise train`` starts it locally."""
         import inspect
 
-        from .ft import start_lighthouse
+        from .ft import Lighthouse
 
-        defaults = inspect.signature(start_lighthouse).parameters
+        defaults = inspect.signature(Lighthouse.__init__).parameters
         return ["torchft_lighthouse", f"--min_replicas={self.min_replicas}",
                 f"--join_timeout_ms={defaults['join_timeout_ms'].default}",
                 f"--heartbeat_timeout_ms={defaults['heartbeat_timeout_ms'].default}"]
