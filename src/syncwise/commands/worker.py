@@ -143,7 +143,10 @@ def _live_recovery(cfg: RunConfig, rank: int, world: int, faults: list) -> tuple
         raise SyncwiseError("ft.replicas is set but this worker was not started by syncwise's live-recovery "
                             "launcher (SYNCWISE_FT_REPLICA is missing): use `syncwise train --ft.replicas=N`, or "
                             "syncwise.launch.ft on each replica group")
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    # a replica group relaunched by a scheduler (Slurm's step loop, the lab's node relaunch) counts its torchrun
+    # restarts from 0 again: the launcher's SYNCWISE_FT_ATTEMPT_BASE keeps each attempt's directory its own
+    attempt = int(os.environ.get("SYNCWISE_FT_ATTEMPT_BASE", "0") or 0) + \
+        int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     run_dir = str(replica_dir(cfg.run_dir, live.replica, attempt)) if cfg.run_dir else None
     first = live.replica * world
     mine = [dataclasses.replace(f, rank=f.rank - first) if f.rank is not None else f for f in faults
