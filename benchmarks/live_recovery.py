@@ -81,11 +81,37 @@ def job_cmd(args: argparse.Namespace, path: str, run_dir: Path, failures: int) -
                 f"--ckpt.interval={args.ft_interval}", *args.ft_arg]
     else:
         raise ValueError(path)
+    if args.lab and path == "ft":
+        # one replica group per lab node (syncwise.launch.ft_lab), started by this script's child (below): the [ft]
+        # validation does not take --lab yet
+        return [sys.executable, str(Path(__file__).resolve()), "--ft-lab-child", "--prefix", args.prefix,
+                "--run-dir", str(run_dir), "--", *cmd[cmd.index("--run-dir") + 2:]]
     if args.lab:
         cmd += ["--lab"]  # on this benchmark's own lab: SYNCWISE_LAB_PREFIX (Job's environment)
-        if path != "ft":
-            cmd[cmd.index("--nproc") + 1] = str(max(1, args.replicas // args.nodes))
+        cmd[cmd.index("--nproc") + 1] = str(max(1, args.replicas // args.nodes))
     return cmd
+
+
+def ft_lab_child(prefix: str, run_dir: str, flags: list[str]) -> int:
+    """The ft path on the lab: `syncwise train`'s run-directory handling, then run_replicas_lab and the merge."""
+    from syncwise.commands.train import prepare_run_dir
+    from syncwise.config import config_from_argv
+    from syncwise.launch.ft import merge_metrics
+    from syncwise.launch.ft_lab import run_replicas_lab
+
+    cfg = config_from_argv([*flags, "--run-dir", run_dir])
+    lock = prepare_run_dir(cfg)
+    try:
+        ft = cfg.ft
+        codes = run_replicas_lab(["-m", "syncwise.commands.worker", "--config", str(Path(run_dir) / "config.json")],
+                                 run_dir, ft.replicas, cfg.dist.nproc, ft.replica_restarts,
+                                 min_replicas=ft.min_replicas, quorum_timeout_s=ft.quorum_timeout_s,
+                                 timeout_s=ft.timeout_s, prefix=prefix)
+        summary = merge_metrics(run_dir, cfg.train.steps)
+    finally:
+        lock.release()
+    print(f"replica groups' exit codes {codes}; steps {summary.get('steps')}", flush=True)
+    return 0 if summary["live_recovery"]["steps_logged"] == cfg.train.steps and not all(codes) else 1
 
 
 class Job:
@@ -284,6 +310,16 @@ def run_job(args: argparse.Namespace, path: str, name: str, plan: list[tuple[str
             events.append(ev)
             print(f"  {name}: {kind} at step {ev['step_done']} ({ev.get('rank', ev.get('node'))})", flush=True)
     code = job.wait(args.job_timeout - (time.time() - job.t0))
+    requeues = 0
+    while code != 0 and path == "ckpt" and any(e["kind"] == "node" for e in events) and requeues < len(events):
+        # today's path cannot lose a node inside one job (the other agents wait for it, then fail): the scheduler
+        # requeues the job and it resumes from the newest checkpoint (its wall-clock counts from the first start)
+        requeues += 1
+        print(f"  {name}: exit {code} after a node loss; requeued with --resume auto", flush=True)
+        t0 = job.t0
+        job = Job([*job.cmd, "--resume", "auto"], Path(args.work_dir) / f"{name}.requeue{requeues}.log")
+        job.t0 = t0
+        code = job.wait(args.job_timeout - (time.time() - t0))
     srcs = sources(run_dir)
     rows = main_rows(run_dir)
     step_s = steady_step_s(rows) or 0.0
@@ -294,7 +330,7 @@ def run_job(args: argparse.Namespace, path: str, name: str, plan: list[tuple[str
             "steps_logged": len(rows), "every_step": done == list(range(1, args.steps + 1)),
             "one_row_per_step": [r["step"] for r in rows] == list(range(1, args.steps + 1)),
             "final_loss": final, "step_s_median": step_s or None, "resumes": RESUMED_RE.findall(log),
-            "failures": [analyse_failure(ev, srcs, rows, step_s) for ev in events],
+            "failures": [analyse_failure(ev, srcs, rows, step_s) for ev in events], "requeues": requeues,
             "tail": log.strip().splitlines()[-4:] if code != 0 else []}
 
 
@@ -339,6 +375,9 @@ def summarise(jobs: list[dict]) -> dict:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--ft-lab-child"]:  # --ft-lab-child --prefix P --run-dir D -- FLAGS...
+        return ft_lab_child(argv[2], argv[4], argv[6:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--paths", default="ckpt,ft", help="comma list of ckpt (checkpoint restart), ft (live recovery)")
     ap.add_argument("--failures", default="kill,stop", help="comma list of kill, stop, node (node: --lab only)")
@@ -428,8 +467,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "wall_ratio_median": statistics.median([o[other]["wall_s"] / o["ddp"]["wall_s"] for o in ok])}
     out = Path(args.out) if args.out else RESULTS / f"live-recovery{'-lab' if args.lab else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"benchmark": "live_recovery", "command": "python benchmarks/live_recovery.py " + " ".join(
-        sys.argv[1:] if argv is None else argv), "machine": "shared: 2 CPU cores, other sessions' jobs running; only "
+    result = {"benchmark": "live_recovery", "command": "python benchmarks/live_recovery.py " + " ".join(argv), "machine": "shared: 2 CPU cores, other sessions' jobs running; only "
               "ratios measured side by side mean anything", "setup": {k: v for k, v in vars(args).items()
                                                                      if k not in ("work_dir", "out")},
               "summary": summary, "overhead_pairs": overhead, "jobs": jobs}
