@@ -133,7 +133,7 @@ def test_live_recovery_script_runs_the_lighthouse_and_one_replica_group_per_node
     assert 'export TORCHFT_LIGHTHOUSE="http://$HEAD_NODE:$LIGHTHOUSE_PORT"' in text
     assert "export SYNCWISE_FT_REPLICAS=3" in text and "export SYNCWISE_FT_MIN_REPLICAS=2" in text
     assert "export SYNCWISE_FT_TIMEOUT_S=12.0" in text
-    step = text[text.index("SYNCWISE_FT_REPLICA=$r SYNCWISE_FT_ATTEMPT_BASE=$(( attempt * 5 ))"):text.index("rc=$?")]
+    step = text[text.index("SYNCWISE_FT_REPLICA=$r SYNCWISE_FT_FIRST_ATTEMPT=$(( FIRST + attempt * 5 ))"):text.index("rc=$?")]
     for arg in ['-w "$NODE"', "--nnodes=1 ", "--nproc-per-node=2", '--rdzv-endpoint="$NODE:$RDZV_PORT"',
                 '--rdzv-id="syncwise-$SLURM_JOB_ID-r$r"', "--max-restarts=4", "-m syncwise.commands.worker"]:
         assert arg in step, arg

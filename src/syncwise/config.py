@@ -706,6 +706,9 @@ def check_references(cfg: RunConfig, here: bool = True) -> None:
         if fault.rank is not None and fault.rank >= most:
             raise ConfigError("inject_fault", spec, f"a rank R below the job's {most} worker(s) (dist.nproc × "
                               "nodes): no worker has that rank")
+        if fault.kind == "healkill" and not cfg.ft.replicas:
+            raise ConfigError("inject_fault", spec, "healkill only with ft.replicas ≥ 2 (it fires during live "
+                              "recovery's healing transfer)")
         if fault.kind == "kill" and cfg.dist.max_restarts == 0 and not (cfg.ft.replicas and cfg.ft.replica_restarts):
             raise ConfigError("inject_fault", spec, "a kill only with --max-restarts ≥ 1 (else the run just dies)")
     if here and cfg.resume not in ("none", "auto"):

@@ -135,7 +135,6 @@ def _live_recovery(cfg: RunConfig, rank: int, world: int, faults: list) -> tuple
     Otherwise (None, run_dir, faults)."""
     if not cfg.ft.replicas:
         return None, cfg.run_dir, faults
-    from ..launch.ft import replica_dir
     from ..train.live_recovery import LiveRecovery
 
     live = LiveRecovery.from_env()
@@ -143,11 +142,7 @@ def _live_recovery(cfg: RunConfig, rank: int, world: int, faults: list) -> tuple
         raise SyncwiseError("ft.replicas is set but this worker was not started by syncwise's live-recovery "
                             "launcher (SYNCWISE_FT_REPLICA is missing): use `syncwise train --ft.replicas=N`, or "
                             "syncwise.launch.ft on each replica group")
-    # a replica group relaunched by a scheduler (Slurm's step loop, the lab's node relaunch) counts its torchrun
-    # restarts from 0 again: the launcher's SYNCWISE_FT_ATTEMPT_BASE keeps each attempt's directory its own
-    attempt = int(os.environ.get("SYNCWISE_FT_ATTEMPT_BASE", "0") or 0) + \
-        int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    run_dir = str(replica_dir(cfg.run_dir, live.replica, attempt)) if cfg.run_dir else None
+    run_dir = live.run_dir(cfg.run_dir) if cfg.run_dir else None
     first = live.replica * world
     mine = [dataclasses.replace(f, rank=f.rank - first) if f.rank is not None else f for f in faults
             if f.rank is None or first <= f.rank < first + world]

@@ -27,11 +27,7 @@ from typing import Any, Optional, Sequence
 from ..errors import SyncwiseError
 from .local import free_port, threads_per_worker
 
-FT_DIR = "ft"  # RUN_DIR/ft/replica{R}.{attempt}: each replica group attempt's own run directory
-
-
-def replica_dir(run_dir: str | Path, replica: int, attempt: int) -> Path:
-    return Path(run_dir) / FT_DIR / f"replica{replica}.{attempt}"
+FT_DIR = "ft"  # RUN_DIR/ft/replica{R}.{attempt}: each replica group attempt's own run directory (LiveRecovery.run_dir)
 
 
 class Lighthouse:
@@ -110,6 +106,10 @@ def run_replicas(module_args: Sequence[str], run_dir: str | Path, replicas: int,
     codes. Each group's output goes to ``RUN_DIR/ft/replica{R}.log``. SIGINT/SIGTERM here stop every group."""
     run_dir = Path(run_dir)
     (run_dir / FT_DIR).mkdir(parents=True, exist_ok=True)
+    # A resumed run (--resume auto) launched again: its attempts are numbered after the earlier launches' ones, and
+    # the earlier status files (the start-up wait's) are not this launch's.
+    first_attempt = 1 + max((a for _, a, _ in _attempts(run_dir)), default=-1)
+    shutil.rmtree(run_dir / FT_DIR / "status", ignore_errors=True)
     server = None
     if not lighthouse:
         # a replica stopped (not dead) is dropped once its heartbeat is this late: not later than the collective
@@ -124,6 +124,7 @@ def run_replicas(module_args: Sequence[str], run_dir: str | Path, replicas: int,
         for r in range(replicas):
             env = replica_env(r, replicas, lighthouse, nproc, min_replicas, quorum_timeout_s, timeout_s,
                               str(run_dir / FT_DIR / "status"))
+            env["SYNCWISE_FT_FIRST_ATTEMPT"] = str(first_attempt)
             log = open(run_dir / FT_DIR / f"replica{r}.log", "ab")
             logs.append(log)
             procs.append(subprocess.Popen(replica_command(module_args, nproc, restarts), env=env, stdout=log,
@@ -177,7 +178,8 @@ def merge_metrics(run_dir: str | Path, total_steps: int) -> dict[str, Any]:
     attempts = _attempts(run_dir)
     by_step: dict[int, dict] = {}
     trained: dict[int, set[int]] = {}  # replica -> steps it took part in (any attempt)
-    for r, a, d in attempts:
+    # A step logged twice (every replica lost: the fallback from a checkpoint redid it) is the latest attempt's.
+    for r, a, d in sorted(attempts, key=lambda t: (-t[1], t[0])):
         for row in _read_rows(d / "metrics.jsonl"):
             step = int(row.get("step", 0))
             trained.setdefault(r, set()).add(step)
@@ -186,7 +188,9 @@ def merge_metrics(run_dir: str | Path, total_steps: int) -> dict[str, Any]:
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     summaries = [(r, a, json.loads((d / "summary.json").read_text())) for r, a, d in attempts
                  if (d / "summary.json").exists()]
-    summary: dict[str, Any] = dict(summaries[0][2]) if summaries else {"steps": max(by_step, default=0)}
+    # the summary of the attempt that got furthest (the latest such attempt, then the lowest replica)
+    best = min(summaries, key=lambda t: (-int(t[2].get("steps") or 0), -t[1], t[0]), default=None)
+    summary: dict[str, Any] = dict(best[2]) if best else {"steps": max(by_step, default=0)}
     replicas = sorted({r for r, _, _ in attempts})
     missed = {}
     for r in replicas:
@@ -213,3 +217,33 @@ def _ranges(steps: list[int]) -> list[str]:
             out.append(f"{start}" if start == s else f"{start}-{s}")
             start = None
     return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m syncwise.launch.ft --replicas 3 [--nproc 1] [--restarts 3] --run-dir D -- script.py ARGS``: a
+    user's training script (``OptimizedTrainer(..., live_recovery=LiveRecovery.from_env())``) under live recovery."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m syncwise.launch.ft", description=main.__doc__)
+    p.add_argument("--replicas", type=int, required=True)
+    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--restarts", type=int, default=3)
+    p.add_argument("--min-replicas", type=int, default=1)
+    p.add_argument("--lighthouse", default="")
+    p.add_argument("--quorum-timeout-s", type=float, default=60.0)
+    p.add_argument("--timeout-s", type=float, default=30.0)
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("script", nargs=argparse.REMAINDER)
+    args = p.parse_args(argv)
+    script = args.script[1:] if args.script[:1] == ["--"] else args.script
+    if args.replicas < 2 or not 1 <= args.min_replicas <= args.replicas or args.nproc < 1 or not script:
+        p.error("needs --replicas ≥ 2, 1 ≤ --min-replicas ≤ --replicas, --nproc ≥ 1 and a script")
+    codes = run_replicas(script, args.run_dir, args.replicas, args.nproc, args.restarts, lighthouse=args.lighthouse,
+                         min_replicas=args.min_replicas, quorum_timeout_s=args.quorum_timeout_s,
+                         timeout_s=args.timeout_s)
+    print(f"replica groups ended with exit codes {codes}; logs in {Path(args.run_dir) / FT_DIR}", file=sys.stderr)
+    return 0 if not all(codes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

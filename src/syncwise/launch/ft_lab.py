@@ -12,12 +12,13 @@ node's shaped link. What the lab adds to ``syncwise.launch.ft.run_replicas``:
 - a replica group whose torchrun ends in failure (its workers' restarts spent, or the whole node killed:
   ``kill_node``) is relaunched on its node, ``relaunches`` times — what a scheduler does with a lost node (Slurm's
   relaunch of the step, Kubernetes' replacement pod); each relaunch's attempts get run directories of their own
-  (``SYNCWISE_FT_ATTEMPT_BASE``) and heal from a live peer.
+  (``SYNCWISE_FT_FIRST_ATTEMPT``) and heal from a live peer.
 """
 from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import time
@@ -27,10 +28,10 @@ from typing import Optional, Sequence
 from ..errors import ConfigError, SyncwiseError
 from ..lab.cluster import PREFIX, LabLock, LabState, node_command, require
 from ..lab.launch import omp_threads
-from .ft import FT_DIR, _lighthouse_program, replica_command, replica_env
+from .ft import FT_DIR, _attempts, _lighthouse_program, replica_command, replica_env
 
 #: a relaunched replica group's attempt numbers start here times the relaunch (its torchrun counts from 0 again)
-ATTEMPT_BASE_ENV = "SYNCWISE_FT_ATTEMPT_BASE"
+ATTEMPT_BASE_ENV = "SYNCWISE_FT_FIRST_ATTEMPT"  # LiveRecovery.run_dir adds torchrun's restart count
 
 
 def in_node(state: LabState, node: int, argv: Sequence[str]) -> list[str]:
@@ -86,6 +87,9 @@ def _run(state: LabState, module_args: list[str], run_dir: Path, replicas: int, 
          min_replicas: int, quorum_timeout_s: float, timeout_s: float, relaunches: int) -> list[int]:
     ft_dir = run_dir / FT_DIR
     ft_dir.mkdir(parents=True, exist_ok=True)
+    # as run_replicas: a launch of a resumed run numbers its attempts after the earlier ones; old status files go
+    first_attempt = 1 + max((a for _, a, _ in _attempts(run_dir)), default=-1)
+    shutil.rmtree(ft_dir / "status", ignore_errors=True)
     port = random.randint(20000, 28999)  # fresh namespaces: any port is free; random avoids TIME_WAIT
     lh_log = open(ft_dir / "lighthouse.log", "ab")
     # a replica stopped (not dead) is dropped once its heartbeat is this late (as run_replicas does)
@@ -106,7 +110,7 @@ def _run(state: LabState, module_args: list[str], run_dir: Path, replicas: int, 
             env = replica_env(r, replicas, address, nproc, min_replicas, quorum_timeout_s, timeout_s,
                               str(ft_dir / "status"))
             env.update({"GLOO_SOCKET_IFNAME": n.ifname, "OMP_NUM_THREADS": threads, "SYNCWISE_FT_HOST": n.namespace,
-                        ATTEMPT_BASE_ENV: str(launch * (restarts + 1))})
+                        ATTEMPT_BASE_ENV: str(first_attempt + launch * (restarts + 1))})
             log = open(ft_dir / f"replica{r}.log", "ab")
             logs.append(log)
             return subprocess.Popen(in_node(state, r, replica_command(module_args, nproc, restarts)), env=env,

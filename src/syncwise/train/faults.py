@@ -11,6 +11,8 @@ Specs (``syncwise.specs`` syntax, one parser):
   stretched to F × its measured time (before its micro-batches it sleeps (F − 1) × their last measured time).
 * ``slowdata:ms=M[,rank=R][,step=S]`` — a starved data loader: from step S on, the loader of rank R (every rank
   when left out) waits M milliseconds per optimizer step before its batches arrive.
+* ``healkill:rank=R[,step=S]`` — live recovery (``ft.replicas``): rank R exits abruptly while it hands its state to
+  a healing replica (a failure during the healing transfer), the first time it does so at step S or later (once).
 * ``skew:experts=K`` — MoE routing skew: the first K routed experts of every MoE layer get a selection bias of
   +10 at the start of a run, so (with fewer experts than top-k choices) nearly every token picks them.
 """
@@ -29,7 +31,7 @@ from ..errors import ConfigError
 from ..specs import check_keys, parse_spec, read_float, read_int
 
 _ACCEPTED = ("kill:rank=R,step=S, nan:step=S[,rank=R], slow:rank=R,factor=F[,step=S], "
-             "slowdata:ms=M[,rank=R][,step=S] or skew:experts=K with integers R ≥ 0, S ≥ 1, K ≥ 1, "
+             "slowdata:ms=M[,rank=R][,step=S], healkill:rank=R[,step=S] (with ft.replicas) or skew:experts=K with integers R ≥ 0, S ≥ 1, K ≥ 1, "
              "a factor F in [1, 100] and M in [0, 600000]")
 KILLED_EXIT_CODE = 71  # distinctive, so logs show an injected kill rather than a real crash
 SKEW_BIAS = 10.0       # added to the skewed experts' selection bias (biases move by ~1e-3 per step)
@@ -37,7 +39,7 @@ SKEW_BIAS = 10.0       # added to the skewed experts' selection bias (biases mov
 # kind -> (option keys, required keys)
 _KINDS = {"kill": (("step", "rank"), ("step", "rank")), "nan": (("step", "rank"), ("step",)),
           "slow": (("rank", "factor", "step"), ("rank", "factor")), "slowdata": (("ms", "rank", "step"), ("ms",)),
-          "skew": (("experts",), ("experts",))}
+          "skew": (("experts",), ("experts",)), "healkill": (("rank", "step"), ("rank",))}
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,16 @@ class FaultPlan:
                 continue
             self._record(f)
             print(f"syncwise: injected fault: killing rank {rank} at step {step}", file=sys.stderr, flush=True)
+            os._exit(KILLED_EXIT_CODE)
+
+    def maybe_kill_healing(self, step: int, rank: int) -> None:
+        """``healkill``: exit abruptly while this rank hands its state to a healing replica (once per run)."""
+        for f in self.faults:
+            if f.kind != "healkill" or step < f.step or f.rank != rank or self._has_fired(f):
+                continue
+            self._record(f)
+            print(f"syncwise: injected fault: killing rank {rank} during a healing transfer at step {step}",
+                  file=sys.stderr, flush=True)
             os._exit(KILLED_EXIT_CODE)
 
     def delay_data(self, step: int, rank: int) -> None:

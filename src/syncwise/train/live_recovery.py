@@ -26,6 +26,7 @@ torchft is imported only when live recovery is on (requirements-dev.txt pins it;
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -84,11 +85,14 @@ class LiveRecovery:
         self.heals: list[dict] = []             # {"step", "seconds"}: state received from a live peer
         self.discarded = 0                      # steps whose update did not commit (batch skipped, step redone)
         self.participants = 0                   # replica groups in the current quorum
+        self.members: list[int] = []            # their indices
         self.changes: list[dict] = []           # quorum size changes: {"step", "replicas", "lost"}
         self.fallback_step: Optional[int] = None  # every replica lost: resumed from this checkpoint step
         self._quorum_ready = False
         self._committed = True
         self._discarded_this_step = 0
+        self._quorum_s = self._discarded_s = 0.0     # this step's quorum time, its discarded attempts' time
+        self._attempt_started = 0.0
         self._trainer: Any = None
 
     @classmethod
@@ -100,6 +104,13 @@ class LiveRecovery:
                    min_replicas=int(os.environ.get(ENV_MIN, "1")),
                    quorum_timeout_s=float(os.environ.get(ENV_QUORUM_TIMEOUT, "60")),
                    timeout_s=float(os.environ.get(ENV_TIMEOUT, "30")), status_dir=os.environ.get(ENV_STATUS_DIR))
+
+    def run_dir(self, base: str) -> str:
+        """This replica group attempt's own run directory under ``base`` (BASE/ft/replica{R}.{attempt}), as
+        ``syncwise train`` uses: a restarted group never writes over its earlier attempt's files."""
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) + \
+            int(os.environ.get("SYNCWISE_FT_FIRST_ATTEMPT", "0") or 0)  # (a relaunch numbers on after the last)
+        return str(Path(base) / "ft" / f"replica{self.replica}.{attempt}")
 
     # ------------------------------------------------------------------------ what the trainer asks (its seam)
     replicas_diverge = False  # the sync-strategy protocol: replicas hold the same parameters after every step
@@ -148,11 +159,17 @@ class LiveRecovery:
         self._record_status(trainer.step)
 
     def begin_step(self, step: int) -> None:
-        """Before step ``step``'s batch: the step's quorum (after :meth:`join`, its first quorum serves)."""
-        self._discarded_this_step = 0
+        """Before step ``step``'s batch: the step's quorum (after :meth:`join`, its first quorum serves). The time
+        it takes is outside the step meter's clock: the row reports it (``quorum_s``), and the time of the step's
+        discarded attempts (``discarded_s``)."""
+        now = time.perf_counter()
+        if self._committed:  # a new step (not a redo of a discarded one)
+            self._discarded_this_step, self._quorum_s, self._discarded_s = 0, 0.0, 0.0
+        self._attempt_started = now
         if not self._quorum_ready:
             self._quorum(step)
         self._quorum_ready = False
+        self._quorum_s += time.perf_counter() - now
 
     def syncs_gradients(self, step: int) -> bool:
         return True  # inside the replica group: DDP every step
@@ -161,7 +178,10 @@ class LiveRecovery:
         """Average the gradients over the quorum's replicas, then ask whether the step commits: ``[None]`` (apply
         the averaged ``.grad``) or ``[]`` (no update: the step is redone). Returns (updates, seconds waited)."""
         start = time.perf_counter()
-        grads = [p.grad for p in self.params if p.grad is not None]
+        for p in self.params:  # a parameter unused this step (an MoE expert no token chose) on one replica only:
+            if p.grad is None:  # every replica must hand the all-reduce the same buffer, so it sends zeros
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in self.params]
         works = []
         for flat, members in _flat_buckets(grads):
             works.append((self.manager.allreduce(flat), flat, members))
@@ -176,6 +196,7 @@ class LiveRecovery:
         if not self._committed:
             self.discarded += 1
             self._discarded_this_step += 1
+            self._discarded_s += time.perf_counter() - self._attempt_started
         return ([None] if self._committed else []), time.perf_counter() - start
 
     @property
@@ -203,14 +224,29 @@ class LiveRecovery:
 
     def row(self) -> dict[str, Any]:
         """Extra columns of this step's metrics row."""
-        out: dict[str, Any] = {"replicas": self.participants, "replica": self.replica}
-        if self._discarded_this_step:
+        out: dict[str, Any] = {"replicas": self.participants, "replica": self.replica, "quorum_s": self._quorum_s}
+        if self._discarded_this_step:  # the attempts that did not commit: their batches and time (outside step_time_s)
             out["discarded_batches"] = self._discarded_this_step
+            out["discarded_s"] = self._discarded_s
         return out
 
     def summary(self) -> dict[str, Any]:
         return {"replica": self.replica, "replicas": self.replicas, "heals": self.heals,
-                "discarded_steps": self.discarded, "quorum_changes": self.changes, "fallback_step": self.fallback_step}
+                "discarded_steps": self.discarded, "quorum_changes": self.changes, "fallback_step": self.fallback_step,
+                "param_digest": self.param_digest()}
+
+    def param_digest(self) -> Optional[str]:
+        """sha256 of this rank's parameters (replicas must end identical; None above 50 M elements: too slow to
+        hash at every run's end)."""
+        if self._trainer is None:
+            return None
+        params = [p.detach() for p in self._trainer.model.parameters()]
+        if sum(p.numel() for p in params) > 50_000_000:
+            return None
+        h = hashlib.sha256()
+        for p in params:
+            h.update(p.cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
 
     def close(self) -> None:
         if self.manager is not None:
@@ -226,14 +262,17 @@ class LiveRecovery:
             raise SyncwiseError(f"live recovery: replica {self.replica} could not join the quorum for step {step}: "
                                 f"{self.manager.errored()}")
         n = self.manager.num_participants()
-        if n != self.participants:
-            lost = self._lost() if n < self.participants else []
-            self.changes.append({"step": step, "replicas": n, "lost": lost})
+        members = self._members()
+        if n != self.participants or members != self.members:
+            lost = sorted(set(self.members) - set(members))
+            joined = sorted(set(members) - set(self.members))
+            self.changes.append({"step": step, "replicas": n, "lost": lost, "joined": joined})
             if self.participants:
-                what = f"lost replica(s) {lost or '(unknown)'}" if n < self.participants else "replica(s) rejoined"
+                what = "; ".join([f"lost {self._describe_lost(lost)}"] * bool(lost) +
+                                 [f"replica(s) {joined} (re)joined"] * bool(joined)) or "the quorum changed"
                 print(f"syncwise: live recovery: step {step}: {what}; {n} of {self.replicas} replicas train on "
                       f"(global batch × {n}/{self.replicas})", file=sys.stderr, flush=True)
-            self.participants = n
+            self.participants, self.members = n, members
         if self.manager.current_step() != before:  # healed: the state came from a live peer
             seconds = time.perf_counter() - started
             self.heals.append({"step": self.manager.current_step(), "seconds": seconds})
@@ -243,6 +282,9 @@ class LiveRecovery:
     def _state(self, state: Any) -> dict[str, Any]:
         """What a joining replica receives: the train state's components (model, optimizer, scheduler, scaler,
         trainer counters, data position), this rank's own where per-rank (the peer's rank of the same index)."""
+        trainer = self._trainer
+        if trainer is not None:  # (injected: healkill, a failure during the healing transfer)
+            trainer.faults.maybe_kill_healing(trainer.step, trainer.rank)
         return {name: state[name].state_dict() for name in _healed_names(state)}
 
     def _load(self, state: Any, sd: dict[str, Any]) -> None:
@@ -269,28 +311,30 @@ class LiveRecovery:
             self.status_dir.mkdir(parents=True, exist_ok=True)
             path = self.status_dir / f"replica{self.replica}.json"
             tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps({"step": step, "pid": os.getpid(), "time": time.time()}))
+            tmp.write_text(json.dumps({"step": step, "pid": os.getpid(), "host": _advertised_host(),
+                                       "time": time.time()}))
             os.replace(tmp, path)
         except OSError:
             pass
 
-    def _lost(self) -> list[str]:
-        """The replica groups whose last recorded step is behind this one's (their status files: the lighthouse
-        does not say whom it dropped)."""
-        if self.status_dir is None:
-            return []
-        mine = self._trainer.step if self._trainer is not None else 0
-        lost = []
-        for r in range(self.replicas):
-            if r == self.replica:
-                continue
+    def _members(self) -> list[int]:
+        """The replica indices of the current quorum: torchft hands its reconfigurable process group the quorum's
+        global ranks (replica index × group size + group rank; ``ProcessGroupGloo._global_ranks``)."""
+        ranks = getattr(getattr(self.manager, "_pg", None), "_global_ranks", None) or []
+        size = max(1, getattr(self.manager, "_group_world_size", 1))
+        return sorted({int(r) // size for r in ranks})
+
+    def _describe_lost(self, lost: list[int]) -> str:
+        """'replica 1 (last step 4, pid 1234)': who left the quorum and, from its status file, where it stopped."""
+        out = []
+        for r in lost:
             try:
-                last = json.loads((self.status_dir / f"replica{r}.json").read_text())["step"]
-            except (OSError, ValueError, KeyError):
-                last = -1
-            if last < mine:
-                lost.append(f"replica {r} (last step {last})" if last >= 0 else f"replica {r}")
-        return lost
+                last = json.loads((self.status_dir / f"replica{r}.json").read_text()) if self.status_dir else {}
+            except (OSError, ValueError):
+                last = {}
+            detail = f" (last step {last['step']}, pid {last.get('pid')} on {last.get('host')})" if "step" in last else ""
+            out.append(f"replica {r}{detail}")
+        return ", ".join(out)
 
 
 # Per-rank components that must not travel: the RNG (this rank's own streams) and the micro-batch size found here.

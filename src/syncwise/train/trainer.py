@@ -293,8 +293,11 @@ class OptimizedTrainer:
                 # compare such steps with the others to measure what an in-flight save costs training.
                 in_flight = self.checkpointer is not None and self.checkpointer.save_in_flight
                 pending = self._train_step(batches)
-                if self.live is not None and not self.live.committed:
-                    continue  # the update did not commit on every replica: redo this step with the next batch
+                if self.live is not None:
+                    if not self.live.committed:
+                        continue  # the update did not commit on every replica: redo this step with the next batch
+                    # the replicas that took part, this replica's index, quorum time, batches discarded (its row)
+                    pending.parallel_metrics.update(self.live.row())
                 unlogged.append((pending, in_flight))
                 self.step += 1
                 self.tokens_seen += unlogged[-1][0].tokens
@@ -720,8 +723,6 @@ class OptimizedTrainer:
         row.update({k: plain(v) for k, v in queued.parallel_metrics.items()})
         if r.skipped:
             row["skipped"] = True
-        if self.live is not None:  # the replicas that took part, this replica's index, batches discarded
-            row.update(self.live.row())
         return row
 
     def _saves_checkpoints(self) -> bool:

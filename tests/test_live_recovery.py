@@ -1,0 +1,272 @@
+"""Live recovery (issue 30, docs/live-recovery.md): replica groups of real processes (torchrun each, gloo, torchft's
+lighthouse and Manager), with replicas killed mid-run.
+
+Every run here is `syncwise train --ft.replicas=N` on the tiny preset with 1 worker per replica group; the steps are
+stretched by an injected slow data loader so a killed replica's replacement (a fresh Python process) has time to
+start and rejoin before the run ends.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from syncwise.cli import main
+from syncwise.config import build_config, check_references
+from syncwise.errors import ConfigError
+
+needs_torchft = pytest.mark.skipif(importlib.util.find_spec("torchft") is None,
+                                   reason="torchft is not installed (requirements-dev.txt pins torchft==0.2.0)")
+
+STEPS = 30
+BASE = ["--preset", "tiny", "--nproc", "1", "--steps", str(STEPS), "--data.seq_len=32", "--train.val_interval=0",
+        "--train.val_batches=1", "--ckpt.interval=0", "--ft.timeout_s=10", "--inject-fault", "slowdata:ms=250"]
+# The loss of a run with a replica lost for a few steps (those steps average 2 of 3 replicas' gradients, the lost
+# replica's shard is skipped) against the uninterrupted run: the mean of the last 5 steps within this much.
+LOSS_TOLERANCE = 0.15
+
+
+def _train(run_dir, *extra):
+    return main(["train", "--run-dir", str(run_dir), *BASE, *extra])
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _summary(run_dir):
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def _final_digests(summary):
+    """Each replica's parameter digest at the end of its last attempt that trained (an attempt started after the
+    run had finished trains nothing and writes no summary)."""
+    last = {}
+    for a in summary["live_recovery"]["attempts"]:
+        if a["replica"] not in last or a["attempt"] > last[a["replica"]]["attempt"]:
+            last[a["replica"]] = a
+    return {r: a["param_digest"] for r, a in last.items()}
+
+
+def _tail_loss(rows, n=5):
+    return sum(r["loss"] for r in rows[-n:]) / n
+
+
+def _check_run(run_dir, replicas=3):
+    """One metrics row per step; the replicas that trained to the end hold identical parameters (``replicas``: how
+    many must have; None: at least one)."""
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # one row per step, none missing
+    summary = _summary(run_dir)
+    digests = _final_digests(summary)
+    assert len(set(digests.values())) == 1, digests  # replicas identical at the end
+    assert len(digests) == replicas if replicas else digests, digests
+    assert summary["live_recovery"]["steps_missing"] == []
+    return rows, summary
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("ft") / "clean"
+    assert _train(run_dir, "--ft.replicas=3") == 0
+    rows, summary = _check_run(run_dir)
+    assert all(r["replicas"] == 3 for r in rows)
+    assert summary["live_recovery"]["data_skipped_by_replica"] == {}
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- validation
+@pytest.mark.parametrize("overrides, field", [
+    ({"ft.replicas": "1"}, "ft.replicas"),
+    ({"ft.replicas": "-2"}, "ft.replicas"),
+    ({"ft.replicas": "3", "ft.min_replicas": "4"}, "ft.min_replicas"),
+    ({"ft.replicas": "2", "ft.lighthouse": "nohost"}, "ft.lighthouse"),
+    ({"ft.replicas": "2", "ft.quorum_timeout_s": "0"}, "ft.quorum_timeout_s"),
+    ({"ft.replicas": "2", "dist.nproc": "2", "parallel.tp": "2"}, "parallel.tp"),
+    ({"ft.replicas": "2", "dist.nproc": "2", "parallel.dp_shard": "2"}, "parallel.dp_shard"),
+    ({"ft.replicas": "2", "dist.nproc": "2", "parallel.sync": "localsgd:period=4"}, "parallel.sync"),
+    ({"ft.replicas": "2", "dist.max_restarts": "2"}, "dist.max_restarts"),
+    ({"inject_fault": ["healkill:rank=0"]}, "inject_fault"),
+])
+def test_bad_live_recovery_settings_are_refused_with_the_field(overrides, field):
+    with pytest.raises(ConfigError) as e:
+        cfg = build_config(None, {"model.preset": "tiny", **overrides})
+        check_references(cfg)
+    assert e.value.field == field, e.value
+    assert "\n" not in str(e.value)
+
+
+def test_cli_refuses_a_single_replica_before_any_worker_starts(tmp_path, capsys):
+    assert main(["train", "--run-dir", str(tmp_path / "run"), "--preset", "tiny", "--ft.replicas=1"]) == 2
+    err = capsys.readouterr().err
+    assert "ft.replicas" in err and "2" in err
+    assert not (tmp_path / "run").exists()
+
+
+@needs_torchft
+def test_python_api_refuses_a_bad_live_recovery():
+    from syncwise.train.live_recovery import LiveRecovery
+
+    with pytest.raises(ConfigError, match="ft.replicas"):
+        LiveRecovery(replica=0, replicas=1, lighthouse="localhost:1")
+    with pytest.raises(ConfigError, match="ft.min_replicas"):
+        LiveRecovery(replica=0, replicas=2, lighthouse="localhost:1", min_replicas=3)
+
+
+# ---------------------------------------------------------------------------------------------- real replicas
+@needs_torchft
+@pytest.mark.slow
+def test_a_killed_replica_is_replaced_and_heals_from_a_live_peer(tmp_path, uninterrupted):
+    run_dir = tmp_path / "kill"
+    assert _train(run_dir, "--ft.replicas=3", "--inject-fault", "kill:rank=1,step=5") == 0
+    rows, summary = _check_run(run_dir)
+    counts = [r["replicas"] for r in rows]
+    assert counts[:4] == [3] * 4 and counts[-1] == 3
+    attempts = {(a["replica"], a["attempt"]): a for a in summary["live_recovery"]["attempts"]}
+    heal = attempts[(1, 1)]["heals"]  # the replacement received the state from a live peer
+    assert heal and heal[0]["step"] >= 4 and attempts[(1, 1)]["fallback_step"] is None
+    if 2 in counts:  # the survivors trained on without it (shrank, then grew back) and named it
+        lost = [c for c in attempts[(0, 0)]["quorum_changes"] if c["lost"]]
+        assert lost[0]["lost"] == [1] and lost[0]["step"] == 5
+        assert summary["live_recovery"]["data_skipped_by_replica"]["replica1"][0].startswith("5")
+    else:  # the replacement was back before the lighthouse's heartbeat timeout: it joined step 5's quorum
+        assert heal[0]["step"] == 4
+    assert abs(_tail_loss(rows) - _tail_loss(uninterrupted)) < LOSS_TOLERANCE
+
+
+@needs_torchft
+@pytest.mark.slow
+def test_two_replicas_lost_in_a_row_are_both_replaced(tmp_path, uninterrupted):
+    run_dir = tmp_path / "two"
+    assert _train(run_dir, "--ft.replicas=3", "--inject-fault", "kill:rank=1,step=4",
+                  "--inject-fault", "kill:rank=2,step=6") == 0
+    rows, summary = _check_run(run_dir)
+    assert 1 in [r["replicas"] for r in rows] or 2 in [r["replicas"] for r in rows]
+    attempts = {(a["replica"], a["attempt"]) for a in summary["live_recovery"]["attempts"]}
+    assert {(1, 1), (2, 1)} <= attempts
+    assert rows[-1]["replicas"] == 3
+    assert abs(_tail_loss(rows) - _tail_loss(uninterrupted)) < LOSS_TOLERANCE
+
+
+@needs_torchft
+@pytest.mark.slow
+def test_a_failure_during_the_healing_transfer(tmp_path):
+    """Replica 1 is killed; when its replacement asks for the state, the peer sending it dies (both survivors carry
+    the fault, once each, whichever torchft picks): the replacement's heal fails, it restarts and heals from a
+    replica still alive; each killed sender is replaced too, and the run ends with every replica identical."""
+    run_dir = tmp_path / "heal"
+    assert _train(run_dir, "--ft.replicas=3", "--inject-fault", "kill:rank=1,step=3",
+                  "--inject-fault", "healkill:rank=0", "--inject-fault", "healkill:rank=2",
+                  "--ft.replica_restarts=4") == 0
+    rows, summary = _check_run(run_dir, replicas=None)
+    ft = run_dir / "ft"
+    logs = {r: (ft / f"replica{r}.log").read_text() for r in range(3)}
+    assert "could not join the quorum" in "".join(logs.values())  # a heal failed: that replica restarted
+    senders = [r for r in (0, 2) if "killing rank 0 during a healing transfer" in logs[r]]
+    assert senders and all((ft / f"replica{r}.1").is_dir() for r in senders)  # each sender died and was replaced
+    assert summary["live_recovery"]["exit_codes"] == [0, 0, 0]
+
+
+@needs_torchft
+@pytest.mark.slow
+def test_losing_every_replica_falls_back_to_the_newest_checkpoint(tmp_path):
+    run_dir = tmp_path / "all"
+    assert main(["train", "--run-dir", str(run_dir), *[a if a != "--ckpt.interval=0" else "--ckpt.interval=5"
+                                                       for a in BASE],
+                 "--ckpt.async_save=false", "--ft.replicas=2", "--inject-fault", "kill:rank=0,step=9",
+                 "--inject-fault", "kill:rank=1,step=9"]) == 0
+    rows, summary = _check_run(run_dir, replicas=2)
+    fallbacks = [a["fallback_step"] for a in summary["live_recovery"]["attempts"] if a["attempt"] == 1]
+    assert 5 in fallbacks or 8 in fallbacks, summary["live_recovery"]["attempts"]  # resumed from a checkpoint
+
+
+API_SCRIPT = '''
+import json, sys, torch
+from torch.utils.data import DataLoader, TensorDataset
+from syncwise.models import build_model
+from syncwise.train import OptimizedTrainer
+from syncwise.train.live_recovery import LiveRecovery
+
+live = LiveRecovery.from_env()                  # set by python -m syncwise.launch.ft
+torch.manual_seed(0)
+model = build_model("tiny", vocab_size=64, seq_len=16)
+tokens = torch.randint(0, 64, (64, 17), generator=torch.Generator().manual_seed(1))
+loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
+trainer = OptimizedTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), live_recovery=live,
+                           run_dir=live.run_dir(sys.argv[1]), show_progress=False)
+summary = trainer.train(loader, steps=6)
+assert summary["live_recovery"]["replicas"] == 2
+'''
+
+
+@needs_torchft
+@pytest.mark.slow
+def test_python_api_trains_replica_groups_through_the_trainer(tmp_path):
+    """A user's script: ``OptimizedTrainer(..., live_recovery=LiveRecovery.from_env())`` under
+    ``python -m syncwise.launch.ft``; the trainer shards the loader over both replica groups and they end identical."""
+    from syncwise.launch.ft import main as ft_main
+
+    script = tmp_path / "train.py"
+    script.write_text(API_SCRIPT)
+    base = tmp_path / "run"
+    assert ft_main(["--replicas", "2", "--run-dir", str(base), "--", str(script), str(base)]) == 0
+    summaries = [json.loads((base / "ft" / f"replica{r}.0" / "summary.json").read_text()) for r in (0, 1)]
+    assert summaries[0]["live_recovery"]["param_digest"] == summaries[1]["live_recovery"]["param_digest"]
+    rows = [json.loads(line) for line in (base / "ft" / "replica0.0" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7)) and all(r["replicas"] == 2 for r in rows)
+
+
+@needs_torchft
+@pytest.mark.slow
+def test_a_relaunched_run_resumes_from_its_checkpoint(tmp_path):
+    """`--resume auto` on a live-recovery run: the new launch's attempts number on after the first launch's, the
+    replicas (none alive to heal from) load the newest checkpoint, and metrics.jsonl covers every step once."""
+    args = ["train", "--run-dir", str(tmp_path / "run"), "--preset", "tiny", "--nproc", "1", "--data.seq_len=32",
+            "--train.val_batches=1", "--ft.replicas=2"]
+    assert main([*args, "--steps", "4"]) == 0
+    assert main([*args, "--steps", "7", "--resume", "auto"]) == 0
+    rows = _rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == list(range(1, 8)) and [r["attempt"] for r in rows] == [0] * 4 + [1] * 3
+    summary = _summary(tmp_path / "run")
+    assert summary["steps"] == 7
+    assert {a["fallback_step"] for a in summary["live_recovery"]["attempts"] if a["attempt"] == 1} == {4}
+
+
+@needs_torchft
+@pytest.mark.slow
+def test_a_stopped_replica_is_dropped_after_the_timeout_and_heals_when_it_resumes(tmp_path):
+    """SIGSTOP (a hung replica, not a dead one): the survivors discard the step that waited for it (its time is
+    ``discarded_s`` in the row) and train on without it; after SIGCONT it finds itself behind and heals in place."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run_dir = tmp_path / "stop"
+    proc = subprocess.Popen([sys.executable, "-m", "syncwise.cli", "train", "--run-dir", str(run_dir), "--ft.replicas=3",
+                             "--ft.timeout_s=5", *[a for a in BASE if a != "--ft.timeout_s=10"]],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    status = run_dir / "ft" / "status" / "replica1.json"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            last = json.loads(status.read_text())
+            if last["step"] >= 3:
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    else:
+        proc.kill()
+        pytest.fail("replica 1 never reached step 3")
+    os.kill(last["pid"], signal.SIGSTOP)
+    time.sleep(10)
+    os.kill(last["pid"], signal.SIGCONT)
+    assert proc.wait(timeout=300) == 0
+    rows, summary = _check_run(run_dir)
+    assert any(r.get("discarded_s", 0) >= 4 for r in rows)  # the step that waited out the 5 s timeout
+    assert 2 in [r["replicas"] for r in rows] and rows[-1]["replicas"] == 3
+    attempts = {(a["replica"], a["attempt"]): a for a in summary["live_recovery"]["attempts"]}
+    assert attempts[(1, 0)]["heals"]  # healed in the same process: no restart
