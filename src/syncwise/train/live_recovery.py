@@ -145,7 +145,8 @@ class LiveRecovery:
             replica_id=f"replica_{self.replica}", store_addr=store_addr, store_port=store_port, rank=group_rank,
             world_size=group_size, lighthouse_addr=self.lighthouse, hostname=_advertised_host(),
             timeout=timedelta(seconds=self.timeout_s), quorum_timeout=timedelta(seconds=self.quorum_timeout_s),
-            connect_timeout=timedelta(seconds=self.quorum_timeout_s))
+            connect_timeout=timedelta(seconds=self.quorum_timeout_s),
+            checkpoint_transport=_transport(timedelta(seconds=self.timeout_s)))
         self.manager.load_state_dict({"step": trainer.step, "batches_committed": 0})
         self._wait_for_the_others_at_start()
         self._quorum(trainer.step + 1)
@@ -351,6 +352,18 @@ def _flat_buckets(grads: list[torch.Tensor]) -> list[tuple[torch.Tensor, list[to
     for g in grads:
         groups.setdefault((g.dtype, g.device), []).append(g)
     return [(torch.cat([g.reshape(-1) for g in members]), members) for members in groups.values()]
+
+
+def _transport(timeout: timedelta) -> Any:
+    """torchft's HTTP checkpoint transport (its default), advertising ``_advertised_host()`` instead of
+    ``socket.gethostname()`` (the lab's namespaces share one host name, which resolves to each one's own loopback)."""
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class Transport(HTTPTransport):
+        def address(self) -> str:
+            return f"http://{_advertised_host()}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+    return Transport(timeout=timeout, num_chunks=0)
 
 
 def _advertised_host() -> str:

@@ -355,8 +355,6 @@ class OptimizedTrainer:
             # the quorum), the newest checkpoint is the fallback.
             self.phase = "live recovery join"
             self.live.join(self, state, lambda: self.checkpointer.load("auto", state) if self.checkpointer else None)
-            if self.step and redone is None:
-                redone = 0
         self._start_step = self.step  # > 0: resumed; the summary then covers the earlier steps too (_earlier_steps)
         self.meter.step = self.step + 1
         return state, redone
