@@ -58,9 +58,10 @@ def _strict(schema):
 JOBSET = jsonschema.Draft7Validator(_strict(jobset_schema()["openAPIV3Schema"]))
 
 
-def _generate(tmp_path, cluster=CLUSTER, name="llm-run"):
+def _generate(tmp_path, cluster=CLUSTER, name="llm-run", extra=""):
     (tmp_path / "c.toml").write_text(cluster)
-    (tmp_path / "run.toml").write_text('[model]\npreset = "small"\n[train]\nsteps = 500\nmixed_precision = "bf16"\n')
+    (tmp_path / "run.toml").write_text('[model]\npreset = "small"\n[train]\nsteps = 500\nmixed_precision = "bf16"\n'
+                                       + extra)
     assert main(["launch", "k8s", "--cluster", str(tmp_path / "c.toml"), "--config", str(tmp_path / "run.toml"),
                  "--out", str(tmp_path / "out"), "--name", name]) == 0
     docs = list(yaml.safe_load_all((tmp_path / "out" / f"{name}.yaml").read_text()))
@@ -164,3 +165,46 @@ def test_yaml_writer_round_trips_awkward_strings():
     docs = [{"a": "yes", "b": "1.0", "c": "x: y # z", "d": "", "e": ["-m", "*", "~"], "f": True, "g": 0,
              "h": "line one\n\n  indented\nlast\n", "i": {}, "j": [], "k": [{"x": [1, {"y": "null"}]}], "l": "é ×"}]
     assert list(yaml.safe_load_all(to_yaml(docs))) == docs
+
+
+def test_live_recovery_manifests_lighthouse_replica_jobs_and_what_replaces_a_lost_replica(tmp_path):
+    """[ft] replicas = 4 on 4 nodes: a lighthouse Deployment + Service, the JobSet's replicated job 'replica' with 4
+    one-pod Jobs (the replica index from the job-index annotation, each its own rendezvous), a lost pod replaced by
+    its Job, a failed Job recreated alone (RestartJob) — all valid against the schemas."""
+    pytest.importorskip("torchft", reason="live recovery needs torchft (requirements-dev.txt)")
+    cluster = CLUSTER.replace("min_nodes = 2", "min_nodes = 4")
+    docs = _generate(tmp_path, cluster, name="ft-run", extra="[ft]\nreplicas = 4\nmin_replicas = 2\n"
+                                                             "replica_restarts = 5\n")
+    every = [d for d in yaml.safe_load_all((tmp_path / "out" / "ft-run.yaml").read_text()) if d]
+    assert [d["kind"] for d in every] == ["ConfigMap", "PersistentVolumeClaim", "Service", "Service", "Deployment",
+                                          "JobSet"]
+    for doc in every[:-1]:
+        kubernetes_validate.validate(doc, K8S, strict=True)
+    kubernetes_validate.validate(_job_of(docs["JobSet"]), K8S, strict=True)
+    JOBSET.validate(docs["JobSet"])
+    js, deploy, lh_svc = docs["JobSet"], docs["Deployment"], every[3]
+    assert lh_svc["metadata"]["name"] == "ft-run-lighthouse" and every[2]["metadata"]["name"] == "ft-run-rdzv"
+    (rjob,) = js["spec"]["replicatedJobs"]
+    job, pod = rjob["template"]["spec"], rjob["template"]["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    args = c["command"]
+    assert rjob["name"] == "replica" and rjob["replicas"] == 4
+    assert job["parallelism"] == job["completions"] == 1 and job["backoffLimit"] == 3  # launch.max_restarts
+    assert js["spec"]["failurePolicy"] == {"maxRestarts": 3, "rules": [
+        {"name": "replace-lost-replica", "action": "RestartJob", "targetReplicatedJobs": ["replica"]}]}
+    assert "--nnodes=1" in args and "--max-restarts=5" in args
+    assert "--rdzv-endpoint=ft-run-replica-$(SYNCWISE_FT_REPLICA)-0.ft-run-rdzv:29400" in args
+    assert "--rdzv-id=ft-run-r$(SYNCWISE_FT_REPLICA)" in args
+    env = {e["name"]: e for e in c["env"]}
+    assert env["SYNCWISE_FT_REPLICA"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.annotations['jobset.sigs.k8s.io/job-index']"
+    assert list(env).index("SYNCWISE_FT_REPLICA") == 0  # defined before the command references it
+    assert env["TORCHFT_LIGHTHOUSE"]["value"] == "http://ft-run-lighthouse:30400"
+    assert env["SYNCWISE_FT_REPLICAS"]["value"] == "4" and env["SYNCWISE_FT_MIN_REPLICAS"]["value"] == "2"
+    (lh,) = deploy["spec"]["template"]["spec"]["containers"]
+    assert lh["command"][:2] == ["torchft_lighthouse", "--min_replicas=2"] and "--bind=[::]:30400" in lh["command"]
+    assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"] == {"type": "Recreate"}
+    assert lh_svc["spec"]["selector"] == deploy["spec"]["selector"]["matchLabels"]
+    assert lh_svc["spec"]["ports"][0]["port"] == 30400
+    run = tomllib.loads(docs["ConfigMap"]["data"]["run.toml"])
+    assert run["ft"]["replicas"] == 4 and run["dist"]["nnodes"] == "1"

@@ -111,6 +111,52 @@ sbatch = ["--qos=high", "--exclusive"]
     assert "#SBATCH --exclusive" in text
 
 
+def test_live_recovery_script_runs_the_lighthouse_and_one_replica_group_per_node(tmp_path):
+    """[ft] replicas = 3: 3 nodes, --no-kill, the lighthouse a step of its own on the first node, each replica group
+    a step on its own node with its own rendezvous and ft.replica_restarts, relaunched by the script up to
+    launch.max_restarts times, and the replica groups' metrics merged at the end."""
+    pytest.importorskip("torchft", reason="live recovery needs torchft (requirements-dev.txt)")
+    cluster = cluster_toml(tmp_path / "c.toml", tmp_path / "shared", min_nodes=3, max_nodes=3)
+    cluster.write_text(cluster.read_text().replace("nodes = 1\n", "nodes = 3\n", 1)
+                       .replace("max_restarts = 0\n", "max_restarts = 2\n"))
+    (tmp_path / "run.toml").write_text(RUN_TOML + "[ft]\nreplicas = 3\nmin_replicas = 2\nreplica_restarts = 4\n"
+                                       "timeout_s = 12\n")
+    assert main(["launch", "slurm", "--cluster", str(cluster), "--config", str(tmp_path / "run.toml"),
+                 "--out", str(tmp_path / "out"), "--name", "ft"]) == 0
+    text = (tmp_path / "out" / "ft.sbatch").read_text()
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0  # valid bash
+    assert "#SBATCH --nodes=3" in text and "#SBATCH --no-kill" in text
+    lighthouse = text[text.index("srun --nodes=1 --ntasks=1 --overlap"):text.index("LIGHTHOUSE=$!")]
+    assert '-w "$HEAD_NODE"' in lighthouse and "torchft_lighthouse --min_replicas=2" in lighthouse
+    assert '--bind="[::]:$LIGHTHOUSE_PORT" &' in lighthouse
+    assert "LIGHTHOUSE_PORT=$(( RDZV_PORT + 1000 ))" in text
+    assert 'export TORCHFT_LIGHTHOUSE="http://$HEAD_NODE:$LIGHTHOUSE_PORT"' in text
+    assert "export SYNCWISE_FT_REPLICAS=3" in text and "export SYNCWISE_FT_MIN_REPLICAS=2" in text
+    assert "export SYNCWISE_FT_TIMEOUT_S=12.0" in text
+    step = text[text.index("SYNCWISE_FT_REPLICA=$r SYNCWISE_FT_FIRST_ATTEMPT=$(( FIRST + attempt * 5 ))"):text.index("rc=$?")]
+    for arg in ['-w "$NODE"', "--nnodes=1 ", "--nproc-per-node=2", '--rdzv-endpoint="$NODE:$RDZV_PORT"',
+                '--rdzv-id="syncwise-$SLURM_JOB_ID-r$r"', "--max-restarts=4", "-m syncwise.commands.worker"]:
+        assert arg in step, arg
+    assert '[ "$attempt" -ge 2 ]' in text  # the script relaunches a failed replica step launch.max_restarts times
+    assert 'for r in $(seq 0 2); do replica "$r" & PIDS+=($!); done' in text
+    assert "merge_metrics" in text and '"$RUN_DIR" 10' in text
+    import tomllib
+
+    run = tomllib.loads(text[text.index("<<'SYNCWISE_RUN_TOML'\n") + 22:text.index("\nSYNCWISE_RUN_TOML\n")])
+    assert run["ft"]["replicas"] == 3 and run["dist"]["nnodes"] == "1" and run["dist"]["max_restarts"] == 0
+
+
+def test_live_recovery_needs_one_node_per_replica_group(tmp_path, capsys):
+    pytest.importorskip("torchft", reason="live recovery needs torchft (requirements-dev.txt)")
+    cluster = cluster_toml(tmp_path / "c.toml", tmp_path / "shared", min_nodes=1, max_nodes=1)
+    (tmp_path / "run.toml").write_text(RUN_TOML + "[ft]\nreplicas = 2\n")
+    assert main(["launch", "slurm", "--cluster", str(cluster), "--config", str(tmp_path / "run.toml"),
+                 "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'ft.replicas': 2" in err[0] and "one replica group per node" in err[0]
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
 # --------------------------------------------------------------------------------------------- a real Slurm
 def _slurm_or_skip() -> None:
     if os.environ.get("SYNCWISE_TEST_SLURM") != "1":

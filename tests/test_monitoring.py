@@ -128,3 +128,22 @@ def test_prometheus_port_is_validated(tmp_path, capsys):
     assert main(["train", "--run-dir", str(tmp_path / "run"), "--metrics.prometheus_port=80"]) == 2
     err = capsys.readouterr().err
     assert "metrics.prometheus_port" in err and "1024 to 65535" in err
+
+
+def test_step_rows_carry_a_timestamp(tmp_path):
+    """metrics.jsonl and the rank logs stamp each row with its Unix time (live_recovery reads stalls from it)."""
+    import time as _time
+
+    from syncwise.metrics.logger import MetricsLogger, read_jsonl
+    from syncwise.metrics.ranklog import RankLog
+
+    row = {"step": 1, "loss": 1.0, "tokens_per_s": 1.0, "comm_exposed_s": 0.0, "step_time_s": 0.1}
+    before = _time.time()
+    logger = MetricsLogger(tmp_path, 1, tensorboard=False, show=False)
+    ranklog = RankLog(tmp_path, rank=1, world_size=2)
+    logger.log_step(dict(row))
+    ranklog.log_step(dict(row))
+    ranklog.finish({})
+    logger._file.close()
+    for rows in (read_jsonl(tmp_path / "metrics.jsonl"), read_jsonl(tmp_path / "ranks" / "rank1.jsonl")):
+        assert len(rows) == 1 and before <= rows[0]["time"] <= _time.time() + 1

@@ -76,8 +76,10 @@ def run_config_for(cluster, config_path: str, name: str) -> tuple[RunConfig, str
                           "unset: the job runs one worker per accelerator")
     la = cluster.launch
     overrides = {"ckpt.preempt_grace_s": str(la.trainer_grace_s)}
+    ft = values.get("ft", {}) if isinstance(values.get("ft", {}), dict) else {}
+    live = bool(ft.get("replicas"))  # live recovery: each node is a replica group of its own (a world of nproc)
     cfg = None
-    for nodes in sorted({la.min_nodes, la.max_nodes}):
+    for nodes in [1] if live else sorted({la.min_nodes, la.max_nodes}):
         with _job_environment(nodes * nproc, nproc):
             cfg = build_config({k: v for k, v in values.items() if k not in ("run_dir", "resume")}, overrides,
                                here=False)
@@ -92,7 +94,8 @@ def run_config_for(cluster, config_path: str, name: str) -> tuple[RunConfig, str
         raise ConfigError("train.mixed_precision", "fp16", "none, bf16 or auto on a cluster without GPUs")
     cfg.run_dir = f"{la.shared_dir}/runs/{name}"
     cfg.resume = "auto"
-    cfg.dist.nnodes = f"{la.min_nodes}:{la.max_nodes}" if la.min_nodes != la.max_nodes else str(la.min_nodes)
+    cfg.dist.nnodes = "1" if live else f"{la.min_nodes}:{la.max_nodes}" if la.min_nodes != la.max_nodes \
+        else str(la.min_nodes)
     if nproc <= 4 * (os.cpu_count() or 1):  # within the field's bound as this machine states it
         cfg.dist.nproc = nproc
     text = format_config(cfg).replace("# syncwise train: resolved configuration (validated; nothing was started or "
@@ -148,7 +151,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("launch.shared_dir", cluster.launch.shared_dir, "a directory mounted where the job is "
                           "submitted (--submit): the job's log, run directory and checkpoints go there")
     cfg, run_toml = run_config_for(cluster, args.config, name)
-    job = JobSpec(name=name, run_toml=run_toml, nproc_per_node=cluster.cloud.gpus_per_node, source=args.config)
+    from ..launch.spec import live_recovery_job
+
+    job = JobSpec(name=name, run_toml=run_toml, nproc_per_node=cluster.cloud.gpus_per_node, source=args.config,
+                  ft=live_recovery_job(getattr(cfg, "ft", None), cfg.train.steps, cluster.launch))
     out = Path(args.out)
     if scheduler == "slurm":
         from ..launch.slurm import sbatch_script

@@ -240,9 +240,17 @@ def launch_live_recovery(cfg: RunConfig) -> dict:
     ft = cfg.ft
     print(f"syncwise: live recovery: {ft.replicas} replica groups of {cfg.dist.nproc} worker(s), lighthouse "
           f"{ft.lighthouse or 'started here'}; replica logs in {Path(cfg.run_dir) / 'ft'}", flush=True)
-    codes = run_replicas(["-m", "syncwise.commands.worker", "--config", str(Path(cfg.run_dir) / "config.json")],
-                         cfg.run_dir, ft.replicas, cfg.dist.nproc, ft.replica_restarts, lighthouse=ft.lighthouse,
-                         min_replicas=ft.min_replicas, quorum_timeout_s=ft.quorum_timeout_s, timeout_s=ft.timeout_s)
+    worker = ["-m", "syncwise.commands.worker", "--config", str(Path(cfg.run_dir) / "config.json")]
+    if cfg.dist.lab:  # one replica group per lab node, the lighthouse on node 0 (syncwise.launch.ft_lab)
+        from ..launch.ft_lab import run_replicas_lab
+
+        codes = run_replicas_lab(worker, cfg.run_dir, ft.replicas, cfg.dist.nproc, ft.replica_restarts,
+                                 min_replicas=ft.min_replicas, quorum_timeout_s=ft.quorum_timeout_s,
+                                 timeout_s=ft.timeout_s)
+    else:
+        codes = run_replicas(worker, cfg.run_dir, ft.replicas, cfg.dist.nproc, ft.replica_restarts,
+                             lighthouse=ft.lighthouse, min_replicas=ft.min_replicas,
+                             quorum_timeout_s=ft.quorum_timeout_s, timeout_s=ft.timeout_s)
     summary = merge_metrics(cfg.run_dir, cfg.train.steps)
     summary["live_recovery"]["exit_codes"] = codes
     (Path(cfg.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

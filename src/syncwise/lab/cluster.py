@@ -31,7 +31,9 @@ from typing import Any, Mapping, Sequence
 
 from ..errors import ConfigError, SyncwiseError
 
-PREFIX = "swlab"
+#: The lab's default prefix; ``SYNCWISE_LAB_PREFIX`` names another lab for every syncwise command started with it
+#: (``syncwise train --lab``, ``syncwise cluster``), so jobs can run on a lab other than the shared ``swlab``.
+PREFIX = os.environ.get("SYNCWISE_LAB_PREFIX") or "swlab"
 DEFAULT_SUBNET = "10.77.0.0/24"
 MAX_NODES = 64
 _STATE_DIR_ENV = "SYNCWISE_LAB_DIR"

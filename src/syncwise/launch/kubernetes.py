@@ -13,6 +13,16 @@ Job (``backoffLimit: 0``) and the JobSet restarts all of it, ``launch.max_restar
 The rendezvous: an Indexed Job gives pod ``i`` the hostname ``NAME-node-0-i``; the headless Service ``NAME-rdzv``
 (the JobSet's network subdomain) makes ``NAME-node-0-0.NAME-rdzv`` resolve before the pods are ready, and pod 0's
 agent hosts the c10d store there.
+
+With live recovery (the run's ``[ft] replicas = R``, docs/live-recovery.md) the JobSet's replicated job
+``replica`` has R Jobs of one pod each — one replica group per node, its own rendezvous on its own pod
+(``NAME-replica-K-0.NAME-rdzv``), its index ``K`` from the JobSet's ``job-index`` annotation — and torchft's lighthouse
+(the quorum server) is a Deployment with a Service, ``NAME-lighthouse``, that every worker reaches through
+``TORCHFT_LIGHTHOUSE``. What restarts a replacement: inside the pod torchrun (``--max-restarts =
+ft.replica_restarts``) restarts a failed worker; a lost pod is replaced by its Job (``backoffLimit =
+launch.max_restarts``); a Job that fails for good is recreated alone (the JobSet's ``RestartJob`` rule), never the
+other replicas, which train on; each replacement heals from a live peer. The Deployment restarts a lost lighthouse
+(it keeps only soft state: the replicas re-register by their heartbeats; while it is down no quorum forms).
 """
 from __future__ import annotations
 
@@ -22,12 +32,14 @@ from typing import Any
 
 from .. import __version__
 from ..train.preemption import EXIT_GRACE_EXPIRED, EXIT_PREEMPTED
-from .spec import ClusterLaunch, JobSpec, agent_argv, worker_argv
+from .spec import LIGHTHOUSE_PORT_OFFSET, ClusterLaunch, JobSpec, agent_argv, worker_argv
 
 SCHEMA_FILE = "jobset.x-k8s.io_v1alpha2.json"
 CONFIG_MOUNT = "/etc/syncwise"
 CONTAINER = "trainer"
 REPLICATED_JOB = "node"
+REPLICA_JOB = "replica"  # live recovery: one Job (one pod) per replica group
+JOB_INDEX = "jobset.sigs.k8s.io/job-index"  # the annotation JobSet puts on a child Job's pods: the replica's index
 
 
 def manifests(cluster: ClusterLaunch, job: JobSpec) -> list[dict[str, Any]]:
@@ -53,9 +65,20 @@ def manifests(cluster: ClusterLaunch, job: JobSpec) -> list[dict[str, Any]]:
                      "ports": [{"name": "c10d", "port": la.rdzv_port, "targetPort": la.rdzv_port,
                                 "protocol": "TCP"}]}}
 
-    command = agent_argv(la, job.nproc_per_node, f"{head}:{la.rdzv_port}", name) + worker_argv(run_dir)
+    ft = job.ft
+    rjob = REPLICA_JOB if ft else REPLICATED_JOB
+    if ft:  # each replica group's rendezvous on its own pod ($(VAR): Kubernetes expands the container's env)
+        head = f"{name}-{rjob}-$(SYNCWISE_FT_REPLICA)-0.{service}"
+    command = agent_argv(la, job.nproc_per_node, f"{head}:{la.rdzv_port}",
+                         f"{name}-r$(SYNCWISE_FT_REPLICA)" if ft else name, ft) + worker_argv(run_dir)
     command[command.index("--config") + 1] = f"{CONFIG_MOUNT}/run.toml"  # the ConfigMap, not the shared path
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}
+    lighthouse = f"{name}-lighthouse"
+    lighthouse_port = la.rdzv_port + LIGHTHOUSE_PORT_OFFSET
+    if ft:
+        ft_env = ft.replica_env("", f"http://{lighthouse}:{lighthouse_port}", f"{run_dir}/ft/status")
+        ft_env.pop("SYNCWISE_FT_REPLICA")  # from the pod's job-index annotation (below)
+        env.update(ft_env)
     if la.nccl_socket_ifname:
         env["NCCL_SOCKET_IFNAME"] = la.nccl_socket_ifname
     if la.gloo_socket_ifname:
@@ -70,7 +93,9 @@ def manifests(cluster: ClusterLaunch, job: JobSpec) -> list[dict[str, Any]]:
             resources["limits"][key] = resources["requests"][key] = getattr(k, key)
     container = {
         "name": CONTAINER, "image": k.image, "command": command,
-        "env": [{"name": n, "value": v} for n, v in env.items()],
+        "env": ([{"name": "SYNCWISE_FT_REPLICA", "valueFrom": {"fieldRef": {
+                    "fieldPath": f"metadata.annotations['{JOB_INDEX}']"}}}] if ft else [])
+        + [{"name": n, "value": v} for n, v in env.items()],
         "ports": [{"name": "c10d", "containerPort": la.rdzv_port, "protocol": "TCP"}],
         "resources": {key: value for key, value in resources.items() if value},
         "volumeMounts": [{"name": "shared", "mountPath": la.shared_dir},
@@ -84,9 +109,12 @@ def manifests(cluster: ClusterLaunch, job: JobSpec) -> list[dict[str, Any]]:
                     "volumes": [{"name": "shared", "persistentVolumeClaim": {"claimName": f"{name}-ckpt"}},
                                 {"name": "config", "configMap": {"name": f"{name}-config"}},
                                 {"name": "dshm", "emptyDir": {"medium": "Memory"}}]}}
+    pods = 1 if ft else la.max_nodes
     job_spec = {
-        "parallelism": la.max_nodes, "completions": la.max_nodes, "completionMode": "Indexed",
-        "backoffLimit": 0,  # a real failure fails the Job; the JobSet then restarts everything (failurePolicy)
+        "parallelism": pods, "completions": pods, "completionMode": "Indexed",
+        # a real failure fails the Job; the JobSet then restarts everything (failurePolicy). Live recovery: a lost
+        # pod is replaced (a replacement replica group, which heals from a live peer) up to max_restarts times
+        "backoffLimit": la.max_restarts if ft else 0,
         "podFailurePolicy": {"rules": [
             # evicted, preempted, node drained: not the job's fault; a replacement pod resumes
             {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
@@ -101,9 +129,28 @@ def manifests(cluster: ClusterLaunch, job: JobSpec) -> list[dict[str, Any]]:
                                                          "syncwise/cluster": cluster.cloud.describe()[:200]}},
               "spec": {"network": {"enableDNSHostnames": True, "subdomain": service, "publishNotReadyAddresses": True},
                        "failurePolicy": {"maxRestarts": la.max_restarts},
-                       "replicatedJobs": [{"name": REPLICATED_JOB, "replicas": 1,
+                       "replicatedJobs": [{"name": rjob, "replicas": ft.replicas if ft else 1,
                                            "template": {"metadata": {"labels": dict(labels)}, "spec": job_spec}}]}}
-    return [config_map, pvc, rdzv, jobset]
+    if not ft:
+        return [config_map, pvc, rdzv, jobset]
+    # A replica group that failed for good is recreated alone; the others train on (live recovery).
+    jobset["spec"]["failurePolicy"]["rules"] = [{"name": "replace-lost-replica", "action": "RestartJob",
+                                                 "targetReplicatedJobs": [REPLICA_JOB]}]
+    lh_labels = {**labels, "app.kubernetes.io/component": "lighthouse"}
+    lh_service = {"apiVersion": "v1", "kind": "Service", "metadata": meta(lighthouse),
+                  "spec": {"selector": dict(lh_labels), "ports": [{"name": "lighthouse", "port": lighthouse_port,
+                                                                   "targetPort": lighthouse_port, "protocol": "TCP"}]}}
+    lh_container = {"name": "lighthouse", "image": k.image,
+                    "command": [*ft.lighthouse_args, f"--bind=[::]:{lighthouse_port}"],
+                    "env": [{"name": "RUST_LOG", "value": "warn"}],
+                    "ports": [{"name": "lighthouse", "containerPort": lighthouse_port, "protocol": "TCP"}],
+                    "readinessProbe": {"tcpSocket": {"port": lighthouse_port}, "periodSeconds": 2}}
+    lh_deploy = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta(lighthouse),
+                 "spec": {"replicas": 1, "selector": {"matchLabels": dict(lh_labels)},
+                          "strategy": {"type": "Recreate"},  # never two lighthouses with split quorums
+                          "template": {"metadata": {"labels": dict(lh_labels)},
+                                       "spec": {"restartPolicy": "Always", "containers": [lh_container]}}}}
+    return [config_map, pvc, rdzv, lh_service, lh_deploy, jobset]
 
 
 def jobset_schema() -> dict[str, Any]:

@@ -266,6 +266,63 @@ def load_cluster_launch(path: "str | Path") -> ClusterLaunch:
     return ClusterLaunch(cloud, launch, slurm, k8s, str(path))
 
 
+#: torchft's lighthouse listens this many ports above the rendezvous port (Slurm: plus the job id mod 1000)
+LIGHTHOUSE_PORT_OFFSET = 1000
+
+
+@dataclass(frozen=True)
+class LiveRecoveryJob:
+    """The run's ``[ft]`` section as a scheduler job needs it (live recovery, docs/live-recovery.md): one replica
+    group per node, torchft's lighthouse beside them, and who restarts a lost replica."""
+
+    replicas: int
+    min_replicas: int = 1
+    replica_restarts: int = 3  # torchrun --max-restarts inside a replica group (each restart heals from a peer)
+    quorum_timeout_s: float = 60.0
+    timeout_s: float = 30.0
+    steps: int = 0  # the run's steps: the replica groups' metrics are merged into one row per step at the end
+
+    @property
+    def lighthouse_args(self) -> list[str]:
+        """torchft's lighthouse (the ``torchft_lighthouse`` binary of the torchft wheel) without ``--bind``: a
+        quorum needs ``min_replicas``; join and heartbeat timeouts as ``syncwise train`` starts it locally."""
+        import inspect
+
+        from .ft import Lighthouse
+
+        defaults = inspect.signature(Lighthouse.__init__).parameters
+        return ["torchft_lighthouse", f"--min_replicas={self.min_replicas}",
+                f"--join_timeout_ms={defaults['join_timeout_ms'].default}",
+                f"--heartbeat_timeout_ms={defaults['heartbeat_timeout_ms'].default}"]
+
+    def replica_env(self, replica: str, lighthouse: str, status_dir: str) -> dict[str, str]:
+        """What a replica group's workers read (``syncwise.launch.ft.replica_env``'s variables): ``replica`` may be
+        a shell/Kubernetes reference such as ``$SYNCWISE_FT_REPLICA``."""
+        from .ft import replica_env
+
+        env = replica_env(0, self.replicas, lighthouse, 1, self.min_replicas, self.quorum_timeout_s, self.timeout_s,
+                          status_dir, base={})
+        env = {k: v for k, v in env.items() if k.startswith(("SYNCWISE_FT_", "TORCHFT_"))}
+        env["SYNCWISE_FT_REPLICA"] = replica
+        return env
+
+
+def live_recovery_job(ft: Any, steps: int, launch: LaunchOptions) -> Optional[LiveRecoveryJob]:
+    """The job's live-recovery part from a validated run configuration's ``ft`` section (None when off), checked
+    against the cluster's ``[launch]``: one replica group per node, so the job has ``ft.replicas`` nodes."""
+    if ft is None or not getattr(ft, "replicas", 0):
+        return None
+    if launch.min_nodes != launch.max_nodes or launch.max_nodes != ft.replicas:
+        raise ConfigError("ft.replicas", ft.replicas, f"launch.min_nodes = launch.max_nodes = ft.replicas (the cluster "
+                          f"file has {launch.min_nodes}-{launch.max_nodes} nodes): a live-recovery job runs one replica "
+                          "group per node, and the replica groups are its elastic unit (ft.min_replicas)")
+    if launch.rdzv_port > 63536:
+        raise ConfigError("launch.rdzv_port", launch.rdzv_port, "at most 63,536 with ft.replicas: the lighthouse "
+                          "listens 1,000 ports above the rendezvous (Slurm: + job id mod 1000)")
+    return LiveRecoveryJob(replicas=ft.replicas, min_replicas=ft.min_replicas, replica_restarts=ft.replica_restarts,
+                           quorum_timeout_s=ft.quorum_timeout_s, timeout_s=ft.timeout_s, steps=steps)
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """One training job as the generators write it: its name, the validated run configuration (TOML text,
@@ -275,6 +332,7 @@ class JobSpec:
     run_toml: str
     nproc_per_node: int
     source: str = ""  # the RUN.toml it came from (for the generated file's header)
+    ft: Optional[LiveRecoveryJob] = None  # live recovery ([ft] replicas ≥ 2): replica groups + lighthouse
 
     def run_dir(self, shared_dir: str) -> str:
         return f"{shared_dir.rstrip('/')}/runs/{self.name}"
@@ -283,15 +341,19 @@ class JobSpec:
         return f"{shared_dir.rstrip('/')}/logs"
 
 
-def agent_argv(launch: LaunchOptions, nproc_per_node: int, endpoint: str, rdzv_id: str) -> list[str]:
+def agent_argv(launch: LaunchOptions, nproc_per_node: int, endpoint: str, rdzv_id: str,
+               ft: Optional[LiveRecoveryJob] = None) -> list[str]:
     """One node's torchrun agent, through ``syncwise.launch.agent`` (same arguments, an exit code that tells a
     preemption): elastic between min and max nodes, c10d rendezvous at ``endpoint``, SIGUSR1 forwarded too, and
-    the workers given the whole grace before the agent kills them."""
+    the workers given the whole grace before the agent kills them. With live recovery (``ft``) the agent is one
+    replica group's: its own node, its own rendezvous, ``ft.replica_restarts`` restarts of its workers."""
     from ..train.preemption import TORCHRUN_SIGNALS
 
-    return [launch.python, "-m", "syncwise.launch.agent", f"--nnodes={launch.min_nodes}:{launch.max_nodes}",
+    nnodes = "1" if ft else f"{launch.min_nodes}:{launch.max_nodes}"
+    restarts = ft.replica_restarts if ft else launch.max_restarts
+    return [launch.python, "-m", "syncwise.launch.agent", f"--nnodes={nnodes}",
             f"--nproc-per-node={nproc_per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
-            f"--rdzv-id={rdzv_id}", f"--max-restarts={launch.max_restarts}", f"--signals-to-handle={TORCHRUN_SIGNALS}",
+            f"--rdzv-id={rdzv_id}", f"--max-restarts={restarts}", f"--signals-to-handle={TORCHRUN_SIGNALS}",
             f"--shutdown-timeout={launch.grace_s}"]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -87,11 +88,12 @@ class MetricsLogger:
                 self._tb = None
 
     def log_step(self, row: dict[str, Any]) -> None:
-        """Record one optimizer step's metrics."""
+        """Record one optimizer step's metrics; ``time`` (Unix seconds when the row is written) is added when the
+        row has none, so a run's timeline (a failure's stall, a recovery) can be read from the file."""
         if not self.enabled:
             return
         if self._file is not None:
-            self._file.write(json.dumps(row) + "\n")
+            self._file.write(json.dumps(row if "time" in row else {**row, "time": round(time.time(), 4)}) + "\n")
         if self._tb is not None:
             for k, v in row.items():
                 if isinstance(v, (int, float)) and k != "step" and v is not None:

@@ -8,7 +8,7 @@ collective is added to the step) keeps
   ``data_wait_s``, ``comm_exposed_s``, and where measured ``compress_s`` (compression compute of the step's
   gradient sync), ``ep_comm_s`` (time in expert-parallel all-to-alls, waits for peers included),
   ``expert_imbalance`` (max / mean routed-token load of the most unbalanced MoE layer, summed over the ranks
-  that share the layers), ``pp_bubble``, ``ckpt_in_flight``;
+  that share the layers), ``pp_bubble``, ``ckpt_in_flight``, ``time`` (Unix seconds when the row was written);
 * ``RUN_DIR/ranks/rank{R}.json`` — at the end of the run: the collectives this rank issued during it per op
   (``calls``, ``bytes``, ``time_s``: ``syncwise.comm.STATS``, gradient sync; ``control``: loss averaging,
   validation, router loads; ``ep``: expert all-to-alls), its checkpoint saves (``blocking_s``), its totals.
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -28,7 +29,7 @@ from .logger import read_jsonl
 
 #: keys of a trainer row copied into the rank's own log
 RANK_KEYS = ("step", "step_time_s", "compute_s", "data_wait_s", "comm_exposed_s", "compress_s", "ep_comm_s",
-             "expert_imbalance", "pp_bubble", "ckpt_in_flight", "skipped")
+             "expert_imbalance", "pp_bubble", "ckpt_in_flight", "skipped", "time")
 
 
 class StepProbe:
@@ -112,7 +113,9 @@ class RankLog:
     def log_step(self, row: dict[str, Any]) -> None:
         """Record this rank's numbers of one step (a trainer row)."""
         if self._file is not None:
-            self._file.write(json.dumps({k: plain(row[k]) for k in RANK_KEYS if k in row}) + "\n")
+            out = {k: plain(row[k]) for k in RANK_KEYS if k in row}
+            out.setdefault("time", round(time.time(), 4))
+            self._file.write(json.dumps(out) + "\n")
 
     def finish(self, summary: dict[str, Any]) -> None:
         """Write ``rank{R}.json``: this run's collectives per op, checkpoint saves and step totals."""
