@@ -688,6 +688,8 @@ def _workers(cfg: RunConfig) -> tuple[int, int, int]:
             return local, world, world
     except (KeyError, ValueError):
         pass
+    if cfg.dist.lab and cfg.ft.replicas >= 2:  # live recovery: a replica group (one per node) is its own job
+        return cfg.dist.nproc, cfg.dist.nproc, cfg.dist.nproc
     if cfg.dist.lab:  # the lab's node count is the running lab's (any count up to MAX_NODES when none runs yet)
         from .lab.cluster import MAX_NODES, status
 
@@ -820,9 +822,16 @@ def _check_live_recovery(cfg: RunConfig, specs: Any) -> None:
     if specs.sync is not None:
         raise ConfigError("parallel.sync", cfg.parallel.sync, "every-step with ft.replicas ≥ 2: local SGD / DiLoCo "
                           "under live recovery is not covered yet (docs/live-recovery.md)")
-    if cfg.dist.lab:
-        raise ConfigError("dist.lab", True, "false with ft.replicas ≥ 2 (the lab's live-recovery launch is not "
-                          "wired yet; docs/live-recovery.md)")
+    if cfg.dist.lab:  # one replica group per lab node (syncwise.launch.ft_lab), the lighthouse on node 0
+        from .lab.cluster import status
+
+        try:
+            state = status()
+        except (OSError, SyncwiseError):
+            state = None
+        if state is not None and ft.replicas > len(state.nodes):
+            raise ConfigError("ft.replicas", ft.replicas, f"at most the lab's {len(state.nodes)} nodes with --lab "
+                              "(one replica group per node)")
     if cfg.dist.nnodes != "1":
         raise ConfigError("dist.nnodes", cfg.dist.nnodes, "'1' with ft.replicas ≥ 2: each replica group is one "
                           "node's torchrun job (more nodes: more replica groups)")
