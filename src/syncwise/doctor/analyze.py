@@ -27,6 +27,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from . import arrivals as arrival_log
 from .rundir import Run
 
 PARTS = ("compute", "straggler_wait", "data_wait", "compress", "comm_dp", "comm_ep", "expert_wait", "pp_bubble",
@@ -39,6 +40,7 @@ CAUSES = ("straggler", "data_loader", "checkpoint", "pipeline_bubble", "expert_i
           "buckets_too_small", "buckets_too_large", "link")
 MIN_SHARE = 0.05          # a cause losing less than this share of the step is not reported
 STRAGGLER_RATIO = 0.25    # the slowest rank computes this much longer than the others
+ARRIVAL_RATIO = 0.10      # ... or arrives at the collectives this much (of the compute) after the others
 SMALL_BUCKETS = 32        # gradient buckets per step above which per-bucket latency adds up
 COMPRESSORS = ("bf16", "fp8", "powersgd:rank=4")  # what the link finding asks the cost model about
 
@@ -81,6 +83,8 @@ class Diagnosis:
     findings: list[Finding]
     facts: dict[str, Any]
     notes: list[str] = field(default_factory=list)
+    arrivals: Any = None              # syncwise.doctor.arrivals.Arrivals, where the ranks logged them
+    verdict: Any = None               # its straggler Verdict over the steady steps
 
     @property
     def efficiency(self) -> float:
@@ -181,6 +185,20 @@ def diagnose(run: Run, predict: bool = True) -> Diagnosis:
     expert_wait = max(ep_values) - ep_wire
     bubble = _mean([per_rank[r]["pp_bubble"] for r in ranks]) * step
     imbalance = max(per_rank[r]["expert_imbalance"] for r in ranks)
+    # Arrival order at the collectives (torch's flight recorder, ranks/arrivals{R}.jsonl) decides where the ranks
+    # do the same work (pp 1): the rank the others wait for is the last to arrive, whatever the step times show
+    # (under DDP the all-reduce evens them out). Its lost time is the margin by which it arrives last.
+    verdict = None
+    arr = arrival_log.load(run.path, ranks) if len(ranks) > 1 and int(run.cfg("parallel", "pp", 1) or 1) == 1 \
+        else None
+    if arr is not None:
+        waits = {r: {s: _num(by_rank[r][s], "data_wait_s") for s in use} for r in ranks}
+        verdict = arrival_log.attribute(arr, use, step, waits)
+        if verdict.steps:
+            if verdict.kind == "compute":
+                slowest, excess = verdict.rank, verdict.lost_s
+            else:   # no straggler, or one its loader explains (the data_loader finding names it)
+                excess = 0.0
     if len(ranks) > 1 and imbalance > 1.5 and expert_wait > 0 and per_rank[slowest]["ep_comm_s"] == ep_wire:
         # the slow rank is the one holding the overloaded experts: its extra compute is what the others wait for
         # in the all-to-alls (counted there), not a straggler
@@ -207,7 +225,14 @@ def diagnose(run: Run, predict: bool = True) -> Diagnosis:
     facts.update(slowest_rank=slowest, slowest_excess_s=excess, data_rank=data_rank,
                  checkpoint_saves_during_run=len(during), checkpoint_blocking_per_save_s=(
                      stall * max(steps_done, 1) / len(during) if during else 0.0), checkpoint_inflight_s=inflight)
+    if verdict is not None:
+        facts["arrivals"] = verdict.as_dict()
+    if arr is not None:
+        calls = [arr.grad_calls[s] for s in use if s in arr.grad_calls]
+        if calls:
+            facts["grad_calls_per_step"] = statistics.median(calls)
     diag = Diagnosis(run, steps_done, use, world, step, wall, parts, per_rank, [], facts)
+    diag.arrivals, diag.verdict = arr, verdict
     diag.findings = _findings(diag, by_rank, use, predict)
     return diag
 
@@ -277,7 +302,12 @@ def _findings(d: Diagnosis, by_rank: dict, use: list[int], predict: bool) -> lis
         return after, p["compute"] / after
 
     # a straggler
-    if d.world_size > 1 and p["straggler_wait"] > STRAGGLER_RATIO * max(p["compute"], 1e-9):
+    v = d.verdict
+    if v is not None and v.steps:
+        if v.kind == "compute" and p["straggler_wait"] > ARRIVAL_RATIO * max(p["compute"], 1e-9) \
+                and p["straggler_wait"] >= MIN_SHARE * wall:
+            out.append(_arrival_straggler(d, v, removed))
+    elif d.world_size > 1 and p["straggler_wait"] > STRAGGLER_RATIO * max(p["compute"], 1e-9):
         r = f["slowest_rank"]
         slow_steps = 0
         for s in use:
@@ -338,6 +368,31 @@ def _findings(d: Diagnosis, by_rank: dict, use: list[int], predict: bool) -> lis
                                                                f["expert_imbalance"] > 1.5 and x.lost_s > 0)]
     out.sort(key=lambda x: (-x.lost_s, CAUSES.index(x.cause)))
     return out
+
+
+def _arrival_straggler(d: Diagnosis, v, removed) -> Finding:
+    """A compute straggler found by arrival order (syncwise.doctor.arrivals)."""
+    r, n = v.rank, v.steps
+    after, eff = removed(d.parts["straggler_wait"])
+    since = sum(1 for s in d.steady_steps if s >= v.onset)
+    how = (f"persistent: late in {len(v.late_steps)} of the {since} steady steps since step {v.onset}" if v.persistent
+           else
+           f"transient: late only in step{'s' if len(v.late_steps) > 1 else ''} "
+           + ", ".join(str(s) for s in v.late_steps[:8]) + (" …" if len(v.late_steps) > 8 else ""))
+    evidence = (f"rank {r} arrives last at the collectives, a median {_ms(v.margin_s)} after the next rank "
+                f"(flight recorder: enqueue times of the same collective on every rank), in {len(v.late_steps)} of "
+                f"{n} steady steps — {how}; its own wait for batches in those steps is {_ms(v.data_s)}, so the "
+                f"lateness is compute, not input; the others wait {_ms(d.parts['straggler_wait'])} per step for it "
+                "inside the gradient sync, where their step times hide it")
+    rec = (f"find out why rank {r} is slow (its device's clocks or temperature, another job on its node) and replace "
+           "or leave out that node (an elastic restart with --nnodes MIN:MAX continues without it)" if v.persistent
+           else f"rank {r} was slow only at times (steps {v.late_steps[0]}–{v.late_steps[-1]}): watch it; if it "
+           "comes back, look for another job or a throttled device on its node")
+    return Finding("straggler", f"rank {r} is a {'persistent' if v.persistent else 'transient'} compute straggler",
+                   d.parts["straggler_wait"], evidence, rec, predicted_step_s=after, predicted_efficiency=eff,
+                   predicted_by="measured loss removed",
+                   details={"rank": r, "slow_steps": len(v.late_steps), "steady_steps": n,
+                            "stays_slow": v.persistent, "onset_step": v.onset, "by": "arrival order"})
 
 
 def _checkpoint_finding(d: Diagnosis, removed) -> Finding:
