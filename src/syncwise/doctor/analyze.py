@@ -41,7 +41,7 @@ CAUSES = ("straggler", "data_loader", "checkpoint", "pipeline_bubble", "expert_i
 MIN_SHARE = 0.05          # a cause losing less than this share of the step is not reported
 STRAGGLER_RATIO = 0.25    # the slowest rank computes this much longer than the others
 ARRIVAL_RATIO = 0.10      # ... or arrives at the collectives this much (of the compute) after the others
-SMALL_BUCKETS = 32        # gradient buckets per step above which per-bucket latency adds up
+SMALL_CALLS = 8           # gradient collectives per step from which their per-call cost is weighed (MIN_SHARE decides)
 COMPRESSORS = ("bf16", "fp8", "powersgd:rank=4")  # what the link finding asks the cost model about
 
 
@@ -218,6 +218,11 @@ def diagnose(run: Run, predict: bool = True) -> Diagnosis:
     parts = {"compute": reference if others else own[slowest], "straggler_wait": max(0.0, excess),
              "data_wait": data_wait, "compress": compress_exposed, "comm_dp": wire, "comm_ep": ep_wire,
              "expert_wait": expert_wait, "pp_bubble": bubble, "checkpoint": ckpt}
+    # the others' wait for a straggler found by arrival order is also inside their exposed-communication and
+    # compute timers: where the parts would pass the step, the overlap is taken off the straggler's share
+    over = sum(parts.values()) - (step + stall)
+    if verdict is not None and over > 0:
+        parts["straggler_wait"] = max(0.0, parts["straggler_wait"] - over)
     parts["other"] = max(0.0, step + stall - sum(parts.values()))
     wall = step + stall
 
@@ -375,8 +380,8 @@ def _arrival_straggler(d: Diagnosis, v, removed) -> Finding:
     r, n = v.rank, v.steps
     after, eff = removed(d.parts["straggler_wait"])
     since = sum(1 for s in d.steady_steps if s >= v.onset)
-    how = (f"persistent: late in {len(v.late_steps)} of the {since} steady steps since step {v.onset}" if v.persistent
-           else
+    how = (f"persistent, it stays slow: late in {len(v.late_steps)} of the {since} steady steps since step "
+           f"{v.onset}" if v.persistent else
            f"transient: late only in step{'s' if len(v.late_steps) > 1 else ''} "
            + ", ".join(str(s) for s in v.late_steps[:8]) + (" …" if len(v.late_steps) > 8 else ""))
     evidence = (f"rank {r} arrives last at the collectives, a median {_ms(v.margin_s)} after the next rank "
@@ -469,29 +474,40 @@ def _bucket_and_link_findings(d: Diagnosis, model: "Optional[_Model]", removed) 
     p, f, wall = d.parts, d.facts, d.wall_s
     out = []
     wire = p["comm_dp"]
-    if wire <= 0 or f["dp"] <= 1:
+    if f["dp"] <= 1:
         return out
     buckets, cap = f["buckets"], f["bucket_cap_mb"]
     fixable = 0.0
     grad_mb = (f["grad_bytes"] or 0) / 2**20
-    if buckets is not None and buckets > SMALL_BUCKETS:
-        target = 25.0
+    # the gradient collectives the ranks issued per step (flight recorder), else the buckets the cap makes
+    calls = f.get("grad_calls_per_step") or buckets
+    target = 25.0
+    after_calls = max(1, math.ceil(grad_mb / target)) if grad_mb else 1
+    too_small = calls is not None and calls > max(SMALL_CALLS, 2 * after_calls)
+    if too_small:
+        from ..plan.whatif import DDP_CALL_S
+
         step = model.whatif(bucket_cap_mb=target) if model is not None else None
-        lost = min(wire, max(0.0, wall - step)) if step is not None else 0.0
-        # the cost model's per-bucket latency is an assumption; the measured wire time per bucket is the evidence
-        per_bucket = wire / buckets
-        if step is None or lost < 0.5 * wire:
-            lost = max(lost, wire - per_bucket * max(1, math.ceil(grad_mb / target)))
-        fixable = lost
+        # DDP's per-bucket cost lands inside the backward (it is counted as compute): each collective's host cost,
+        # measured per call on this kind of machine, times the calls a 25 MB cap saves
+        per_call = (calls - after_calls) * DDP_CALL_S + max(0.0, wire - wire / calls * after_calls)
+        lost = max(0.0, wall - step) if step is not None else per_call
+        fixable = min(lost, wire)
+        seen = "the ranks issued" if f.get("grad_calls_per_step") else "the cap makes"
         out.append(Finding(
             "buckets_too_small", "gradient buckets too small", lost,
-            f"bucket_cap_mb={cap:g} splits {grad_mb:.2f} MB of gradients into up to {buckets} buckets (at least one "
-            f"per parameter tensor), one collective each: {_ms(wire)} of exposed communication per step for "
+            f"bucket_cap_mb={cap:g} splits {grad_mb:.2f} MB of gradients into {calls:g} collectives per step ({seen}; "
+            f"at least one per parameter tensor); each costs ~{DDP_CALL_S * 1e6:.0f} µs of host time inside the "
+            f"backward (measured per call), ~{_ms((calls - after_calls) * DDP_CALL_S)} per step that the step's "
+            f"compute hides, beside {_ms(wire)} of exposed communication for "
             f"{(f['dp_bytes_per_step'] or 0) / 2**20:.2f} MB",
-            f"larger buckets: --dist.bucket_cap_mb={target:g}", f"--dist.bucket_cap_mb={target:g}",
+            f"larger buckets: --dist.bucket_cap_mb={target:g} ({after_calls} collective"
+            f"{'s' if after_calls > 1 else ''} per step)", f"--dist.bucket_cap_mb={target:g}",
             max(1e-9, wall - lost), p["compute"] / max(1e-9, wall - lost),
-            "cost model" if step is not None else "measured per-bucket cost", {"buckets": buckets}))
-    elif buckets is not None and buckets <= 2 and grad_mb >= 1.0:
+            "cost model" if step is not None else "measured per-call cost", {"buckets": buckets, "calls": calls}))
+    if wire <= 0:
+        return out
+    if not too_small and buckets is not None and buckets <= 2 and grad_mb >= 1.0:
         target = max(1.0, round(grad_mb / 4, 1))
         step = model.whatif(bucket_cap_mb=target) if model is not None else None
         backward = 2 / 3 * p["compute"] / max(f["grad_accum"], 1)
@@ -597,4 +613,4 @@ def _measured(d: Diagnosis):
         compute = d.parts["compute"]
     return Measured(model=model, layout=layout, global_batch=global_batch, seq_len=seq, compute_s=compute,
                     moved_bytes=f["moved_bytes_per_step"], wire_s=f["wire_time_s"],
-                    bucket_cap_mb=f["bucket_cap_mb"])
+                    bucket_cap_mb=f["bucket_cap_mb"], grad_calls=f.get("grad_calls_per_step"))

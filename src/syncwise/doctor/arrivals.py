@@ -4,7 +4,8 @@ Each rank writes ``ranks/arrivals{R}.jsonl`` (syncwise.comm.arrivals): per step,
 ``[pg, seq, op, numel, offset_ns]`` — process group, per-group sequence number (the same on every rank for the
 same collective), op, elements, and when this rank enqueued it (ns after its step started; the step's start is
 wall-clock ``start_ns``). Per collective that every rank issued, a rank's *lateness* is its arrival minus the
-earliest rank's; a step's lateness of a rank is the median over the step's collectives. The rank that is last
+earliest rank's; a step's lateness of a rank is the most it was behind at any of the step's collectives
+(the others wait for it once, where they block; after that the ranks are level). The rank that is last
 by a margin is the one the others wait for in that step — under DDP its slowness is otherwise spread over every
 rank's step time (the all-reduce evens them out).
 
@@ -25,6 +26,7 @@ from typing import Any, Optional
 PERSISTENT = 0.75        # late in this share of the steps since its onset: a persistent straggler
 MIN_LATE_S = 0.5e-3      # a margin below this is clock noise and scheduling, not a straggler
 LATE_SHARE = 0.05        # ... and below this share of the step too
+DOMINANCE = 2           # a straggler is last at least this many times as often as any other rank
 SCALAR = 16              # collectives of at most this many elements are control traffic (the loss, flags)
 
 
@@ -34,7 +36,7 @@ class Arrivals:
 
     ranks: list[int]
     steps: list[int]                                   # steps every rank logged
-    late: dict[int, dict[int, float]]                  # step -> rank -> lateness (s, median over collectives)
+    late: dict[int, dict[int, float]]                  # step -> rank -> lateness (s, most behind at any collective)
     span: dict[int, tuple[int, int]]                   # step -> (earliest start_ns, latest end_ns) over ranks
     rows: dict[int, dict[int, dict[str, Any]]]         # rank -> step -> its row (for the timeline)
     grad_calls: dict[int, int]                         # step -> non-scalar collectives (median over ranks)
@@ -87,7 +89,10 @@ def load(run_path: "str | Path", ranks: list[int]) -> Optional[Arrivals]:
         calls[s] = int(statistics.median(sum(1 for c in rows[r][s]["c"] if int(c[3]) > SCALAR) for r in present))
         if not full:
             continue
-        late[s] = {r: statistics.median((t[r] - min(t.values())) / 1e9 for t in full) for r in present}
+        # the most this rank was behind at any of the step's collectives: the others enqueue their buckets without
+        # blocking and wait once, at the end of the backward, for its last one; after that sync the ranks are
+        # level again (the loss all-reduce), so a median over collectives would halve the wait
+        late[s] = {r: max((t[r] - min(t.values())) / 1e9 for t in full) for r in present}
     return Arrivals(present, steps, late, span, rows, calls, matched)
 
 
@@ -129,6 +134,8 @@ def attribute(arr: Arrivals, use: list[int], step_s: float,
     if not v.last_counts:
         return v
     rank = max(v.last_counts, key=lambda r: (v.last_counts[r], -r))
+    if v.last_counts[rank] < DOMINANCE * max((n for r, n in v.last_counts.items() if r != rank), default=0):
+        return v            # the last place moves between ranks: jitter (shared cores, the OS), no straggler
     late_steps = [s for s, (r, margin) in per_step.items() if r == rank and margin >= threshold]
     onset = late_steps[0]
     since = [s for s in steps if s >= onset]

@@ -249,6 +249,7 @@ class OptimizedTrainer:
         arrivals = ArrivalLog(self.run_dir, self.rank, start_step=self.step) if self.world_size > 1 else None
         if self.step == 0:
             self.faults.skew_router(self.model)
+        self.faults.attach(self.model)
         batches = _forever(loader)
         if self.batcher is not None and not self.batcher.found:
             batches = self._find_micro_batch(batches, logger)
