@@ -25,10 +25,14 @@ def _write_run(root: Path, world: int, steps: int, late: dict[int, dict[int, flo
         rows, arrivals = [], []
         for s in range(1, steps + 1):
             dw = data_wait.get(r, {}).get(s, 0.0)
-            rows.append({"step": s, "step_time_s": STEP, "compute_s": 0.07, "data_wait_s": dw,
-                         "comm_exposed_s": 0.03})
-            start = 10**18 + int(s * STEP * 1e9)
             delay = late.get(r, {}).get(s, 0.0)
+            # the late rank's delay is its own compute (or input) and the others' wait in the gradient sync; the
+            # step is the same on every rank (DDP evens it out)
+            behind = max(late.get(q, {}).get(s, 0.0) for q in range(world))
+            own = delay - dw
+            rows.append({"step": s, "step_time_s": 0.08 + behind, "compute_s": 0.07 + own, "data_wait_s": dw,
+                         "comm_exposed_s": 0.01 + behind - delay})
+            start = 10**18 + int(s * STEP * 1e9)
             c = [[0, s * (calls + 1) + k, "all_reduce", 4096, int((0.02 + 0.01 * k + delay) * 1e9)]
                  for k in range(calls)]
             c.append([0, s * (calls + 1) + calls, "all_reduce", 1, int((0.09 + delay) * 1e9)])
