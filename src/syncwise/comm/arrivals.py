@@ -76,6 +76,7 @@ class ArrivalLog:
         self._budget = max(1, buffer_size() // 2)
         self._start: Optional[int] = None
         self.read_s = 0.0                                   # time spent reading the recorder (measured)
+        self.reads = self.steps_logged = 0
         self.enabled = self.path is not None
         if not self.enabled:
             return
@@ -148,7 +149,14 @@ class ArrivalLog:
         with open(self.path, "a") as f:
             f.write("".join(lines))
         self._last_dump = time.monotonic()
+        self.reads += 1
+        self.steps_logged += len(lines)
         self.read_s += time.perf_counter() - t0
 
     def finish(self) -> None:
+        """Write the last steps, and what reading the recorder cost (``arrivals{R}.cost.json``: reads, seconds,
+        steps) — the log's only cost beyond two clock reads a step."""
         self.flush()
+        if self.enabled:
+            cost = {"reads": self.reads, "read_s": self.read_s, "steps": self.steps_logged}
+            self.path.with_suffix(".cost.json").write_text(json.dumps(cost) + "\n")
