@@ -487,18 +487,23 @@ def _bucket_and_link_findings(d: Diagnosis, model: "Optional[_Model]", removed) 
     if too_small:
         from ..plan.whatif import DDP_CALL_S
 
-        step = model.whatif(bucket_cap_mb=target) if model is not None else None
+        w = model.full(bucket_cap_mb=target) if model is not None else None
+        step = w.step_after_s if w is not None else None
+        call_s = w.per_call_s if w is not None and w.per_call_s else DDP_CALL_S
         # DDP's per-bucket cost lands inside the backward (it is counted as compute): each collective's host cost,
-        # measured per call on this kind of machine, times the calls a 25 MB cap saves
-        per_call = (calls - after_calls) * DDP_CALL_S + max(0.0, wire - wire / calls * after_calls)
-        lost = max(0.0, wall - step) if step is not None else per_call
+        # measured per call on this kind of machine (slower as the run's compute is), times the calls a 25 MB
+        # cap saves (the bytes stay the same: the wire time does not shrink with fewer buckets)
+        per_call = (calls - after_calls) * call_s
+        # the model's answer, bounded by the evidence (the calls' measured cost and the exposed wire)
+        lost = min(max(0.0, wall - step), per_call) if step is not None else per_call
         fixable = min(lost, wire)
         seen = "the ranks issued" if f.get("grad_calls_per_step") else "the cap makes"
         out.append(Finding(
             "buckets_too_small", "gradient buckets too small", lost,
             f"bucket_cap_mb={cap:g} splits {grad_mb:.2f} MB of gradients into {calls:g} collectives per step ({seen}; "
-            f"at least one per parameter tensor); each costs ~{DDP_CALL_S * 1e6:.0f} µs of host time inside the "
-            f"backward (measured per call), ~{_ms((calls - after_calls) * DDP_CALL_S)} per step that the step's "
+            f"at least one per parameter tensor); each costs ~{call_s * 1e6:.0f} µs of host time inside the "
+            f"backward (measured per call, scaled to this run's speed), ~{_ms((calls - after_calls) * call_s)} per "
+            "step that the step's "
             f"compute hides, beside {_ms(wire)} of exposed communication for "
             f"{(f['dp_bytes_per_step'] or 0) / 2**20:.2f} MB",
             f"larger buckets: --dist.bucket_cap_mb={target:g} ({after_calls} collective"
@@ -570,6 +575,17 @@ class _Model:
         if "compress" in change:
             step -= self.d.parts["compress"] - min(self.d.parts["compress"], w.before.breakdown["compress_compute"])
         return max(step, 1e-9)
+
+    def full(self, **change: Any):
+        """The cost model's whole ``WhatIf`` for ``change`` (None without a model or when it cannot answer)."""
+        if self.measured is None:
+            return None
+        from ..plan.whatif import whatif
+        try:
+            return whatif(self.measured, self.d.wall_s, **change)
+        except Exception as e:
+            self.d.notes.append(f"cost model: {change}: {type(e).__name__}: {e}")
+            return None
 
     def best_compressor(self, exclude: str, also: tuple[str, ...] = ()) -> Optional[tuple[str, float]]:
         best = None

@@ -10,7 +10,8 @@ micro-batches? The answer comes from ``predict`` on a cluster made of the run's 
   the bytes its collectives moved (bus factors of the cost model) divided by the time they took — and whose
   latency is ``latency_s`` (the lab's 100 µs by default: cloud.py's lab-loopback); a run that moved less than
   1 MiB per step keeps the catalog's loopback link (its collectives' time is latency and waits, not bandwidth);
-* the run's gradient bucket size is the training recipe's ``bucket_bytes``.
+* the run's gradient bucket size is the training recipe's ``bucket_bytes`` (the mean bucket DDP makes of the
+  model's parameter tensors under the run's cap: :func:`ddp_buckets`).
 
 A prediction is applied as a difference: predicted step after − predicted step before is added to the measured
 step, so what the model leaves out (Python overhead, data waits, stalls) stays as measured. Pure Python; a
@@ -142,7 +143,15 @@ def calibrated_cloud(m: Measured) -> tuple[CloudConfig, Training]:
     else:
         link = dataclasses.replace(cloud.intra_node, latency=m.latency_s)
     cloud = dataclasses.replace(cloud, intra_node=link)
-    return cloud, dataclasses.replace(SYNCWISE, bucket_bytes=m.bucket_cap_mb * 1e6)
+    return cloud, dataclasses.replace(SYNCWISE, bucket_bytes=bucket_bytes(m.model, m.bucket_cap_mb))
+
+
+def bucket_bytes(model: ModelSpec, bucket_cap_mb: float) -> float:
+    """The mean bucket DDP makes under ``bucket_cap_mb``: the gradients over :func:`ddp_buckets` — the cost model
+    counts buckets as gradient bytes / bucket bytes, which under a cap smaller than a tensor would count
+    thousands of buckets where DDP makes one per tensor."""
+    grads = sum(param_tensors(model)) * 4.0
+    return grads / ddp_buckets(model, bucket_cap_mb)
 
 
 def _compute_part(p: Prediction) -> float:
@@ -178,12 +187,16 @@ def whatif(m: Measured, measured_step_s: float, *, compress: Optional[str] = Non
     if pp_schedule is not None:
         layout, change["pp_schedule"] = dataclasses.replace(layout, pp_schedule=pp_schedule), pp_schedule
     if bucket_cap_mb is not None:
-        after_training, change["bucket_cap_mb"] = dataclasses.replace(training, bucket_bytes=bucket_cap_mb * 1e6), \
+        after_training, change["bucket_cap_mb"] = dataclasses.replace(
+            training, bucket_bytes=bucket_bytes(m.model, bucket_cap_mb)), \
             bucket_cap_mb
     after = predict(cloud, m.model, layout, m.global_batch, m.seq_len, training=after_training, syncwise_rules=False,
                     matmul_efficiency=eff)
     # per-call host cost of the gradient collectives: DDP's buckets times the collectives each sends (PowerSGD 2)
-    w = WhatIf(change, before, after, measured_step_s, per_call_s=m.per_call_s if m.layout.dp > 1 else 0.0)
+    # on the lab's CPUs the host is the device: a per-call cost measured on the quiet machine slows with the compute
+    # (the fitted efficiency is the run's speed against that machine's)
+    per_call = m.per_call_s / eff if m.accelerator == "cpu-lab" else m.per_call_s
+    w = WhatIf(change, before, after, measured_step_s, per_call_s=per_call if m.layout.dp > 1 else 0.0)
     if w.per_call_s:
         cap_after = bucket_cap_mb if bucket_cap_mb is not None else m.bucket_cap_mb
         est_before = ddp_buckets(m.model, m.bucket_cap_mb) * _calls_per_bucket(m.layout)
