@@ -26,6 +26,7 @@ import json
 import os
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -156,6 +157,7 @@ def main() -> int:
     ap.add_argument("--lab-prefix", default=None, help="the lab's namespace prefix (default swdb)")
     ap.add_argument("--lab-subnet", default="10.77.0.0/24", help="the lab's subnet")
     ap.add_argument("--no-live", action="store_true", help="skip the onset-to-naming measurement")
+    ap.add_argument("--repeat", type=int, default=1, help="before/after pairs per row, alternating (medians)")
     ap.add_argument("--live-only", action="store_true", help="only the onset-to-naming measurement")
     ap.add_argument("--live-steps", type=int, default=120)
     ap.add_argument("--live-onset", type=int, default=50)
@@ -208,22 +210,33 @@ def main() -> int:
                 if not args.rediagnose:
                     train(out / f"{name}-after", fix, lab, out / f"{name}-after.log")
                 after = diagnose(load_run(out / f"{name}-after"), predict=False)
+            # --repeat: more before / after pairs, alternating (a shared machine's load drifts: paired, interleaved)
+            befores, afters = [d.wall_s], [after.wall_s] if after else []
+            for i in range(1, args.repeat if fix is not None and not args.rediagnose else 1):
+                train(out / f"{name}-before{i}", argv, lab, out / f"{name}-before{i}.log")
+                befores.append(diagnose(load_run(out / f"{name}-before{i}"), predict=False).wall_s)
+                train(out / f"{name}-after{i}", fix, lab, out / f"{name}-after{i}.log")
+                afters.append(diagnose(load_run(out / f"{name}-after{i}"), predict=False).wall_s)
+            before_s = statistics.median(befores)
+            after_s = statistics.median(afters) if afters else None
             predicted = top.predicted_step_s if top else None
             row = {"cause": name, "planted": flags, "named_first": top.cause if top else None,
                    "named_correctly": bool(top and top.cause == cause), "fix": how,
-                   "helped": bool(after and after.wall_s < d.wall_s),
-                   "predicted_direction_right": (None if after is None or predicted is None else
-                                                 (predicted < d.wall_s) == (after.wall_s < d.wall_s)),
-                   "step_before_s": d.wall_s, "step_after_s": after.wall_s if after else None,
-                   "ratio": d.wall_s / after.wall_s if after else None,
+                   "helped": bool(after_s and after_s < before_s),
+                   "predicted_direction_right": (None if after_s is None or predicted is None else
+                                                 (predicted < d.wall_s) == (after_s < before_s)),
+                   "step_before_s": before_s, "step_after_s": after_s,
+                   "steps_before_s": befores, "steps_after_s": afters,
+                   "pair_ratios": [b / a for b, a in zip(befores, afters)],
+                   "ratio": before_s / after_s if after_s else None,
                    "predicted_step_s": top.predicted_step_s if top else None,
                    "predicted_by": top.predicted_by if top else None,
                    "efficiency_before": d.efficiency, "efficiency_after": after.efficiency if after else None,
                    "predicted_efficiency": top.predicted_efficiency if top else None,
                    "seconds": time.time() - t0}
             rows.append(row)
-            console.print(f"{name}: doctor names {row['named_first']}; {how}: {d.wall_s * 1e3:,.0f} → "
-                          f"{(after.wall_s * 1e3 if after else float('nan')):,.0f} ms")
+            console.print(f"{name}: doctor names {row['named_first']}; {how}: {before_s * 1e3:,.0f} → "
+                          f"{(after_s * 1e3 if after_s else float('nan')):,.0f} ms")
     finally:
         if args.lab and not args.rediagnose and not args.live_only:
             lab_cluster.down(LAB_PREFIX)
@@ -250,7 +263,8 @@ def main() -> int:
               "named_first": sum(r["named_correctly"] for r in rows), "helped": sum(r["helped"] for r in rows),
               "rows_total": len(rows), "live": live,
               "smoke": args.smoke,
-              "preset": args.preset, "steps": args.steps, "seq_len": args.seq_len, "batch_size": args.batch_size,
+              "repeat": args.repeat, "preset": args.preset, "steps": args.steps, "seq_len": args.seq_len,
+              "batch_size": args.batch_size,
               "lab_rate": args.lab, "rows": rows}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
