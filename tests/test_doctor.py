@@ -176,7 +176,7 @@ def test_two_runs_are_compared_part_by_part(runs, capsys):
     parts = {k: (a, b) for k, a, b in c.parts}
     assert c.parts[0][0] == "straggler_wait" and parts["straggler_wait"][1] > parts["straggler_wait"][0]
     assert ("inject_fault", [], ["slow:rank=1,factor=3"]) in c.changes
-    assert "slower" in c.summary and "rank 1 is a straggler" in c.summary
+    assert "slower" in c.summary and "rank 1 is a persistent compute straggler" in c.summary
     assert main(["doctor", str(runs / "base"), str(runs / "checkpoint"), "--json", "-"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["parts"][0]["part"] == "checkpoint" and data["parts"][0]["delta_s"] > 0

@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ..errors import SyncwiseError
+from ..errors import ConfigError, SyncwiseError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,6 +22,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also write the diagnosis (or the comparison) as JSON to FILE ('-': standard output)")
     parser.add_argument("--no-predict", action="store_true",
                         help="do not ask the cost model (syncwise.plan) for the recommendations' gains")
+    parser.add_argument("--html", dest="html_path", default=None, metavar="FILE",
+                        help="where to write the picture (per-rank timeline, per-step breakdown) as one HTML file; "
+                             "default RUN_DIR/doctor.html, 'none' for no picture")
+    parser.add_argument("--follow", action="store_true",
+                        help="watch a run while it trains: re-diagnose its last --window steps every --interval "
+                             "seconds and print a line when the top cause changes, until the run finishes")
+    parser.add_argument("--interval", type=float, default=2.0, help="--follow: seconds between looks (default 2)")
+    parser.add_argument("--window", type=int, default=20, help="--follow: steps diagnosed each look (default 20)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -29,6 +37,23 @@ def run(args: argparse.Namespace) -> int:
 
     from ..doctor import compare, diagnose, load_run, print_comparison, print_diagnosis
 
+    if args.interval <= 0:
+        raise ConfigError("interval", args.interval, "a number of seconds > 0")
+    if args.window < 3:
+        raise ConfigError("window", args.window, "an integer number of steps ≥ 3")
+    if args.follow:
+        from ..doctor.follow import follow
+
+        if args.other_run_dir is not None:
+            raise ConfigError("follow", "with two run directories", "one run directory (the one that trains)")
+        out = open(args.json_path, "a") if args.json_path and args.json_path != "-" else None
+        try:
+            follow(args.run_dir, args.interval, args.window,
+                   emit=(lambda look: (out.write(json.dumps(look) + "\n"), out.flush())) if out else None)
+        finally:
+            if out is not None:
+                out.close()
+        return 0
     a = diagnose(load_run(args.run_dir), predict=not args.no_predict)
     result = a
     if args.other_run_dir is not None:
@@ -41,6 +66,14 @@ def run(args: argparse.Namespace) -> int:
             print_comparison(result, console)
         else:
             print_diagnosis(result, console)
+            if args.html_path != "none":
+                from ..doctor.picture import write
+
+                where = Path(args.html_path) if args.html_path else Path(args.run_dir) / "doctor.html"
+                try:
+                    console.print(f"picture: {write(result, where)}")
+                except OSError as e:
+                    console.print(f"[dim]note: no picture written to {where} ({e.strerror or e})[/dim]")
     if args.json_path:
         text = json.dumps(result.as_dict(), indent=2, default=str) + "\n"
         if to_stdout:

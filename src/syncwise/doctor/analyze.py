@@ -27,6 +27,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from . import arrivals as arrival_log
 from .rundir import Run
 
 PARTS = ("compute", "straggler_wait", "data_wait", "compress", "comm_dp", "comm_ep", "expert_wait", "pp_bubble",
@@ -39,7 +40,8 @@ CAUSES = ("straggler", "data_loader", "checkpoint", "pipeline_bubble", "expert_i
           "buckets_too_small", "buckets_too_large", "link")
 MIN_SHARE = 0.05          # a cause losing less than this share of the step is not reported
 STRAGGLER_RATIO = 0.25    # the slowest rank computes this much longer than the others
-SMALL_BUCKETS = 32        # gradient buckets per step above which per-bucket latency adds up
+ARRIVAL_RATIO = 0.10      # ... or arrives at the collectives this much (of the compute) after the others
+SMALL_CALLS = 8           # gradient collectives per step from which their per-call cost is weighed (MIN_SHARE decides)
 COMPRESSORS = ("bf16", "fp8", "powersgd:rank=4")  # what the link finding asks the cost model about
 
 
@@ -81,6 +83,8 @@ class Diagnosis:
     findings: list[Finding]
     facts: dict[str, Any]
     notes: list[str] = field(default_factory=list)
+    arrivals: Any = None              # syncwise.doctor.arrivals.Arrivals, where the ranks logged them
+    verdict: Any = None               # its straggler Verdict over the steady steps
 
     @property
     def efficiency(self) -> float:
@@ -181,6 +185,20 @@ def diagnose(run: Run, predict: bool = True) -> Diagnosis:
     expert_wait = max(ep_values) - ep_wire
     bubble = _mean([per_rank[r]["pp_bubble"] for r in ranks]) * step
     imbalance = max(per_rank[r]["expert_imbalance"] for r in ranks)
+    # Arrival order at the collectives (torch's flight recorder, ranks/arrivals{R}.jsonl) decides where the ranks
+    # do the same work (pp 1): the rank the others wait for is the last to arrive, whatever the step times show
+    # (under DDP the all-reduce evens them out). Its lost time is the margin by which it arrives last.
+    verdict = None
+    arr = arrival_log.load(run.path, ranks) if len(ranks) > 1 and int(run.cfg("parallel", "pp", 1) or 1) == 1 \
+        else None
+    if arr is not None:
+        waits = {r: {s: _num(by_rank[r][s], "data_wait_s") for s in use} for r in ranks}
+        verdict = arrival_log.attribute(arr, use, step, waits)
+        if verdict.steps:
+            if verdict.kind == "compute":
+                slowest, excess = verdict.rank, verdict.lost_s
+            else:   # no straggler, or one its loader explains (the data_loader finding names it)
+                excess = 0.0
     if len(ranks) > 1 and imbalance > 1.5 and expert_wait > 0 and per_rank[slowest]["ep_comm_s"] == ep_wire:
         # the slow rank is the one holding the overloaded experts: its extra compute is what the others wait for
         # in the all-to-alls (counted there), not a straggler
@@ -200,6 +218,11 @@ def diagnose(run: Run, predict: bool = True) -> Diagnosis:
     parts = {"compute": reference if others else own[slowest], "straggler_wait": max(0.0, excess),
              "data_wait": data_wait, "compress": compress_exposed, "comm_dp": wire, "comm_ep": ep_wire,
              "expert_wait": expert_wait, "pp_bubble": bubble, "checkpoint": ckpt}
+    # the others' wait for a straggler found by arrival order is also inside their exposed-communication and
+    # compute timers: where the parts would pass the step, the overlap is taken off the straggler's share
+    over = sum(parts.values()) - (step + stall)
+    if verdict is not None and over > 0:
+        parts["straggler_wait"] = max(0.0, parts["straggler_wait"] - over)
     parts["other"] = max(0.0, step + stall - sum(parts.values()))
     wall = step + stall
 
@@ -207,7 +230,14 @@ def diagnose(run: Run, predict: bool = True) -> Diagnosis:
     facts.update(slowest_rank=slowest, slowest_excess_s=excess, data_rank=data_rank,
                  checkpoint_saves_during_run=len(during), checkpoint_blocking_per_save_s=(
                      stall * max(steps_done, 1) / len(during) if during else 0.0), checkpoint_inflight_s=inflight)
+    if verdict is not None:
+        facts["arrivals"] = verdict.as_dict()
+    if arr is not None:
+        calls = [arr.grad_calls[s] for s in use if s in arr.grad_calls]
+        if calls:
+            facts["grad_calls_per_step"] = statistics.median(calls)
     diag = Diagnosis(run, steps_done, use, world, step, wall, parts, per_rank, [], facts)
+    diag.arrivals, diag.verdict = arr, verdict
     diag.findings = _findings(diag, by_rank, use, predict)
     return diag
 
@@ -277,7 +307,12 @@ def _findings(d: Diagnosis, by_rank: dict, use: list[int], predict: bool) -> lis
         return after, p["compute"] / after
 
     # a straggler
-    if d.world_size > 1 and p["straggler_wait"] > STRAGGLER_RATIO * max(p["compute"], 1e-9):
+    v = d.verdict
+    if v is not None and v.steps:
+        if v.kind == "compute" and p["straggler_wait"] > ARRIVAL_RATIO * max(p["compute"], 1e-9) \
+                and p["straggler_wait"] >= MIN_SHARE * wall:
+            out.append(_arrival_straggler(d, v, removed))
+    elif d.world_size > 1 and p["straggler_wait"] > STRAGGLER_RATIO * max(p["compute"], 1e-9):
         r = f["slowest_rank"]
         slow_steps = 0
         for s in use:
@@ -338,6 +373,31 @@ def _findings(d: Diagnosis, by_rank: dict, use: list[int], predict: bool) -> lis
                                                                f["expert_imbalance"] > 1.5 and x.lost_s > 0)]
     out.sort(key=lambda x: (-x.lost_s, CAUSES.index(x.cause)))
     return out
+
+
+def _arrival_straggler(d: Diagnosis, v, removed) -> Finding:
+    """A compute straggler found by arrival order (syncwise.doctor.arrivals)."""
+    r, n = v.rank, v.steps
+    after, eff = removed(d.parts["straggler_wait"])
+    since = sum(1 for s in d.steady_steps if s >= v.onset)
+    how = (f"persistent, it stays slow: late in {len(v.late_steps)} of the {since} steady steps since step "
+           f"{v.onset}" if v.persistent else
+           f"transient: late only in step{'s' if len(v.late_steps) > 1 else ''} "
+           + ", ".join(str(s) for s in v.late_steps[:8]) + (" …" if len(v.late_steps) > 8 else ""))
+    evidence = (f"rank {r} arrives last at the collectives, a median {_ms(v.margin_s)} after the next rank "
+                f"(flight recorder: enqueue times of the same collective on every rank), in {len(v.late_steps)} of "
+                f"{n} steady steps — {how}; its own wait for batches in those steps is {_ms(v.data_s)}, so the "
+                f"lateness is compute, not input; the others wait {_ms(d.parts['straggler_wait'])} per step for it "
+                "inside the gradient sync, where their step times hide it")
+    rec = (f"find out why rank {r} is slow (its device's clocks or temperature, another job on its node) and replace "
+           "or leave out that node (an elastic restart with --nnodes MIN:MAX continues without it)" if v.persistent
+           else f"rank {r} was slow only at times (steps {v.late_steps[0]}–{v.late_steps[-1]}): watch it; if it "
+           "comes back, look for another job or a throttled device on its node")
+    return Finding("straggler", f"rank {r} is a {'persistent' if v.persistent else 'transient'} compute straggler",
+                   d.parts["straggler_wait"], evidence, rec, predicted_step_s=after, predicted_efficiency=eff,
+                   predicted_by="measured loss removed",
+                   details={"rank": r, "slow_steps": len(v.late_steps), "steady_steps": n,
+                            "stays_slow": v.persistent, "onset_step": v.onset, "by": "arrival order"})
 
 
 def _checkpoint_finding(d: Diagnosis, removed) -> Finding:
@@ -414,29 +474,45 @@ def _bucket_and_link_findings(d: Diagnosis, model: "Optional[_Model]", removed) 
     p, f, wall = d.parts, d.facts, d.wall_s
     out = []
     wire = p["comm_dp"]
-    if wire <= 0 or f["dp"] <= 1:
+    if f["dp"] <= 1:
         return out
     buckets, cap = f["buckets"], f["bucket_cap_mb"]
     fixable = 0.0
     grad_mb = (f["grad_bytes"] or 0) / 2**20
-    if buckets is not None and buckets > SMALL_BUCKETS:
-        target = 25.0
-        step = model.whatif(bucket_cap_mb=target) if model is not None else None
-        lost = min(wire, max(0.0, wall - step)) if step is not None else 0.0
-        # the cost model's per-bucket latency is an assumption; the measured wire time per bucket is the evidence
-        per_bucket = wire / buckets
-        if step is None or lost < 0.5 * wire:
-            lost = max(lost, wire - per_bucket * max(1, math.ceil(grad_mb / target)))
-        fixable = lost
+    # the gradient collectives the ranks issued per step (flight recorder), else the buckets the cap makes
+    calls = f.get("grad_calls_per_step") or buckets
+    target = 25.0
+    after_calls = max(1, math.ceil(grad_mb / target)) if grad_mb else 1
+    too_small = calls is not None and calls > max(SMALL_CALLS, 2 * after_calls)
+    if too_small:
+        from ..plan.whatif import DDP_CALL_S
+
+        w = model.full(bucket_cap_mb=target) if model is not None else None
+        step = w.step_after_s if w is not None else None
+        call_s = w.per_call_s if w is not None and w.per_call_s else DDP_CALL_S
+        # DDP's per-bucket cost lands inside the backward (it is counted as compute): each collective's host cost,
+        # measured per call on this kind of machine (slower as the run's compute is), times the calls a 25 MB
+        # cap saves (the bytes stay the same: the wire time does not shrink with fewer buckets)
+        per_call = (calls - after_calls) * call_s
+        # the model's answer, bounded by the evidence (the calls' measured cost and the exposed wire)
+        lost = min(max(0.0, wall - step), per_call) if step is not None else per_call
+        fixable = min(lost, wire)
+        seen = "the ranks issued" if f.get("grad_calls_per_step") else "the cap makes"
         out.append(Finding(
             "buckets_too_small", "gradient buckets too small", lost,
-            f"bucket_cap_mb={cap:g} splits {grad_mb:.2f} MB of gradients into up to {buckets} buckets (at least one "
-            f"per parameter tensor), one collective each: {_ms(wire)} of exposed communication per step for "
+            f"bucket_cap_mb={cap:g} splits {grad_mb:.2f} MB of gradients into {calls:g} collectives per step ({seen}; "
+            f"at least one per parameter tensor); each costs ~{call_s * 1e6:.0f} µs of host time inside the "
+            f"backward (measured per call, scaled to this run's speed), ~{_ms((calls - after_calls) * call_s)} per "
+            "step that the step's "
+            f"compute hides, beside {_ms(wire)} of exposed communication for "
             f"{(f['dp_bytes_per_step'] or 0) / 2**20:.2f} MB",
-            f"larger buckets: --dist.bucket_cap_mb={target:g}", f"--dist.bucket_cap_mb={target:g}",
+            f"larger buckets: --dist.bucket_cap_mb={target:g} ({after_calls} collective"
+            f"{'s' if after_calls > 1 else ''} per step)", f"--dist.bucket_cap_mb={target:g}",
             max(1e-9, wall - lost), p["compute"] / max(1e-9, wall - lost),
-            "cost model" if step is not None else "measured per-bucket cost", {"buckets": buckets}))
-    elif buckets is not None and buckets <= 2 and grad_mb >= 1.0:
+            "cost model" if step is not None else "measured per-call cost", {"buckets": buckets, "calls": calls}))
+    if wire <= 0:
+        return out
+    if not too_small and buckets is not None and buckets <= 2 and grad_mb >= 1.0:
         target = max(1.0, round(grad_mb / 4, 1))
         step = model.whatif(bucket_cap_mb=target) if model is not None else None
         backward = 2 / 3 * p["compute"] / max(f["grad_accum"], 1)
@@ -500,6 +576,17 @@ class _Model:
             step -= self.d.parts["compress"] - min(self.d.parts["compress"], w.before.breakdown["compress_compute"])
         return max(step, 1e-9)
 
+    def full(self, **change: Any):
+        """The cost model's whole ``WhatIf`` for ``change`` (None without a model or when it cannot answer)."""
+        if self.measured is None:
+            return None
+        from ..plan.whatif import whatif
+        try:
+            return whatif(self.measured, self.d.wall_s, **change)
+        except Exception as e:
+            self.d.notes.append(f"cost model: {change}: {type(e).__name__}: {e}")
+            return None
+
     def best_compressor(self, exclude: str, also: tuple[str, ...] = ()) -> Optional[tuple[str, float]]:
         best = None
         for spec in (*also, *COMPRESSORS):
@@ -542,4 +629,4 @@ def _measured(d: Diagnosis):
         compute = d.parts["compute"]
     return Measured(model=model, layout=layout, global_batch=global_batch, seq_len=seq, compute_s=compute,
                     moved_bytes=f["moved_bytes_per_step"], wire_s=f["wire_time_s"],
-                    bucket_cap_mb=f["bucket_cap_mb"])
+                    bucket_cap_mb=f["bucket_cap_mb"], grad_calls=f.get("grad_calls_per_step"))

@@ -68,8 +68,9 @@ def _jsonl(path: Path, what: str) -> list[dict[str, Any]]:
     return rows
 
 
-def load_run(path: "str | Path") -> Run:
-    """Read the run at ``path``; SyncwiseError naming the path and what is expected when it is not one."""
+def load_run(path: "str | Path", live: bool = False) -> Run:
+    """Read the run at ``path``; SyncwiseError naming the path and what is expected when it is not one.
+    ``live``: the run may still be training (no summary.json yet: an empty summary; `doctor --follow`)."""
     p = Path(path)
     if not p.exists():
         raise SyncwiseError(f"doctor: {p} does not exist; expected {EXPECTED}")
@@ -84,10 +85,13 @@ def load_run(path: "str | Path") -> Run:
         raise SyncwiseError(f"doctor: {metrics} holds no steps; expected {what} (did the run train at least one "
                             "step?)")
     summary_path = p / "summary.json"
-    if not summary_path.is_file():
-        raise SyncwiseError(f"doctor: {p} has no summary.json (the run did not finish, or is still running); "
-                            f"expected {EXPECTED}")
-    summary = _json(summary_path, "the run's final summary (a JSON object)")
+    if live and not summary_path.is_file():
+        summary: Any = {}
+    elif not summary_path.is_file():
+        raise SyncwiseError(f"doctor: {p} has no summary.json (the run did not finish, or is still running: "
+                            f"`syncwise doctor --follow` watches a live run); expected {EXPECTED}")
+    else:
+        summary = _json(summary_path, "the run's final summary (a JSON object)")
     if not isinstance(summary, dict):
         raise SyncwiseError(f"doctor: {summary_path} is not a JSON object; expected the run's final summary")
     config: dict[str, Any] = {}

@@ -10,7 +10,8 @@ micro-batches? The answer comes from ``predict`` on a cluster made of the run's 
   the bytes its collectives moved (bus factors of the cost model) divided by the time they took — and whose
   latency is ``latency_s`` (the lab's 100 µs by default: cloud.py's lab-loopback); a run that moved less than
   1 MiB per step keeps the catalog's loopback link (its collectives' time is latency and waits, not bandwidth);
-* the run's gradient bucket size is the training recipe's ``bucket_bytes``.
+* the run's gradient bucket size is the training recipe's ``bucket_bytes`` (the mean bucket DDP makes of the
+  model's parameter tensors under the run's cap: :func:`ddp_buckets`).
 
 A prediction is applied as a difference: predicted step after − predicted step before is added to the measured
 step, so what the model leaves out (Python overhead, data waits, stalls) stays as measured. Pure Python; a
@@ -32,6 +33,12 @@ LAB_LATENCY_S = 100e-6   # cloud.py's lab-loopback latency (gloo over loopback, 
 # Below this many bytes moved per step the collectives' time is latency and waiting for peers, not bandwidth: the
 # catalog's link is kept instead of a "bandwidth" fitted from them.
 MIN_CALIBRATION_BYTES = 1 << 20
+# Host cost of one gradient collective DDP issues from inside the backward on the lab's CPUs (bucket copy-in and
+# copy-out, gloo's enqueue and its loopback round trip, on cores the backward shares): 309 µs and 313 µs per extra
+# bucket at widths 64 and 256, measured by benchmarks/ddp_call_cost.py (2 gloo ranks; tiny buckets against 25 MB,
+# 59 extra calls a step). The cost model's own per-bucket latency assumes the call hides behind the backward; on
+# shared cores it does not, so what-if adds it to the step.
+DDP_CALL_S = 310e-6
 
 
 @dataclass
@@ -48,6 +55,8 @@ class Measured:
     bucket_cap_mb: float = 25.0
     latency_s: float = LAB_LATENCY_S
     accelerator: str = "cpu-lab"
+    grad_calls: Optional[float] = None      # gradient collectives per step the ranks issued (flight recorder)
+    per_call_s: float = DDP_CALL_S          # host cost of each, on the critical path
 
 
 @dataclass
@@ -59,9 +68,18 @@ class WhatIf:
     after: Prediction
     measured_step_s: float
 
+    calls_before: float = 0.0     # gradient collectives per step, before and after the change
+    calls_after: float = 0.0
+    per_call_s: float = 0.0
+
+    @property
+    def calls_delta_s(self) -> float:
+        """What the change in the number of gradient collectives costs (per-call host overhead)."""
+        return (self.calls_after - self.calls_before) * self.per_call_s
+
     @property
     def delta_s(self) -> float:
-        return self.after.step_time_s - self.before.step_time_s
+        return self.after.step_time_s - self.before.step_time_s + self.calls_delta_s
 
     @property
     def step_after_s(self) -> float:
@@ -78,6 +96,39 @@ def moved_bytes(op: str, payload_bytes: float, n: int) -> float:
     return payload_bytes
 
 
+def param_tensors(model: ModelSpec) -> list[int]:
+    """Elements of each parameter tensor in the order DDP fills its buckets (reverse registration: head first):
+    embedding, per block its attention matrices, norms and MLP matrices (a MoE block's experts as one tensor per
+    matrix and expert, its router), the final norm and an untied head."""
+    out = [model.vocab_size * model.d_model]
+    for i in range(model.n_layers):
+        out += [a * b for a, b in model.attention_matrices()]
+        out += [model.d_model] * (4 if model.biases else 2)
+        if model.layer_is_moe(i):
+            out.append(model.n_routed_experts * model.d_model)
+            out += [model.d_model * model.moe_hidden] * (model.mlp_matrices
+                                                        * (model.n_routed_experts + model.n_shared_experts))
+        else:
+            out += [model.d_model * model.ffn_hidden] * model.mlp_matrices
+    out.append(model.d_model)
+    if not model.tie_embeddings:
+        out.append(model.vocab_size * model.d_model)
+    return out[::-1]
+
+
+def ddp_buckets(model: ModelSpec, bucket_cap_mb: float, bytes_per_element: float = 4.0) -> int:
+    """Buckets DDP makes of the model's gradients: tensors in reverse order, a new bucket when the next tensor
+    would pass the cap, a tensor larger than the cap alone in its own (syncwise passes bucket_cap_mb, so DDP's
+    1 MiB first bucket, used only for its default cap, does not apply)."""
+    buckets, fill, cap = 0, 0.0, bucket_cap_mb * 2**20
+    for n in param_tensors(model):
+        b = n * bytes_per_element
+        if buckets == 0 or fill + b > cap:
+            buckets, fill = buckets + 1, 0.0
+        fill += b
+    return max(buckets, 1)
+
+
 def calibrated_cloud(m: Measured) -> tuple[CloudConfig, Training]:
     """The cluster and recipe of the run: its ranks on one measured link, its bucket size."""
     world = m.layout.world
@@ -92,7 +143,15 @@ def calibrated_cloud(m: Measured) -> tuple[CloudConfig, Training]:
     else:
         link = dataclasses.replace(cloud.intra_node, latency=m.latency_s)
     cloud = dataclasses.replace(cloud, intra_node=link)
-    return cloud, dataclasses.replace(SYNCWISE, bucket_bytes=m.bucket_cap_mb * 1e6)
+    return cloud, dataclasses.replace(SYNCWISE, bucket_bytes=bucket_bytes(m.model, m.bucket_cap_mb))
+
+
+def bucket_bytes(model: ModelSpec, bucket_cap_mb: float) -> float:
+    """The mean bucket DDP makes under ``bucket_cap_mb``: the gradients over :func:`ddp_buckets` — the cost model
+    counts buckets as gradient bytes / bucket bytes, which under a cap smaller than a tensor would count
+    thousands of buckets where DDP makes one per tensor."""
+    grads = sum(param_tensors(model)) * 4.0
+    return grads / ddp_buckets(model, bucket_cap_mb)
 
 
 def _compute_part(p: Prediction) -> float:
@@ -128,8 +187,25 @@ def whatif(m: Measured, measured_step_s: float, *, compress: Optional[str] = Non
     if pp_schedule is not None:
         layout, change["pp_schedule"] = dataclasses.replace(layout, pp_schedule=pp_schedule), pp_schedule
     if bucket_cap_mb is not None:
-        after_training, change["bucket_cap_mb"] = dataclasses.replace(training, bucket_bytes=bucket_cap_mb * 1e6), \
+        after_training, change["bucket_cap_mb"] = dataclasses.replace(
+            training, bucket_bytes=bucket_bytes(m.model, bucket_cap_mb)), \
             bucket_cap_mb
     after = predict(cloud, m.model, layout, m.global_batch, m.seq_len, training=after_training, syncwise_rules=False,
                     matmul_efficiency=eff)
-    return WhatIf(change, before, after, measured_step_s)
+    # per-call host cost of the gradient collectives: DDP's buckets times the collectives each sends (PowerSGD 2)
+    # on the lab's CPUs the host is the device: a per-call cost measured on the quiet machine slows with the compute
+    # (the fitted efficiency is the run's speed against that machine's)
+    per_call = m.per_call_s / eff if m.accelerator == "cpu-lab" else m.per_call_s
+    w = WhatIf(change, before, after, measured_step_s, per_call_s=per_call if m.layout.dp > 1 else 0.0)
+    if w.per_call_s:
+        cap_after = bucket_cap_mb if bucket_cap_mb is not None else m.bucket_cap_mb
+        est_before = ddp_buckets(m.model, m.bucket_cap_mb) * _calls_per_bucket(m.layout)
+        scale = (m.grad_calls / est_before) if m.grad_calls else 1.0
+        w.calls_before = m.grad_calls or est_before
+        w.calls_after = ddp_buckets(m.model, cap_after) * _calls_per_bucket(layout) * scale
+    return w
+
+
+def _calls_per_bucket(layout: Layout) -> int:
+    """Collectives per gradient bucket of the layout's compressor (its spec's; PowerSGD: 2)."""
+    return max(1, int(getattr(layout.compress.spec, "collectives_per_bucket", 1) or 1))

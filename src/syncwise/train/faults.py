@@ -7,8 +7,10 @@ Specs (``syncwise.specs`` syntax, one parser):
   stops it from firing again after the restart that it causes.
 * ``nan:step=S[,rank=R]`` — the loss of step S is NaN, so its gradients are too and the trainer must skip
   exactly that step.
-* ``slow:rank=R,factor=F[,step=S]`` — a straggler: from step S (default 1) on, rank R's forward/backward is
-  stretched to F × its measured time (before its micro-batches it sleeps (F − 1) × their last measured time).
+* ``slow:rank=R,factor=F[,step=S][,phase=backward]`` — a straggler: from step S (default 1) on, rank R's
+  forward/backward is stretched to F × its measured time (before its micro-batches it sleeps (F − 1) × their last
+  measured time; with ``phase=backward`` the sleep happens inside the backward instead, as the first gradient
+  becomes ready: a compute straggler in the backward, which DDP's all-reduce hides in the other ranks' waits).
 * ``slowdata:ms=M[,rank=R][,step=S]`` — a starved data loader: from step S on, the loader of rank R (every rank
   when left out) waits M milliseconds per optimizer step before its batches arrive.
 * ``healkill:rank=R[,step=S]`` — live recovery (``ft.replicas``): rank R exits abruptly while it hands its state to
@@ -30,16 +32,18 @@ from typing import Any, ContextManager, Iterator, Optional
 from ..errors import ConfigError
 from ..specs import check_keys, parse_spec, read_float, read_int
 
-_ACCEPTED = ("kill:rank=R,step=S, nan:step=S[,rank=R], slow:rank=R,factor=F[,step=S], "
-             "slowdata:ms=M[,rank=R][,step=S], healkill:rank=R[,step=S] (with ft.replicas) or skew:experts=K with integers R ≥ 0, S ≥ 1, K ≥ 1, "
+_ACCEPTED = ("kill:rank=R,step=S, nan:step=S[,rank=R], slow:rank=R,factor=F[,step=S][,phase=backward], "
+             "slowdata:ms=M[,rank=R][,step=S], healkill:rank=R[,step=S] (with ft.replicas) or skew:experts=K with "
+             "integers R ≥ 0, S ≥ 1, K ≥ 1, "
              "a factor F in [1, 100] and M in [0, 600000]")
 KILLED_EXIT_CODE = 71  # distinctive, so logs show an injected kill rather than a real crash
 SKEW_BIAS = 10.0       # added to the skewed experts' selection bias (biases move by ~1e-3 per step)
 
 # kind -> (option keys, required keys)
 _KINDS = {"kill": (("step", "rank"), ("step", "rank")), "nan": (("step", "rank"), ("step",)),
-          "slow": (("rank", "factor", "step"), ("rank", "factor")), "slowdata": (("ms", "rank", "step"), ("ms",)),
-          "skew": (("experts",), ("experts",)), "healkill": (("rank", "step"), ("rank",))}
+          "slow": (("rank", "factor", "step", "phase"), ("rank", "factor")),
+          "slowdata": (("ms", "rank", "step"), ("ms",)), "skew": (("experts",), ("experts",)),
+          "healkill": (("rank", "step"), ("rank",))}
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,7 @@ class Fault:
     step: int
     rank: Optional[int] = None
     value: float = 0.0
+    phase: str = ""          # slow: "backward" sleeps inside the backward, "" before the forward
 
     @staticmethod
     def parse(spec: str) -> "Fault":
@@ -71,7 +76,10 @@ class Fault:
             value = read_float(options["factor"], "inject_fault", spec, "factor", lo=1, hi=100, accepted=_ACCEPTED)
         elif kind == "slowdata":
             value = read_float(options["ms"], "inject_fault", spec, "ms", lo=0, hi=600_000, accepted=_ACCEPTED)
-        return Fault(kind, ints.get("step", 1), ints.get("rank"), value)
+        phase = options.get("phase", "")
+        if phase not in ("", "backward"):
+            raise ConfigError("inject_fault", spec, _ACCEPTED)
+        return Fault(kind, ints.get("step", 1), ints.get("rank"), value, phase)
 
     @property
     def marker(self) -> str:
@@ -86,6 +94,8 @@ class FaultPlan:
         self.marker_dir = Path(run_dir) / "faults" if run_dir else None
         self._fired: set[Fault] = set()
         self._micro_s = 0.0  # the last forward/backward time (slow)
+        self._backward_sleep = 0.0  # slow with phase=backward: what the backward hook sleeps this step
+        self._slept = 0.0           # ... and what it slept (left out of the measured time)
 
     def poison_loss(self, step: int, rank: int) -> bool:
         """True if the loss of ``step`` must be NaN on this rank."""
@@ -128,10 +138,31 @@ class FaultPlan:
     def _stretch(self, step: int, rank: int) -> Iterator[None]:
         for f in self.faults:
             if f.kind == "slow" and step >= f.step and f.rank == rank and f.value > 1:
-                time.sleep((f.value - 1) * self._micro_s)
-        start = time.perf_counter()
+                if f.phase == "backward":
+                    self._backward_sleep += (f.value - 1) * self._micro_s
+                else:
+                    time.sleep((f.value - 1) * self._micro_s)
+        start, self._slept = time.perf_counter(), 0.0
         yield
-        self._micro_s = time.perf_counter() - start
+        self._backward_sleep = 0.0
+        self._micro_s = time.perf_counter() - start - self._slept  # the work alone, not the injected sleep
+
+    def attach(self, model: Any) -> None:
+        """``slow`` with ``phase=backward``: a hook on the parameter whose gradient the backward makes first (the
+        last one registered) sleeps the step's stretch there — inside the backward, before any bucket is ready."""
+        if not any(f.kind == "slow" and f.phase == "backward" for f in self.faults):
+            return
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            return
+
+        def stall(_p: Any) -> None:
+            if self._backward_sleep > 0:
+                time.sleep(self._backward_sleep)
+                self._slept += self._backward_sleep
+                self._backward_sleep = 0.0
+
+        params[-1].register_post_accumulate_grad_hook(stall)
 
     def poison_stage(self, model: Any) -> None:
         """``nan`` on a pipeline stage without the loss (a NaN weight reaches only the last stage's loss): make one

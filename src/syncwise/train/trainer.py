@@ -35,6 +35,7 @@ from torch import nn
 
 from ..checkpoint import ModelOptimizerState, RNGState, SmartCheckpointer, TrainState
 from ..comm import ops
+from ..comm.arrivals import ArrivalLog
 from ..comm.watchdog import Watchdog
 from ..data.sharding import position_is_global, shard_loader
 from ..errors import ConfigError, SyncwiseError
@@ -271,8 +272,12 @@ class OptimizedTrainer:
             logger.note(f"resumed from step {self.step}; {redone} step(s) after it are redone")
         rank_log = RankLog(self.run_dir, self.rank, self.world_size, start_step=self.step)  # every rank's own rows
         self.meter.watch(rank_log)
+        # when this rank arrived at each collective (torch's flight recorder, read every few seconds): doctor's
+        # straggler attribution by arrival order (syncwise.comm.arrivals)
+        arrivals = ArrivalLog(self.run_dir, self.rank, start_step=self.step) if self.world_size > 1 else None
         if self.step == 0:
             self.faults.skew_router(self.model)
+        self.faults.attach(self.model)
         batches = _forever(loader)
         if self.batcher is not None and not self.batcher.found:
             batches = self._find_micro_batch(batches, logger)
@@ -300,6 +305,8 @@ class OptimizedTrainer:
                 # Whether an async checkpoint write runs in the background during this step: the benchmarks
                 # compare such steps with the others to measure what an in-flight save costs training.
                 in_flight = self.checkpointer is not None and self.checkpointer.save_in_flight
+                if arrivals is not None:
+                    arrivals.begin()
                 pending = self._train_step(batches)
                 if self.live is not None:
                     if not self.live.committed:
@@ -308,6 +315,8 @@ class OptimizedTrainer:
                     pending.parallel_metrics.update(self.live.row())
                 unlogged.append((pending, in_flight))
                 self.step += 1
+                if arrivals is not None:
+                    arrivals.end(self.step)
                 self.tokens_seen += unlogged[-1][0].tokens
                 self._note_batch_changes(logger)
                 validate = self.val_loader is not None and (self.step == total or (
@@ -329,6 +338,8 @@ class OptimizedTrainer:
         except RuntimeError as e:
             raise self._explain_hang(e) from e
         finally:
+            if arrivals is not None:
+                arrivals.finish()
             self.preemption.uninstall()
             if self.watchdog is not None:
                 self.watchdog.close()
