@@ -665,9 +665,15 @@ class OptimizedTrainer:
                "tokens_per_s": tps,
                "step_time_s": r.step_time_s,
                "compute_s": r.compute_s, "comm_exposed_s": r.comm_exposed_s, "data_wait_s": r.data_wait_s,
-               "comm_bytes": r.comm_bytes, "grad_norm": r.grad_norm, "peak_mem_mb": peak_memory_mb(self.device)}
+               "comm_bytes": r.comm_bytes_total, "grad_norm": r.grad_norm,
+               "peak_mem_mb": peak_memory_mb(self.device)}
+        # per parallel dimension (dp, fsdp, tp, pp, ep): bytes, seconds, exposed seconds (train.meter.StepBytes)
         for dim, n in (r.comm_bytes_by_dim or {}).items():
             row[f"comm_bytes_{dim}"] = n
+        for dim, t in (r.comm_s_by_dim or {}).items():
+            row[f"comm_s_{dim}"] = t
+        for dim, t in (r.comm_exposed_by_dim or {}).items():
+            row[f"comm_exposed_s_{dim}"] = t
         util = mfu(self.flops_per_token, tps / self.world_size, self.peak.flops)
         if util is not None:
             row["mfu"] = util
@@ -689,6 +695,8 @@ class OptimizedTrainer:
                            step_time_s=r.get("step_time_s") or 0.0, compute_s=r.get("compute_s") or 0.0,
                            comm_exposed_s=r.get("comm_exposed_s") or 0.0, data_wait_s=r.get("data_wait_s") or 0.0,
                            comm_bytes=r.get("comm_bytes"),
+                           comm_bytes_by_dim=_by_dim(r, "comm_bytes_"), comm_s_by_dim=_by_dim(r, "comm_s_"),
+                           comm_exposed_by_dim=_by_dim(r, "comm_exposed_s_"),
                            tokens=round((r.get("tokens_per_s") or 0.0) * (r.get("step_time_s") or 0.0)),
                            grad_norm=r.get("grad_norm") or 0.0, skipped=bool(r.get("skipped")))
                 for r in sorted(rows, key=lambda r: r["step"])]
@@ -717,8 +725,9 @@ class OptimizedTrainer:
             "compute_share": parts["compute_s"] / max(step_time, 1e-9),
             "comm_exposed_share": parts["comm_exposed_s"] / max(step_time, 1e-9),
             "data_wait_share": parts["data_wait_s"] / max(step_time, 1e-9),
-            "comm_bytes_per_step": (sum(r.comm_bytes for r in steady) / n)
-            if steady and all(r.comm_bytes is not None for r in steady) else None,
+            "comm_bytes_per_step": (sum(r.comm_bytes_total for r in steady) / n)
+            if steady and all(r.comm_bytes_total is not None for r in steady) else None,
+            **per_dimension(steady, step_time),
             "layout": describe_layout(self.par),
             "compressor": self.compress_spec, "sync": self.sync_spec,
             "sync_rounds": getattr(self.sync, "syncs", None),
@@ -766,6 +775,36 @@ class OptimizedTrainer:
         """Sum over the ranks that hold the same layers (a pipeline stage's data-parallel ranks; every rank
         otherwise): the MoE load counts, whose layers differ between stages."""
         ops.all_reduce(tensor, "sum", group=self.par.dp_group, stats=CONTROL_STATS)
+
+
+DIMENSIONS = ("dp", "fsdp", "tp", "pp", "ep")
+
+
+def _by_dim(row: dict, prefix: str) -> Optional[dict]:
+    """A metrics.jsonl row's per-dimension values under ``prefix`` (``comm_bytes_`` → {'dp': ..., 'tp': ...})."""
+    out = {d: row[prefix + d] for d in DIMENSIONS if prefix + d in row}
+    return out or None
+
+
+def per_dimension(steady: list, step_time: float) -> dict[str, Any]:
+    """Summary keys per parallel dimension over the steady steps: ``comm_bytes_per_step_<dim>``,
+    ``comm_s_per_step_<dim>`` (seconds in its collectives), ``comm_exposed_share_<dim>`` (its exposed seconds / the
+    step; None where not measured, e.g. FSDP2's on a GPU)."""
+    out: dict[str, Any] = {}
+    n = max(len(steady), 1)
+    for dim in DIMENSIONS:
+        rows = [r for r in steady if dim in (r.comm_bytes_by_dim or {}) or dim in (r.comm_s_by_dim or {})]
+        if not rows or len(rows) != len(steady) or not any((r.comm_bytes_by_dim or {}).get(dim) or
+                                                           (r.comm_s_by_dim or {}).get(dim) for r in rows):
+            continue  # absent, or a dimension of one rank (nothing sent)
+        sent = [(r.comm_bytes_by_dim or {}).get(dim) for r in rows]
+        out[f"comm_bytes_per_step_{dim}"] = sum(sent) / n if all(b is not None for b in sent) else None
+        took = [(r.comm_s_by_dim or {}).get(dim) for r in rows]
+        out[f"comm_s_per_step_{dim}"] = sum(took) / n if all(t is not None for t in took) else None
+        exposed = [(r.comm_exposed_by_dim or {}).get(dim) for r in rows]
+        out[f"comm_exposed_share_{dim}"] = (sum(exposed) / n / max(step_time, 1e-9)
+                                            if all(e is not None for e in exposed) else None)
+    return out
 
 
 def warmup_steps(compressor: Any, sync: Any) -> int:
