@@ -322,6 +322,7 @@ class OptimizedTrainer:
     def _finish(self, history: list[StepResult], wall: float, cloud_config: Any, layout_check: Any) -> dict[str, Any]:
         """The run's summary: the steps' figures, this rank's checkpoint saves, the layout check, a preemption."""
         summary = self._summary(history, self._val_loss, wall)
+        summary.update(self._job_bytes(summary))
         if self.checkpointer is not None:
             # This rank's save costs (rank 0's total_s runs until the checkpoint is published).
             summary["checkpoint_saves"] = [
@@ -737,6 +738,24 @@ class OptimizedTrainer:
             **warmup_figures(warm, in_warmup, never_left, self.step, self.compress_spec
                              if warmup_steps(self.compressor, None) == warm else self.sync_spec),
         }
+
+    def _job_bytes(self, summary: dict[str, Any]) -> dict[str, Any]:
+        """The whole job's bytes per step, in total and per parallel dimension (``job_comm_bytes_per_step[_<dim>]``):
+        every rank's steady-state figures summed (one small all-reduce at the end of the run, control traffic).
+        Rank 0's own figures show one rank; a pipeline's stages and expert-parallel ranks send different amounts.
+        A dimension that some rank does not count (None) sums to None."""
+        if self.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
+            return {}
+        keys = ["comm_bytes_per_step"] + [f"comm_bytes_per_step_{d}" for d in DIMENSIONS]
+        # absent: this rank sent nothing in that dimension (0); present but None: not counted (NaN sums to NaN)
+        values = torch.tensor([0.0 if k not in summary else math.nan if summary[k] is None else float(summary[k])
+                               for k in keys], dtype=torch.float64, device=self.device)
+        ops.all_reduce(values, "sum", stats=CONTROL_STATS)
+        out: dict[str, Any] = {}
+        for k, v in zip(keys, values.tolist()):
+            if k == keys[0] or v != 0.0:
+                out["job_" + k] = v if math.isfinite(v) else None
+        return out
 
     def _total_steps(self, loader: Iterable, epochs: Optional[int], steps: Optional[int]) -> int:
         if (epochs is None) == (steps is None):
