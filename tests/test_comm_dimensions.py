@@ -57,7 +57,7 @@ def run(request, tmp_path_factory):
     ranks = {r: [json.loads(line) for line in (run_dir / "ranks" / f"rank{r}.jsonl").read_text().splitlines()]
              for r in range(world)}
     totals = {r: json.loads((run_dir / "ranks" / f"rank{r}.json").read_text()) for r in range(world)}
-    return {"summary": summaries[0], "ranks": ranks, "totals": totals, "dims": dims, "name": request.param,
+    return {"summary": summaries[0], "ranks": ranks, "dir": run_dir, "totals": totals, "dims": dims, "name": request.param,
             "rows": [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]}
 
 
@@ -123,6 +123,22 @@ def test_every_sending_dimension_has_its_time_and_exposed_time(run):
             share = s[f"comm_exposed_share_{dim}"]
             assert 0 < share <= 1 and math.isfinite(share), (dim, share)
             assert s[f"comm_s_per_step_{dim}"] > 0, dim
+
+
+def test_doctor_reports_every_dimension(run):
+    """doctor's "communication by dimension": the job's bytes per step as the summary has them; times measured."""
+    from syncwise.doctor import diagnose, load_run
+    from syncwise.doctor.dimensions import by_dimension
+
+    d = diagnose(load_run(run["dir"]), predict=False)
+    dims = by_dimension(d.run.ranks, d.steady_steps)
+    assert set(dims) == run["dims"]
+    for dim, v in dims.items():
+        if d.steady_steps == [2, 3]:  # the summary's steady steps too
+            assert v["bytes_per_step"] == pytest.approx(run["summary"][f"job_comm_bytes_per_step_{dim}"])
+        assert v["exposed_s"] is not None and v["exposed_s"] > 0, (dim, v)
+    if run["dims"] & {"fsdp", "tp"}:  # their exposed time is no longer compute: efficiency below 1
+        assert d.efficiency < 0.99
 
 
 # ---------------------------------------------------------------------------------------------- a slow link (lab)
