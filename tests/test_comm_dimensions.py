@@ -136,7 +136,10 @@ def test_doctor_reports_every_dimension(run):
     for dim, v in dims.items():
         if d.steady_steps == [2, 3]:  # the summary's steady steps too
             assert v["bytes_per_step"] == pytest.approx(run["summary"][f"job_comm_bytes_per_step_{dim}"])
-        assert v["exposed_s"] is not None and v["exposed_s"] > 0, (dim, v)
+        if (run["name"], dim) == ("hsdp", "dp"):  # HSDP's all-reduce: FSDP2 issues it; counted, not timed
+            assert v["comm_s"] is None and v["exposed_s"] is None
+        else:
+            assert v["exposed_s"] is not None and v["exposed_s"] > 0, (dim, v)
     if run["dims"] & {"fsdp", "tp"}:  # their exposed time is no longer compute: efficiency below 1
         assert d.efficiency < 0.99
 

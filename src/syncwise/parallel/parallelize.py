@@ -157,6 +157,13 @@ class Parallelized:
             out["pp"] = self.pipeline.last_p2p_bytes
         return out
 
+    @property
+    def replicas_timed(self) -> bool:
+        """Whether the replicas' gradient traffic ('dp') has a clock: not HSDP's own all-reduce across replicas,
+        which FSDP2 issues inside its reduce (counted by the dispatch counter, timed by nothing)."""
+        return not (self.fsdp and self.spec.dp_replicate > 1 and self.spec.dp_shard > 1
+                    and self.dp.hook_state is None)
+
     def take_times(self) -> Callable[[], dict[str, tuple[float, Optional[float]]]]:
         """A reader of the step's seconds per dimension that no ``CommStats`` times: ``{dim: (seconds, exposed
         seconds or None)}`` — FSDP2's collectives ('fsdp', and 'dp' for FSDP2 over replicas), DTensor's ('tp'),

@@ -93,7 +93,8 @@ class PendingStep:
         if self._settled is None:
             times = self.comm_times()
             dp_time, dp_exposed = times.get("dp", (0.0, None))
-            times["dp"] = (dp_time, self.comm_waited_s + self.exposed_comm() + (dp_exposed or 0.0))
+            if not times.pop("dp_unmeasured", False):
+                times["dp"] = (dp_time, self.comm_waited_s + self.exposed_comm() + (dp_exposed or 0.0))
             comm = sum(times[d][1] or 0.0 for d in ("dp", "fsdp", "tp") if d in times)
             dims = [d for d in self.comm_bytes if d in times or self.comm_bytes[d] is not None]
             self._settled = StepResult(
@@ -167,11 +168,14 @@ class StepBytes:
         dp_s = STATS.total_time_s - self._time_marks[0]
         ep_s = self.ep_stats.total_time_s - self._time_marks[1] if self.ep_stats is not None else None
         cuda, untimed = self.cuda, not self.par.dp.sync_timed  # DDP's built-in all-reduce, torch's hooks
+        unmeasured = not self.par.replicas_timed  # HSDP's all-reduce: neither its time nor its exposed part
 
         def read() -> dict:
             out = layout()
             dp = out.get("dp", (0.0, None))
-            out["dp"] = (None if untimed else dp[0] + dp_s, dp[1])
+            out["dp"] = (None, None) if unmeasured else (None if untimed else dp[0] + dp_s, dp[1])
+            if unmeasured:
+                out["dp_unmeasured"] = True
             if ep_s is not None:  # synchronous all-to-alls on the CPU: the step waits for all of it
                 out["ep"] = (ep_s, None if cuda else ep_s)
             return out
