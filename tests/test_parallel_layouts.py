@@ -65,12 +65,14 @@ def _check(preset, layout, world, compress=None, rtol=RTOL):
             print(f"\n{_name(layout)} {compress}: max rel {max(abs(a - b) / b for a, b in zip(losses, reference)):.1e}")
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=rtol, atol=0)
         # bytes per dimension: counted where the dimension exists (FSDP2's and DTensor's collectives too)
-        assert all(row["dp"] > 0 for row in sent) if spec.dp > 1 else True
+        # data parallel: DDP's and HSDP's replicas in 'dp', FSDP2's shards in 'fsdp'
+        assert all(row["dp"] + (row.get("fsdp") or 0) > 0 for row in sent) if spec.dp > 1 else True
         assert all(row["tp"] > 0 for row in sent) if spec.tp > 1 else all("tp" not in row for row in sent)
         # (a pipeline stage without MoE layers sends no ep bytes: checked over all ranks below)
         assert all(row["ep"] >= 0 for row in sent) if spec.ep > 1 else all("ep" not in row for row in sent)
         if not spec.replicas_only:  # counted on the first steps, then repeated (a fixed layout's bytes per step)
-            assert all(row["tp" if spec.tp > 1 else "dp"] == sent[1]["tp" if spec.tp > 1 else "dp"] for row in sent[1:])
+            dim = "tp" if spec.tp > 1 else "fsdp" if spec.dp_shard > 1 else "dp"
+            assert all(row[dim] == sent[1][dim] for row in sent[1:])
     if spec.ep > 1:
         assert any(row["ep"] > 0 for _, _, sent, _ in results for row in sent)
     return results

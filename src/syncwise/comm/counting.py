@@ -7,15 +7,27 @@ functional collectives (``_c10d_functional.all_gather_into_tensor`` …), forwar
 this rank's input payload (the same definition as ``CommStats``) to the process group that carried it.
 
 It intercepts every operator while active (~20 % of a small model's step on CPU, measured), so callers
-turn it on for a few steps and reuse the count: a fixed layout sends the same bytes every step.
+turn it on for a few steps and reuse the count: a fixed layout sends the same bytes every step — except where it
+is the only clock of a dimension's collectives (DTensor's, tensor parallel): then it runs every step and also
+times them into a :class:`DimensionTimes`.
+
+:class:`DimensionTimes` is the per-dimension clock of a layout's collectives (one instance per layout, owned by
+``Parallelized``): for each dimension the seconds its collectives took (issue to completion) and the seconds the
+step was blocked on them (exposed). Host clock on the CPU; CUDA events on a GPU (:class:`~.timing.Interval`),
+read only when the step's row is settled, where the exposed share cannot be told from events on one stream and is
+left unmeasured (None).
 """
 from __future__ import annotations
 
+import threading
+import time
 from collections import defaultdict
 from typing import Any, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from .timing import Interval
 
 # op name (without overload) -> index of the argument that holds this rank's payload
 _C10D_PAYLOAD = {"allreduce_": 0, "allreduce_coalesced_": 0, "allgather_": 1, "_allgather_base_": 1,
@@ -51,34 +63,139 @@ def _group_name(args: tuple, kwargs: dict) -> Optional[str]:
     return strings[-1] if strings else None  # functional ops: the group name is their last string argument
 
 
+class DimensionTimes:
+    """Seconds per parallel dimension in one step: ``time`` (issue to completion of its collectives) and
+    ``exposed`` (the part the step waited for). ``add(dim, interval, exposed=...)`` per collective; ``take()``
+    hands back a reader of the step's totals and starts the next step (the reader waits for CUDA events only
+    when it is called, when the step's row is settled)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._step: list = []  # (dim, Interval, exposed seconds or None)
+        self.bytes: dict[str, int] = defaultdict(int)  # what the timed callers counted this step (FSDP2's comms)
+
+    def count(self, dim: str, nbytes: int) -> None:
+        with self._lock:
+            self.bytes[dim] += int(nbytes)
+
+    def take_bytes(self) -> dict[str, int]:
+        """The bytes counted since the last call, per dimension; resets."""
+        with self._lock:
+            out, self.bytes = dict(self.bytes), defaultdict(int)
+        return out
+
+    def add(self, dim: str, interval: Interval, exposed: Optional[float] = None) -> None:
+        with self._lock:
+            self._step.append((dim, interval, exposed))
+
+    def take(self) -> "Any":
+        """A reader of the step so far (``reader() -> {dim: (seconds, exposed seconds or None)}``); resets."""
+        with self._lock:
+            items, self._step = self._step, []
+
+        def reader() -> dict[str, tuple[float, Optional[float]]]:
+            out: dict[str, list] = {}
+            for dim, iv, exposed in items:
+                t = out.setdefault(dim, [0.0, 0.0])
+                t[0] += iv.seconds()
+                t[1] = None if exposed is None or t[1] is None else t[1] + exposed
+            return {d: (t[0], t[1]) for d, t in out.items()}
+        return reader
+
+
+_SKIP = threading.local()
+
+
+class uncounted:
+    """``with uncounted():`` — collectives issued inside are counted by their caller (FSDP2's timed all-gather
+    and reduce-scatter), not by an active :class:`CollectiveCounter`."""
+
+    def __enter__(self) -> None:
+        _SKIP.depth = getattr(_SKIP, "depth", 0) + 1
+
+    def __exit__(self, *exc: object) -> None:
+        _SKIP.depth -= 1
+
+
 class CollectiveCounter(TorchDispatchMode):
     """``with counter:`` — bytes this rank sent per process-group name (``counter.bytes``), calls likewise.
 
     ``groups`` maps group names to labels (e.g. a DeviceMesh's groups to 'dp' / 'tp'); collectives on other
-    groups are not counted (syncwise's own ops count themselves in ``CommStats``)."""
+    groups are not counted (syncwise's own ops count themselves in ``CommStats``). With ``times`` (a
+    :class:`DimensionTimes`), the functional collectives of the labels in ``timed`` (DTensor's) are timed from their
+    issue to the end of their ``wait_tensor``; exposed is the host time spent inside the collective's call and its
+    wait (on the CPU the step is blocked exactly then; on a GPU the events span issue to wait on the compute stream
+    and exposed is left unmeasured)."""
 
-    def __init__(self, groups: Optional[dict[str, str]] = None) -> None:
+    def __init__(self, groups: Optional[dict[str, str]] = None, times: Optional[DimensionTimes] = None,
+                 timed: tuple = ()) -> None:
         super().__init__()
         self.groups = groups
+        self.times, self.timed = times, tuple(timed)
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
+        self._issued: dict[int, tuple] = {}  # id(output) -> (label, Interval, host seconds blocked so far)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         kwargs = kwargs or {}
         ns, name = func.namespace, func.__name__.split(".")[0]
+        if self._issued:
+            if ns in _FUNCTIONAL_NAMESPACES and name == "wait_tensor":
+                return self._wait(func, args, kwargs)
+            self._wait_inputs(args, kwargs)
         index = _C10D_PAYLOAD.get(name) if ns == "c10d" else \
             _FUNCTIONAL_PAYLOAD.get(name) if ns in _FUNCTIONAL_NAMESPACES else None
-        if index is not None:
-            group = _group_name(args, kwargs)
-            label = group if self.groups is None else self.groups.get(group)
-            if label is not None:
-                self.bytes[label] += _nbytes(args[index])
-                self.calls[label] += 1
-        return func(*args, **kwargs)
+        if index is None or getattr(_SKIP, "depth", 0):
+            return func(*args, **kwargs)
+        group = _group_name(args, kwargs)
+        label = group if self.groups is None else self.groups.get(group)
+        if label is None:
+            return func(*args, **kwargs)
+        self.bytes[label] += _nbytes(args[index])
+        self.calls[label] += 1
+        if self.times is None or label not in self.timed or ns == "c10d":
+            return func(*args, **kwargs)
+        payload = args[index]
+        iv = Interval(payload if isinstance(payload, torch.Tensor) else None).start()
+        t0 = time.perf_counter()
+        out = func(*args, **kwargs)
+        blocked = time.perf_counter() - t0
+        outs = out if isinstance(out, (list, tuple)) else [out]
+        for o in outs:  # a coalesced op returns one tensor per input: each is waited for; the last wait ends it
+            self._issued[id(o)] = (label, iv, blocked, len(outs))
+        return out
+
+    def _wait_inputs(self, args: tuple, kwargs: dict) -> None:
+        """An operator about to use a collective's result (an ``AsyncCollectiveTensor``, which would wait inside
+        the operator, out of this mode's sight): wait for it here, timed."""
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+        from torch.utils._pytree import tree_leaves
+
+        for a in tree_leaves((args, kwargs)):
+            if isinstance(a, AsyncCollectiveTensor) and id(a.elem) in self._issued:
+                self._wait(lambda t: a.wait(), (a.elem,), {})
+
+    def _wait(self, func, args, kwargs):
+        t0 = time.perf_counter()
+        out = func(*args, **kwargs)
+        blocked = time.perf_counter() - t0
+        entry = self._issued.pop(id(args[0]), None) if args else None
+        if entry is None:
+            return out
+        label, iv, before, n = entry
+        if n > 1:  # the other outputs of a coalesced op: their waits add to the same interval
+            for k, v in list(self._issued.items()):
+                if v[1] is iv:
+                    self._issued[k] = (label, iv, before + blocked, n - 1)
+            return out
+        iv.stop()
+        self.times.add(label, iv, None if iv.cuda else before + blocked)
+        return out
 
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
+        self._issued.clear()
 
 
 def mesh_groups(mesh: Any, labels: dict[str, str]) -> dict[str, str]:

@@ -75,7 +75,11 @@ def run(args: argparse.Namespace) -> int:
                 except OSError as e:
                     console.print(f"[dim]note: no picture written to {where} ({e.strerror or e})[/dim]")
     if args.json_path:
-        text = json.dumps(result.as_dict(), indent=2, default=str) + "\n"
+        out = result.as_dict()
+        if hasattr(result, "steady_steps"):  # one run: its communication per parallel dimension too
+            from ..doctor.dimensions import by_dimension
+            out["by_dimension"] = by_dimension(result.run.ranks, result.steady_steps)
+        text = json.dumps(out, indent=2, default=str) + "\n"
         if to_stdout:
             print(text, end="")
         else:

@@ -6,6 +6,7 @@ from rich.table import Table
 
 from .analyze import PART_WORDS, PARTS, Diagnosis
 from .compare import Comparison
+from .dimensions import by_dimension, lines
 
 
 def headline(d: Diagnosis) -> str:
@@ -40,6 +41,15 @@ def print_diagnosis(d: Diagnosis, console: Console) -> None:
         if v > 0 or k == "compute":
             table.add_row(PART_WORDS[k], f"{v * 1e3:,.1f}", f"{100 * v / d.wall_s:.0f} %" if d.wall_s else "-")
     console.print(table)
+    dims = by_dimension(d.run.ranks, d.steady_steps)
+    if dims:
+        comm = Table(title="communication by dimension (bytes: all ranks; ms: the mean rank)",
+                     show_edge=False)
+        for col in ("dimension", "MB / step", "ms / step", "exposed ms", "exposed share"):
+            comm.add_column(col, justify="left" if col == "dimension" else "right")
+        for row in lines(dims):
+            comm.add_row(*row)
+        console.print(comm)
     if len(d.per_rank) > 1:
         ranks = Table(title="per rank (steady steps, ms)", show_edge=False)
         for col in ("rank", "step", "compute", "data wait", "exposed comm", "compress", "expert a2a"):

@@ -102,7 +102,7 @@ class MetricsLogger:
         # update that carries it is skipped then (issue 23: this line raised a TypeError and ended the run).
         loss = ("skipped (non-finite)" if row.get("skipped") else "non-finite" if row.get("loss") is None
                 else f"{row['loss']:.4f}")
-        info = f"loss {loss}  {row['tokens_per_s']:,.0f} tok/s  comm {row['comm_exposed_s'] * 1e3:.0f} ms"
+        info = f"loss {loss}  {row['tokens_per_s']:,.0f} tok/s  {comm_line(row)}"
         if row.get("val_loss") is not None:
             info += f"  val {row['val_loss']:.4f}"
         if self._progress is None:
@@ -143,12 +143,37 @@ class MetricsLogger:
             self.console.print(f"metrics: {self.path}")
 
 
+def comm_line(row: dict[str, Any]) -> str:
+    """The progress line's communication: exposed ms of the step (every dimension's), then per parallel dimension
+    its exposed ms of its total ms and its bytes — ``comm 12 ms (tp 9/9 ms 41 MB · dp 3/20 ms 20 MB)``; a time that
+    is not measured (an exposed share on a GPU, DDP's built-in all-reduce's total) shows as ``?``."""
+    from .units import human_bytes
+
+    parts = []
+    for dim in ("dp", "fsdp", "tp", "pp", "ep"):
+        sent, took = row.get(f"comm_bytes_{dim}"), row.get(f"comm_s_{dim}")
+        if not sent and not took:  # absent, or a dimension of one rank (nothing sent)
+            continue
+        exposed = row.get(f"comm_exposed_s_{dim}")
+        shown = "?" if exposed is None else f"{exposed * 1e3:.0f}"
+        parts.append(f"{dim} {shown}/{'?' if took is None else f'{took * 1e3:.0f}'} ms" + (f" {human_bytes(sent)}" if sent is not None
+                                                                        else ""))
+    measured = [row.get(f"comm_exposed_s_{d}") for d in ("dp", "fsdp", "tp", "pp", "ep")]
+    total = sum(e for e in measured if e is not None) if parts else row["comm_exposed_s"]
+    text = f"comm {total * 1e3:.0f} ms"
+    return text + (f" ({' · '.join(parts)})" if parts else "")
+
+
 def summary_value(key: str, v: Any) -> Optional[str]:
     """How the summary table shows one value, or None to leave the row out (nothing to say: None, [])."""
     from .units import human_bytes, human_seconds, loss
 
     if v is None or v == [] or v == {}:
         return None
+    for dim in ("_dp", "_fsdp", "_tp", "_pp", "_ep"):  # per-dimension keys read as their total's
+        if key.startswith("comm_") and key.endswith(dim):
+            key = key[:-len(dim)]
+            key = "comm_s" if key == "comm_s_per_step" else key
     if isinstance(v, bool):
         return "yes" if v else "no"
     if isinstance(v, list) and isinstance(v[0], dict):

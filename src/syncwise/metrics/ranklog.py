@@ -5,7 +5,8 @@ that waits for its peers shows only in the other ranks' numbers. So every rank (
 collective is added to the step) keeps
 
 * ``RUN_DIR/ranks/rank{R}.jsonl`` — one line per optimizer step: ``step``, ``step_time_s``, ``compute_s``,
-  ``data_wait_s``, ``comm_exposed_s``, and where measured ``compress_s`` (compression compute of the step's
+  ``data_wait_s``, ``comm_exposed_s``, per parallel dimension ``comm_bytes_<dim>``, ``comm_s_<dim>`` and
+  ``comm_exposed_s_<dim>`` (and ``comm_bytes``, their total), and where measured ``compress_s`` (compression compute of the step's
   gradient sync), ``ep_comm_s`` (time in expert-parallel all-to-alls, waits for peers included),
   ``expert_imbalance`` (max / mean routed-token load of the most unbalanced MoE layer, summed over the ranks
   that share the layers), ``pp_bubble``, ``ckpt_in_flight``, ``time`` (Unix seconds when the row was written);
@@ -30,6 +31,8 @@ from .logger import read_jsonl
 #: keys of a trainer row copied into the rank's own log
 RANK_KEYS = ("step", "step_time_s", "compute_s", "data_wait_s", "comm_exposed_s", "compress_s", "ep_comm_s",
              "expert_imbalance", "pp_bubble", "ckpt_in_flight", "skipped", "time")
+#: and every per-dimension field (``comm_bytes_tp``, ``comm_s_tp``, ``comm_exposed_s_tp`` ...), and the step's total
+DIMENSION_PREFIXES = ("comm_bytes", "comm_s_", "comm_exposed_s_")
 
 
 class StepProbe:
@@ -113,7 +116,7 @@ class RankLog:
     def log_step(self, row: dict[str, Any]) -> None:
         """Record this rank's numbers of one step (a trainer row)."""
         if self._file is not None:
-            out = {k: plain(row[k]) for k in RANK_KEYS if k in row}
+            out = {k: plain(v) for k, v in row.items() if k in RANK_KEYS or k.startswith(DIMENSION_PREFIXES)}
             out.setdefault("time", round(time.time(), 4))
             self._file.write(json.dumps(out) + "\n")
 

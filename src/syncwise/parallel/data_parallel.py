@@ -172,6 +172,9 @@ class DataParallel:
     bytes_counted: bool = True  # False for torch's PowerSGD hook, whose collectives bypass syncwise.comm
     builtin_sync_bytes: int = 0  # DDP's built-in all-reduce: bytes this rank sends per gradient sync
     hierarchical: Any = None  # the comm.Topology of the hierarchical gradient sync; None: flat
+    # syncwise.comm.STATS times the sync's collectives: not DDP's built-in all-reduce nor torch's comm hooks (they
+    # bypass syncwise.comm; their exposed part is still measured, by DDP's bucket timer)
+    sync_timed: bool = True
 
     def record_sync(self) -> None:
         """Count one gradient sync of DDP's built-in all-reduce (its collective bypasses syncwise.comm)."""
@@ -233,12 +236,13 @@ def apply_data_parallel(model: nn.Module, compressor: "Optional[Compressor | Tor
         per_element = TORCH_HOOKS[compressor.name]
         timer = GradSyncTimer(state, _counted(per_element, hook) if per_element else hook, device)
         ddp.register_comm_hook(timer, _timed_hook)
-        return DataParallel(module=ddp, timer=timer, bytes_counted=per_element is not None)
+        return DataParallel(module=ddp, timer=timer, bytes_counted=per_element is not None, sync_timed=False)
     if compressor is None or (getattr(compressor, "name", None) == "none"):
         # Every bucket, unused parameters' zeros included, is all-reduced once per sync.
         nbytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                      if p.requires_grad and n not in (ignore or ()))
-        return DataParallel(module=ddp, timer=GradReadyClock(model, device), builtin_sync_bytes=nbytes)
+        return DataParallel(module=ddp, timer=GradReadyClock(model, device), builtin_sync_bytes=nbytes,
+                            sync_timed=False)
     names = {p: n for n, p in model.named_parameters()}
     # A dedicated communicator is made by new_group, which every rank of the world must call alike: only when the
     # data-parallel ranks are the whole world (a pipeline stage's replicas compress on their own group).

@@ -142,6 +142,66 @@ def apply_fsdp(model: nn.Module, mesh: Any, dp_dims: Sequence[str] = ("dp_shard"
     return model
 
 
+# ---------------------------------------------------------------------------------------- timing
+def attach_timing(model: nn.Module, times: Any, labels: dict[str, str]) -> None:
+    """Count and time FSDP2's all-gathers and reduce-scatters of every unit under ``model`` (FSDP2's public
+    ``set_custom_all_gather`` / ``set_custom_reduce_scatter``, with torch's default collective inside): bytes (this
+    rank's input, as ``CommStats`` counts) and an interval per call into ``times``
+    (``syncwise.comm.counting.DimensionTimes``) under the label of the group that carried it (``labels``: group
+    name → 'fsdp' / 'dp'). A synchronous call on the CPU blocks the step for its whole duration: exposed = its time.
+    An asynchronous one (or one on a GPU, timed by CUDA events on FSDP2's communication stream) has its time only.
+    The collectives inside are hidden from the dispatch counter (``uncounted``): counted here, once."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    from ..comm.counting import uncounted
+    from ..comm.timing import Interval
+
+    def timed(call: Any, output: torch.Tensor, payload: torch.Tensor, group: Any, async_op: bool) -> Any:
+        label = labels.get(group.group_name)
+        if label is None:
+            return call()
+        times.count(label, payload.numel() * payload.element_size())
+        iv = Interval(payload.device).start()
+        with uncounted():
+            work = call()
+        if iv.cuda:
+            times.add(label, iv.stop(), None)
+        elif work is not None and async_op:  # completes later: its future stops the clock
+            work.get_future().then(lambda _f: iv.stop())
+            times.add(label, _Later(iv), None)
+        else:
+            iv.stop()
+            times.add(label, iv, iv.seconds())
+        return work
+
+    class TimedAllGather(DefaultAllGather):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):  # noqa: D102
+            return timed(lambda: super(TimedAllGather, self).__call__(output_tensor, input_tensor, group, async_op),
+                         output_tensor, input_tensor, group, async_op)
+
+    class TimedReduceScatter(DefaultReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # noqa: D102
+            return timed(lambda: super(TimedReduceScatter, self).__call__(output_tensor, input_tensor, group, op,
+                                                                          async_op),
+                         output_tensor, input_tensor, group, async_op)
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_all_gather(TimedAllGather())
+            module.set_custom_reduce_scatter(TimedReduceScatter())
+
+
+class _Later:
+    """An interval stopped by a future's callback: read after the step, when it has completed."""
+
+    def __init__(self, iv: Any) -> None:
+        self.iv = iv
+
+    def seconds(self) -> float:
+        return self.iv.seconds() if self.iv.stopped else 0.0
+
+
 # ---------------------------------------------------------------------------------------- compression
 def _param_groups(unit: nn.Module) -> list:
     state = unit._get_fsdp_state()

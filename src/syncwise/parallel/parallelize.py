@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm.context import Topology
-from ..comm.counting import CollectiveCounter, mesh_groups
+from ..comm.counting import CollectiveCounter, DimensionTimes, mesh_groups
 from ..errors import ConfigError, SyncwiseError
 from ..layout import NO_COMPRESS, Compress, Layout, hierarchical_applies, parse_compress, parse_sync
 from .activation_checkpoint import apply_activation_checkpointing
@@ -62,6 +62,7 @@ class Parallelized:
     stage_sync: Any = None           # StageGradientSync: a pipeline stage's data parallel (pp > 1, dp > 1)
     _exposed: Callable[[], float] = lambda: 0.0
     _counter: Optional[CollectiveCounter] = None  # FSDP2's and DTensor's collectives (they bypass syncwise.comm)
+    _times: DimensionTimes = field(default_factory=DimensionTimes)  # FSDP2's (timed comms) and DTensor's clocks
     _counting: bool = False
     _steps_counted: int = 0
     _counted: dict = field(default_factory=dict)
@@ -130,10 +131,13 @@ class Parallelized:
     def begin_step(self) -> None:
         """Arm the dispatch counter for this step: FSDP2's and DTensor's collectives (they bypass syncwise.comm)
         are counted during the first ``COUNTED_STEPS`` steps only (it intercepts every operator); later steps
-        repeat the last count."""
-        self._counting = self._counter is not None and self._steps_counted < COUNTED_STEPS
+        repeat the last count. With tensor parallel it runs every step: it is the clock of DTensor's collectives.
+        (FSDP2's all-gathers and reduce-scatters are counted and timed every step by their own comms.)"""
+        self._counting = self._counter is not None and (self._steps_counted < COUNTED_STEPS or self.spec.tp > 1)
         if self._counting:
             self._counter.reset()
+        self._times.take()  # collectives between steps are not the step's
+        self._times.take_bytes()
 
     def counted_bytes(self) -> dict[str, int]:
         """The step's bytes that no ``CommStats`` sees, per dimension: FSDP2's (``dp``) and DTensor's (``tp``)
@@ -143,12 +147,41 @@ class Parallelized:
             self._counted = dict(self._counter.bytes)
             self._steps_counted += 1
             self._counting = False
-        out = {"dp": self._counted.get("dp", 0)}
+        timed = self._times.take_bytes()  # FSDP2's all-gathers and reduce-scatters, every step
+        out = {"dp": self._counted.get("dp", 0) + timed.get("dp", 0)}
+        if self.fsdp and self.spec.dp_shard > 1:
+            out["fsdp"] = timed.get("fsdp", 0)
         if self.spec.tp > 1:
             out["tp"] = self._counted.get("tp", 0)
         if self.pipeline is not None:  # activations and their gradients sent to the neighbouring stages
             out["pp"] = self.pipeline.last_p2p_bytes
         return out
+
+    @property
+    def replicas_timed(self) -> bool:
+        """Whether the replicas' gradient traffic ('dp') has a clock: not HSDP's own all-reduce across replicas,
+        which FSDP2 issues inside its reduce (counted by the dispatch counter, timed by nothing)."""
+        return not (self.fsdp and self.spec.dp_replicate > 1 and self.spec.dp_shard > 1
+                    and self.dp.hook_state is None)
+
+    def take_times(self) -> Callable[[], dict[str, tuple[float, Optional[float]]]]:
+        """A reader of the step's seconds per dimension that no ``CommStats`` times: ``{dim: (seconds, exposed
+        seconds or None)}`` — FSDP2's collectives ('fsdp', and 'dp' for FSDP2 over replicas), DTensor's ('tp'),
+        the pipeline's waits on its neighbours ('pp': the step's time its stages did not compute — the activations
+        and gradients in transit and the schedule's bubble, which on a pipeline are one wait). Read when the row is
+        settled (CUDA events)."""
+        reader = self._times.take()
+        pp = None
+        if self.pipeline is not None and self.pipeline.last_step_s is not None:
+            wait = max(0.0, self.pipeline.last_step_s - (self.pipeline.last_compute_s or 0.0))
+            pp = (wait, wait)
+
+        def read() -> dict[str, tuple[float, Optional[float]]]:
+            out = reader()
+            if pp is not None:
+                out["pp"] = pp
+            return out
+        return read
 
     def step_metrics(self) -> dict[str, Optional[float]]:
         """What the parallel layout measured in the last step beyond bytes: the pipeline bubble (the share of
@@ -283,10 +316,15 @@ def parallelize(model: nn.Module, spec: "Layout | dict | None" = None, device: O
         # 6. reduced-sync strategy, over the same ranks (whole replicas only: Layout.check)
         par.sync = build_sync(sync, model)
     if spec.fsdp and mesh is not None and not compile:  # (a dispatch mode would recompile a compiled module)
-        labels = {"dp_replicate": "dp", "dp_shard": "dp", "tp": "tp"}
+        labels = {"dp_replicate": "dp", "dp_shard": "fsdp", "tp": "tp"}
         if par.dp.hook_state is not None:
             del labels["dp_replicate"]  # the compressor counts its own collectives (syncwise.comm)
-        par._counter = CollectiveCounter(mesh_groups(mesh, labels))
+        groups = mesh_groups(mesh, labels)
+        if dp_dims:
+            from .fsdp import attach_timing
+            for root in (par.pipeline.stage_modules if par.pipeline is not None else [model]):
+                attach_timing(root, par._times, groups)
+        par._counter = CollectiveCounter(groups, times=par._times, timed=("tp",))
     # 7. compile
     if compile:
         par.module = torch.compile(par.module)

@@ -13,8 +13,13 @@ the loader is host work, and the checkpoint cadence needs the step time as soon 
 waiting for the device. The exposed communication is the layout's own reader (``Parallelized.take_exposed``:
 CUDA events of DDP's bucket timer on a GPU), read only when the row is settled; compute is what remains.
 
-Bytes per parallel dimension (:class:`StepBytes`) are attributed here, in one place: which process-wide counter
-feeds which dimension, and which collectives are not a step's traffic (:data:`CONTROL_STATS`).
+Bytes and seconds per parallel dimension (:class:`StepBytes`) are attributed here, in one place: which counter and
+which clock feed which dimension (``dp``, ``fsdp``, ``tp``, ``pp``, ``ep``), and which collectives are not a step's
+traffic (:data:`CONTROL_STATS`). Per dimension a step has its bytes, its seconds (issue to completion of its
+collectives) and its exposed seconds (the part the step waited for); ``comm_exposed_s`` is the exposed time of
+``dp``, ``fsdp`` and ``tp``, which ``compute_s`` excludes. The expert all-to-alls' and the pipeline's waits stay in
+``compute_s`` as before (``ep_comm_s`` and ``pp_bubble`` are how doctor takes them apart) and are reported by
+their own ``comm_exposed_s_ep`` / ``comm_exposed_s_pp``.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ import torch
 
 from ..comm import ops
 from ..comm.stats import STATS, CommStats
-from ..comm.timing import Interval
+from ..comm.timing import Interval, on_cuda
 from ..metrics.ranklog import StepProbe
 
 # Collectives that are not a step's traffic (loss averaging, validation, router-load sums, the workers' agreement
@@ -47,6 +52,16 @@ class StepResult:
     grad_norm: float
     skipped: bool
     comm_bytes_by_dim: Optional[dict] = None  # per parallel dimension ('dp', 'tp'); None where not counted
+    comm_s_by_dim: Optional[dict] = None  # seconds in each dimension's collectives (issue to completion; None: untimed)
+    comm_exposed_by_dim: Optional[dict] = None  # the part of them the step waited for (None: not measured)
+
+    @property
+    def comm_bytes_total(self) -> Optional[int]:
+        """Bytes this rank sent in the step over every dimension (None when a dimension's are not counted)."""
+        by = self.comm_bytes_by_dim
+        if not by:
+            return self.comm_bytes
+        return None if any(v is None for v in by.values()) else sum(by.values())
 
 
 @dataclass
@@ -66,6 +81,7 @@ class PendingStep:
     data_wait_s: float
     comm_waited_s: float  # host-timed waits of a sync strategy
     exposed_comm: Callable[[], float]  # reads the DDP timer's events
+    comm_times: Callable[[], dict]  # reads the step's seconds per dimension: {dim: (seconds, exposed or None)}
     comm_bytes: dict  # per parallel dimension: bytes this rank sent (None where not counted)
     tokens: int
     lr: float  # the learning rate this step's update used
@@ -75,12 +91,19 @@ class PendingStep:
 
     def settle(self) -> StepResult:
         if self._settled is None:
-            comm = self.comm_waited_s + self.exposed_comm()
+            times = self.comm_times()
+            dp_time, dp_exposed = times.get("dp", (0.0, None))
+            if not times.pop("dp_unmeasured", False):
+                times["dp"] = (dp_time, self.comm_waited_s + self.exposed_comm() + (dp_exposed or 0.0))
+            comm = sum(times[d][1] or 0.0 for d in ("dp", "fsdp", "tp") if d in times)
+            dims = [d for d in self.comm_bytes if d in times or self.comm_bytes[d] is not None]
             self._settled = StepResult(
                 loss=float(self.loss), step_time_s=self.step_time_s,
                 compute_s=max(0.0, self.step_time_s - self.data_wait_s - comm), comm_exposed_s=comm,
                 data_wait_s=self.data_wait_s, comm_bytes=self.comm_bytes.get("dp"), tokens=self.tokens,
                 comm_bytes_by_dim=self.comm_bytes,
+                comm_s_by_dim={d: times.get(d, (0.0, 0.0))[0] for d in dims},
+                comm_exposed_by_dim={d: times.get(d, (0.0, 0.0))[1] for d in dims},
                 grad_norm=float(self.grad_norm), skipped=bool(self.skipped))
         return self._settled
 
@@ -90,11 +113,17 @@ class StepBytes:
     dimension.
 
     * ``dp``: syncwise's own collectives (``syncwise.comm.STATS``: DDP's hook, compressors, sync strategies, a
-      pipeline stage's replicas) plus FSDP2's collectives, which bypass syncwise.comm and are counted by the
-      layout's dispatch counter; None when the gradient traffic is not seen at all (torch's own comm hooks);
-    * ``tp``: DTensor's collectives (the layout's dispatch counter);
-    * ``pp``: the activations and their gradients sent to the neighbouring stages;
-    * ``ep``: the expert all-to-alls, counted where they are issued (``parallel.expert_parallel.EP_STATS``).
+      pipeline stage's replicas) plus FSDP2's over the replicas (HSDP's all-reduce: the layout's dispatch counter;
+      FSDP2 sharded over replicas: its timed comms); None when the gradient traffic is not seen at all (torch's
+      own comm hooks). Seconds: ``STATS``' clock; exposed: DDP's bucket timer (or the stage sync's), the sync
+      strategy's host-timed waits, FSDP2's blocking calls;
+    * ``fsdp``: FSDP2's all-gathers and reduce-scatters inside a replica group (``dp_shard``): counted and timed
+      by its custom comms (``parallel.fsdp.attach_timing``);
+    * ``tp``: DTensor's collectives (the layout's dispatch counter, which also times them);
+    * ``pp``: the activations and their gradients sent to the neighbouring stages; seconds: the step's time its
+      stages did not compute (transfers and bubble);
+    * ``ep``: the expert all-to-alls, counted and timed where they are issued (``parallel.expert_parallel.EP_STATS``;
+      synchronous on the CPU: exposed = their time; on a GPU exposed is not measured).
 
     Not a step's traffic, and so in none of them: :data:`CONTROL_STATS` (the loss's mean, validation, router loads),
     the gradient norm's combination across stages (``tensor_parallel.NORM_STATS``), the preemption flag. The
@@ -109,10 +138,14 @@ class StepBytes:
             from ..parallel.expert_parallel import EP_STATS
             self.ep_stats = EP_STATS
         self._marks = (0, 0)
+        self._time_marks = (0.0, 0.0)
+        params = next(iter(par.model.parameters()), None) if hasattr(par, "model") else None
+        self.cuda = params is not None and on_cuda(params.device)
 
     def begin(self) -> None:
         """Mark the counters: collectives between steps (checkpoint agreement, resume) are not the step's."""
         self._marks = (STATS.total_bytes, self.ep_stats.total_bytes if self.ep_stats is not None else 0)
+        self._time_marks = (STATS.total_time_s, self.ep_stats.total_time_s if self.ep_stats is not None else 0.0)
         self.par.begin_step()  # arms the layout's dispatch counter (FSDP2 / DTensor) for this step
 
     def end(self) -> dict[str, Optional[int]]:
@@ -124,6 +157,29 @@ class StepBytes:
         if self.ep_stats is not None:
             out["ep"] = self.ep_stats.total_bytes - self._marks[1]
         return out
+
+    def times(self) -> Callable[[], dict]:
+        """A reader of the step's seconds per dimension since :meth:`begin`: ``{dim: (seconds, exposed seconds or
+        None)}``; the layout's clocks (FSDP2, DTensor, the pipeline) plus ``STATS``' ('dp', its exposed part comes
+        from the layout's DDP timer: see ``PendingStep.settle``) and the expert all-to-alls'. Read when the row is
+        settled: CUDA events then have long completed."""
+        layout = self.par.take_times()
+        # the process-wide clocks are read now, at the step's end (later they would hold the next step's)
+        dp_s = STATS.total_time_s - self._time_marks[0]
+        ep_s = self.ep_stats.total_time_s - self._time_marks[1] if self.ep_stats is not None else None
+        cuda, untimed = self.cuda, not self.par.dp.sync_timed  # DDP's built-in all-reduce, torch's hooks
+        unmeasured = not self.par.replicas_timed  # HSDP's all-reduce: neither its time nor its exposed part
+
+        def read() -> dict:
+            out = layout()
+            dp = out.get("dp", (0.0, None))
+            out["dp"] = (None, None) if unmeasured else (None if untimed else dp[0] + dp_s, dp[1])
+            if unmeasured:
+                out["dp_unmeasured"] = True
+            if ep_s is not None:  # synchronous all-to-alls on the CPU: the step waits for all of it
+                out["ep"] = (ep_s, None if cuda else ep_s)
+            return out
+        return read
 
 
 class StepMeter:
@@ -191,12 +247,14 @@ class StepMeter:
         """Close the step (its loader ``batches``, the ``lr`` its update used): its bytes, the loss's mean, the
         clock; the numbers the loop settles later."""
         comm_bytes = self.bytes.end()
+        comm_times = self.bytes.times()
         if self._loss_work is not None:
             self._loss_work.wait()
         self.step += 1  # phases set between steps belong to the next one
         return PendingStep(step=self.step - 1, loss=loss, grad_norm=grad_norm, skipped=skipped,
                            step_time_s=self._clock.stop().seconds(), data_wait_s=self._data,
-                           comm_waited_s=self._waited, exposed_comm=self._exposed, comm_bytes=comm_bytes,
+                           comm_waited_s=self._waited, exposed_comm=self._exposed, comm_times=comm_times,
+                           comm_bytes=comm_bytes,
                            tokens=tokens_of(batches) * self.par.dp_size, lr=lr,
                            micro_batch=self.batcher.size if self.batcher is not None else None,
                            parallel_metrics={**self.par.step_metrics(), **self.probe.take()})

@@ -381,6 +381,7 @@ class OptimizedTrainer:
     def _finish(self, history: list[StepResult], wall: float, cloud_config: Any, layout_check: Any) -> dict[str, Any]:
         """The run's summary: the steps' figures, this rank's checkpoint saves, the layout check, a preemption."""
         summary = self._summary(history, self._val_loss, wall)
+        summary.update(self._job_bytes(summary))
         if self.checkpointer is not None:
             # This rank's save costs (rank 0's total_s runs until the checkpoint is published).
             summary["checkpoint_saves"] = [
@@ -728,9 +729,15 @@ class OptimizedTrainer:
                "tokens_per_s": tps,
                "step_time_s": r.step_time_s,
                "compute_s": r.compute_s, "comm_exposed_s": r.comm_exposed_s, "data_wait_s": r.data_wait_s,
-               "comm_bytes": r.comm_bytes, "grad_norm": r.grad_norm, "peak_mem_mb": peak_memory_mb(self.device)}
+               "comm_bytes": r.comm_bytes_total, "grad_norm": r.grad_norm,
+               "peak_mem_mb": peak_memory_mb(self.device)}
+        # per parallel dimension (dp, fsdp, tp, pp, ep): bytes, seconds, exposed seconds (train.meter.StepBytes)
         for dim, n in (r.comm_bytes_by_dim or {}).items():
             row[f"comm_bytes_{dim}"] = n
+        for dim, t in (r.comm_s_by_dim or {}).items():
+            row[f"comm_s_{dim}"] = t
+        for dim, t in (r.comm_exposed_by_dim or {}).items():
+            row[f"comm_exposed_s_{dim}"] = t
         util = mfu(self.flops_per_token, tps / self.world_size, self.peak.flops)
         if util is not None:
             row["mfu"] = util
@@ -756,6 +763,8 @@ class OptimizedTrainer:
                            step_time_s=r.get("step_time_s") or 0.0, compute_s=r.get("compute_s") or 0.0,
                            comm_exposed_s=r.get("comm_exposed_s") or 0.0, data_wait_s=r.get("data_wait_s") or 0.0,
                            comm_bytes=r.get("comm_bytes"),
+                           comm_bytes_by_dim=_by_dim(r, "comm_bytes_"), comm_s_by_dim=_by_dim(r, "comm_s_"),
+                           comm_exposed_by_dim=_by_dim(r, "comm_exposed_s_"),
                            tokens=round((r.get("tokens_per_s") or 0.0) * (r.get("step_time_s") or 0.0)),
                            grad_norm=r.get("grad_norm") or 0.0, skipped=bool(r.get("skipped")))
                 for r in sorted(rows, key=lambda r: r["step"])]
@@ -784,8 +793,9 @@ class OptimizedTrainer:
             "compute_share": parts["compute_s"] / max(step_time, 1e-9),
             "comm_exposed_share": parts["comm_exposed_s"] / max(step_time, 1e-9),
             "data_wait_share": parts["data_wait_s"] / max(step_time, 1e-9),
-            "comm_bytes_per_step": (sum(r.comm_bytes for r in steady) / n)
-            if steady and all(r.comm_bytes is not None for r in steady) else None,
+            "comm_bytes_per_step": (sum(r.comm_bytes_total for r in steady) / n)
+            if steady and all(r.comm_bytes_total is not None for r in steady) else None,
+            **per_dimension(steady, step_time),
             "layout": describe_layout(self.par),
             "compressor": self.compress_spec, "sync": self.sync_spec,
             "sync_rounds": getattr(self.sync, "syncs", None),
@@ -795,6 +805,24 @@ class OptimizedTrainer:
             **warmup_figures(warm, in_warmup, never_left, self.step, self.compress_spec
                              if warmup_steps(self.compressor, None) == warm else self.sync_spec),
         }
+
+    def _job_bytes(self, summary: dict[str, Any]) -> dict[str, Any]:
+        """The whole job's bytes per step, in total and per parallel dimension (``job_comm_bytes_per_step[_<dim>]``):
+        every rank's steady-state figures summed (one small all-reduce at the end of the run, control traffic).
+        Rank 0's own figures show one rank; a pipeline's stages and expert-parallel ranks send different amounts.
+        A dimension that some rank does not count (None) sums to None."""
+        if self.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
+            return {}
+        keys = ["comm_bytes_per_step"] + [f"comm_bytes_per_step_{d}" for d in DIMENSIONS]
+        # absent: this rank sent nothing in that dimension (0); present but None: not counted (NaN sums to NaN)
+        values = torch.tensor([0.0 if k not in summary else math.nan if summary[k] is None else float(summary[k])
+                               for k in keys], dtype=torch.float64, device=self.device)
+        ops.all_reduce(values, "sum", stats=CONTROL_STATS)
+        out: dict[str, Any] = {}
+        for k, v in zip(keys, values.tolist()):
+            if k == keys[0] or v != 0.0:
+                out["job_" + k] = v if math.isfinite(v) else None
+        return out
 
     def _total_steps(self, loader: Iterable, epochs: Optional[int], steps: Optional[int]) -> int:
         if (epochs is None) == (steps is None):
@@ -833,6 +861,36 @@ class OptimizedTrainer:
         """Sum over the ranks that hold the same layers (a pipeline stage's data-parallel ranks; every rank
         otherwise): the MoE load counts, whose layers differ between stages."""
         ops.all_reduce(tensor, "sum", group=self.par.dp_group, stats=CONTROL_STATS)
+
+
+DIMENSIONS = ("dp", "fsdp", "tp", "pp", "ep")
+
+
+def _by_dim(row: dict, prefix: str) -> Optional[dict]:
+    """A metrics.jsonl row's per-dimension values under ``prefix`` (``comm_bytes_`` → {'dp': ..., 'tp': ...})."""
+    out = {d: row[prefix + d] for d in DIMENSIONS if prefix + d in row}
+    return out or None
+
+
+def per_dimension(steady: list, step_time: float) -> dict[str, Any]:
+    """Summary keys per parallel dimension over the steady steps: ``comm_bytes_per_step_<dim>``,
+    ``comm_s_per_step_<dim>`` (seconds in its collectives), ``comm_exposed_share_<dim>`` (its exposed seconds / the
+    step; None where not measured, e.g. FSDP2's on a GPU)."""
+    out: dict[str, Any] = {}
+    n = max(len(steady), 1)
+    for dim in DIMENSIONS:
+        rows = [r for r in steady if dim in (r.comm_bytes_by_dim or {}) or dim in (r.comm_s_by_dim or {})]
+        if not rows or len(rows) != len(steady) or not any((r.comm_bytes_by_dim or {}).get(dim) or
+                                                           (r.comm_s_by_dim or {}).get(dim) for r in rows):
+            continue  # absent, or a dimension of one rank (nothing sent)
+        sent = [(r.comm_bytes_by_dim or {}).get(dim) for r in rows]
+        out[f"comm_bytes_per_step_{dim}"] = sum(sent) / n if all(b is not None for b in sent) else None
+        took = [(r.comm_s_by_dim or {}).get(dim) for r in rows]
+        out[f"comm_s_per_step_{dim}"] = sum(took) / n if all(t is not None for t in took) else None
+        exposed = [(r.comm_exposed_by_dim or {}).get(dim) for r in rows]
+        out[f"comm_exposed_share_{dim}"] = (sum(exposed) / n / max(step_time, 1e-9)
+                                            if all(e is not None for e in exposed) else None)
+    return out
 
 
 def warmup_steps(compressor: Any, sync: Any) -> int:
