@@ -229,7 +229,7 @@ def _peak_rss_mb(rank, world, spec, steps):
 def test_fp8_peak_memory_stays_near_fp32_ddp():
     # issue 26: fp8 decoded each bucket into fresh bucket-sized buffers on gloo's callback thread; on CPU glibc's
     # arenas fragmented and the resident set grew every step (2,409 MB vs fp32 DDP's 617 MB over 400 `small`
-    # steps). Here, 20 steps: before the fix fp8 peaked at ~1.95x fp32's (766 vs 390 MB), after it at ~1.3x.
+    # steps). Here, 20 steps: before the fix fp8 peaked at 2.2x fp32's (826 vs 377 MB), after it at 1.22x (458 vs 376).
     fp32 = max(run_workers(_peak_rss_mb, 2, "none", 20))
     fp8 = max(run_workers(_peak_rss_mb, 2, "fp8", 20))
-    assert fp8 <= 1.5 * fp32, (fp8, fp32)
+    assert fp8 <= 1.4 * fp32, (fp8, fp32)

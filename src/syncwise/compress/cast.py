@@ -104,12 +104,21 @@ class FP8Compressor(GatherCompressor):
         b = self.config.block
         n = x.numel()
         nb = -(-n // b)
-        xp = (x if n == nb * b else torch.nn.functional.pad(x, (0, nb * b - n))).view(nb, b)
-        scale = xp.abs().amax(1).div_(torch.finfo(_FP8).max).clamp_min_(torch.finfo(torch.float32).tiny)
-        # codes of the first n elements, then the scales (the zero padding of the last block is not sent)
+        # codes of the first n elements, then the scales (the zero padding of the last block is not sent); in passes of
+        # whole blocks, so no temporary is bucket-sized (see _CHUNK)
         payload = torch.empty(n + 4 * nb, dtype=torch.uint8, device=x.device)
-        q = torch.div(xp, scale[:, None]).to(_FP8).view(-1)[:n]
-        payload[:n].copy_(q.view(torch.uint8))
+        scale = torch.empty(nb, dtype=torch.float32, device=x.device)
+        step = max(b, self._CHUNK // b * b)
+        for start in range(0, n, step):
+            stop = min(start + step, n)
+            m, blocks = stop - start, -(-(stop - start) // b)
+            xc = x[start:stop]
+            xp = (xc if m == blocks * b else torch.nn.functional.pad(xc, (0, blocks * b - m))).view(blocks, b)
+            sc = scale[start // b:start // b + blocks]
+            torch.amax(xp.abs(), 1, out=sc)
+            sc.div_(torch.finfo(_FP8).max).clamp_min_(torch.finfo(torch.float32).tiny)
+            q = torch.div(xp, sc[:, None]).to(_FP8).view(-1)[:m]
+            payload[start:stop].copy_(q.view(torch.uint8))
         payload[n:].copy_(scale.view(torch.uint8))
         local = self._decode_sum(payload[None], sizes, n) if self.config.error_feedback else None
         return payload, local
