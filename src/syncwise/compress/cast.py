@@ -123,12 +123,13 @@ class FP8Compressor(GatherCompressor):
         local = self._decode_sum(payload[None], sizes, n) if self.config.error_feedback else None
         return payload, local
 
-    #: elements decoded per pass (a multiple of any block size up to it): each pass's index and value buffers are
-    #: 1 MB, reused pass after pass. Decoding a whole 25 MB bucket at once made two fresh 4-bytes-per-element
+    #: elements encoded or decoded per pass (whole blocks; at least one): each pass's temporaries are ~1 MB (the decode
+    #: reuses its index and value buffers pass after pass). Decoding a whole 25 MB bucket at once made two fresh 4-bytes-per-element
     #: temporaries per payload on gloo's callback thread every step; on CPU glibc then raised its mmap threshold to
     #: their size and served them from that thread's arena, whose heaps fragmented: the workers' resident set
     #: grew by ~15 MB a step (`small`, 400 steps: 2,409 MB against fp32 DDP's 617 MB, issue 26). The sum's own
-    #: buffer is made by ``pack`` on the hook's thread (``_decode_buffer``) for the same reason.
+    #: buffer is made by ``pack`` on the hook's thread (``_decode_buffer``) for the same reason; the encode's
+    #: bucket-sized |x|, x/scale and fp8 temporaries were the rest of the growth.
     _CHUNK: ClassVar[int] = 1 << 18
 
     def _decode_buffer(self, n, device):
