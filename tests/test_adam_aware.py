@@ -171,6 +171,15 @@ def test_bad_specs_fail_in_one_line_before_workers_start(key, value, words):
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("sync", ["streaming:fragments=2", "sparseloco"])
+@pytest.mark.parametrize("layout", [{"parallel.dp_shard": 2}, {"parallel.dp_shard": 2, "parallel.dp_replicate": 2, "dist.nproc": 4}])
+def test_streaming_and_sparseloco_under_fsdp2_or_hsdp_are_refused_saying_why(sync, layout):
+    with pytest.raises(ConfigError) as e:
+        build_config(None, {**layout, "parallel.sync": sync})
+    text = str(e.value)
+    assert "parallel.sync" in text and sync in text and "whole replicas" in text and "\n" not in text
+
+
 # ------------------------------------------------------------------------------------------- time to loss
 def _time_to_loss():
     import importlib.util

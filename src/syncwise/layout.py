@@ -667,8 +667,10 @@ class Layout:
         # The reduced-sync strategies average whole replicas; sharded, tensor, pipeline and expert parallel split
         # a replica over ranks.
         if s is not None:
-            raise ConfigError("parallel.sync", _text(s), f"every-step with {lay._split_by()}: local SGD, DiLoCo and "
-                              "Pipe-SGD average whole replicas, which these layouts split")
+            raise ConfigError("parallel.sync", _text(s), f"every-step with {lay._split_by()}: local SGD, DiLoCo, "
+                              "Streaming DiLoCo, SparseLoCo and Pipe-SGD average whole replicas, which these layouts "
+                              "split (HSDP's replica groups would allow an outer step per shard over dp_replicate: "
+                              "not built)")
         if c.is_none:
             return lay
         if lay.fsdp:

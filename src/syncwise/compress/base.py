@@ -455,6 +455,8 @@ class Packed:
     #: tensors ``commit``/decode read that were made while packing (the staged residual): on CUDA the decode may
     #: run on another stream, which must ``record_stream`` them (comm.streams)
     streamed: tuple = ()
+    #: the decode's fp32 output, allocated while packing (on the hook's thread), or None: the decode allocates it
+    out: Optional[torch.Tensor] = None
 
 
 _FLAG_BYTES = 4  # an int32 at the end of every gather payload: 1 if this rank's bucket held NaN/Inf
@@ -481,8 +483,14 @@ class GatherCompressor(Compressor):
         raise NotImplementedError
 
     def _decode_sum(self, gathered: torch.Tensor, sizes: list[int], n: int) -> torch.Tensor:
-        """Sum of the decoded payloads of all ranks (``gathered`` is world x payload bytes)."""
+        """Sum of the decoded payloads of all ranks (``gathered`` is world x payload bytes). A compressor whose
+        :meth:`_decode_buffer` gives a buffer also takes it as ``out=``."""
         raise NotImplementedError
+
+    def _decode_buffer(self, n: int, device: torch.device) -> Optional[torch.Tensor]:
+        """The fp32 buffer the decode of an ``n``-element bucket writes, made by :meth:`pack` — on the thread that
+        packs, not on the collective's callback thread (see ``FP8Compressor._CHUNK``) — or None."""
+        return None
 
     def _compensate(self, comp: list[torch.Tensor], keys: list[str]) -> torch.Tensor:
         """The vector to encode: a fresh copy (gradient + residual); must not change the state."""
@@ -503,7 +511,7 @@ class GatherCompressor(Compressor):
     def pack(self, comp: list[torch.Tensor], keys: list[str], raw: list[torch.Tensor], rank: int) -> Packed:
         """This rank's payload for one all-gather: the encoded ``comp``, ``raw`` as fp32 bytes, the
         non-finite flag. The state is not touched here (see :class:`Packed`)."""
-        parts, flags, encoded, staged, made = [], [], 0, None, ()
+        parts, flags, encoded, staged, made, out = [], [], 0, None, (), None
         if comp:
             x = self._compensate(comp, keys)
             flags.append(nonfinite_flag([x]))  # before _staged_state reuses x for the residual
@@ -512,12 +520,13 @@ class GatherCompressor(Compressor):
             made = (x,) if local is None else (x, local)
             parts.append(payload)
             encoded = payload.numel()
+            out = self._decode_buffer(x.numel(), x.device)
         if raw:
             flat = flatten(raw)
             flags.append(nonfinite_flag([flat]))
             parts.append(flat.view(torch.uint8))
         parts.append(torch.stack(flags).amax().to(torch.int32).reshape(1).view(torch.uint8))
-        return Packed(torch.cat(parts), encoded, staged, made)
+        return Packed(torch.cat(parts), encoded, staged, made + (() if out is None else (out,)), out)
 
     def unpack_sum(self, gathered: torch.Tensor, packed: Packed, comp: list[torch.Tensor],
                    raw: list[torch.Tensor], world: int) -> torch.Tensor:
@@ -530,7 +539,8 @@ class GatherCompressor(Compressor):
         encoded = packed.encoded
         if comp:
             sizes = sizes_of(comp)
-            total = self._decode_sum(gathered[:, :encoded], sizes, sum(sizes))
+            total = (self._decode_sum(gathered[:, :encoded], sizes, sum(sizes)) if packed.out is None
+                     else self._decode_sum(gathered[:, :encoded], sizes, sum(sizes), out=packed.out))
             unflatten_into(total.div_(div), comp)
         if raw:
             values = gathered[:, encoded:-_FLAG_BYTES].contiguous().view(torch.float32)
