@@ -353,7 +353,7 @@ def _venv(path: Path, torch_version: str | None, with_pip: bool = False) -> str:
 
 
 @pytest.mark.parametrize("req, rest", [("requirements.txt", "numpy rich matplotlib"),
-                                       ("requirements-dev.txt", "numpy rich matplotlib pytest tensorboard hypothesis kubernetes-validate==1.37.0 jsonschema pyyaml lightning==2.6.6 accelerate==1.15.0 transformers==5.23.0 prometheus_client==0.26.0 wandb==0.30.0 tokenizers==0.23.3 datasets==5.2.0")])
+                                       ("requirements-dev.txt", "numpy rich matplotlib pytest tensorboard hypothesis kubernetes-validate==1.37.0 jsonschema pyyaml lightning==2.6.6 accelerate==1.15.0 transformers==5.23.0 prometheus_client==0.26.0 wandb==0.30.0 tokenizers==0.23.3 datasets==5.2.0 torchft==0.2.0")])
 def test_setup_keeps_an_installed_torch(req, rest, tmp_path):
     python = _venv(tmp_path / "cuda", "2.11.0+cu130")
     r = _setup(python, req, SYNCWISE_SETUP_DRY_RUN="1")

@@ -63,4 +63,6 @@ def test_a_killed_lab_node_is_relaunched_and_its_replica_heals_from_the_live_pee
     assert (run / "ft" / "replica1.0").is_dir() and (1, 3) in attempts
     assert attempts[(1, 3)]["heals"], "the replacement did not heal from the live peer"
     sizes = [q["replicas"] for q in attempts[(0, 0)]["quorum_changes"]]
-    assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2  # shrank to the survivor, grew back
+    # the survivor's quorum starts and ends with both replicas; it shrank to the survivor in between unless the
+    # replacement was back before the lighthouse's heartbeat timeout (then it joined the next quorum directly)
+    assert sizes[0] == 2 and sizes[-1] == 2 and set(sizes) <= {1, 2}

@@ -23,11 +23,14 @@ log stays empty and doctor falls back to per-rank step times.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import time
 from pathlib import Path
 from typing import Any, Optional
+
+log = logging.getLogger(__name__)
 
 DEFAULT_BUFFER = 2000           # torch's default TORCH_FR_BUFFER_SIZE when the variable is unset
 
@@ -146,8 +149,8 @@ class ArrivalLog:
             lines.append(json.dumps(out, separators=(",", ":")) + "\n")
         self._per_step = max(1.0, len(new) / len(self._steps))
         self._steps.clear()
-        with open(self.path, "a") as f:
-            f.write("".join(lines))
+        if not self._write("".join(lines), "a"):
+            return
         self._last_dump = time.monotonic()
         self.reads += 1
         self.steps_logged += len(lines)
@@ -159,4 +162,16 @@ class ArrivalLog:
         self.flush()
         if self.enabled:
             cost = {"reads": self.reads, "read_s": self.read_s, "steps": self.steps_logged}
-            self.path.with_suffix(".cost.json").write_text(json.dumps(cost) + "\n")
+            self._write(json.dumps(cost) + "\n", "w", self.path.with_suffix(".cost.json"))
+
+    def _write(self, text: str, mode: str, path: Optional[Path] = None) -> bool:
+        """Append or write; a diagnostics log never ends a run (nor hides the error that is ending it): on a
+        full disk or a lost directory it warns once and stops logging."""
+        try:
+            with open(path or self.path, mode) as f:
+                f.write(text)
+            return True
+        except OSError as e:
+            log.warning("arrival log %s: %s; no more arrivals are logged in this run", path or self.path, e)
+            self.enabled = False
+            return False
