@@ -147,3 +147,20 @@ def test_step_rows_carry_a_timestamp(tmp_path):
     logger._file.close()
     for rows in (read_jsonl(tmp_path / "metrics.jsonl"), read_jsonl(tmp_path / "ranks" / "rank1.jsonl")):
         assert len(rows) == 1 and before <= rows[0]["time"] <= _time.time() + 1
+
+
+def test_a_full_disk_under_the_rank_log_warns_once_and_training_goes_on(tmp_path, caplog):
+    """A diagnostics log never ends a run nor hides the error that does (the checkpoint's full-disk message): a
+    write that fails with ENOSPC (/dev/full) warns once; later steps and the run's end write nothing and raise
+    nothing."""
+    from syncwise.metrics.ranklog import RankLog
+
+    ranklog = RankLog(tmp_path, rank=0, world_size=1)
+    ranklog._file.close()
+    ranklog._file = open("/dev/full", "a")  # every flush fails with ENOSPC, as on a full disk
+    with caplog.at_level("WARNING", logger="syncwise.metrics.ranklog"):
+        for step in range(1, 4000):  # enough rows to fill the buffer and force writes
+            ranklog.log_step({"step": step, "loss": 1.0})
+        ranklog.finish({"steps": 3999})
+    assert len([r for r in caplog.records if "rank log" in r.getMessage()]) == 1
+    assert not (tmp_path / "ranks" / "rank0.json").exists()

@@ -20,6 +20,7 @@ device tensor until the row is read (one step late on a GPU).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -27,6 +28,8 @@ from typing import Any, Optional
 
 from ..comm.stats import STATS, CommStats
 from .logger import read_jsonl
+
+log = logging.getLogger(__name__)
 
 #: keys of a trainer row copied into the rank's own log
 RANK_KEYS = ("step", "step_time_s", "compute_s", "data_wait_s", "comm_exposed_s", "compress_s", "ep_comm_s",
@@ -118,13 +121,19 @@ class RankLog:
         if self._file is not None:
             out = {k: plain(v) for k, v in row.items() if k in RANK_KEYS or k.startswith(DIMENSION_PREFIXES)}
             out.setdefault("time", round(time.time(), 4))
-            self._file.write(json.dumps(out) + "\n")
+            try:
+                self._file.write(json.dumps(out) + "\n")
+            except OSError as e:
+                self._give_up(e)
 
     def finish(self, summary: dict[str, Any]) -> None:
         """Write ``rank{R}.json``: this run's collectives per op, checkpoint saves and step totals."""
         if self._file is None:
             return
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError as e:
+            return self._give_up(e)
         self._file = None
         out = {"rank": self.rank, "world_size": self.world_size, "steps": summary.get("steps"),
                "mean_step_time_s": summary.get("mean_step_time_s"), "comm": STATS.since(self._stats_mark),
@@ -134,5 +143,19 @@ class RankLog:
             out[name] = stats.since(mark)
         path = self.dir / f"rank{self.rank}.json"
         tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(out, indent=1) + "\n")
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(json.dumps(out, indent=1) + "\n")
+            os.replace(tmp, path)
+        except OSError as e:
+            self._give_up(e)
+
+    def _give_up(self, error: OSError) -> None:
+        """A diagnostics log never ends a run nor hides the error ending it (a full disk: the checkpoint's own
+        message must reach the user): warn once and log no more (as the arrival log and the watchdog do)."""
+        log.warning("rank log %s: %s; this rank's steps are no longer logged in this run", self.dir, error)
+        f, self._file = self._file, None
+        if f is not None:
+            try:
+                f.close()
+            except OSError:
+                pass

@@ -25,6 +25,7 @@ import contextlib
 import itertools
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -338,21 +339,37 @@ class OptimizedTrainer:
         except RuntimeError as e:
             raise self._explain_hang(e) from e
         finally:
-            if arrivals is not None:
-                arrivals.finish()
-            self.preemption.uninstall()
-            if self.watchdog is not None:
-                self.watchdog.close()
-                self.watchdog = None
-            self.par.close()
-            if self.live is not None:
-                self.live.close()
+            self._clean_up(arrivals)
         summary = self._finish(history, time.perf_counter() - started, cloud_config, layout_check)
         logger.finish(summary)
         rank_log.finish(summary)
         if self._run_dir_lock is not None:
             self._run_dir_lock.release()
         return self.preemption.finish(summary)  # raises Preempted (exit code 83) after a stop
+
+    def _clean_up(self, arrivals: Any) -> None:
+        """The loop's cleanup, every part of it run. While an error is ending the run, a cleanup's own error
+        (a full disk under a log's last flush) is printed, never raised over it: the user must see what ended the
+        run. Without one, the first cleanup error is raised after the rest have run."""
+        watchdog, self.watchdog = self.watchdog, None
+        parts = [arrivals.finish if arrivals is not None else None, self.preemption.uninstall,
+                 watchdog.close if watchdog is not None else None, self.par.close,
+                 self.live.close if self.live is not None else None]
+        ending = sys.exc_info()[1]
+        first: Optional[BaseException] = None
+        for part in parts:
+            if part is None:
+                continue
+            try:
+                part()
+            except Exception as e:  # noqa: BLE001 — every part runs; see the docstring for which error is raised
+                if ending is not None:
+                    print(f"syncwise: rank {self.rank}: while ending on {type(ending).__name__}, cleanup "
+                          f"{getattr(part, '__qualname__', part)} failed too: {e}", file=sys.stderr, flush=True)
+                elif first is None:
+                    first = e
+        if first is not None:
+            raise first
 
     def _open(self, loader: Any, checkpoint_dir: Optional[str], resume: Optional[str]) -> tuple[TrainState, Any]:
         """The checkpointer, the run directory's claim, the train state, and the resume: (state, steps redone;
