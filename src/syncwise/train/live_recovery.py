@@ -148,8 +148,14 @@ class LiveRecovery:
             connect_timeout=timedelta(seconds=self.quorum_timeout_s),
             checkpoint_transport=_transport(timedelta(seconds=self.timeout_s)))
         self.manager.load_state_dict({"step": trainer.step, "batches_committed": 0})
-        self._wait_for_the_others_at_start()
+        deadline = self._wait_for_the_others_at_start()
         self._quorum(trainer.step + 1)
+        while deadline is not None and self.participants < self.replicas and time.monotonic() < deadline:
+            # A fresh job's first quorum must hold every replica group: a group whose Manager had not heartbeated
+            # yet is not waited for by the lighthouse (a loaded machine), so ask again until all are in (nobody
+            # trains before: every group loops here), or until quorum_timeout_s (a group that never came up)
+            time.sleep(0.1)
+            self._quorum(trainer.step + 1)
         self._quorum_ready = True
         if self.manager.current_step() == 0 and trainer.step == 0:
             step = resume_fallback()
@@ -292,18 +298,21 @@ class LiveRecovery:
         for name, value in sd.items():
             state[name].load_state_dict(value)
 
-    def _wait_for_the_others_at_start(self) -> None:
+    def _wait_for_the_others_at_start(self) -> Optional[float]:
         """A fresh job (this group's first attempt): wait up to ``quorum_timeout_s`` until every configured replica
         group is up (its status file), so the first quorum holds them all; otherwise the first to start would
-        train alone and the others join later as replacements. A restarted group joins at once."""
+        train alone and the others join later as replacements. A restarted group joins at once (None); a fresh
+        one gets the deadline until which its first quorum may be asked again (see :meth:`join`)."""
         self._record_status(-1 if self._trainer is None or not self._trainer.step else self._trainer.step)
-        if self.status_dir is None or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
-            return
+        if self.status_dir is None or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 or \
+                (self._trainer is not None and self._trainer.step):
+            return None
         deadline = time.monotonic() + self.quorum_timeout_s
         while time.monotonic() < deadline:
             if all((self.status_dir / f"replica{r}.json").exists() for r in range(self.replicas)):
-                return
+                break
             time.sleep(0.1)
+        return deadline
 
     def _record_status(self, step: int) -> None:
         if self.status_dir is None:
