@@ -1,8 +1,9 @@
-"""A micro-batch's fixed host cost on this machine's CPU: forward + backward of one preset at micro-batch sizes
-1, 2 and 4 sequences in one process (1 thread), time = fixed + per-sequence × size (least squares over the sizes'
-fastest repetitions). The fixed part divided by the cost model's kernels per micro-batch (``plan.cost.kernels_per_microbatch``)
-is the host cost per kernel that ``syncwise.plan.whatif.CPU_KERNEL_HOST_S`` holds; doctor scales it to a run's
-speed and prices "more micro-batches" with it when the run itself did not record two micro-batch sizes.
+"""A micro-batch's fixed host cost on this machine's CPU, measured outside a run: forward + backward of one preset
+at micro-batch sizes 1, 2 and 4 sequences in one process (1 thread), time = fixed + per-sequence × size (least
+squares over each size's fastest repetition). Doctor does not read it: it takes the fixed cost from the run (two or
+more recorded micro-batch sizes) or brackets it (``syncwise.doctor.analyze._microbatch_evidence``, ``_Model``);
+this script checks that bracket on a quiet machine (on a loaded one the fit is noise: it measured −15 to +72 ms
+for small-dense within a minute on the shared 2-core machine).
 
     python benchmarks/microbatch_cost.py [--preset small-dense] [--seq-len 64] [--reps 15]
 """
