@@ -19,6 +19,14 @@ Parallel efficiency = compute / (step + checkpoint stall per step). Each cause i
 time it loses per step, the evidence in numbers, and a recommendation whose gain is predicted — by
 ``syncwise.plan.whatif`` (the cost model calibrated on this run) where the change is one the model covers
 (compressor, bucket size, pipeline micro-batches), else by removing the measured loss.
+
+What-if is given what the run measured, not an ideal: the overlap of gradient communication with the backward the
+run supports (``facts['overlap']``: none on a CPU over loopback, the measured hidden share where the collectives
+were timed, else unknown) and a micro-batch's fixed host cost (``facts['microbatch_fixed']``: fitted from recorded
+micro-batch sizes, else bracketed). What it cannot tell is bracketed (:class:`_Model`), and a change is recommended
+only where every end of the bracket predicts it faster; else the finding says it is predicted slower or that the
+run cannot tell, with no flag. Rebalanced experts are not predicted (their per-expert calls are not recorded). The
+link finding is split by parallel dimension (``comm_exposed_s_<dim>``).
 """
 from __future__ import annotations
 

@@ -193,7 +193,8 @@ def _fixed_before(m: Measured) -> float:
 
 def microbatch_cost(p: Prediction, fixed_s: float) -> float:
     """What ``fixed_s`` per micro-batch adds to a predicted step: once per micro-batch, and under a pipeline once per
-    bubble slot too (a stage idles for the neighbour's micro-batch, fixed cost included): M / (1 − bubble fraction)."""
+    bubble slot too (a stage idles for the neighbour's micro-batch, fixed cost included): M / (1 − bubble
+    fraction)."""
     if not fixed_s:
         return 0.0
     frac = min(float(p.info.get("bubble_fraction", 0.0) or 0.0), 0.99)
