@@ -770,12 +770,17 @@ class _Model:
         if mb["fixed_s"] is not None:
             self.fixed, self.fixed_known = [mb["fixed_s"]], True
         else:
-            # at most: the run's busy time per micro-batch beyond its FLOPs at the accelerator's peak
-            cloud, training = calibrated_cloud(m)
-            p = predict(cloud, m.model, m.layout, m.global_batch, m.seq_len, training=training,
-                        syncwise_rules=False, matmul_efficiency=1.0)
+            # at most: the run's busy time per micro-batch beyond its FLOPs at the accelerator's peak (where the
+            # model cannot say, all of it)
             M = max(m.layout.microbatches or 1, 1)
-            mb["bound_s"] = max(0.0, (m.compute_s - _compute_part(p)) / M)
+            try:
+                cloud, training = calibrated_cloud(m)
+                p = predict(cloud, m.model, m.layout, m.global_batch, m.seq_len, training=training,
+                            syncwise_rules=False, matmul_efficiency=1.0)
+                flops_s = _compute_part(p)
+            except Exception:
+                flops_s = 0.0
+            mb["bound_s"] = max(0.0, (m.compute_s - flops_s) / M)
             self.fixed = [0.0, mb["bound_s"]]
         self.measured = dataclasses.replace(m, overlap=self.overlaps[0], microbatch_fixed_s=self.fixed[0])
 
