@@ -16,6 +16,9 @@ Each run is a real `syncwise train` (2 workers, gloo, CPU) into its own run dire
 flag doctor printed for the top cause, applied to the same command line. Where doctor's change is not a flag
 (replace a straggler's node, make the loader keep up, rebalance experts), the rerun removes the planted fault
 instead and the row says so: that measures what doctor says the cause costs, not a flag's effect.
+Where doctor recommends no flag (it predicts none to help, or says it cannot tell) the row is not rerun and counts
+as not helped; ``declined`` counts those rows and ``predicted_direction_right`` / ``_wrong`` the rows whose
+prediction was tested.
 Step = wall time per optimizer step including checkpoint stalls (doctor's wall_step_s), steady steps.
 Results: benchmarks/results/doctor-fixes-<UTC date>.json (or --json).
 """
@@ -145,6 +148,30 @@ def same_settings(after: Path, before: Path) -> bool:
     return key(a) == key(b)
 
 
+def applied(after: Path, argv: list[str]) -> bool:
+    """Whether the run in ``after`` was trained with ``argv`` (for --rediagnose: a rerun left by an earlier doctor
+    that recommended another change is not this recommendation's rerun)."""
+    from syncwise.config import config_from_argv
+
+    try:
+        have = json.loads((after / "config.json").read_text())
+        want = config_from_argv(list(argv)).to_dict()
+    except Exception:
+        return False
+    skip = {"run_dir", "nproc", "lab", "run"}
+
+    def flat(d: dict, pre: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, dict):
+                out.update(flat(v, f"{pre}{k}."))
+            elif k not in skip:
+                out[pre + k] = v
+        return out
+    h, w = flat(have), flat(want)
+    return all(h.get(k) == v for k, v in w.items() if k in h)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="small-dense")
@@ -200,11 +227,13 @@ def main() -> int:
                 fix, how = without_fault(argv), NOT_A_FLAG[name]
             elif top is not None and top.flag:
                 fix, how = argv + shlex.split(top.flag), top.flag
-            else:
-                fix, how = None, "no flag to apply"
+            else:  # doctor predicted no change to help, or said it cannot tell (its predicted_by says which)
+                fix, how = None, "none recommended" + (f" ({top.predicted_by})" if top is not None and
+                                                       top.predicted_by else "")
             after = None
-            if fix is not None and args.rediagnose and not same_settings(out / f"{name}-after",
-                                                                   out / f"{name}-before"):
+            if fix is not None and args.rediagnose and not (
+                    same_settings(out / f"{name}-after", out / f"{name}-before")
+                    and (name in NOT_A_FLAG or applied(out / f"{name}-after", fix))):
                 fix, how = None, how + " (no rerun with these settings in --out)"
             if fix is not None:
                 if not args.rediagnose:
@@ -223,6 +252,8 @@ def main() -> int:
             row = {"cause": name, "planted": flags, "named_first": top.cause if top else None,
                    "named_correctly": bool(top and top.cause == cause), "fix": how,
                    "helped": bool(after_s and after_s < before_s),
+                   "declined": bool(top is not None and name not in NOT_A_FLAG and not top.flag),
+                   "verdict": (top.details or {}).get("verdict") if top else None,
                    "predicted_direction_right": (None if after_s is None or predicted is None else
                                                  (predicted < d.wall_s) == (after_s < before_s)),
                    "step_before_s": before_s, "step_after_s": after_s,
@@ -261,6 +292,9 @@ def main() -> int:
               "machine": "shared: 2 CPU cores used by several sessions at once; ratios within a row are paired "
                          "(before and after back to back), absolute times are not a speed claim",
               "named_first": sum(r["named_correctly"] for r in rows), "helped": sum(r["helped"] for r in rows),
+              "declined": sum(r["declined"] for r in rows),
+              "predicted_direction_right": sum(r["predicted_direction_right"] is True for r in rows),
+              "predicted_direction_wrong": sum(r["predicted_direction_right"] is False for r in rows),
               "rows_total": len(rows), "live": live,
               "smoke": args.smoke,
               "repeat": args.repeat, "preset": args.preset, "steps": args.steps, "seq_len": args.seq_len,

@@ -19,6 +19,14 @@ Parallel efficiency = compute / (step + checkpoint stall per step). Each cause i
 time it loses per step, the evidence in numbers, and a recommendation whose gain is predicted — by
 ``syncwise.plan.whatif`` (the cost model calibrated on this run) where the change is one the model covers
 (compressor, bucket size, pipeline micro-batches), else by removing the measured loss.
+
+What-if is given what the run measured, not an ideal: the overlap of gradient communication with the backward the
+run supports (``facts['overlap']``: none on a CPU over loopback, the measured hidden share where the collectives
+were timed, else unknown) and a micro-batch's fixed host cost (``facts['microbatch_fixed']``: fitted from recorded
+micro-batch sizes, else bracketed). What it cannot tell is bracketed (:class:`_Model`), and a change is recommended
+only where every end of the bracket predicts it faster; else the finding says it is predicted slower or that the
+run cannot tell, with no flag. Rebalanced experts are not predicted (their per-expert calls are not recorded). The
+link finding is split by parallel dimension (``comm_exposed_s_<dim>``).
 """
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from . import arrivals as arrival_log
+from .dimensions import DIMENSIONS, WORDS, by_dimension
 from .rundir import Run
 
 PARTS = ("compute", "straggler_wait", "data_wait", "compress", "comm_dp", "comm_ep", "expert_wait", "pp_bubble",
@@ -226,7 +235,13 @@ def diagnose(run: Run, predict: bool = True) -> Diagnosis:
     parts["other"] = max(0.0, step + stall - sum(parts.values()))
     wall = step + stall
 
-    facts = _facts(run, per_rank, use, world, wire)
+    # the gradient (dp) share of the exposed communication, where the ranks logged it per dimension (tp's and
+    # FSDP2's exposed time is in comm_exposed_s too): what the gradient link is calibrated on
+    dp_exposed = [_mean([_num(by_rank[r][s], "comm_exposed_s_dp") for s in use]) for r in ranks
+                  if all("comm_exposed_s_dp" in by_rank[r][s] for s in use)]
+    wire_dp = max(0.0, min(min(dp_exposed) - compress_exposed, wire)) if len(dp_exposed) == len(ranks) else wire
+    facts = _facts(run, per_rank, use, world, wire_dp)
+    facts["dp_exposed_s"] = wire_dp
     facts.update(slowest_rank=slowest, slowest_excess_s=excess, data_rank=data_rank,
                  checkpoint_saves_during_run=len(during), checkpoint_blocking_per_save_s=(
                      stall * max(steps_done, 1) / len(during) if during else 0.0), checkpoint_inflight_s=inflight)
@@ -236,6 +251,9 @@ def diagnose(run: Run, predict: bool = True) -> Diagnosis:
         calls = [arr.grad_calls[s] for s in use if s in arr.grad_calls]
         if calls:
             facts["grad_calls_per_step"] = statistics.median(calls)
+    facts["by_dimension"] = by_dimension(run.ranks, use)
+    facts["overlap"] = _overlap_evidence(run, facts)
+    facts["microbatch_fixed"] = _microbatch_evidence(run, by_rank[ref_rank], use, facts)
     diag = Diagnosis(run, steps_done, use, world, step, wall, parts, per_rank, [], facts)
     diag.arrivals, diag.verdict = arr, verdict
     diag.findings = _findings(diag, by_rank, use, predict)
@@ -250,6 +268,58 @@ def _inflight_cost(rows: dict[int, dict], use: list[int]) -> float:
         return 0.0
     extra = _mean([rows[s]["step_time_s"] for s in flagged]) - _mean([rows[s]["step_time_s"] for s in clear])
     return max(0.0, extra) * len(flagged) / len(use)
+
+
+def _overlap_evidence(run: Run, f: dict[str, Any]) -> dict[str, Any]:
+    """How much of the gradient sync this run hid behind its backward, from its own numbers: ``credit`` is the
+    fraction of the cost model's overlap what-if may count on (None: this run cannot tell), ``why`` says from what.
+
+    * a CPU run without a shaped link (gloo over loopback): 0 — gloo's reductions and copies run on the cores the
+      backward uses, so a reduction that "hides" slows the backward by as much (smaller buckets measured 0.64× on
+      the lab's CPUs, benchmarks/RESULTS.md §11b); the measured hidden share is reported beside it;
+    * else, where the run timed its gradient collectives (``comm_s_dp``) and the step's wait for them
+      (``comm_exposed_s_dp``) and sent more than one per step: the measured hidden seconds (total − exposed),
+      turned into a fraction of the model's own hidden time by ``_Model``;
+    * else (DDP's built-in all-reduce is not timed; one bucket cannot show overlap): None."""
+    dp = (f.get("by_dimension") or {}).get("dp") or {}
+    took, exposed = dp.get("comm_s"), dp.get("exposed_s")
+    hidden = max(0.0, took - exposed) if took is not None and exposed is not None and took > 0 else None
+    share = hidden / took if hidden is not None else None
+    calls = f.get("grad_calls_per_step") or f.get("buckets") or 0
+    device = str(run.summary.get("device") or run.summary.get("accelerator") or run.cfg("dist", "device", "") or "")
+    out = {"credit": None, "hidden_s": hidden, "hidden_share": share, "device": device or None, "why": ""}
+    seen = f"measured {share:.0%} of the gradient communication hidden" if share is not None else \
+        "its hidden share not measured (DDP's own all-reduce is not timed)"
+    if device.startswith("cpu") and not f.get("lab"):
+        out["credit"] = 0.0
+        out["why"] = ("a CPU run over loopback: gloo's reductions run on the cores the backward uses, so what hides "
+                      f"behind the backward slows it as much ({seen})")
+    elif hidden is not None and calls > 1:
+        out["measured"] = True
+        out["why"] = f"{seen} in this run ({calls:g} collectives per step)"
+    else:
+        out["why"] = (f"this run cannot show it ({seen}" + ("; one collective per step cannot overlap" if calls <= 1
+                                                            else "") + ")")
+    return out
+
+
+def _microbatch_evidence(run: Run, rows: dict[int, dict], use: list[int], f: dict[str, Any]) -> dict[str, Any]:
+    """A micro-batch's fixed host cost (seconds per micro-batch per stage rank, forward + backward), from the run:
+    where its rows record two or more micro-batch sizes (``micro_batch``: DynamicBatcher at a constant batch), the
+    slope of the step's compute over the number of micro-batches (compute = n × fixed + rows × per-row + the
+    optimizer). Else ``fixed_s`` None (``_Model`` then brackets it)."""
+    batch = int(f.get("batch_size") or 0)
+    pts = [(math.ceil(batch / int(rows[s]["micro_batch"])), _num(rows[s], "compute_s")) for s in use
+           if batch and isinstance(rows[s].get("micro_batch"), int) and rows[s]["micro_batch"] > 0]
+    ns = {n for n, _ in pts}
+    if len(ns) >= 2:
+        mx = _mean([n for n, _ in pts])
+        my = _mean([c for _, c in pts])
+        var = sum((n - mx) ** 2 for n, _ in pts)
+        slope = sum((n - mx) * (c - my) for n, c in pts) / var
+        return {"fixed_s": max(0.0, slope), "by": f"the step's compute over {len(ns)} recorded micro-batch counts "
+                f"({', '.join(str(n) for n in sorted(ns))}; {len(pts)} steps)"}
+    return {"fixed_s": None, "by": "one micro-batch size recorded: fixed and per-sequence cost cannot be told apart"}
 
 
 def _facts(run: Run, per_rank: dict, use: list[int], world: int, wire: float) -> dict[str, Any]:
@@ -353,17 +423,23 @@ def _findings(d: Diagnosis, by_rank: dict, use: list[int], predict: bool) -> lis
         out.append(_bubble_finding(d, model, removed))
     # expert load imbalance
     if f["expert_imbalance"] > 1.5 or p["expert_wait"] > 0:
-        after, eff = removed(p["expert_wait"])
         e = f["expert_imbalance"]
         cost = (f"ranks wait {_ms(p['expert_wait'])} longer than others in the expert all-to-alls"
                 if f["ep"] > 1 else "with every expert on every rank (ep 1) it costs no waiting, but it would "
                 "under expert parallel")
+        # Rebalanced routing gives tokens to experts that had few or none: their per-expert GEMM calls (each with a
+        # fixed host cost) come back, and the ranks that waited compute more. The runs record the all-to-alls
+        # (calls, bytes, seconds) but not the per-expert calls or their cost, so no speed-up is predicted: the wait
+        # is the most it can save.
+        ep_calls = sum(((t.get("ep") or {}).get("all_to_all") or {}).get("calls", 0) for t in d.run.totals.values())
         out.append(Finding(
             "expert_imbalance", "load imbalance across MoE experts", p["expert_wait"],
             f"the most loaded expert gets {e:.1f}× the mean load (max/mean over routed tokens); {cost}",
             "balance the routing: keep the router's bias update on (model bias_update_rate > 0) and give it "
-            "steps to act, or fewer experts per expert-parallel rank", "", after, eff, "measured loss removed",
-            {"imbalance": e}))
+            "steps to act, or fewer experts per expert-parallel rank — at most "
+            f"{_ms(p['expert_wait'])} per step saved (the wait); not predicted: the per-expert calls rebalancing "
+            "adds are not recorded, so their cost cannot be priced", "", None, None, "not priced",
+            {"imbalance": e, "max_saving_s": p["expert_wait"], "ep_all_to_all_calls": ep_calls}))
     # compression compute on the critical path
     if p["compress"] > 0:
         out.append(_compression_finding(d, model, removed))
@@ -426,7 +502,22 @@ def _checkpoint_finding(d: Diagnosis, removed) -> Finding:
                    {"blocking_per_save_s": per_save, "saves": saves, "synchronous": sync})
 
 
+def _verdict(span: Optional[tuple[float, float]], wall: float) -> str:
+    """'faster' where every end of a predicted range is below the measured step, 'slower' where none is, else
+    'unknown' (the run's evidence allows either)."""
+    if span is None:
+        return "unknown"
+    return "faster" if span[1] < wall else "slower" if span[0] >= wall else "unknown"
+
+
+def _range_words(span: tuple[float, float]) -> str:
+    return _ms(span[0]) if abs(span[1] - span[0]) < 5e-4 else f"{_ms(span[0])}–{_ms(span[1])}"
+
+
 def _bubble_finding(d: Diagnosis, model: "Optional[_Model]", removed) -> Finding:
+    """The pipeline bubble. More micro-batches shrink it as (p − 1)/(M + p − 1) but each pays a fixed host cost
+    (Python, kernel dispatch, the schedule's sends): the change is recommended only where the cost model, with the
+    run's fixed cost per micro-batch (measured, or bracketed where the run cannot tell it), predicts it faster."""
     p, f, wall = d.parts, d.facts, d.wall_s
     M = int(f["microbatches"] or 0) or 2 * f["pp"]
     batch = int(f["batch_size"] or M)
@@ -436,20 +527,39 @@ def _bubble_finding(d: Diagnosis, model: "Optional[_Model]", removed) -> Finding
                 f"the bubble shrinks as (p − 1)/(M + p − 1)")
     finding = Finding("pipeline_bubble", "pipeline bubble", p["pp_bubble"], evidence,
                       "more micro-batches per step (or a zero-bubble schedule: --parallel.pp_schedule=interleaved-zb "
-                      "with 2 stages per rank)")
-    if options:
-        best = options[-1]
+                      "with 2 stages per rank; not priced)")
+    mb = f.get("microbatch_fixed") or {}
+    fixed = mb.get("fixed_s")
+    cost = (f"a micro-batch's fixed host cost of {_ms(fixed)} ({mb.get('by')})" if fixed is not None else
+            f"a micro-batch's fixed host cost between 0 and {_ms(mb.get('bound_s') or 0.0)} ({mb.get('by', '')}; "
+            "at most its time beyond its FLOPs at the accelerator's peak)")
+    spans = {m: model.span(microbatches=m) for m in options} if model is not None and model.measured else {}
+    spans = {m: v for m, v in spans.items() if v is not None}
+    finding.details = {"microbatch_fixed_s": fixed, "microbatch_fixed_bound_s": mb.get("bound_s"),
+                       "predicted_range_s": {str(m): list(v) for m, v in spans.items()}}
+    if not spans:
+        finding.recommendation += (" — not predicted: without the cost model the fixed cost per micro-batch cannot "
+                                   "be weighed against the bubble")
+        finding.predicted_by = "not priced"
+        return finding
+    best = min(spans, key=lambda m: spans[m][1])
+    verdict = _verdict(spans[best], wall)
+    finding.details["verdict"] = verdict
+    if verdict == "faster":
         finding.flag = f"--parallel.microbatches={best}"
-        finding.recommendation = f"split the batch into {best} micro-batches instead of {M}"
-        pred = model.whatif(microbatches=best) if model is not None else None
-        if pred is not None:
-            finding.predicted_step_s, finding.predicted_by = pred, "cost model"
-        else:
-            frac = (f["pp"] - 1) / (best + f["pp"] - 1)
-            compute = d.step_s - p["pp_bubble"]
-            finding.predicted_step_s, finding.predicted_by = wall - p["pp_bubble"] + compute * frac / (1 - frac), \
-                "bubble formula"
+        finding.recommendation = f"split the batch into {best} micro-batches instead of {M} (priced with {cost})"
+        finding.predicted_step_s, finding.predicted_by = spans[best][1], "cost model + micro-batch host cost"
         finding.predicted_efficiency = p["compute"] / finding.predicted_step_s
+    elif verdict == "slower":
+        finding.recommendation = (f"not more micro-batches: with {cost}, {best} micro-batches are predicted slower "
+                                  f"({_range_words(spans[best])} against {_ms(wall)}); a zero-bubble schedule "
+                                  "(--parallel.pp_schedule=interleaved-zb, not priced) or fewer stages")
+        finding.predicted_by = "cost model + micro-batch host cost (predicted slower: not recommended)"
+    else:
+        finding.recommendation = (f"cannot tell from this run whether more micro-batches help: with {cost}, {best} "
+                                  f"micro-batches are predicted at {_range_words(spans[best])} against {_ms(wall)} "
+                                  f"now; try --parallel.microbatches={best} and compare the runs (syncwise doctor A B)")
+        finding.predicted_by = "cost model: cannot tell (fixed cost per micro-batch unknown)"
     return finding
 
 
@@ -474,6 +584,7 @@ def _bucket_and_link_findings(d: Diagnosis, model: "Optional[_Model]", removed) 
     p, f, wall = d.parts, d.facts, d.wall_s
     out = []
     wire = p["comm_dp"]
+    ov = f.get("overlap") or {}
     if f["dp"] <= 1:
         return out
     buckets, cap = f["buckets"], f["bucket_cap_mb"]
@@ -492,9 +603,9 @@ def _bucket_and_link_findings(d: Diagnosis, model: "Optional[_Model]", removed) 
         call_s = w.per_call_s if w is not None and w.per_call_s else DDP_CALL_S
         # DDP's per-bucket cost lands inside the backward (it is counted as compute): each collective's host cost,
         # measured per call on this kind of machine (slower as the run's compute is), times the calls a 25 MB
-        # cap saves (the bytes stay the same: the wire time does not shrink with fewer buckets)
+        # cap saves (the bytes stay the same: the wire time does not shrink with fewer buckets); the model's
+        # answer (at the slow end of the overlap the run supports: one bucket hides nothing) bounds it
         per_call = (calls - after_calls) * call_s
-        # the model's answer, bounded by the evidence (the calls' measured cost and the exposed wire)
         lost = min(max(0.0, wall - step), per_call) if step is not None else per_call
         fixable = min(lost, wire)
         seen = "the ranks issued" if f.get("grad_calls_per_step") else "the cap makes"
@@ -509,35 +620,105 @@ def _bucket_and_link_findings(d: Diagnosis, model: "Optional[_Model]", removed) 
             f"larger buckets: --dist.bucket_cap_mb={target:g} ({after_calls} collective"
             f"{'s' if after_calls > 1 else ''} per step)", f"--dist.bucket_cap_mb={target:g}",
             max(1e-9, wall - lost), p["compute"] / max(1e-9, wall - lost),
-            "cost model" if step is not None else "measured per-call cost", {"buckets": buckets, "calls": calls}))
+            "cost model" if step is not None else "measured per-call cost",
+            {"buckets": buckets, "calls": calls, "overlap_credit": ov.get("credit")}))
     if wire <= 0:
         return out
-    if not too_small and buckets is not None and buckets <= 2 and grad_mb >= 1.0:
-        target = max(1.0, round(grad_mb / 4, 1))
-        step = model.whatif(bucket_cap_mb=target) if model is not None else None
-        backward = 2 / 3 * p["compute"] / max(f["grad_accum"], 1)
-        lost = max(0.0, wall - step) if step is not None else min(wire * (1 - 1 / 4), backward)
-        lost = min(lost, wire)
-        fixable = lost
-        out.append(Finding(
-            "buckets_too_large", "gradient buckets too large", lost,
-            f"bucket_cap_mb={cap:g} puts all {grad_mb:.1f} MB of gradients in {buckets} bucket"
-            f"{'s' if buckets > 1 else ''}: the all-reduce starts only when the backward has ended, so none of "
-            f"its {_ms(wire)} hides behind the ~{_ms(backward)} backward",
-            f"smaller buckets, so all but the last overlap the backward: --dist.bucket_cap_mb={target:g}",
-            f"--dist.bucket_cap_mb={target:g}", max(1e-9, wall - lost), p["compute"] / max(1e-9, wall - lost),
-            "cost model" if step is not None else "overlap estimate", {"buckets": buckets}))
-    link_lost = max(0.0, wire - fixable)
+    if not too_small and buckets is not None and buckets <= 2 and grad_mb >= 1.0 and f.get("dp_exposed_s", wire) > 0:
+        out.append(_buckets_too_large(d, model, target=max(1.0, round(grad_mb / 4, 1)), grad_mb=grad_mb))
+        fixable = out[-1].lost_s
+    out.append(_link_finding(d, model, max(0.0, wire - fixable)))
+    return out
+
+
+def _buckets_too_large(d: Diagnosis, model: "Optional[_Model]", target: float, grad_mb: float) -> Finding:
+    """All gradients in one or two buckets: the all-reduce starts after the backward. What that exposes is the
+    finding's loss; whether smaller buckets win it back depends on the overlap this run's machine supports
+    (``facts['overlap']``): smaller buckets are recommended only where the model, at that overlap and with the
+    extra calls' host cost, predicts them faster; else the cheaper way to shorten the exposed all-reduce (fewer
+    bytes: the cost model's best compressor) where it is predicted faster, else nothing."""
+    p, f, wall = d.parts, d.facts, d.wall_s
+    wire, buckets, cap = f.get("dp_exposed_s", p["comm_dp"]), f["buckets"], f["bucket_cap_mb"]
+    ov = f.get("overlap") or {}
+    backward = 2 / 3 * p["compute"] / max(f["grad_accum"], 1)
+    span = model.span(bucket_cap_mb=target) if model is not None else None
+    verdict = _verdict(span, wall)
+    # what the layout exposes: all but the last of ~4 buckets could run during the backward
+    exposed_by_layout = min(wire * (1 - 1 / 4), backward, wire)
+    lost = min(max(0.0, wall - span[1]), wire) if verdict == "faster" else exposed_by_layout
+    evidence = (f"bucket_cap_mb={cap:g} puts all {grad_mb:.1f} MB of gradients in {buckets} bucket"
+                f"{'s' if buckets > 1 else ''}: the all-reduce starts only when the backward has ended, so none of "
+                f"its {_ms(wire)} hides behind the ~{_ms(backward)} backward; overlap on this machine: "
+                f"{ov.get('why') or 'unknown'}")
+    finding = Finding("buckets_too_large", "gradient buckets too large", lost, evidence,
+                      details={"buckets": buckets, "overlap_credit": ov.get("credit"), "verdict": verdict,
+                               "smaller_buckets_range_s": list(span) if span else None})
+    if verdict == "faster":
+        finding.recommendation = f"smaller buckets, so all but the last overlap the backward: --dist.bucket_cap_mb=" \
+            f"{target:g}"
+        finding.flag, finding.predicted_step_s, finding.predicted_by = f"--dist.bucket_cap_mb={target:g}", span[1], \
+            "cost model (overlap as measured)"
+    else:
+        why = (f"smaller buckets (--dist.bucket_cap_mb={target:g}) are predicted slower here "
+               f"({_range_words(span)} against {_ms(wall)}: their reductions would not hide, and each adds a call)"
+               if verdict == "slower" and span else
+               f"this run cannot show whether smaller buckets (--dist.bucket_cap_mb={target:g}) would hide behind "
+               "the backward" + (f" (predicted {_range_words(span)} against {_ms(wall)})" if span else ""))
+        best = model.best_compressor(exclude=f["compressor"]) if model is not None else None
+        if best is not None:
+            spec, step = best
+            finding.recommendation = f"{why}; fewer bytes shorten the exposed all-reduce: --compress {spec}"
+            finding.flag, finding.predicted_step_s, finding.predicted_by = f"--compress {spec}", step, "cost model"
+        else:
+            finding.recommendation = why + "; no change is predicted to help"
+            finding.predicted_by = "cost model: no change predicted to help" if span else "not priced"
+    if finding.predicted_step_s is not None:
+        finding.predicted_efficiency = p["compute"] / finding.predicted_step_s
+    return finding
+
+
+def _link_finding(d: Diagnosis, model: "Optional[_Model]", link_lost: float) -> Finding:
+    """The exposed communication the buckets do not explain, split by parallel dimension (dp, fsdp, tp make up the
+    exposed communication; the pipeline's and the expert all-to-alls' waits are shown beside them): the title names
+    the dimension whose traffic is exposed most; a compressor is recommended for gradient (dp) traffic, which is
+    what it shrinks."""
+    p, f, wall = d.parts, d.facts, d.wall_s
+    wire = p["comm_dp"]
     bw = f["effective_bandwidth_bytes_s"]
     where = "the network lab's shaped link" if f["lab"] else "the link between the ranks"
-    evidence = (f"exposed gradient communication is {_ms(wire)} per step ({_pct(wire / wall)} of the step) for "
-                f"{(f['dp_bytes_per_step'] or 0) / 2**20:.2f} MB sent per rank")
+    dims = f.get("by_dimension") or {}
+    exposed = {k: v["exposed_s"] for k, v in dims.items() if k in ("dp", "fsdp", "tp") and v.get("exposed_s")}
+    total = sum(exposed.values())
+    split = {k: link_lost * v / total for k, v in exposed.items()} if total > 0 else {"dp": link_lost}
+    top = max(split, key=split.get)
+    per_dim = []
+    for k in DIMENSIONS:
+        v = dims.get(k)
+        if not v or not (v.get("exposed_s") or v.get("bytes_per_step")):
+            continue
+        text = f"{k} ({WORDS[k]}) {_ms(v['exposed_s'] or 0.0)} exposed"
+        if v.get("comm_s") is not None:
+            text += f" of {_ms(v['comm_s'])}"
+        if v.get("bytes_per_step") is not None:
+            text += f", {v['bytes_per_step'] / 2**20:.2f} MB"
+        per_dim.append(text)
+    evidence = (f"exposed communication is {_ms(wire)} per step ({_pct(wire / wall)} of the step) for "
+                f"{(f['dp_bytes_per_step'] or 0) / 2**20:.2f} MB of gradients sent per rank")
+    if per_dim:
+        evidence += "; by dimension (mean rank, per step): " + "; ".join(per_dim)
     if bw:
         evidence += f"; {where} moves {bw * 8 / 1e6:,.0f} Mbit/s effective ({bw / 2**20:,.1f} MiB/s)"
-    finding = Finding("link", "slow or saturated link", link_lost, evidence,
-                      "send fewer bytes (a gradient compressor), or a faster / less shared link",
-                      details={"effective_bandwidth_bytes_s": bw})
-    best = model.best_compressor(exclude=f["compressor"]) if model is not None else None
+    names = [k for k in sorted(split, key=split.get, reverse=True) if split[k] >= 0.1 * link_lost] or [top]
+    title = "slow or saturated link: " + " and ".join(f"{k} ({WORDS[k]})" for k in names) + " traffic exposed"
+    rec = {"dp": "send fewer gradient bytes (a gradient compressor), or a faster / less shared link",
+           "fsdp": "FSDP2's gathers and reduce-scatters are exposed: shard over fewer ranks (HSDP: --parallel."
+                   "dp_shard within a node, replicas across), or a faster link",
+           "tp": "tensor-parallel collectives are exposed: keep tp within the fastest link (a node), or a lower "
+                 "--parallel.tp"}[top]
+    finding = Finding("link", title, link_lost, evidence, rec,
+                      details={"effective_bandwidth_bytes_s": bw, "dimension": top,
+                               "lost_by_dimension_s": split, "by_dimension": dims})
+    best = model.best_compressor(exclude=f["compressor"]) if model is not None and top == "dp" else None
     if best is not None:
         spec, step = best
         finding.flag, finding.predicted_step_s, finding.predicted_by = f"--compress {spec}", step, "cost model"
@@ -545,47 +726,107 @@ def _bucket_and_link_findings(d: Diagnosis, model: "Optional[_Model]", removed) 
     else:
         finding.predicted_step_s, finding.predicted_by = max(1e-9, wall - link_lost), "measured loss removed"
     finding.predicted_efficiency = p["compute"] / finding.predicted_step_s
-    out.append(finding)
-    return out
+    return finding
 
 
 # ---------------------------------------------------------------------------------------------- the cost model
 class _Model:
-    """``syncwise.plan.whatif`` on this run (None predictions when the run cannot be described to it)."""
+    """``syncwise.plan.whatif`` on this run (None predictions when the run cannot be described to it).
+
+    What the run cannot tell the model is bracketed, and a prediction is the range over the bracket's ends:
+    the overlap credit (``facts['overlap']``; unknown: 0 and 1) and, for a change of micro-batches, a micro-batch's
+    fixed host cost (``facts['microbatch_fixed']``; unknown: 0 and the most the run's micro-batch time leaves
+    beyond its FLOPs at the accelerator's peak). ``whatif`` answers the range's slow end, so a change is
+    recommended only where every end the measurements allow predicts it faster."""
 
     def __init__(self, d: Diagnosis):
         self.d, self.error, self.measured = d, "", None
+        self.overlaps: list[float] = [0.0, 1.0]
+        self.fixed: list[float] = [0.0]
+        self.fixed_known = False
         try:
             self.measured = _measured(d)
+            self._calibrate()
         except Exception as e:  # a user model, an old config: doctor still diagnoses, without predictions
             self.error = f"{type(e).__name__}: {e}"
+            self.measured = None
 
-    def whatif(self, **change: Any) -> Optional[float]:
-        """The predicted wall step after ``change`` (the measured wall step moved by the model's difference). A new
-        compressor also drops the measured compression compute the model under- or over-predicted before."""
+    def _calibrate(self) -> None:
+        """The overlap credit and the micro-batch cost bracket from the run's evidence (facts)."""
+        import dataclasses
+
+        from ..plan.whatif import _compute_part, calibrated_cloud, predict, whatif
+
+        f, m = self.d.facts, self.measured
+        ov = f["overlap"]
+        if ov["credit"] is None and ov.get("measured"):
+            before = whatif(m, self.d.wall_s).before
+            model_hidden = max(0.0, before.info.get("dp_comm_total", 0.0) - before.breakdown["dp_comm_exposed"])
+            ov["credit"] = min(1.0, ov["hidden_s"] / model_hidden) if model_hidden > 0 else 1.0
+            ov["why"] += f": {ov['credit']:.0%} of the {model_hidden * 1e3:,.1f} ms the cost model would hide"
+        if ov["credit"] is not None:
+            self.overlaps = [ov["credit"]]
+        mb = f["microbatch_fixed"]
+        if mb["fixed_s"] is not None:
+            self.fixed, self.fixed_known = [mb["fixed_s"]], True
+        else:
+            # at most: the run's busy time per micro-batch beyond its FLOPs at the accelerator's peak (where the
+            # model cannot say, all of it)
+            M = max(m.layout.microbatches or 1, 1)
+            try:
+                cloud, training = calibrated_cloud(m)
+                p = predict(cloud, m.model, m.layout, m.global_batch, m.seq_len, training=training,
+                            syncwise_rules=False, matmul_efficiency=1.0)
+                flops_s = _compute_part(p)
+            except Exception:
+                flops_s = 0.0
+            mb["bound_s"] = max(0.0, (m.compute_s - flops_s) / M)
+            self.fixed = [0.0, mb["bound_s"]]
+        self.measured = dataclasses.replace(m, overlap=self.overlaps[0], microbatch_fixed_s=self.fixed[0])
+
+    def _scenarios(self, change: dict[str, Any]) -> list:
+        import dataclasses
+
+        fixed = self.fixed if "microbatches" in change else self.fixed[:1]
+        return [dataclasses.replace(self.measured, overlap=o, microbatch_fixed_s=c)
+                for o in self.overlaps for c in fixed]
+
+    def _all(self, **change: Any) -> list:
+        """The cost model's ``WhatIf`` for ``change`` at every end of the bracket ([] when it cannot answer)."""
         if self.measured is None:
-            return None
+            return []
         from ..plan.whatif import whatif
-        try:
-            w = whatif(self.measured, self.d.wall_s, **change)
-        except Exception as e:
-            self.d.notes.append(f"cost model: {change}: {type(e).__name__}: {e}")
-            return None
+        out = []
+        for m in self._scenarios(change):
+            try:
+                out.append(whatif(m, self.d.wall_s, **change))
+            except Exception as e:
+                self.d.notes.append(f"cost model: {change}: {type(e).__name__}: {e}")
+                return []
+        return out
+
+    def _step(self, w, change: dict[str, Any]) -> float:
         step = w.step_after_s
         if "compress" in change:
             step -= self.d.parts["compress"] - min(self.d.parts["compress"], w.before.breakdown["compress_compute"])
         return max(step, 1e-9)
 
+    def span(self, **change: Any) -> Optional[tuple[float, float]]:
+        """The predicted wall step after ``change`` at the bracket's fast and slow ends (None: no prediction)."""
+        steps = [self._step(w, change) for w in self._all(**change)]
+        return (min(steps), max(steps)) if steps else None
+
+    def whatif(self, **change: Any) -> Optional[float]:
+        """The predicted wall step after ``change`` (the measured wall step moved by the model's difference; a new
+        compressor also drops the measured compression compute the model under- or over-predicted before): the
+        slow end of what the run's evidence allows."""
+        sp = self.span(**change)
+        return sp[1] if sp is not None else None
+
     def full(self, **change: Any):
-        """The cost model's whole ``WhatIf`` for ``change`` (None without a model or when it cannot answer)."""
-        if self.measured is None:
-            return None
-        from ..plan.whatif import whatif
-        try:
-            return whatif(self.measured, self.d.wall_s, **change)
-        except Exception as e:
-            self.d.notes.append(f"cost model: {change}: {type(e).__name__}: {e}")
-            return None
+        """The cost model's whole ``WhatIf`` for ``change`` at the slow end (None without a model or an answer)."""
+        ws = self._all(**change)
+        return max(ws, key=lambda w: w.step_after_s) if ws else None
 
     def best_compressor(self, exclude: str, also: tuple[str, ...] = ()) -> Optional[tuple[str, float]]:
         best = None

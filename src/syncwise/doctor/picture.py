@@ -135,7 +135,8 @@ def render(d: Diagnosis) -> str:
         f"{_esc(x.evidence)}.<br>→ {_esc(x.recommendation)}"
         + (f" <code>{_esc(x.flag)}</code>" if x.flag else "")
         + (f" (predicted step {x.predicted_step_s * 1e3:,.0f} ms, {_esc(x.predicted_by)})"
-           if x.predicted_step_s else "") + "</li>" for x in d.findings)
+           if x.predicted_step_s else f" ({_esc(x.predicted_by)})" if x.predicted_by else "") + "</li>"
+        for x in d.findings)
     parts = "".join(f"<tr><td>{_esc(PART_WORDS[k])}</td><td>{d.parts[k] * 1e3:,.1f}</td>"
                     f"<td>{100 * d.parts[k] / d.wall_s:.0f} %</td></tr>" for k in PARTS
                     if d.parts[k] > 0 or k == "compute")

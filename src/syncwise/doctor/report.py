@@ -21,6 +21,8 @@ def headline(d: Diagnosis) -> str:
                  f"{top.predicted_efficiency:.2f} ({top.predicted_by})")
     elif top.predicted_efficiency is not None:
         text += f"; without it efficiency would be {top.predicted_efficiency:.2f} instead of {d.efficiency:.2f}"
+    elif top.predicted_by:
+        text += f"; no change recommended with a prediction ({top.predicted_by})"
     return text
 
 
@@ -75,7 +77,8 @@ def print_diagnosis(d: Diagnosis, console: Console) -> None:
             console.print(f"{i}. [bold]{x.title}[/bold]: {x.evidence}.")
             if x.recommendation:
                 console.print(f"   → {x.recommendation}" + (f" (predicted step {x.predicted_step_s * 1e3:,.0f} ms, "
-                                                             f"{x.predicted_by})" if x.predicted_step_s else ""))
+                                                             f"{x.predicted_by})" if x.predicted_step_s else
+                                                             f" ({x.predicted_by})" if x.predicted_by else ""))
     console.print(f"[bold]verdict:[/bold] {headline(d)}")
     for note in d.notes:
         console.print(f"[dim]note: {note}[/dim]")

@@ -16,6 +16,17 @@ micro-batches? The answer comes from ``predict`` on a cluster made of the run's 
 A prediction is applied as a difference: predicted step after − predicted step before is added to the measured
 step, so what the model leaves out (Python overhead, data waits, stalls) stays as measured. Pure Python; a
 preset is read through ``syncwise.plan.model.from_preset``.
+
+Two costs the ideal model leaves out are priced from the run's own measurements where it has them:
+
+* **overlap** (``Measured.overlap``): the cost model hides all but the last gradient bucket behind the backward.
+  ``overlap`` is the fraction of that credit the run supports (1: the model's ideal; 0: nothing hides, every
+  bucket's time stays on the step; None: the ideal, for callers that do not know). ``syncwise doctor`` sets it
+  from the run: the gradient communication's measured hidden share, and on a CPU without a shaped link 0 (gloo's
+  reductions run on the cores the backward uses: what "hides" slows the backward by as much);
+* **a micro-batch's fixed host cost** (``Measured.microbatch_fixed_s``, seconds per micro-batch per stage rank,
+  forward + backward: Python, kernel dispatch, the schedule's sends): the efficiency is fitted on the compute
+  without it, and a change of micro-batches pays it per micro-batch (and per bubble slot under a pipeline).
 """
 from __future__ import annotations
 
@@ -57,6 +68,8 @@ class Measured:
     accelerator: str = "cpu-lab"
     grad_calls: Optional[float] = None      # gradient collectives per step the ranks issued (flight recorder)
     per_call_s: float = DDP_CALL_S          # host cost of each, on the critical path
+    overlap: Optional[float] = None         # the fraction of the model's backward/sync overlap the run supports
+    microbatch_fixed_s: float = 0.0         # fixed host seconds per micro-batch per stage rank (fwd + bwd)
 
 
 @dataclass
@@ -71,6 +84,8 @@ class WhatIf:
     calls_before: float = 0.0     # gradient collectives per step, before and after the change
     calls_after: float = 0.0
     per_call_s: float = 0.0
+    overlap_delta_s: float = 0.0  # the overlap credit the run does not support, after − before (see Measured.overlap)
+    microbatch_delta_s: float = 0.0  # the micro-batches' fixed host cost, after − before
 
     @property
     def calls_delta_s(self) -> float:
@@ -79,7 +94,8 @@ class WhatIf:
 
     @property
     def delta_s(self) -> float:
-        return self.after.step_time_s - self.before.step_time_s + self.calls_delta_s
+        return (self.after.step_time_s - self.before.step_time_s + self.calls_delta_s + self.overlap_delta_s
+                + self.microbatch_delta_s)
 
     @property
     def step_after_s(self) -> float:
@@ -160,14 +176,41 @@ def _compute_part(p: Prediction) -> float:
 
 
 def fitted_efficiency(m: Measured, cloud: CloudConfig, training: Training) -> float:
-    """The matmul efficiency at which the model's compute equals the measured compute (a few fixed-point steps:
-    element-wise work does not scale with it)."""
-    eff = 1.0
+    """The matmul efficiency at which the model's compute equals the measured compute less the micro-batches'
+    fixed host cost (a few fixed-point steps: element-wise work does not scale with it)."""
+    eff, target = 1.0, max(m.compute_s - _fixed_before(m), 0.1 * m.compute_s, 1e-9)
     for _ in range(4):
         p = predict(cloud, m.model, m.layout, m.global_batch, m.seq_len, training=training, syncwise_rules=False,
                     matmul_efficiency=eff)
-        eff = min(1.0, max(1e-4, eff * _compute_part(p) / max(m.compute_s, 1e-9)))
+        eff = min(1.0, max(1e-4, eff * _compute_part(p) / target))
     return eff
+
+
+def _fixed_before(m: Measured) -> float:
+    """The run's own micro-batches' fixed host cost inside its measured compute (busy time: no bubble slots)."""
+    return m.microbatch_fixed_s * max(m.layout.microbatches or 1, 1)
+
+
+def microbatch_cost(p: Prediction, fixed_s: float) -> float:
+    """What ``fixed_s`` per micro-batch adds to a predicted step: once per micro-batch, and under a pipeline once per
+    bubble slot too (a stage idles for the neighbour's micro-batch, fixed cost included): M / (1 − bubble
+    fraction)."""
+    if not fixed_s:
+        return 0.0
+    frac = min(float(p.info.get("bubble_fraction", 0.0) or 0.0), 0.99)
+    return fixed_s * p.microbatches / (1.0 - frac)
+
+
+def unsupported_overlap(p: Prediction, overlap: Optional[float]) -> float:
+    """The part of the model's hidden gradient sync that the run does not support: (1 − overlap) × (sync total −
+    exposed sync), for a sync every step (local SGD's averaging has its own overlap rule); 0 for overlap None."""
+    if overlap is None:
+        return 0.0
+    b = p.breakdown
+    if b.get("sync_exposed", 0.0) > 0 or b.get("dp_comm_exposed", 0.0) <= 0:
+        return 0.0
+    hidden = max(0.0, float(p.info.get("dp_comm_total", 0.0)) - b["dp_comm_exposed"])
+    return (1.0 - min(max(overlap, 0.0), 1.0)) * hidden
 
 
 def whatif(m: Measured, measured_step_s: float, *, compress: Optional[str] = None,
@@ -197,6 +240,9 @@ def whatif(m: Measured, measured_step_s: float, *, compress: Optional[str] = Non
     # (the fitted efficiency is the run's speed against that machine's)
     per_call = m.per_call_s / eff if m.accelerator == "cpu-lab" else m.per_call_s
     w = WhatIf(change, before, after, measured_step_s, per_call_s=per_call if m.layout.dp > 1 else 0.0)
+    w.overlap_delta_s = unsupported_overlap(after, m.overlap) - unsupported_overlap(before, m.overlap)
+    # the run's fixed cost was measured at its own speed: it is not scaled by the fitted efficiency
+    w.microbatch_delta_s = microbatch_cost(after, m.microbatch_fixed_s) - microbatch_cost(before, m.microbatch_fixed_s)
     if w.per_call_s:
         cap_after = bucket_cap_mb if bucket_cap_mb is not None else m.bucket_cap_mb
         est_before = ddp_buckets(m.model, m.bucket_cap_mb) * _calls_per_bucket(m.layout)
