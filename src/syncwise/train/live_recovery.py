@@ -1,7 +1,9 @@
 """Live recovery: a data-parallel replica is the unit of failure (engine: torchft 0.2.0; docs/live-recovery.md).
 
-Each replica group (a whole copy of the model: one torchrun job of ``dist.nproc`` DDP workers) has a torchft
-``Manager``. Every optimizer step the trainer asks this object three things, on the sync-strategy seam:
+Each replica group (a whole copy of the model: one torchrun job of ``dist.nproc`` DDP workers, or FSDP2 workers
+whose shards pair up rank for rank across groups: HSDP with torchft as the replicate dimension) has a torchft
+``Manager``. Every optimizer step the trainer asks this object three things, on the sync-strategy seam (local SGD /
+DiLoCo workers as replicas: :class:`LiveOuterSync`, a quorum and a commit once per round):
 
 1. ``begin_step`` (before the step's batch): a quorum with the other replica groups through the lighthouse. A
    replica that is behind (a replacement just started, or one whose last step was discarded) receives the current
