@@ -364,7 +364,8 @@ class OptimizedTrainer:
         """The checkpointer, the run directory's claim, the train state, and the resume: (state, steps redone;
         None for a fresh run)."""
         if checkpoint_dir is not None and self.checkpointer is None:
-            self.checkpointer = SmartCheckpointer(checkpoint_dir)
+            # (live recovery: the replica groups share it; a replacement must not remove another group's save)
+            self.checkpointer = SmartCheckpointer(checkpoint_dir, shared=self.live is not None)
         if resume is not None and self.checkpointer is None:
             raise ConfigError("resume", resume, "None/False unless checkpoint_dir= is given to train() (or a "
                               "SmartCheckpointer to OptimizedTrainer): there is nothing to resume from")
