@@ -554,12 +554,13 @@ class LiveOuterSync:
             inner.syncs += 1
             self.live._record_status(step)
         else:  # back to the last outer step's parameters: this round's inner steps are discarded
-            rounds = step - self._round_start + 1
+            # (the inner AdamW keeps its moments and the LR schedule its steps, as in torchft's DiLoCo)
+            steps = step - self._round_start + 1
             self.discarded_rounds += 1
-            self.discarded_inner_steps += rounds
-            self._row = {"discarded_inner_steps": rounds}
+            self.discarded_inner_steps += steps
+            self._row = {"discarded_inner_steps": steps}
             print(f"syncwise: live recovery: replica {self.live.replica}: the outer step at step {step} did not "
-                  f"commit; the round's {rounds} inner step(s) are discarded (parameters back to the last outer "
+                  f"commit; the round's {steps} inner step(s) are discarded (parameters back to the last outer "
                   "step's)", file=sys.stderr, flush=True)
         inner._write(inner.anchor)
         return waited
