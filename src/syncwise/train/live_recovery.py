@@ -474,7 +474,8 @@ class LiveOuterSync:
        sync step's row counts them: ``discarded_inner_steps``).
 
     The trainer drives it as any sync strategy (its ``exchange`` leaves the gradients local) and checkpoints and
-    heals its state as the ``sync`` component.
+    heals its state as the ``sync`` component. It needs the manager's synchronous quorum (``use_async_quorum=False``,
+    as torchft's own DiLoCo requires): the heal must land before the round's first inner step.
     """
 
     replicas_diverge = False  # one process per replica group: nothing diverges inside the group
