@@ -86,8 +86,7 @@ def uninterrupted(tmp_path_factory):
     ({"ft.replicas": "2", "ft.lighthouse": "nohost"}, "ft.lighthouse"),
     ({"ft.replicas": "2", "ft.quorum_timeout_s": "0"}, "ft.quorum_timeout_s"),
     ({"ft.replicas": "2", "dist.nproc": "2", "parallel.tp": "2"}, "parallel.tp"),
-    ({"ft.replicas": "2", "dist.nproc": "2", "parallel.dp_shard": "2"}, "parallel.dp_shard"),
-    ({"ft.replicas": "2", "dist.nproc": "2", "parallel.sync": "localsgd:period=4"}, "parallel.sync"),
+    ({"ft.replicas": "2", "dist.nproc": "2", "parallel.sync": "localsgd:period=4"}, "dist.nproc"),
     ({"ft.replicas": "2", "dist.max_restarts": "2"}, "dist.max_restarts"),
     ({"inject_fault": ["healkill:rank=0"]}, "inject_fault"),
 ])

@@ -763,7 +763,7 @@ def check_references(cfg: RunConfig, here: bool = True) -> None:
     local, fewest, most = _workers(cfg)
     _check_layout(cfg, specs.layout, fewest, most)
     if cfg.ft.replicas:
-        _check_live_recovery(cfg, specs)
+        _check_live_recovery(cfg, specs, most)
         most *= cfg.ft.replicas  # fault ranks count over every replica group's workers
     for spec, fault in zip(cfg.inject_fault, specs.faults):
         if fault.step > cfg.train.steps:
@@ -807,21 +807,22 @@ def check_references(cfg: RunConfig, here: bool = True) -> None:
     _check_data_and_memory(cfg, local, fewest, where, specs.layout)
 
 
-def _check_live_recovery(cfg: RunConfig, specs: Any) -> None:
-    """Live recovery ([ft], docs/live-recovery.md) needs each replica group to be a whole copy of the model: DDP
-    replicas with a gradient sync every step, on one machine's processes or a cluster's (not the lab yet)."""
+def _check_live_recovery(cfg: RunConfig, specs: Any, group_world: int) -> None:
+    """Live recovery ([ft], docs/live-recovery.md): each replica group is a DDP or FSDP2 copy of the model (torchft
+    is the replicate dimension across groups: HSDP), or one local-SGD / DiLoCo worker; on one machine's processes or
+    a cluster's."""
     ft = cfg.ft
     if ft.min_replicas > ft.replicas:
         raise ConfigError("ft.min_replicas", ft.min_replicas, f"an integer from 1 to ft.replicas ({ft.replicas})")
-    for name in ("dp_shard", "tp", "pp", "ep"):
+    for name in ("tp", "pp", "ep"):
         value = getattr(cfg.parallel, name)
         if value > 1:
-            raise ConfigError(f"parallel.{name}", value, "1 with ft.replicas ≥ 2: live recovery needs each replica "
-                              "group to hold a whole copy of the model's state (DDP replicas); sharded, tensor, "
-                              "pipeline and expert groups inside a replica are not covered (docs/live-recovery.md)")
-    if specs.sync is not None:
-        raise ConfigError("parallel.sync", cfg.parallel.sync, "every-step with ft.replicas ≥ 2: local SGD / DiLoCo "
-                          "under live recovery is not covered yet (docs/live-recovery.md)")
+            raise ConfigError(f"parallel.{name}", value, "1 with ft.replicas ≥ 2: a replica group may be DDP or FSDP2 "
+                              "(parallel.dp_shard, HSDP across replica groups); tensor, pipeline and expert groups "
+                              "inside a replica are not covered (docs/live-recovery.md)")
+    from .layout import check_live_sync
+
+    check_live_sync(specs.sync, cfg.parallel.sync, group_world, cfg.parallel.dp_shard)
     if cfg.dist.lab:  # one replica group per lab node (syncwise.launch.ft_lab), the lighthouse on node 0
         from .lab.cluster import status
 

@@ -755,3 +755,43 @@ def _text(sync: SyncSpec) -> str:
 def divisors(n: int) -> str:
     small = [d for d in range(1, min(n, 64) + 1) if n % d == 0]
     return ", ".join(map(str, small)) + (" …" if n > 64 else "")
+
+
+# ----------------------------------------------------------------------------------- live recovery (ft.replicas)
+# Why each reduced-sync strategy is or is not a live-recovery worker (docs/live-recovery.md): under ft.replicas a
+# local-SGD / DiLoCo *worker* is a whole replica group of one process; its round starts with a torchft quorum and
+# ends with an outer all-reduce that commits (every replica applies it) or is discarded (back to the last outer step).
+_LIVE_SYNC_REFUSED = {
+    "torch-localsgd": "PyTorch's PeriodicModelAverager all-reduces on a fixed process group, not torchft's "
+                      "reconfigurable one (use localsgd: the same average)",
+    "pipesgd": "every gradient is applied one step late, so a step could not be committed or discarded on its own",
+    "sparseloco": "its top-k pseudo-gradients are all-gathered (torchft's manager offers only an all-reduce) and its "
+                  "per-replica error feedback would need a rollback of its own on a discarded round",
+    "streaming": "its fragments sync at staggered steps, each needing its own quorum, commit and rollback "
+                 "(torchft's DiLoCo with fragments does this; not wired into syncwise's seam)",
+}
+
+
+def check_live_sync(sync: Optional[SyncSpec], given: Any, group_world: int, dp_shard: int) -> None:
+    """The sync strategies live recovery covers: every-step (DDP or FSDP2 inside a replica group, torchft across
+    groups), and localsgd / diloco with one process per replica group, ``delay=0``, ``warmup=0``, ``dtype=fp32``.
+    Everything else: one ConfigError line naming the field, the value and what is accepted, with the reason."""
+    if sync is None:
+        return
+    accepted = "every-step, or localsgd / diloco (delay=0, warmup=0, dtype=fp32) with ft.replicas ≥ 2"
+    if sync.method in _LIVE_SYNC_REFUSED:
+        raise ConfigError("parallel.sync", given, f"{accepted}: {sync.method} is not covered: "
+                          f"{_LIVE_SYNC_REFUSED[sync.method]} (docs/live-recovery.md)")
+    if dp_shard > 1 or group_world > 1:
+        raise ConfigError("dist.nproc", group_world, f"1 (and parallel.dp_shard 1) with parallel.sync={given} and "
+                          "ft.replicas ≥ 2: each local-SGD / DiLoCo worker is one replica group of one process "
+                          "(torchft connects the groups; workers inside a group would need a second, per-step sync)")
+    for key, ok, why in (("delay", sync.delay == 0, "the outer step must commit or be discarded before the next "
+                          "round's quorum; an average in flight across a quorum change cannot be undone consistently"),
+                         ("warmup", sync.warmup == 0, "warm-up steps would need a quorum and a commit every step; "
+                          "not built"),
+                         ("dtype", sync.dtype == "fp32", "the low-precision cast's error feedback is not carried "
+                          "through torchft's all-reduce yet")):
+        if not ok:
+            raise ConfigError("parallel.sync", given, f"{accepted}: {key}={getattr(sync, key)} is not covered: {why} "
+                              "(docs/live-recovery.md)")

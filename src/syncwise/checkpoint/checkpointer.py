@@ -154,8 +154,11 @@ class SmartCheckpointer:
 
     def __init__(self, directory: str | os.PathLike, interval: int | str = "dynamic", max_checkpoints: int = 3,
                  compression: bool | str = False, async_save: bool = True, mtbf_s: float | None = None,
-                 *, calibration_steps: int = 3, layout: str | None = None):
+                 *, calibration_steps: int = 3, layout: str | None = None, shared: bool = False):
         self.directory = Path(directory)
+        # shared: other jobs save into this directory too (live recovery's replica groups): a group starting (a
+        # replacement) must not remove the unfinished save another group is writing right now as a leftover
+        self.shared = shared
         if layout is not None and not isinstance(layout, str):
             raise ConfigError("layout", layout, "a string naming the parallel layout (ParallelSpec.describe), or None")
         self.layout = layout
@@ -179,7 +182,8 @@ class SmartCheckpointer:
         self._save_pg = ops.new_group(backend="gloo", desc="checkpoint") if _dist_on() and self.async_save else None
         if self.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
-            self._remove_partials()
+            if not shared:  # (shared: the next save's own clean-up removes what a crashed save left)
+                self._remove_partials()
             self._settle_replaced()
         _barrier()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="syncwise-ckpt")

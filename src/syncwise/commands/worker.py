@@ -214,7 +214,7 @@ def train_worker(cfg: RunConfig) -> dict[str, Any]:
             checkpointer = SmartCheckpointer(
                 Path(cfg.run_dir) / "checkpoints", interval=cfg.ckpt.interval,  # 0: only the final checkpoint
                 max_checkpoints=cfg.ckpt.keep, compression=cfg.ckpt.compression, async_save=cfg.ckpt.async_save,
-                mtbf_s=cfg.ckpt.mtbf_s, layout=parallel.describe)
+                mtbf_s=cfg.ckpt.mtbf_s, layout=parallel.describe, shared=live is not None)
         trainer = OptimizedTrainer(
             model, optimizer, _loss_fn(model), compress_gradients=specs.compress, mixed_precision=cfg.train.mixed_precision,
             grad_accum_steps=cfg.train.grad_accum, clip_grad_norm=cfg.train.clip_grad, lr_scheduler=scheduler,

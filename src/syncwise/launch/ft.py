@@ -203,6 +203,8 @@ def merge_metrics(run_dir: str | Path, total_steps: int) -> dict[str, Any]:
         # a lost replica's shard: the batches of the steps it was absent for were not trained on (skipped)
         "data_skipped_by_replica": missed,
         "discarded_batches": sum(int(row.get("discarded_batches", 0)) for row in rows),
+        # local SGD / DiLoCo: the inner steps of the rounds whose outer step did not commit (their rows stay)
+        "discarded_inner_steps": sum(int(row.get("discarded_inner_steps", 0)) for row in rows),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

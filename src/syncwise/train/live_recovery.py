@@ -1,7 +1,9 @@
 """Live recovery: a data-parallel replica is the unit of failure (engine: torchft 0.2.0; docs/live-recovery.md).
 
-Each replica group (a whole copy of the model: one torchrun job of ``dist.nproc`` DDP workers) has a torchft
-``Manager``. Every optimizer step the trainer asks this object three things, on the sync-strategy seam:
+Each replica group (a whole copy of the model: one torchrun job of ``dist.nproc`` DDP workers, or FSDP2 workers
+whose shards pair up rank for rank across groups: HSDP with torchft as the replicate dimension) has a torchft
+``Manager``. Every optimizer step the trainer asks this object three things, on the sync-strategy seam (local SGD /
+DiLoCo workers as replicas: :class:`LiveOuterSync`, a quorum and a commit once per round):
 
 1. ``begin_step`` (before the step's batch): a quorum with the other replica groups through the lighthouse. A
    replica that is behind (a replacement just started, or one whose last step was discarded) receives the current
@@ -94,6 +96,7 @@ class LiveRecovery:
         self._quorum_s = self._discarded_s = 0.0     # this step's quorum time, its discarded attempts' time
         self._attempt_started = 0.0
         self._trainer: Any = None
+        self.outer: Optional["LiveOuterSync"] = None  # local SGD / DiLoCo workers as replicas (see attach)
 
     @classmethod
     def from_env(cls) -> Optional["LiveRecovery"]:
@@ -122,6 +125,16 @@ class LiveRecovery:
         while others come and go (what a lost replica's shard misses is skipped, see the module doc)."""
         return self.replica * dp_size + dp_rank, self.replicas * dp_size
 
+    def attach(self, model: Any, sync: Any) -> Any:
+        """The sync strategy the trainer drives: this object (every-step: DDP or FSDP2 inside the replica group,
+        the gradients averaged across groups every step), or for a local-SGD / DiLoCo spec (``sync``, a parsed
+        SyncSpec; syncwise.layout.check_live_sync says which) a :class:`LiveOuterSync` around syncwise's LocalSGD,
+        whose outer step goes through this object's torchft manager once per round."""
+        if sync is None:
+            return self
+        self.outer = LiveOuterSync(self, model, sync)
+        return self.outer
+
     def join(self, trainer: Any, state: Any, resume_fallback: Callable[[], Optional[int]]) -> None:
         """Start the Manager and take part in the first quorum (it counts as the quorum of the trainer's next
         step): heal from a live peer when behind. When no replica has trained yet in this quorum (a fresh job, or
@@ -147,7 +160,7 @@ class LiveRecovery:
             timeout=timedelta(seconds=self.timeout_s), quorum_timeout=timedelta(seconds=self.quorum_timeout_s),
             connect_timeout=timedelta(seconds=self.quorum_timeout_s),
             checkpoint_transport=_transport(timedelta(seconds=self.timeout_s)))
-        self.manager.load_state_dict({"step": trainer.step, "batches_committed": 0})
+        self.manager.load_state_dict({"step": self._progress(trainer.step), "batches_committed": 0})
         deadline = self._wait_for_the_others_at_start()
         self._quorum(trainer.step + 1)
         while deadline is not None and self.participants < self.replicas and time.monotonic() < deadline:
@@ -173,9 +186,16 @@ class LiveRecovery:
         if self._committed:  # a new step (not a redo of a discarded one)
             self._discarded_this_step, self._quorum_s, self._discarded_s = 0, 0.0, 0.0
         self._attempt_started = now
+        if self.outer is not None and not self._quorum_ready and not self.outer.quorum_due:
+            return  # local SGD / DiLoCo: an inner step talks to no one (the round's quorum came at its first step)
         if not self._quorum_ready:
+            if self.outer is not None:  # torchft heals the replicas behind: those with less committed progress
+                self.manager.load_state_dict({"step": self._progress(step - 1),
+                                              "batches_committed": self.manager.batches_committed()})
             self._quorum(step)
         self._quorum_ready = False
+        if self.outer is not None:
+            self.outer.round_started(self._trainer.step + 1 if self._trainer is not None else step)
         self._quorum_s += time.perf_counter() - now
 
     def syncs_gradients(self, step: int) -> bool:
@@ -188,7 +208,7 @@ class LiveRecovery:
         for p in self.params:  # a parameter unused this step (an MoE expert no token chose) on one replica only:
             if p.grad is None:  # every replica must hand the all-reduce the same buffer, so it sends zeros
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in self.params]
+        grads = [_local(p.grad) for p in self.params]  # HSDP: this rank's shard (group rank r of every replica)
         works = []
         for flat, members in _flat_buckets(grads):
             works.append((self.manager.allreduce(flat), flat, members))
@@ -235,12 +255,14 @@ class LiveRecovery:
         if self._discarded_this_step:  # the attempts that did not commit: their batches and time (outside step_time_s)
             out["discarded_batches"] = self._discarded_this_step
             out["discarded_s"] = self._discarded_s
+        if self.outer is not None:
+            out.update(self.outer.row())
         return out
 
     def summary(self) -> dict[str, Any]:
         return {"replica": self.replica, "replicas": self.replicas, "heals": self.heals,
                 "discarded_steps": self.discarded, "quorum_changes": self.changes, "fallback_step": self.fallback_step,
-                "param_digest": self.param_digest()}
+                "param_digest": self.param_digest(), **(self.outer.summary() if self.outer is not None else {})}
 
     def param_digest(self) -> Optional[str]:
         """sha256 of this rank's parameters (replicas must end identical; None above 50 M elements: too slow to
@@ -251,7 +273,8 @@ class LiveRecovery:
         if sum(p.numel() for p in params) > 50_000_000:
             return None
         h = hashlib.sha256()
-        for p in params:
+        for p in params:  # (FSDP2: the whole parameter, gathered inside the replica group; every rank calls this)
+            p = p.full_tensor() if _is_dtensor(p) else p
             h.update(p.cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
 
@@ -282,9 +305,11 @@ class LiveRecovery:
             self.participants, self.members = n, members
         if self.manager.current_step() != before:  # healed: the state came from a live peer
             seconds = time.perf_counter() - started
-            self.heals.append({"step": self.manager.current_step(), "seconds": seconds})
+            healed = self._trainer.step if self._trainer is not None and self.outer is not None else \
+                self.manager.current_step()  # (local SGD / DiLoCo: torchft's step encodes the outer steps too)
+            self.heals.append({"step": healed, "seconds": seconds})
             print(f"syncwise: live recovery: replica {self.replica} healed from a live peer at step "
-                  f"{self.manager.current_step()} in {seconds:.2f} s (no checkpoint read)", file=sys.stderr, flush=True)
+                  f"{healed} in {seconds:.2f} s (no checkpoint read)", file=sys.stderr, flush=True)
 
     def _state(self, state: Any) -> dict[str, Any]:
         """What a joining replica receives: the train state's components (model, optimizer, scheduler, scaler,
@@ -292,11 +317,26 @@ class LiveRecovery:
         trainer = self._trainer
         if trainer is not None:  # (injected: healkill, a failure during the healing transfer)
             trainer.faults.maybe_kill_healing(trainer.step, trainer.rank)
-        return {name: state[name].state_dict() for name in _healed_names(state)}
+        sd = {name: state[name].state_dict() for name in _healed_names(state)}
+        # DTensors (FSDP2 shards) travel as this rank's local shards: pickling a DTensor would drag its device mesh
+        # and process groups along; the receiver (same group rank, same sharding) puts them back into its own.
+        sd = _to_local_tree(sd)
+        if self.outer is not None:  # the peer trains on (inner steps) while the joiner fetches: send a snapshot
+            sd = _clone_tree(sd)
+        return sd
 
     def _load(self, state: Any, sd: dict[str, Any]) -> None:
+        sharded = any(_is_dtensor(p) for p in self.params)
         for name, value in sd.items():
+            if sharded:  # the local shards back into this rank's DTensors (their mesh and placements)
+                value = _to_dtensor_tree(value, state[name].state_dict())
             state[name].load_state_dict(value)
+
+    def _progress(self, step: int) -> int:
+        """The step torchft compares in a quorum (the replicas below the highest heal from a peer at it): the
+        trainer's step; with local SGD / DiLoCo (committed outer steps, trainer step), so a replica whose round did
+        not commit while a peer's did heals, and a fresh one joins at the peers' step."""
+        return step if self.outer is None else (self.outer.syncs << 32) + step
 
     def _wait_for_the_others_at_start(self) -> Optional[float]:
         """A fresh job (this group's first attempt): wait up to ``quorum_timeout_s`` until every configured replica
@@ -379,3 +419,165 @@ def _advertised_host() -> str:
     """The host name peers reach this replica's manager and checkpoint server at (SYNCWISE_FT_HOST overrides:
     the network lab's namespaces share one host name)."""
     return os.environ.get("SYNCWISE_FT_HOST") or socket.gethostname()
+
+
+# ---------------------------------------------------------------------------------------------- HSDP: DTensors
+def _is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view: writing it writes the DTensor), a plain tensor as it is."""
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def _to_local_tree(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _to_local_tree(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_to_local_tree(v) for v in tree)
+    return tree.to_local() if _is_dtensor(tree) else tree
+
+
+def _clone_tree(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _clone_tree(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_clone_tree(v) for v in tree)
+    return tree.detach().clone() if isinstance(tree, torch.Tensor) else tree
+
+
+def _to_dtensor_tree(received: Any, current: Any) -> Any:
+    """``received`` (a peer's state, DTensors sent as local shards) with each tensor whose place in ``current``
+    (this rank's own state) holds a DTensor made a DTensor again on this rank's mesh and placements."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(received, dict) and isinstance(current, dict):
+        return {k: _to_dtensor_tree(v, current.get(k)) for k, v in received.items()}
+    if isinstance(received, (list, tuple)) and isinstance(current, (list, tuple)) and len(received) == len(current):
+        return type(received)(_to_dtensor_tree(v, c) for v, c in zip(received, current))
+    if isinstance(current, DTensor) and isinstance(received, torch.Tensor) and not isinstance(received, DTensor):
+        return DTensor.from_local(received.to(current.device), current.device_mesh, current.placements,
+                                  run_check=False, shape=current.shape, stride=current.stride())
+    return received
+
+
+# ------------------------------------------------------------------------- local SGD / DiLoCo workers as replicas
+class LiveOuterSync:
+    """Local SGD / DiLoCo with each replica group (one process) as a worker, on torchft (docs/live-recovery.md).
+
+    Syncwise's :class:`~syncwise.parallel.local_sgd.LocalSGD` keeps the replica state (parameters as views of one
+    flat fp32 buffer), the anchor (the last agreed parameters) and the outer optimizer (DiLoCo: SGD with Nesterov
+    momentum; local SGD: lr 1, none); this wrapper replaces its communication. A round of ``period`` inner steps:
+
+    1. its first step's quorum (:meth:`LiveRecovery.begin_step`; the inner steps after it run without talking to
+       anyone): a replica behind — a replacement, or one whose last outer step did not commit while a peer's did —
+       receives the parameters, the anchor and the outer optimizer state, the inner optimizer, the LR schedule,
+       the counters and the data position from a live peer (a snapshot taken at the round's start);
+    2. its last step (:meth:`after_step`): the pseudo-gradient (anchor − parameters) and the steps this replica
+       dropped are averaged over the quorum through torchft's manager, then ``should_commit``: committed, the outer
+       optimizer steps the anchor and the parameters become it; not committed (a replica died in the round), the
+       parameters go back to the anchor — the round's inner steps are discarded (their metrics rows stay, and the
+       sync step's row counts them: ``discarded_inner_steps``).
+
+    The trainer drives it as any sync strategy (its ``exchange`` leaves the gradients local) and checkpoints and
+    heals its state as the ``sync`` component. It needs the manager's synchronous quorum (``use_async_quorum=False``,
+    as torchft's own DiLoCo requires): the heal must land before the round's first inner step.
+    """
+
+    replicas_diverge = False  # one process per replica group: nothing diverges inside the group
+
+    def __init__(self, live: LiveRecovery, model: Any, spec: Any):
+        from ..parallel.local_sgd import LocalSGD
+
+        self.live, self.spec = live, spec
+        self.inner = LocalSGD(model, spec, group=None)  # its state and outer optimizer; the all-reduce is torchft's
+        self.params = self.inner.params
+        self.quorum_due = True           # the next step starts a round (after join: its quorum serves)
+        self.discarded_rounds = 0        # outer steps that did not commit (parameters back to the anchor)
+        self.discarded_inner_steps = 0   # the inner steps of those rounds
+        self._round_start = 1            # the first step of the current round
+        self._row: dict[str, Any] = {}
+
+    # the sync-strategy protocol (syncwise.parallel.sync_spec.SyncStrategy), as the trainer asks it
+    @property
+    def syncs(self) -> int:
+        return self.inner.syncs
+
+    @property
+    def restored(self) -> bool:
+        return self.inner.restored
+
+    def syncs_gradients(self, step: int) -> bool:
+        return False
+
+    def exchange(self, step: int, last: bool = False) -> tuple[list, float]:
+        self._row = {}
+        return [None], 0.0  # the inner optimizer applies this replica's own gradients
+
+    def skip(self, step: int) -> bool:
+        return self.inner.skip(step)
+
+    def take_skips(self) -> list[int]:
+        return self.inner.take_skips()
+
+    def resumed(self) -> None:
+        self.inner.resumed()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.inner.state_dict(), "discarded_rounds": self.discarded_rounds,
+                "discarded_inner_steps": self.discarded_inner_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+        self.discarded_rounds = int(state.get("discarded_rounds", 0))
+        self.discarded_inner_steps = int(state.get("discarded_inner_steps", 0))
+
+    def after_step(self, step: int, last: bool = False) -> float:
+        """The outer step at the round's last step (``period`` steps, and the run's last): returns seconds waited."""
+        if not self.inner.is_sync_step(step, last):
+            return 0.0
+        waited = self._outer_step(step)
+        self.quorum_due = True
+        return waited
+
+    def round_started(self, step: int) -> None:
+        """The round's quorum is done (a heal may have moved the trainer to the peers' step): its first step."""
+        self.quorum_due, self._round_start = False, step
+
+    @torch.no_grad()
+    def _outer_step(self, step: int) -> float:
+        inner, manager = self.inner, self.live.manager
+        torch.sub(inner.anchor, inner._read(), out=inner._delta)  # this replica's pseudo-gradient
+        inner._pack_skips(step, inner._flags)  # the steps it dropped in the round ride along
+        started = time.perf_counter()
+        manager.allreduce(inner._wire).wait()  # the average over the quorum's replicas (torchft's gloo group)
+        committed = manager.should_commit()
+        waited = time.perf_counter() - started
+        if committed:
+            inner._unpack_skips(step, inner._flags)
+            inner.anchor.grad = inner._delta
+            inner.outer_opt.step()
+            inner.anchor.grad = None
+            inner.syncs += 1
+            self.live._record_status(step)
+        else:  # back to the last outer step's parameters: this round's inner steps are discarded
+            # (the inner AdamW keeps its moments and the LR schedule its steps, as in torchft's DiLoCo)
+            steps = step - self._round_start + 1
+            self.discarded_rounds += 1
+            self.discarded_inner_steps += steps
+            self._row = {"discarded_inner_steps": steps}
+            print(f"syncwise: live recovery: replica {self.live.replica}: the outer step at step {step} did not "
+                  f"commit; the round's {steps} inner step(s) are discarded (parameters back to the last outer "
+                  "step's)", file=sys.stderr, flush=True)
+        inner._write(inner.anchor)
+        return waited
+
+    def row(self) -> dict[str, Any]:
+        return dict(self._row)
+
+    def summary(self) -> dict[str, Any]:
+        return {"outer_steps": self.inner.syncs, "discarded_rounds": self.discarded_rounds,
+                "discarded_inner_steps": self.discarded_inner_steps}

@@ -229,18 +229,24 @@ class OptimizedTrainer:
 
     def _attach_live_recovery(self, live: Any) -> None:
         """Live recovery (train/live_recovery.py) drives the step as a sync strategy on the exchange seam: the
-        cross-replica average and the commit decision. Only where a replica group is a whole copy of the model."""
+        cross-replica average and the commit decision, every step (DDP or FSDP2 inside a replica group: HSDP with
+        torchft as the replicate dimension), or once per round around local SGD / DiLoCo (one process per group)."""
+        from ..layout import check_live_sync
+
         self.live = live
         if live is None:
             return
-        if self.sync is not None:
-            raise ConfigError("parallel.sync", self.sync_spec, "every-step with live recovery (ft.replicas ≥ 2): "
-                              "local SGD / DiLoCo replicas are not covered yet (docs/live-recovery.md)")
-        if not self.par.spec.replicas_only:
-            raise ConfigError("parallel", describe_layout(self.par), "DDP replicas (no FSDP2, tensor, pipeline or "
-                              "expert parallel) with live recovery: a replica group must hold a whole copy of the "
-                              "model's state (docs/live-recovery.md)")
-        self.sync = live
+        spec = self.par.spec
+        if spec.tp > 1 or spec.pp > 1 or spec.ep > 1:
+            raise ConfigError("parallel", describe_layout(self.par), "DDP or FSDP2 (dp_shard; HSDP across replica "
+                              "groups) with live recovery: tensor, pipeline and expert groups inside a replica are "
+                              "not covered (docs/live-recovery.md)")
+        if spec.sync is not None:
+            self.sync_spec = spec.sync.spec
+        check_live_sync(spec.sync, self.sync_spec, self.world_size, spec.dp_shard)
+        self.sync = live.attach(self.model, spec.sync)
+        if self.sync is not live:  # local SGD / DiLoCo: its state is checkpointed and healed as the 'sync' component
+            self.par.sync = self.sync
 
     # ----------------------------------------------------------------------------------------- public API
     def train(self, loader: Iterable, epochs: Optional[int] = None, steps: Optional[int] = None,
@@ -375,7 +381,8 @@ class OptimizedTrainer:
         """The checkpointer, the run directory's claim, the train state, and the resume: (state, steps redone;
         None for a fresh run)."""
         if checkpoint_dir is not None and self.checkpointer is None:
-            self.checkpointer = SmartCheckpointer(checkpoint_dir)
+            # (live recovery: the replica groups share it; a replacement must not remove another group's save)
+            self.checkpointer = SmartCheckpointer(checkpoint_dir, shared=self.live is not None)
         if resume is not None and self.checkpointer is None:
             raise ConfigError("resume", resume, "None/False unless checkpoint_dir= is given to train() (or a "
                               "SmartCheckpointer to OptimizedTrainer): there is nothing to resume from")
