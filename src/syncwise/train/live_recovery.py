@@ -307,6 +307,10 @@ class LiveRecovery:
         step, started, before = self._quorum_pending
         self._quorum_pending = None
         waited = time.perf_counter()
+        future, trainer = getattr(self.manager, "_quorum_future", None), self._trainer
+        phase = trainer.phase if trainer is not None and future is not None and not future.done() else None
+        if phase is not None:  # a hang report names the quorum, not the backward it waits in
+            trainer.phase = "live recovery quorum"
         try:
             self.manager.wait_quorum()
         except Exception as e:  # the lighthouse did not answer within quorum_timeout_s: as a synchronous quorum
@@ -314,6 +318,8 @@ class LiveRecovery:
             return
         finally:
             self._quorum_wait_s += time.perf_counter() - waited
+            if phase is not None:
+                trainer.phase = phase
         try:
             if self.manager.errored() is None and getattr(self.manager, "_healing", False):
                 self._found_behind(step)
@@ -507,8 +513,9 @@ def _overlap_ok(trainer: Any, group_size: int) -> bool:
     """Whether the buckets can be sent from gradient hooks during backward: the gradient a hook sees is the step's
     final one only with one backward per step (no accumulation, no DynamicBatcher) and no DDP inside the replica
     group (its averaged gradient lands in ``.grad`` only at the end of backward)."""
+    pipeline = getattr(getattr(trainer, "par", None), "pipeline", None)
     return group_size == 1 and getattr(trainer, "batcher", None) is None and \
-        getattr(trainer, "grad_accum_steps", 1) == 1 and getattr(getattr(trainer, "par", None), "pipeline", None) is None
+        getattr(trainer, "grad_accum_steps", 1) == 1 and pipeline is None
 
 
 class _ReplicaBuckets:
