@@ -5,12 +5,16 @@ whose shards pair up rank for rank across groups: HSDP with torchft as the repli
 ``Manager``. Every optimizer step the trainer asks this object three things, on the sync-strategy seam (local SGD /
 DiLoCo workers as replicas: :class:`LiveOuterSync`, a quorum and a commit once per round):
 
-1. ``begin_step`` (before the step's batch): a quorum with the other replica groups through the lighthouse. A
-   replica that is behind (a replacement just started, or one whose last step was discarded) receives the current
-   state from a live peer over torchft's HTTP checkpoint transport (model, optimizer, LR schedule, GradScaler,
-   the trainer's counters and the data position) — no checkpoint is read — and continues at the peers' step.
+1. ``begin_step`` (before the step's batch): a quorum with the other replica groups through the lighthouse. On a
+   healthy step it only starts here and runs in torchft's background thread during the batch and forward/backward
+   (the first cross-replica all-reduce waits for it); when this replica may be behind (its join, the redo of a step
+   that did not commit, the first step after a checkpoint fallback) it is awaited here. A replica that is behind
+   receives the current state from a live peer over torchft's HTTP checkpoint transport (model, optimizer, LR
+   schedule, GradScaler, the trainer's counters and the data position) — no checkpoint is read — and continues at
+   the peers' step, before its forward. Every replica in the quorum counts in the step's average.
 2. ``exchange`` (after backward): the gradients are averaged over the replicas that took part in the quorum
-   (torchft's reconfigurable gloo process group, one flat buffer per dtype), then ``should_commit``: every replica
+   (torchft's reconfigurable gloo process group, fixed flat buckets that, with one worker per group, go out from
+   gradient hooks during backward: ``_ReplicaBuckets``), then ``should_commit``: every replica
    group applies the update only when the all-reduce succeeded everywhere in it and at least ``min_replicas``
    replicas took part. A step that does not commit is redone with the next batch (same step number: metrics.jsonl
    keeps one row per step); the batch it used is skipped, not repeated, and counted (``discarded_batches``).
@@ -28,6 +32,7 @@ torchft is imported only when live recovery is on (requirements-dev.txt pins it;
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -97,6 +102,15 @@ class LiveRecovery:
         self._attempt_started = 0.0
         self._trainer: Any = None
         self.outer: Optional["LiveOuterSync"] = None  # local SGD / DiLoCo workers as replicas (see attach)
+        self._state_obj: Any = None
+        self._for_peers: dict[str, Any] = {}       # the small components as they were at this step's start (_state)
+        self._quorum_pending: Optional[tuple] = None  # (step, started, step before): the async quorum in flight
+        self._quorum_error: Optional[BaseException] = None
+        self._behind = False                      # the async quorum found this replica behind (_found_behind)
+        self._sync_next = False                   # the next quorum is awaited in begin_step (after a fallback)
+        self._pending_before = (0, 0)             # the manager's (step, batches committed) before the async quorum
+        self._quorum_wait_s = 0.0                  # this step's wait for its async quorum (inside the step)
+        self._grads: Optional[_ReplicaBuckets] = None
 
     @classmethod
     def from_env(cls) -> Optional["LiveRecovery"]:
@@ -142,7 +156,7 @@ class LiveRecovery:
         import torch.distributed as dist
         from torchft import Manager, ProcessGroupGloo
 
-        self._trainer = trainer
+        self._trainer, self._state_obj = trainer, state
         self.params = [p for p in trainer.model.parameters() if p.requires_grad]
         group_rank = dist.get_rank() if dist.is_initialized() else 0
         group_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -154,7 +168,9 @@ class LiveRecovery:
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timedelta(seconds=self.timeout_s)), min_replica_size=self.min_replicas,
             load_state_dict=lambda sd: self._load(state, sd), state_dict=lambda: self._state(state),
-            use_async_quorum=False,  # heal before the step's forward: the joiner's first gradient is a real one
+            # Every quorum member's gradient counts (a replica that heals at its quorum does so before its forward);
+            # a healthy step's quorum still runs in the background during forward/backward (_start_async_quorum).
+            use_async_quorum=False,
             replica_id=f"replica_{self.replica}", store_addr=store_addr, store_port=store_port, rank=group_rank,
             world_size=group_size, lighthouse_addr=self.lighthouse, hostname=_advertised_host(),
             timeout=timedelta(seconds=self.timeout_s), quorum_timeout=timedelta(seconds=self.quorum_timeout_s),
@@ -162,6 +178,7 @@ class LiveRecovery:
             checkpoint_transport=_transport(timedelta(seconds=self.timeout_s)))
         self.manager.load_state_dict({"step": self._progress(trainer.step), "batches_committed": 0})
         deadline = self._wait_for_the_others_at_start()
+        self._snapshot_for_peers()
         self._quorum(trainer.step + 1)
         while deadline is not None and self.participants < self.replicas and time.monotonic() < deadline:
             # A fresh job's first quorum must hold every replica group: a group whose Manager had not heartbeated
@@ -170,55 +187,66 @@ class LiveRecovery:
             time.sleep(0.1)
             self._quorum(trainer.step + 1)
         self._quorum_ready = True
+        if self.outer is None:  # (local SGD / DiLoCo: no gradient crosses replicas; the outer step averages)
+            self._grads = _ReplicaBuckets(self.params, self._issue, overlap=_overlap_ok(trainer, group_size))
         if self.manager.current_step() == 0 and trainer.step == 0:
             step = resume_fallback()
             if step:
                 self.fallback_step = step
                 self.manager.load_state_dict({"step": step, "batches_committed": 0})
                 self._quorum_ready = False  # a new quorum at the checkpoint's step (the others loaded it too)
+                self._sync_next = True  # (awaited: a replica that loaded an older checkpoint heals before its forward)
         self._record_status(trainer.step)
 
     def begin_step(self, step: int) -> None:
-        """Before step ``step``'s batch: the step's quorum (after :meth:`join`, its first quorum serves). The time
-        it takes is outside the step meter's clock: the row reports it (``quorum_s``), and the time of the step's
-        discarded attempts (``discarded_s``)."""
+        """Before step ``step``'s batch: the step's quorum (after :meth:`join`, its first quorum serves). On a
+        healthy step it only starts here and runs in torchft's thread during forward/backward; the first bucket's
+        all-reduce waits for it (``quorum_wait_s`` in the row, inside ``step_time_s``). A redo (the last attempt
+        did not commit) or the first step after a checkpoint fallback awaits it here instead, so a replica behind
+        heals before its forward. The time spent here is outside the step meter's clock (``quorum_s``), as is
+        that of the step's discarded attempts (``discarded_s``)."""
         now = time.perf_counter()
         if self._committed:  # a new step (not a redo of a discarded one)
             self._discarded_this_step, self._quorum_s, self._discarded_s = 0, 0.0, 0.0
+            self._quorum_wait_s = 0.0
         self._attempt_started = now
+        self._behind = False
         if self.outer is not None and not self._quorum_ready and not self.outer.quorum_due:
             return  # local SGD / DiLoCo: an inner step talks to no one (the round's quorum came at its first step)
         if not self._quorum_ready:
-            if self.outer is not None:  # torchft heals the replicas behind: those with less committed progress
+            self._snapshot_for_peers()
+            if self.outer is not None:  # once a round, awaited (torchft heals those with less committed progress)
                 self.manager.load_state_dict({"step": self._progress(step - 1),
                                               "batches_committed": self.manager.batches_committed()})
-            self._quorum(step)
+                self._quorum(step)
+            elif self._committed and not self._sync_next:  # healthy: overlaps forward/backward
+                self._start_quorum(step)
+            else:  # this replica may be behind (peers committed without it): heal before the forward
+                self._quorum(step)
+            self._sync_next = False
         self._quorum_ready = False
         if self.outer is not None:
             self.outer.round_started(self._trainer.step + 1 if self._trainer is not None else step)
         self._quorum_s += time.perf_counter() - now
+        if self._grads is not None:
+            self._grads.arm()
 
     def syncs_gradients(self, step: int) -> bool:
         return True  # inside the replica group: DDP every step
 
     def exchange(self, step: int, last: bool = False) -> tuple[list, float]:
         """Average the gradients over the quorum's replicas, then ask whether the step commits: ``[None]`` (apply
-        the averaged ``.grad``) or ``[]`` (no update: the step is redone). Returns (updates, seconds waited)."""
+        the averaged ``.grad``) or ``[]`` (no update: the step is redone). Returns (updates, seconds waited).
+
+        The buckets whose gradients were ready during backward are already on the wire (:class:`_ReplicaBuckets`);
+        the rest are sent now, in the same bucket order on every replica, and all are awaited."""
         start = time.perf_counter()
-        for p in self.params:  # a parameter unused this step (an MoE expert no token chose) on one replica only:
-            if p.grad is None:  # every replica must hand the all-reduce the same buffer, so it sends zeros
-                p.grad = torch.zeros_like(p)
-        grads = [_local(p.grad) for p in self.params]  # HSDP: this rank's shard (group rank r of every replica)
-        works = []
-        for flat, members in _flat_buckets(grads):
-            works.append((self.manager.allreduce(flat), flat, members))
-        for work, flat, members in works:
-            work.wait()
-            offset = 0
-            for g in members:
-                n = g.numel()
-                g.copy_(flat[offset:offset + n].view_as(g))
-                offset += n
+        self._await_quorum()
+        if self._quorum_error is not None:
+            raise self._quorum_error
+        self._grads.finish()
+        if self._behind:  # (see _found_behind)
+            self.manager.report_error(SyncwiseError(f"replica {self.replica} was behind at step {step}"))
         self._committed = self.manager.should_commit()
         if not self._committed:
             self.discarded += 1
@@ -251,7 +279,8 @@ class LiveRecovery:
 
     def row(self) -> dict[str, Any]:
         """Extra columns of this step's metrics row."""
-        out: dict[str, Any] = {"replicas": self.participants, "replica": self.replica, "quorum_s": self._quorum_s}
+        out: dict[str, Any] = {"replicas": self.participants, "replica": self.replica, "quorum_s": self._quorum_s,
+                               "quorum_wait_s": self._quorum_wait_s}
         if self._discarded_this_step:  # the attempts that did not commit: their batches and time (outside step_time_s)
             out["discarded_batches"] = self._discarded_this_step
             out["discarded_s"] = self._discarded_s
@@ -279,15 +308,74 @@ class LiveRecovery:
         return h.hexdigest()
 
     def close(self) -> None:
+        if self._grads is not None:
+            self._grads.close()
         if self.manager is not None:
             self.manager.shutdown(wait=False)
             self.manager = None
 
     # ------------------------------------------------------------------------ internals
     def _quorum(self, step: int) -> None:
-        started = time.perf_counter()
-        before = self.manager.current_step()
+        """A quorum awaited here, before the step's forward: a replica behind heals now (the join, a redo)."""
+        started, before = time.perf_counter(), self.manager.current_step()
         self.manager.start_quorum()
+        self._after_quorum(step, started, before)
+
+    def _start_quorum(self, step: int) -> None:
+        """A healthy step's quorum, in torchft's background thread while this replica computes (_await_quorum)."""
+        self._quorum_pending = (step, time.perf_counter(), self.manager.current_step())
+        self._pending_before = (self.manager.current_step(), self.manager.batches_committed())
+        self._quorum_error = None
+        if not _start_async_quorum(self.manager):  # (another torchft than 0.2.0: the quorum is awaited here)
+            self.manager.start_quorum()
+            self._await_quorum()
+
+    def _await_quorum(self) -> None:
+        """Wait for the async quorum (at the first bucket's all-reduce, or in exchange) and note what it decided.
+        An exception is kept for :meth:`exchange` to raise (not thrown through autograd from a gradient hook)."""
+        if self._quorum_pending is None:
+            return
+        step, started, before = self._quorum_pending
+        self._quorum_pending = None
+        waited = time.perf_counter()
+        future, trainer = getattr(self.manager, "_quorum_future", None), self._trainer
+        phase = trainer.phase if trainer is not None and future is not None and not future.done() else None
+        if phase is not None:  # a hang report names the quorum, not the backward it waits in
+            trainer.phase = "live recovery quorum"
+        try:
+            self.manager.wait_quorum()
+        except Exception as e:  # the lighthouse did not answer within quorum_timeout_s: as a synchronous quorum
+            self._quorum_error = e
+            return
+        finally:
+            self._quorum_wait_s += time.perf_counter() - waited
+            if phase is not None:
+                trainer.phase = phase
+        try:
+            if self.manager.errored() is None and getattr(self.manager, "_healing", False):
+                self._found_behind(step)
+            else:
+                self._after_quorum(step, started, before)  # (raises when the quorum or a transfer failed)
+        except SyncwiseError as e:
+            self._quorum_error = e
+
+    def _found_behind(self, step: int) -> None:
+        """The async quorum found this replica behind (peers committed a step it did not: e.g. it was stopped right
+        after a commit) while its forward/backward ran on stale state. It does not load the peers' state in the
+        middle of the step (the trainer took its step number and batch from the stale state): it sends zeros
+        (the quorum counts it, so the others' update for this one step is (k-1)/k of the average), does not
+        commit, and its redo's quorum, awaited before the forward, heals it."""
+        before = self._pending_before
+        self.manager._pending_state_dict = None
+        self.manager._healing = False
+        self.manager.load_state_dict({"step": before[0], "batches_committed": before[1]})  # still behind
+        self._behind = True
+        print(f"syncwise: live recovery: replica {self.replica} found itself behind at step {step}'s quorum; "
+              f"it sends zeros, discards this attempt and heals from a live peer before the redo",
+              file=sys.stderr, flush=True)
+
+    def _after_quorum(self, step: int, started: float, before: int) -> None:
+        """A quorum's outcome: the members (a change is printed and recorded), a heal."""
         if self.manager.errored():
             raise SyncwiseError(f"live recovery: replica {self.replica} could not join the quorum for step {step}: "
                                 f"{self.manager.errored()}")
@@ -311,13 +399,35 @@ class LiveRecovery:
             print(f"syncwise: live recovery: replica {self.replica} healed from a live peer at step "
                   f"{healed} in {seconds:.2f} s (no checkpoint read)", file=sys.stderr, flush=True)
 
+    def _issue(self, flat: torch.Tensor) -> Any:
+        """One bucket's cross-replica all-reduce (average over the quorum's participants), after its quorum
+        (None when the quorum failed: exchange raises its error)."""
+        self._await_quorum()
+        if self._quorum_error is not None:
+            return None
+        if self._behind:
+            flat.zero_()
+        return self.manager.allreduce(flat)
+
+    def _snapshot_for_peers(self) -> None:
+        """The components a healing peer may receive during this step, as they are now, at the step's start:
+        with the quorum in the background, the peer's request arrives while this replica draws its batch and runs
+        backward. The model and optimizer tensors are sent as they are (they change only after should_commit,
+        which a healing peer's all-reduce, issued after its transfer, precedes); the small rest is copied here."""
+        state = self._state_obj
+        if state is None:
+            return
+        self._for_peers = {name: copy.deepcopy(state[name].state_dict()) for name in _healed_names(state)
+                           if name != "model"}
+
     def _state(self, state: Any) -> dict[str, Any]:
         """What a joining replica receives: the train state's components (model, optimizer, scheduler, scaler,
         trainer counters, data position), this rank's own where per-rank (the peer's rank of the same index)."""
         trainer = self._trainer
         if trainer is not None:  # (injected: healkill, a failure during the healing transfer)
             trainer.faults.maybe_kill_healing(trainer.step, trainer.rank)
-        sd = {name: state[name].state_dict() for name in _healed_names(state)}
+        snapshot = self._for_peers  # (the small components as they were at this step's start)
+        sd = {name: snapshot[name] if name in snapshot else state[name].state_dict() for name in _healed_names(state)}
         # DTensors (FSDP2 shards) travel as this rank's local shards: pickling a DTensor would drag its device mesh
         # and process groups along; the receiver (same group rank, same sharding) puts them back into its own.
         sd = _to_local_tree(sd)
@@ -395,12 +505,140 @@ def _healed_names(state: Any) -> list[str]:
     return [name for name in (*state.global_components, *state.per_rank_components) if name not in _NOT_HEALED]
 
 
-def _flat_buckets(grads: list[torch.Tensor]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
-    """The gradients in one flat buffer per (dtype, device): one all-reduce each."""
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for g in grads:
-        groups.setdefault((g.dtype, g.device), []).append(g)
-    return [(torch.cat([g.reshape(-1) for g in members]), members) for members in groups.values()]
+def _start_async_quorum(manager: Any) -> bool:
+    """Start the step's quorum in the Manager's background thread, as ``start_quorum`` does for a Manager built
+    with ``use_async_quorum=True`` (torchft 0.2.0, manager.py), while this Manager keeps the synchronous mode's
+    participation: every replica in the quorum counts in the average (the asynchronous mode counts only those
+    already at the newest step, so a replica that healed at its quorum would send zeros for that step).
+    False (nothing started) when the Manager lacks those internals (another torchft version)."""
+    needed = ("_quorum_future", "_executor", "_async_quorum", "_quorum_timeout", "_errored", "_healing")
+    if not all(hasattr(manager, name) for name in needed):
+        return False
+    if manager._quorum_future is not None:
+        manager._quorum_future.result()
+    manager._errored, manager._healing = None, False
+    device = torch.accelerator.current_device_index() if torch.accelerator.is_available() else -1
+    manager._quorum_future = manager._executor.submit(manager._async_quorum, allow_heal=True, shrink_only=False,
+                                                      quorum_timeout=manager._quorum_timeout, curr_device=device)
+    return True
+
+
+FIRST_BUCKET_BYTES = 1 << 20  # the first bucket is small so its all-reduce starts early (DDP's first bucket)
+BUCKET_BYTES = 25 << 20       # then buckets of DDP's default bucket_cap_mb
+
+
+def _assign_buckets(params: list[torch.Tensor], cap_bytes: int = BUCKET_BYTES,
+                    first_bytes: int = FIRST_BUCKET_BYTES) -> list[list[int]]:
+    """The parameters' indices in buckets, in reverse order (backward produces the last layers' gradients first,
+    as DDP assumes); one dtype and device per bucket; a bucket is closed once it holds ``cap_bytes``
+    (``first_bytes`` for the first one). Depends only on the parameters' shapes and order: every replica (and
+    a replacement) gets the same buckets, so their all-reduces pair up."""
+    if cap_bytes <= 0 or first_bytes <= 0:
+        raise ConfigError("bucket_cap_bytes", min(cap_bytes, first_bytes), "a positive number of bytes")
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size, key = 0, None
+    for i in reversed(range(len(params))):
+        p = params[i]
+        k = (p.dtype, p.device)
+        if current and (k != key or size >= (first_bytes if not buckets else cap_bytes)):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += p.numel() * p.element_size()
+        key = k
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _overlap_ok(trainer: Any, group_size: int) -> bool:
+    """Whether the buckets can be sent from gradient hooks during backward: the gradient a hook sees is the step's
+    final one only with one backward per step (no accumulation, no DynamicBatcher) and no DDP inside the replica
+    group (its averaged gradient lands in ``.grad`` only at the end of backward)."""
+    pipeline = getattr(getattr(trainer, "par", None), "pipeline", None)
+    return group_size == 1 and getattr(trainer, "batcher", None) is None and \
+        getattr(trainer, "grad_accum_steps", 1) == 1 and pipeline is None
+
+
+class _ReplicaBuckets:
+    """The cross-replica all-reduce of the gradients, in fixed flat buckets (:func:`_assign_buckets`) allocated once
+    and reused every step. With ``overlap``, a post-accumulate-grad hook on each parameter marks its gradient
+    ready during backward, and each bucket is sent (``issue(flat)`` → a torchft work) as soon as it and every
+    bucket before it are complete, so the all-reduces run while backward computes the earlier layers. The order
+    of the buckets is the same on every replica whatever order gradients arrive in (gloo pairs collectives by
+    order). :meth:`finish` sends the buckets not sent yet (a parameter unused this step, an MoE expert no token
+    chose, never becomes ready: it sends zeros, as every replica must hand the all-reduce the same buffer), waits
+    for all, and writes the averages back to ``.grad``."""
+
+    def __init__(self, params: list[torch.Tensor], issue: Callable[[torch.Tensor], Any], overlap: bool,
+                 cap_bytes: int = BUCKET_BYTES, first_bytes: int = FIRST_BUCKET_BYTES):
+        self.params, self._issue = params, issue
+        self.buckets = _assign_buckets(params, cap_bytes, first_bytes)
+        self.flats = [torch.empty(sum(_local(params[i]).numel() for i in b), dtype=params[b[0]].dtype,
+                                  device=_local(params[b[0]]).device) for b in self.buckets]
+        self._bucket_of = {i: n for n, b in enumerate(self.buckets) for i in b}
+        self._handles = [p.register_post_accumulate_grad_hook(lambda _p, i=i: self._ready(i))
+                         for i, p in enumerate(params)] if overlap else []
+        self._armed = False
+        self.arm()
+        self._armed = False  # (armed by each step's begin_step)
+
+    @property
+    def overlapped(self) -> bool:
+        return bool(self._handles)
+
+    def arm(self) -> None:
+        """A new step: every bucket waits for its gradients again."""
+        self._missing = [len(b) for b in self.buckets]
+        self._seen = [False] * len(self.params)
+        self._works: list[Any] = [None] * len(self.buckets)
+        self.issued = 0  # buckets sent this step (always a prefix of the bucket order)
+        self._armed = self.overlapped
+
+    def _ready(self, i: int) -> None:
+        if not self._armed or self._seen[i]:
+            return
+        self._seen[i] = True
+        self._missing[self._bucket_of[i]] -= 1
+        while self.issued < len(self.buckets) and self._missing[self.issued] == 0:
+            self._send(self.issued)
+
+    def _send(self, b: int) -> None:
+        flat, offset = self.flats[b], 0
+        for i in self.buckets[b]:
+            p = self.params[i]
+            n = _local(p).numel()  # (HSDP: this rank's shard, paired with group rank r of every replica)
+            if p.grad is None:
+                flat[offset:offset + n].zero_()
+            else:
+                flat[offset:offset + n].copy_(_local(p.grad).reshape(-1))
+            offset += n
+        self._works[b] = self._issue(flat)
+        self.issued += 1
+
+    def finish(self) -> None:
+        """Send the rest, wait for every bucket, and write the averaged gradients to ``.grad``."""
+        self._armed = False
+        while self.issued < len(self.buckets):
+            self._send(self.issued)
+        for b, work in enumerate(self._works):
+            if work is not None:
+                work.wait()
+            flat, offset = self.flats[b], 0
+            for i in self.buckets[b]:
+                p = self.params[i]
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                g = _local(p.grad)
+                n = g.numel()
+                g.copy_(flat[offset:offset + n].view_as(g))
+                offset += n
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
 
 
 def _transport(timeout: timedelta) -> Any:
