@@ -1,7 +1,7 @@
 """Run a function on N real gloo processes (no mocks of torch.distributed).
 
-``run_workers(fn, 2, arg)`` starts 2 fresh processes (forked from a forkserver that preloaded torch), initialises a gloo group over loopback, calls
-``fn(rank, world_size, arg)`` in each and returns the per-rank results in rank order. ``fn`` must be a
+``run_workers(fn, 2, arg)`` starts 2 fresh processes (forked from a forkserver that preloaded torch),
+initialises a gloo group over loopback, calls ``fn(rank, world_size, arg)`` in each and returns the per-rank results in rank order. ``fn`` must be a
 module-level function of a test module. ``local_world_size`` sets torchrun's LOCAL_* variables, so
 topology code sees e.g. 2 nodes x 2 workers.
 """
