@@ -13,6 +13,10 @@ What syncwise adds over PyTorch's ``PeriodicModelAverager`` (which ``torch-local
   twice ("eager/overlapped" outer step, as in Streaming DiLoCo);
 - **low-precision pseudo-gradients** (``dtype=bf16|fp16``) with error feedback: what the cast dropped is
   added to the next sync's pseudo-gradient, so nothing is lost over time;
+- **low-bit pseudo-gradients** (``bits=4|8``): quantized per block, all-gathered and averaged locally, with error
+  feedback (the bytes on the wire shrink to about bits/32);
+- **sharded replicas** (HSDP's replica groups): with DTensor parameters (FSDP2 over ``dp_shard``) the replica state
+  is this rank's local shards, averaged with the same shard of the other groups (``group`` = ``dp_replicate``);
 - **warm-up** with ordinary per-step gradient all-reduce (post-local SGD, Lin et al. 2020);
 - exact checkpoint/resume of every replica, the anchor, the outer momentum and an in-flight average.
 
