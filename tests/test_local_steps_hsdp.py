@@ -175,3 +175,23 @@ def test_streaming_4bit_outer_gradients_keep_the_loss_and_send_an_eighth():
         assert abs(l4[-1] - l32[-1]) <= 0.02 * l32[-1], (l4[-1], l32[-1])  # measured: 1.5130 vs 1.5115 (+0.1 %)
         # 4 bits + one fp32 scale per 256 elements (+ blocks padded, the flags) of fp32's 32 bits: measured 0.137
         assert 0.12 < b4 / b32 < 0.145, b4 / b32
+
+
+def test_the_planner_prices_low_bit_outer_gradients_and_hsdp_shards():
+    from syncwise.plan import Layout as PlanLayout, load_cluster, load_model, predict
+    c = load_cluster(Path(__file__).resolve().parents[1] / "examples/clusters/cpu-lab-2x2.toml")
+    m = load_model("small", 128)
+
+    def exposed(sync, **deg):
+        lay = PlanLayout(sync=sync, **(deg or {"dp_replicate": 4}))
+        return predict(c, m, lay, 64, 128, syncwise_rules=False).breakdown["sync_exposed"]
+    assert 0 < exposed("diloco:period=8,bits=4") < exposed("diloco:period=8,bits=8") < exposed("diloco:period=8")
+    # over HSDP's replica groups each rank's outer step carries its shard (half the model at dp_shard 2), priced
+    assert 0 < exposed("diloco:period=8", dp_replicate=2, dp_shard=2) < exposed("diloco:period=8")
+
+
+def test_bits_is_only_a_key_of_the_methods_that_quantize():
+    assert SyncSpec.parse("pipesgd:dtype=bf16").dtype == "bf16"  # no bits key: its dtype stays free
+    with pytest.raises(ConfigError) as e:
+        SyncSpec.parse("pipesgd:bits=4")
+    assert "parallel.sync" in str(e.value) and "keys of pipesgd" in str(e.value)

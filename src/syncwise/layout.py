@@ -365,7 +365,7 @@ class SyncSpec:
                    "bits",
                    "2 or 32" if method == "sparseloco" else
                    "4 or 8 (quantized outer gradients), 16 or 32 (not quantized; dtype= casts to 16 bits)"),
-                  (method == "sparseloco" or out.bits >= 16 or out.dtype == "fp32", "bits",
+                  ("bits" not in values or method == "sparseloco" or out.bits >= 16 or out.dtype == "fp32", "bits",
                    f"16 or 32 with dtype={out.dtype} (bits=4|8 quantize the fp32 outer gradient; dtype= casts it: "
                    "pick one)"),
                   (1 <= out.fragments <= out.period, "fragments", f"an integer in [1, period] = [1, {out.period}]")]
