@@ -144,7 +144,7 @@ def test_hsdp_diloco_equals_two_replicas_by_hand_and_resumes_bit_exactly(tmp_pat
 # ------------------------------------------------------------------ slow: streaming bits=4 against bits=32
 def _streaming_bits(rank, world):
     out = {}
-    for bits in (32, 4):
+    for bits in (32, 8, 4):
         stats = CommStats()
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 256), nn.GELU(), nn.Linear(256, 4))
@@ -175,6 +175,9 @@ def test_streaming_4bit_outer_gradients_keep_the_loss_and_send_an_eighth():
         assert abs(l4[-1] - l32[-1]) <= 0.02 * l32[-1], (l4[-1], l32[-1])  # measured: 1.5130 vs 1.5115 (+0.1 %)
         # 4 bits + one fp32 scale per 256 elements (+ blocks padded, the flags) of fp32's 32 bits: measured 0.137
         assert 0.12 < b4 / b32 < 0.145, b4 / b32
+        l8, b8, _ = out[8]
+        assert abs(l8[-1] - l32[-1]) <= 0.01 * l32[-1], (l8[-1], l32[-1])
+        assert 0.25 < b8 / b32 < 0.28, b8 / b32  # 8 bits + the scales (+ padding, flags): measured 0.268; loss 1.5117
 
 
 def test_the_planner_prices_low_bit_outer_gradients_and_hsdp_shards():
