@@ -283,7 +283,8 @@ HSDP_SYNC = ("localsgd", "diloco", "streaming", "sparseloco")
 SYNC_STATE_COPIES = {"localsgd": 1, "diloco": 2, "torch-localsgd": 1, "pipesgd": 0, "sparseloco": 2, "streaming": 2}
 SYNC_ACCEPTED = ("every-step (DDP all-reduce each step); auto (the strategy predicted to reach fp32 DDP's loss "
                  "soonest on this cluster); localsgd[:period=H,delay=D,dtype=fp32|bf16|fp16,warmup=W,"
-                 "outer_lr=X,momentum=M,nesterov=yes|no,bits=4|8|16|32]; diloco[:...same keys; defaults outer_lr=0.7,momentum=0.9,"
+                 "outer_lr=X,momentum=M,nesterov=yes|no,bits=4|8|16|32]; diloco[:...same keys; defaults outer_lr=0.7,"
+                 "momentum=0.9,"
                  "nesterov=yes]; torch-localsgd[:period=H,warmup=W] (PyTorch's PeriodicModelAverager); "
                  "pipesgd[:dtype=fp32|bf16|fp16] (gradient all-reduce overlapped with the next step); "
                  "streaming[:fragments=F,...diloco's keys] (Streaming DiLoCo: F fragments synced in turn); "
@@ -698,7 +699,8 @@ class Layout:
         split = self.tp > 1 or self.pp > 1 or self.ep > 1
         if split or s.method not in HSDP_SYNC:
             dim = next((n for n in ("tp", "pp", "ep") if getattr(self, n) > 1), "")
-            why = (f"with parallel.{dim}={getattr(self, dim, '')} (local steps run over whole replicas or HSDP's replica groups: dp_shard × dp_replicate only)"
+            why = (f"with parallel.{dim}={getattr(self, dim, '')} (local steps run over whole replicas or HSDP's "
+                   "replica groups: dp_shard × dp_replicate only)"
                    if split else f"{s.method} with dp_shard > 1 (over HSDP's replica groups only "
                    f"{', '.join(HSDP_SYNC)} run: PyTorch's averager and Pipe-SGD need whole replicas)")
             raise ConfigError("parallel.sync", _text(s), f"every-step {why}")

@@ -260,8 +260,8 @@ def parallelize(model: nn.Module, spec: "Layout | dict | None" = None, device: O
 
     ``compressor``: syncwise's gradient compression (None = DDP's built-in all-reduce). With dp_shard > 1 or tp > 1
     (FSDP2) a cast (``bf16``/``fp16``) is FSDP2's reduce dtype, and any other compressor compresses the all-reduce
-    across the dp_replicate groups (FSDP2's all-reduce hook; needs dp_replicate ≥ 2). ``sync``: a reduced-sync strategy (DDP replicas, or HSDP's replica groups:
-    FSDP2 over dp_shard, the outer step per shard over dp_replicate).
+    across the dp_replicate groups (FSDP2's all-reduce hook; needs dp_replicate ≥ 2). ``sync``: a reduced-sync
+    strategy (DDP replicas, or HSDP's replica groups: FSDP2 over dp_shard, the outer step per shard over dp_replicate).
     ``loss_fn``: the last pipeline stage's loss (pp > 1; default ``lm_loss``); ``split_fn(model, stage, n_stages)``:
     a user model's pipeline split (syncwise's model and ``nn.Sequential`` need none).
     ``tp_plan``: a user model's tensor-parallel plan (``parallelize_module``'s dict); syncwise's own model has one.
