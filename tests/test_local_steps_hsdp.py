@@ -18,7 +18,7 @@ from syncwise.models import build_model
 from syncwise.parallel import SyncSpec, build_sync
 from syncwise.train import OptimizedTrainer, adamw
 
-LR, STEPS, PERIOD = 3e-3, 6, 3
+LR, STEPS, PERIOD, WARMUP = 3e-3, 8, 3, 2
 
 
 # ------------------------------------------------------------------------------------------- fast: the rules
@@ -37,12 +37,11 @@ def test_bits_spec_is_validated_with_one_line_naming_the_field():
 def test_layout_allows_local_steps_over_hsdp_replica_groups_and_refuses_the_rest():
     ok = Layout.of(sync="diloco:period=8", dp_shard=2, dp_replicate=2).check(4)
     assert ok.sync.method == "diloco"
-    for sync in ("localsgd", "streaming:bits=4", "sparseloco"):
+    for sync in ("localsgd", "streaming:bits=4", "sparseloco", "diloco:warmup=4"):
         Layout.of(sync=sync, dp_shard=2).check(4)
     for kw, sync, says in [({"dp_shard": 4}, "diloco", "nothing for an outer step to average across"),
                            ({"dp_shard": 2}, "torch-localsgd", "PyTorch's averager and Pipe-SGD need whole"),
                            ({"dp_shard": 2}, "pipesgd", "PyTorch's averager and Pipe-SGD need whole"),
-                           ({"dp_shard": 2}, "diloco:warmup=2", "warmup=0 with dp_shard > 1"),
                            ({"tp": 2}, "diloco", "parallel.tp=2")]:
         with pytest.raises(ConfigError) as e:
             Layout.of(sync=sync, **kw).check(4)
@@ -86,22 +85,32 @@ def _full(model):
 
 def _reference(world, sync):
     """Two DDP-like replicas in one process: replica r trains on HSDP group r's two batches (FSDP2's mean over its
-    shard group is the mean over the concatenation), DiLoCo's outer step every PERIOD steps, by hand."""
+    shard group is the mean over the concatenation); WARMUP steps on the replicas' mean gradient, then DiLoCo's outer
+    step every PERIOD steps, by hand."""
     spec = SyncSpec.parse(sync)
     replicas = [_model() for _ in range(2)]
     opts = [adamw(m, LR, 0.1) for m in replicas]
-    anchor = [p.detach().clone() for p in replicas[0].parameters()]
-    outer = torch.optim.SGD(anchor, lr=spec.outer_lr, momentum=spec.momentum, nesterov=True)
+    anchor: list = []
+    outer = None
     data = {r: _batches(r, world, STEPS) for r in range(world)}
-    for step in range(STEPS):
-        for r, (m, o) in enumerate(zip(replicas, opts)):
-            o.zero_grad()
-            xs = [data[2 * r + s][step] for s in range(2)]
-            x, y = torch.cat([b[0] for b in xs]), torch.cat([b[1] for b in xs])
-            _loss(m(x), y).backward()
+    for step in range(1, STEPS + 1):
+        for m in replicas:
+            m.zero_grad()
+        for r, m in enumerate(replicas):
+            xs = [data[2 * r + s][step - 1] for s in range(2)]
+            _loss(m(torch.cat([b[0] for b in xs])), torch.cat([b[1] for b in xs])).backward()
+        if step <= WARMUP:  # DDP across the replicas: both step on the mean gradient
+            for ps in zip(*[m.parameters() for m in replicas]):
+                mean = torch.stack([p.grad for p in ps]).mean(0)
+                for p in ps:
+                    p.grad = mean.clone()
+        for m, o in zip(replicas, opts):
             torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
             o.step()
-        if (step + 1) % PERIOD == 0:
+        if step == WARMUP:
+            anchor = [p.detach().clone() for p in replicas[0].parameters()]
+            outer = torch.optim.SGD(anchor, lr=spec.outer_lr, momentum=spec.momentum, nesterov=True)
+        if step > WARMUP and (step - WARMUP) % PERIOD == 0:
             with torch.no_grad():
                 for a, ps in zip(anchor, zip(*[m.parameters() for m in replicas])):
                     a.grad = torch.stack([a - p for p in ps]).mean(0)
@@ -114,13 +123,14 @@ def _reference(world, sync):
 
 def _hsdp_diloco(rank, world, ckpt_dir):
     torch.use_deterministic_algorithms(True)
-    sync = f"diloco:period={PERIOD}"
+    sync = f"diloco:period={PERIOD},warmup={WARMUP}"
     straight = _hsdp_trainer(sync)
     straight.checkpointer = SmartCheckpointer(ckpt_dir, interval=4, max_checkpoints=3, async_save=False)
     summary = straight.train(_batches(rank, world, STEPS), steps=STEPS)
     full = _full(straight.model)
     ref = _reference(world, sync)
-    # resume at step 4 (between outer steps: replica groups differ, the anchor and outer momentum are mid-period)
+    # resume at step 4 (after the warm-up, between outer steps: replica groups differ, the anchor and outer momentum
+    # are mid-period)
     resumed = _hsdp_trainer(sync)
     resumed.checkpointer = SmartCheckpointer(ckpt_dir, interval=1000, max_checkpoints=3, async_save=False)
     resumed.train(_batches(rank, world, STEPS), steps=STEPS, resume=str(Path(ckpt_dir) / step_dirname(4)))
@@ -138,7 +148,7 @@ def test_hsdp_diloco_equals_two_replicas_by_hand_and_resumes_bit_exactly(tmp_pat
         assert diff < 1e-4, diff       # the same math as two DDP replicas (up to reduction order)
         assert same and same_outer    # model, AdamW shards, anchor shard and outer momentum restored per rank
         assert spread == 0.0          # the last step syncs: the replica groups end identical
-        assert rounds == STEPS // PERIOD
+        assert rounds == (STEPS - WARMUP) // PERIOD
 
 
 # ------------------------------------------------------------------ slow: streaming bits=4 against bits=32

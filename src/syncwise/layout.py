@@ -708,10 +708,6 @@ class Layout:
             raise ConfigError("parallel.sync", _text(s), f"every-step with parallel.dp_shard={self.dp_shard} and "
                               "dp_replicate = 1: pure FSDP2 holds one replica, so there is nothing for an outer step "
                               "to average across; set parallel.dp_replicate ≥ 2 (HSDP) to run local steps")
-        if s.warmup:
-            raise ConfigError("parallel.sync", _text(s), "warmup=0 with dp_shard > 1: over HSDP's replica groups the "
-                              "per-step gradient all-reduce of a warm-up is not built (FSDP2 reduces inside each "
-                              "dp_shard group only)")
 
     def check_model(self, model_config: Any) -> None:
         """The model-shape rules, torch-free: the pipeline's (``check_pipeline_shape``: the schedule, stages per

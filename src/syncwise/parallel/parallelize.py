@@ -70,6 +70,7 @@ class Parallelized:
     _counted: dict = field(default_factory=dict)
     _last_tp: Optional[tuple] = None  # the last timed step's tensor-parallel (seconds, exposed seconds)
     _timing_tp: bool = False           # whether this step's tensor-parallel collectives are timed
+    _warmup_sync: bool = False         # local steps over HSDP's replica groups: this step is a warm-up step
 
     # ---- what the step asks ------------------------------------------------------------------------------
     @property
@@ -81,6 +82,8 @@ class Parallelized:
         """Whether this step's last micro-batch syncs gradients (local SGD keeps them local after warm-up)."""
         # Local steps over HSDP's replica groups: FSDP2 (over dp_shard alone) reduce-scatters every step; the sync
         # strategy keeps the replica groups apart between its outer steps.
+        if self.fsdp and self.sync is not None:  # a warm-up step also averages the gradients across the groups
+            self._warmup_sync = self.sync.syncs_gradients(step)
         return self.distributed and (self.sync is None or self.fsdp or self.sync.syncs_gradients(step))
 
     @contextlib.contextmanager
@@ -318,6 +321,8 @@ def parallelize(model: nn.Module, spec: "Layout | dict | None" = None, device: O
                 apply_fsdp(root, mesh, ("dp_shard",), param_dtype=param_dtype,
                            reduce_dtype=reduce_dtype or torch.float32)
             par.sync = build_sync(sync, model, group=mesh["dp_replicate"].get_group())
+            if par.sync is not None and sync.warmup:
+                _attach_warmup_all_reduce(roots, par, mesh["dp_replicate"].get_group())
         elif compress_replicas:
             # FSDP2 inside each replica group; syncwise's compressor is the all-reduce across the groups.
             par.dp = DataParallel(module=model, hook_state=None)
@@ -357,6 +362,24 @@ def parallelize(model: nn.Module, spec: "Layout | dict | None" = None, device: O
     if compile:
         par.module = torch.compile(par.module)
     return par
+
+
+def _attach_warmup_all_reduce(roots: list, par: Parallelized, group: Any) -> None:
+    """The warm-up of local steps over HSDP's replica groups (``warmup=W``): during its steps each FSDP2 unit's
+    reduce-scatter output (this rank's gradient shard, averaged inside its group) is averaged across the groups too
+    (FSDP2's all-reduce hook; what HSDP's own all-reduce would do), so every group takes the same steps until the
+    outer loop starts from identical replicas. Counted by syncwise.comm as 'dp'."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from ..comm import ops
+
+    def hook(flat: torch.Tensor) -> None:
+        if par._warmup_sync:
+            ops.all_reduce(flat, "avg", group=group)
+
+    for root in roots:
+        for unit in [m for m in root.modules() if isinstance(m, FSDPModule)]:
+            unit.set_all_reduce_hook(hook)
 
 
 def _hierarchical_here(spec: Layout, world: int) -> bool:
