@@ -490,7 +490,7 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], mo
 def describe_layout(par: Parallelized) -> str:
     """'dp_shard 2 × tp 2 (FSDP2)' for the summary."""
     kind = "FSDP2" if par.fsdp and par.spec.dp_replicate == 1 else \
-        "HSDP replica groups, local steps across dp_replicate" if par.fsdp and par.sync is not None else \
+        "HSDP, local steps" if par.fsdp and par.sync is not None else \
         "HSDP" if par.fsdp and par.spec.sharded else \
         "FSDP2 replicas" if par.fsdp else "DDP" if par.dp.distributed else None
     topo = par.dp.hierarchical
