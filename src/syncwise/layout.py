@@ -261,23 +261,30 @@ MAX_CHUNK = 32768  # sparseloco: an index within a chunk fits an int16
 # method -> defaults; DiLoCo's outer optimizer follows the paper (lr 0.7, Nesterov momentum 0.9).
 METHODS = {
     "localsgd": {"period": 16, "outer_lr": 1.0, "momentum": 0.0, "nesterov": False, "delay": 0,
-                 "dtype": "fp32", "warmup": 0},
+                 "dtype": "fp32", "warmup": 0, "bits": 32},
     "diloco": {"period": 16, "outer_lr": 0.7, "momentum": 0.9, "nesterov": True, "delay": 0,
-               "dtype": "fp32", "warmup": 0},
+               "dtype": "fp32", "warmup": 0, "bits": 32},
     "torch-localsgd": {"period": 16, "warmup": 0},
     "pipesgd": {"dtype": "fp32"},
     # SparseLoCo (arXiv 2508.15706): chunked top-k + 2-bit pseudo-gradient, error feedback (decay) for outer momentum
     # Streaming DiLoCo (arXiv 2501.18512): DiLoCo per parameter fragment, the fragments' syncs staggered
     "streaming": {"period": 16, "fragments": 4, "outer_lr": 0.7, "momentum": 0.9, "nesterov": True, "delay": 0,
-                  "dtype": "fp32", "warmup": 0},
+                  "dtype": "fp32", "warmup": 0, "bits": 32},
     "sparseloco": {"period": 16, "outer_lr": 1.0, "decay": 0.95, "chunk": 4096, "topk": 64, "bits": 2, "delay": 0,
                    "warmup": 0},
 }
+#: ``bits=`` of localsgd / diloco / streaming: 4 or 8 quantize the outer gradient (per block of OUTER_QBLOCK elements,
+#: one fp32 scale each, error feedback) and all-gather it; 16 and 32 leave it unquantized (``dtype=`` casts to 16 bits)
+OUTER_BITS = (4, 8, 16, 32)
+OUTER_QBLOCK = 256
+#: the sync strategies that run over HSDP's replica groups (an outer step per shard across dp_replicate)
+HSDP_SYNC = ("localsgd", "diloco", "streaming", "sparseloco")
 #: state a sync strategy keeps per parameter, in fp32 copies of the model (anchor; DiLoCo: + outer momentum)
 SYNC_STATE_COPIES = {"localsgd": 1, "diloco": 2, "torch-localsgd": 1, "pipesgd": 0, "sparseloco": 2, "streaming": 2}
 SYNC_ACCEPTED = ("every-step (DDP all-reduce each step); auto (the strategy predicted to reach fp32 DDP's loss "
                  "soonest on this cluster); localsgd[:period=H,delay=D,dtype=fp32|bf16|fp16,warmup=W,"
-                 "outer_lr=X,momentum=M,nesterov=yes|no]; diloco[:...same keys; defaults outer_lr=0.7,momentum=0.9,"
+                 "outer_lr=X,momentum=M,nesterov=yes|no,bits=4|8|16|32]; diloco[:...same keys; defaults outer_lr=0.7,"
+                 "momentum=0.9,"
                  "nesterov=yes]; torch-localsgd[:period=H,warmup=W] (PyTorch's PeriodicModelAverager); "
                  "pipesgd[:dtype=fp32|bf16|fp16] (gradient all-reduce overlapped with the next step); "
                  "streaming[:fragments=F,...diloco's keys] (Streaming DiLoCo: F fragments synced in turn); "
@@ -355,7 +362,13 @@ class SyncSpec:
                   (0 <= out.decay < 1, "decay", "a number in [0, 1)"),
                   (2 <= out.chunk <= MAX_CHUNK, "chunk", f"an integer in [2, {MAX_CHUNK}]"),
                   (1 <= out.topk <= out.chunk, "topk", f"an integer in [1, chunk] = [1, {out.chunk}]"),
-                  (out.bits in (2, 32), "bits", "2 or 32"),
+                  ("bits" not in values or (out.bits in (2, 32) if method == "sparseloco" else out.bits in OUTER_BITS),
+                   "bits",
+                   "2 or 32" if method == "sparseloco" else
+                   "4 or 8 (quantized outer gradients), 16 or 32 (not quantized; dtype= casts to 16 bits)"),
+                  ("bits" not in values or method == "sparseloco" or out.bits >= 16 or out.dtype == "fp32", "bits",
+                   f"16 or 32 with dtype={out.dtype} (bits=4|8 quantize the fp32 outer gradient; dtype= casts it: "
+                   "pick one)"),
                   (1 <= out.fragments <= out.period, "fragments", f"an integer in [1, period] = [1, {out.period}]")]
         for ok, key, accepted in checks:
             if not ok:
@@ -667,10 +680,8 @@ class Layout:
         # The reduced-sync strategies average whole replicas; sharded, tensor, pipeline and expert parallel split
         # a replica over ranks.
         if s is not None:
-            raise ConfigError("parallel.sync", _text(s), f"every-step with {lay._split_by()}: local SGD, DiLoCo, "
-                              "Streaming DiLoCo, SparseLoCo and Pipe-SGD average whole replicas, which these layouts "
-                              "split (HSDP's replica groups would allow an outer step per shard over dp_replicate: "
-                              "not built)")
+            lay._check_hsdp_sync(s)
+            return lay
         if c.is_none:
             return lay
         if lay.fsdp:
@@ -681,6 +692,22 @@ class Layout:
             raise ConfigError("compress.method", c.text, "a syncwise compressor (or none) with pp > 1: PyTorch's DDP "
                               "comm hooks need DDP, which a pipeline stage's several backwards per step break")
         return lay
+
+    def _check_hsdp_sync(self, s: SyncSpec) -> None:
+        """A reduced-sync strategy on a layout that splits a replica: it runs over HSDP's replica groups (FSDP2 inside
+        each dp_shard group every step, an outer step per shard across dp_replicate every period), nowhere else."""
+        split = self.tp > 1 or self.pp > 1 or self.ep > 1
+        if split or s.method not in HSDP_SYNC:
+            dim = next((n for n in ("tp", "pp", "ep") if getattr(self, n) > 1), "")
+            why = (f"with parallel.{dim}={getattr(self, dim, '')} (local steps run over whole replicas or HSDP's "
+                   "replica groups: dp_shard × dp_replicate only)"
+                   if split else f"{s.method} with dp_shard > 1 (over HSDP's replica groups only "
+                   f"{', '.join(HSDP_SYNC)} run: PyTorch's averager and Pipe-SGD need whole replicas)")
+            raise ConfigError("parallel.sync", _text(s), f"every-step {why}")
+        if self.dp_replicate == 1:
+            raise ConfigError("parallel.sync", _text(s), f"every-step with parallel.dp_shard={self.dp_shard} and "
+                              "dp_replicate = 1: pure FSDP2 holds one replica, so there is nothing for an outer step "
+                              "to average across; set parallel.dp_replicate ≥ 2 (HSDP) to run local steps")
 
     def check_model(self, model_config: Any) -> None:
         """The model-shape rules, torch-free: the pipeline's (``check_pipeline_shape``: the schedule, stages per

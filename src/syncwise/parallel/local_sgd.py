@@ -13,6 +13,10 @@ What syncwise adds over PyTorch's ``PeriodicModelAverager`` (which ``torch-local
   twice ("eager/overlapped" outer step, as in Streaming DiLoCo);
 - **low-precision pseudo-gradients** (``dtype=bf16|fp16``) with error feedback: what the cast dropped is
   added to the next sync's pseudo-gradient, so nothing is lost over time;
+- **low-bit pseudo-gradients** (``bits=4|8``): quantized per block, all-gathered and averaged locally, with error
+  feedback (the bytes on the wire shrink to about bits/32);
+- **sharded replicas** (HSDP's replica groups): with DTensor parameters (FSDP2 over ``dp_shard``) the replica state
+  is this rank's local shards, averaged with the same shard of the other groups (``group`` = ``dp_replicate``);
 - **warm-up** with ordinary per-step gradient all-reduce (post-local SGD, Lin et al. 2020);
 - exact checkpoint/resume of every replica, the anchor, the outer momentum and an in-flight average.
 
@@ -51,7 +55,10 @@ class LocalSGD(SyncStrategy):
         self.spec, self.group, self.stats = spec, group, stats
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.tensors = self.params + [b for b in model.buffers() if b.is_floating_point()]
-        self.flat, self._views = _flat_storage(self.tensors)
+        # FSDP2 / HSDP: the parameters are DTensors; the replica state is this rank's shards (averaged with the same
+        # shard of the other replica groups, ``group`` = dp_replicate), read through ``to_local()`` at every use
+        self._sharded = any(_is_dtensor(t) for t in self.tensors)
+        self.flat, self._views = _flat_storage(self.tensors, views=not self._sharded)
         self.anchor = self.flat.clone()  # the last agreed replica state
         self.outer_opt = torch.optim.SGD([self.anchor], lr=spec.outer_lr, momentum=spec.momentum,
                                          nesterov=spec.nesterov and spec.momentum > 0)
@@ -63,7 +70,11 @@ class LocalSGD(SyncStrategy):
         low = DTYPES[spec.dtype] != torch.float32
         self._send = torch.empty_like(self._wire, dtype=DTYPES[spec.dtype]) if low else self._wire
         # Error feedback of the low-precision cast: what it dropped goes out with the next sync.
-        self.residual: Optional[torch.Tensor] = torch.zeros_like(self.flat) if low else None
+        # bits=4|8: the outer gradient is quantized per block and all-gathered (_launch_quantized), with error feedback
+        self._quant = spec.method != "sparseloco" and getattr(spec, "bits", 32) in (4, 8)
+        self.residual: Optional[torch.Tensor] = torch.zeros_like(self.flat) if low or self._quant else None
+        if self._quant:
+            self._init_quantized()
         self._at_launch = torch.empty_like(self.flat) if spec.delay else None
         self._pending: Optional[dict[str, Any]] = None  # the in-flight average
         self.syncs = 0
@@ -99,6 +110,9 @@ class LocalSGD(SyncStrategy):
             self._at_launch.copy_(current)  # θ at launch: the local progress after it is kept
         torch.sub(self.anchor, current, out=self._delta)  # this replica's pseudo-gradient
         self._pack_skips(step, self._flags)  # the steps it dropped since the last average ride along
+        if self._quant:
+            self._launch_quantized(step, delay)
+            return
         if self.residual is not None:
             self._delta.add_(self.residual)
             self._send.copy_(self._wire)
@@ -115,7 +129,9 @@ class LocalSGD(SyncStrategy):
             if pending["work"] is not None:
                 pending["work"].wait()
         waited = iv.seconds()
-        if self._send is not self._wire:
+        if pending.get("gathered") is not None:
+            self._decode_gathered(pending)
+        elif self._send is not self._wire:
             self._wire.copy_(self._send)
         self._unpack_skips(pending["launched_at"], self._flags)  # every replica records the steps any one dropped
         self.anchor.grad = self._delta  # the averaged pseudo-gradient
@@ -134,13 +150,14 @@ class LocalSGD(SyncStrategy):
         """The replica state as one flat fp32 tensor (the live buffer when the parameters are its views)."""
         if self._views:
             return self.flat
-        return self.flat.copy_(_flatten_dense_tensors([t.detach().float() for t in self.tensors]))
+        return self.flat.copy_(_flatten_dense_tensors([_local(t).detach().float() for t in self.tensors]))
 
     def _write(self, flat: torch.Tensor) -> None:
         if flat is not self.flat:
             self.flat.copy_(flat)
         if not self._views:
-            for t, value in zip(self.tensors, _unflatten_dense_tensors(self.flat, self.tensors)):
+            local = [_local(t) for t in self.tensors]
+            for t, value in zip(local, _unflatten_dense_tensors(self.flat, local)):
                 t.detach().copy_(value)
 
     @torch.no_grad()
@@ -170,6 +187,8 @@ class LocalSGD(SyncStrategy):
     def state_dict(self) -> dict[str, Any]:
         """Anchor, outer momentum, cast residual and an in-flight average (waited for: its result is saved)."""
         pending = self._settled_pending()
+        if pending is not None and self._pending.get("gathered") is not None:
+            self._decode_gathered(self._pending)  # the quantized payloads, averaged (what landing would apply)
         if pending is not None:
             pending["averaged"] = self._send.clone()
         return {"anchor": self.anchor.clone(), "outer_opt": self.outer_opt.state_dict(),
@@ -196,11 +215,97 @@ class LocalSGD(SyncStrategy):
         self.restored = True
 
 
-def _flat_storage(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, bool]:
-    """One flat fp32 copy of ``tensors``; when they are all fp32 on one device, re-point them to be views
-    of it (so reading and writing the replica state costs nothing). Returns (flat, are_views)."""
-    flat = _flatten_dense_tensors([t.detach().float() for t in tensors]).clone()
-    if any(t.dtype != torch.float32 or t.device != flat.device for t in tensors):
+    # ---------------------------------------------------------------- low-bit outer gradients (bits=4|8)
+    # Streaming DiLoCo sends its outer gradients in 4 bits (arXiv 2501.18512), INTELLECT-1 in 8. Here: symmetric
+    # integer levels (±7 for 4 bits, ±127 for 8) with one fp32 scale (the block's absmax / levels) per OUTER_QBLOCK
+    # elements, round to nearest, and error feedback (what the rounding dropped goes out with the next sync). A sum
+    # of quantized values is not quantized, so each rank all-gathers every rank's payload (codes, scales and the
+    # skip flags as one uint8 buffer) and decodes and averages them locally: the bytes on the wire are the
+    # payload's, about bits/32 of the fp32 all-reduce's.
+    def _init_quantized(self) -> None:
+        from ..layout import OUTER_QBLOCK
+        import torch.distributed as dist
+
+        n, dev = self.flat.numel(), self.flat.device
+        self._qblock = OUTER_QBLOCK
+        self._nblocks = -(-n // OUTER_QBLOCK)
+        self._qmax = 7 if self.spec.bits == 4 else 127
+        padded = self._nblocks * OUTER_QBLOCK
+        self._code_bytes = padded // 2 if self.spec.bits == 4 else padded
+        self._meta = torch.empty(self._nblocks + self.spec.period, dtype=torch.float32, device=dev)  # scales, flags
+        self._payload = torch.empty(self._code_bytes + self._meta.numel() * 4, dtype=torch.uint8, device=dev)
+        self._qwork = torch.zeros(padded, dtype=torch.float32, device=dev)
+        world = dist.get_world_size(self.group) if dist.is_available() and dist.is_initialized() else 1
+        self._gathered = torch.empty(world * self._payload.numel(), dtype=torch.uint8, device=dev)
+
+    @property
+    def outer_payload_bytes(self) -> int:
+        """Bytes this rank puts on the wire per outer step (all-gather input, or all-reduce tensor)."""
+        return self._payload.numel() if self._quant else self._send.numel() * self._send.element_size()
+
+    @torch.no_grad()
+    def _launch_quantized(self, step: int, delay: int) -> None:
+        n, qb = self._delta.numel(), self._qblock
+        self._delta.add_(self.residual)  # error feedback
+        x = self._qwork
+        x[:n].copy_(self._delta)
+        blocks = x.view(self._nblocks, qb)
+        scale = blocks.abs().amax(dim=1).div_(self._qmax)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = blocks.div(scale[:, None]).round_().clamp_(-self._qmax, self._qmax)
+        torch.sub(self._delta, (q * scale[:, None]).view(-1)[:n], out=self.residual)  # what the rounding dropped
+        if self.spec.bits == 4:
+            u = (q + 8).to(torch.uint8).view(-1, 2)
+            codes = u[:, 0] | (u[:, 1] << 4)
+        else:
+            codes = q.to(torch.int8).view(torch.uint8).view(-1)
+        self._meta[:self._nblocks].copy_(scale)
+        self._meta[self._nblocks:].copy_(self._flags)
+        self._payload[:self._code_bytes].copy_(codes)
+        self._payload[self._code_bytes:].copy_(self._meta.view(torch.uint8))
+        work = ops.all_gather(self._gathered, self._payload, group=self.group, async_op=True, stats=self.stats)
+        self._pending = {"launched_at": step, "apply_at": step + delay, "work": work, "gathered": True}
+
+    @torch.no_grad()
+    def _decode_gathered(self, pending: dict) -> None:
+        """Every rank's payload, decoded and averaged into the wire buffer (pseudo-gradient, then the flags)."""
+        n, qb, nb = self._delta.numel(), self._qblock, self._nblocks
+        world = self._gathered.numel() // self._payload.numel()
+        rows = self._gathered.view(world, self._payload.numel())
+        total = torch.zeros(nb * qb, dtype=torch.float32, device=self._delta.device)
+        flags = torch.zeros_like(self._flags)
+        for r in range(world):  # in rank order on every rank: the same sum everywhere
+            codes, meta = rows[r, :self._code_bytes], rows[r, self._code_bytes:].clone().view(torch.float32)
+            if self.spec.bits == 4:
+                q = torch.stack([codes & 15, codes >> 4], dim=1).view(-1).float().sub_(8)
+            else:
+                q = codes.view(torch.int8).float()
+            total.add_(q.view(nb, qb).mul_(meta[:nb, None]).view(-1))
+            flags.add_(meta[nb:])
+        self._delta.copy_(total[:n].div_(world))
+        self._flags.copy_(flags.div_(world))
+        pending["gathered"] = None
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return hasattr(t, "to_local") and hasattr(t, "device_mesh")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2 / HSDP parameters; sharing its storage), else the tensor itself. Read
+    at every use: FSDP2 may re-point a parameter's local tensor at its lazy initialisation (first forward)."""
+    if not _is_dtensor(t):
+        return t
+    with torch.no_grad():
+        return t.to_local()
+
+
+def _flat_storage(tensors: list[torch.Tensor], views: bool = True) -> tuple[torch.Tensor, bool]:
+    """One flat fp32 copy of ``tensors`` (their local shards for DTensors); when they are all fp32 on one device (and
+    ``views``), re-point them to be views of it (so reading and writing the replica state costs nothing). Returns
+    (flat, are_views)."""
+    flat = _flatten_dense_tensors([_local(t).detach().float() for t in tensors]).clone()
+    if not views or any(t.dtype != torch.float32 or t.device != flat.device for t in tensors):
         return flat, False
     offset = 0
     with torch.no_grad():

@@ -70,6 +70,7 @@ class Parallelized:
     _counted: dict = field(default_factory=dict)
     _last_tp: Optional[tuple] = None  # the last timed step's tensor-parallel (seconds, exposed seconds)
     _timing_tp: bool = False           # whether this step's tensor-parallel collectives are timed
+    _warmup_sync: bool = False         # local steps over HSDP's replica groups: this step is a warm-up step
 
     # ---- what the step asks ------------------------------------------------------------------------------
     @property
@@ -79,7 +80,11 @@ class Parallelized:
 
     def syncs_gradients(self, step: int) -> bool:
         """Whether this step's last micro-batch syncs gradients (local SGD keeps them local after warm-up)."""
-        return self.distributed and (self.sync is None or self.sync.syncs_gradients(step))
+        # Local steps over HSDP's replica groups: FSDP2 (over dp_shard alone) reduce-scatters every step; the sync
+        # strategy keeps the replica groups apart between its outer steps.
+        if self.fsdp and self.sync is not None:  # a warm-up step also averages the gradients across the groups
+            self._warmup_sync = self.sync.syncs_gradients(step)
+        return self.distributed and (self.sync is None or self.fsdp or self.sync.syncs_gradients(step))
 
     @contextlib.contextmanager
     def micro_batch(self, syncing: bool) -> Iterator[None]:
@@ -258,7 +263,8 @@ def parallelize(model: nn.Module, spec: "Layout | dict | None" = None, device: O
 
     ``compressor``: syncwise's gradient compression (None = DDP's built-in all-reduce). With dp_shard > 1 or tp > 1
     (FSDP2) a cast (``bf16``/``fp16``) is FSDP2's reduce dtype, and any other compressor compresses the all-reduce
-    across the dp_replicate groups (FSDP2's all-reduce hook; needs dp_replicate ≥ 2). ``sync``: a reduced-sync strategy (DDP only).
+    across the dp_replicate groups (FSDP2's all-reduce hook; needs dp_replicate ≥ 2). ``sync``: a reduced-sync
+    strategy (DDP replicas, or HSDP's replica groups: FSDP2 over dp_shard, the outer step per shard over dp_replicate).
     ``loss_fn``: the last pipeline stage's loss (pp > 1; default ``lm_loss``); ``split_fn(model, stage, n_stages)``:
     a user model's pipeline split (syncwise's model and ``nn.Sequential`` need none).
     ``tp_plan``: a user model's tensor-parallel plan (``parallelize_module``'s dict); syncwise's own model has one.
@@ -307,7 +313,17 @@ def parallelize(model: nn.Module, spec: "Layout | dict | None" = None, device: O
         # Each pipeline stage is its own FSDP2 root (torch's PipelineStage defers its reduce-scatter to the last
         # microbatch's backward).
         roots = parts
-        if compress_replicas:
+        if sync is not None:
+            # Local steps over HSDP's replica groups (Layout.check allows dp_shard × dp_replicate ≥ 2 only): FSDP2
+            # inside each replica group, no gradient all-reduce across the groups; every period the sync strategy
+            # averages each rank's local shards with the same shard of the other groups (the dp_replicate group).
+            for root in roots:
+                apply_fsdp(root, mesh, ("dp_shard",), param_dtype=param_dtype,
+                           reduce_dtype=reduce_dtype or torch.float32)
+            par.sync = build_sync(sync, model, group=mesh["dp_replicate"].get_group())
+            if par.sync is not None and sync.warmup:
+                _attach_warmup_all_reduce(roots, par, mesh["dp_replicate"].get_group())
+        elif compress_replicas:
             # FSDP2 inside each replica group; syncwise's compressor is the all-reduce across the groups.
             par.dp = DataParallel(module=model, hook_state=None)
             for root in roots:
@@ -334,7 +350,7 @@ def parallelize(model: nn.Module, spec: "Layout | dict | None" = None, device: O
         par.sync = build_sync(sync, model)
     if spec.fsdp and mesh is not None and not compile:  # (a dispatch mode would recompile a compiled module)
         labels = {"dp_replicate": "dp", "dp_shard": "fsdp", "tp": "tp"}
-        if par.dp.hook_state is not None:
+        if par.dp.hook_state is not None or par.sync is not None:
             del labels["dp_replicate"]  # the compressor counts its own collectives (syncwise.comm)
         groups = mesh_groups(mesh, labels)
         if dp_dims:
@@ -346,6 +362,24 @@ def parallelize(model: nn.Module, spec: "Layout | dict | None" = None, device: O
     if compile:
         par.module = torch.compile(par.module)
     return par
+
+
+def _attach_warmup_all_reduce(roots: list, par: Parallelized, group: Any) -> None:
+    """The warm-up of local steps over HSDP's replica groups (``warmup=W``): during its steps each FSDP2 unit's
+    reduce-scatter output (this rank's gradient shard, averaged inside its group) is averaged across the groups too
+    (FSDP2's all-reduce hook; what HSDP's own all-reduce would do), so every group takes the same steps until the
+    outer loop starts from identical replicas. Counted by syncwise.comm as 'dp'."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from ..comm import ops
+
+    def hook(flat: torch.Tensor) -> None:
+        if par._warmup_sync:
+            ops.all_reduce(flat, "avg", group=group)
+
+    for root in roots:
+        for unit in [m for m in root.modules() if isinstance(m, FSDPModule)]:
+            unit.set_all_reduce_hook(hook)
 
 
 def _hierarchical_here(spec: Layout, world: int) -> bool:
@@ -455,7 +489,9 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], mo
 
 def describe_layout(par: Parallelized) -> str:
     """'dp_shard 2 × tp 2 (FSDP2)' for the summary."""
-    kind = "FSDP2" if par.fsdp and par.spec.dp_replicate == 1 else "HSDP" if par.fsdp and par.spec.sharded else \
+    kind = "FSDP2" if par.fsdp and par.spec.dp_replicate == 1 else \
+        "HSDP, local steps" if par.fsdp and par.sync is not None else \
+        "HSDP" if par.fsdp and par.spec.sharded else \
         "FSDP2 replicas" if par.fsdp else "DDP" if par.dp.distributed else None
     topo = par.dp.hierarchical
     if topo is not None and kind:  # dist.hierarchical: where the compressor runs, for the summary and metrics

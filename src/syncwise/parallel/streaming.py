@@ -4,9 +4,9 @@ its own DiLoCo outer loop every ``period`` steps, the fragments' syncs staggered
 Only one fragment's pseudo-gradient crosses the wire at a time (peak bandwidth / F, the same bytes per step as
 DiLoCo), and with ``delay=D`` each fragment's average overlaps D local steps (the paper's τ; the local progress made
 meanwhile is kept, as LocalSGD's overlap does). ``dtype=bf16|fp16`` sends the outer gradients in 16 bits with error
-feedback (the paper goes to 4 bits; syncwise's low-precision outer gradients stop at 16 — for fewer bits use
-``sparseloco``). Each fragment is a :class:`~syncwise.parallel.local_sgd.LocalSGD` over its share of the
-parameters (contiguous in the module's parameter order, split by element count; floating-point buffers such as MoE
+feedback; ``bits=4|8`` quantizes them (one fp32 scale per 256 elements, all-gathered, error feedback: the paper's
+4 bits; ``LocalSGD._launch_quantized``). Each fragment is a :class:`~syncwise.parallel.local_sgd.LocalSGD` over its
+share of the parameters (contiguous in the module's parameter order, split by element count; floating-point buffers such as MoE
 router biases go with the first fragment), with its own anchor, outer Nesterov momentum, cast residual and in-flight
 average, all checkpointed. Not built: the paper's mixing of local and global parameters (its α; here α = 0, the
 fragment takes the global value plus the local progress made during the overlap).

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..errors import ConfigError
-from ..layout import EVERY_STEP, FSDP_REDUCE_DTYPES, parse_compress
+from ..layout import EVERY_STEP, FSDP_REDUCE_DTYPES, OUTER_QBLOCK, parse_compress
 from .cloud import Accelerator, CloudConfig, gemm_time
 from .layout import SYNCWISE, Layout, Training, syncwise_refusal
 from .memory import Memory, activation_terms, memory_per_rank, stage_params
@@ -417,7 +417,12 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
             cast = name in FSDP_REDUCE_DTYPES and name != "none"    # FSDP2's own 16-bit reduce dtype
             red = 2.0 if cast else training.grad_reduce_bytes
             dp_total += dim_time(cloud, layout, "dp_shard", "reduce_scatter", local * red, traffic)
-            if layout.dp_replicate > 1:
+            if layout.dp_replicate > 1 and sync_name not in (EVERY_STEP, "pipesgd"):
+                # local steps over HSDP's replica groups: no per-step all-reduce across them; each rank's shard is
+                # averaged with the other groups' every period
+                one = _outer_step_time(cloud, layout, sync, local / layout.dp_shard, "dp_replicate", traffic)
+                sync_exposed = max(0.0, one - sync.delay * t_pipe) / sync.period
+            elif layout.dp_replicate > 1:
                 shard = local / layout.dp_shard
                 if cast or name == "none":
                     dp_total += dim_time(cloud, layout, "dp_replicate", "all_reduce", shard * red, traffic)
@@ -457,15 +462,9 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
             else:
                 dp_exposed = _overlap(dp_total, training, layout, t_bwd - t_extra, local)
         else:                                    # local SGD / DiLoCo: parameters averaged every H steps
-            period, delay, dtype = sync.period, sync.delay, sync.dtype   # syncwise.layout.SyncSpec
-            if sync.method == "sparseloco":      # top-k per chunk: int16 index + `bits` code, one fp32 scale, gathered
-                per_element = (2 * sync.topk + sync.topk * sync.bits / 8 + 4) / sync.chunk
-                one = dim_time(cloud, layout, "dp", "all_gather", local * per_element * layout.dp_replicate, traffic)
-            else:
-                nbytes = local * {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
-                one = dim_time(cloud, layout, "dp", "all_reduce", nbytes, traffic)
-            dp_total = one / period
-            sync_exposed = max(0.0, one - delay * t_pipe) / period
+            one = _outer_step_time(cloud, layout, sync, local, "dp", traffic)
+            dp_total = one / sync.period
+            sync_exposed = max(0.0, one - sync.delay * t_pipe) / sync.period
     t_opt = (local / layout.dp_shard) * training.optimizer_pass_bytes / acc.hbm_bandwidth
     breakdown = {
         "compute": M * (t_matmul + t_elem),
@@ -593,6 +592,18 @@ def kernels_per_microbatch(model: ModelSpec, layout: Layout, training: Training,
     edges_fwd = 1 + (2 if model.learned_positions else 0) + 1 + 2
     total += edges_fwd + edges_fwd + 2
     return total / pp
+
+
+def _outer_step_time(cloud: Any, layout: Any, sync: Any, shard: float, dim: str, traffic: Any) -> float:
+    """Seconds of one outer step of a local-step strategy (localsgd / diloco / streaming / sparseloco) carrying
+    ``shard`` parameters per rank across ``layout.dp_replicate`` replicas over mesh dimension ``dim``."""
+    if sync.method == "sparseloco":      # top-k per chunk: int16 index + `bits` code, one fp32 scale, gathered
+        per_element = (2 * sync.topk + sync.topk * sync.bits / 8 + 4) / sync.chunk
+        return dim_time(cloud, layout, dim, "all_gather", shard * per_element * layout.dp_replicate, traffic)
+    if sync.bits in (4, 8):              # bits-wide codes + one fp32 scale per OUTER_QBLOCK elements, gathered
+        per_element = sync.bits / 8 + 4 / OUTER_QBLOCK
+        return dim_time(cloud, layout, dim, "all_gather", shard * per_element * layout.dp_replicate, traffic)
+    return dim_time(cloud, layout, dim, "all_reduce", shard * {"fp32": 4, "bf16": 2, "fp16": 2}[sync.dtype], traffic)
 
 
 def _overlap(total: float, training: Training, layout: Layout, window: float, local: float) -> float:
