@@ -11,6 +11,7 @@ import importlib.util
 import json
 
 import pytest
+import torch
 
 from syncwise.cli import main
 from syncwise.config import build_config, check_references
@@ -89,6 +90,9 @@ def uninterrupted(tmp_path_factory):
     ({"ft.replicas": "2", "dist.nproc": "2", "parallel.sync": "localsgd:period=4"}, "dist.nproc"),
     ({"ft.replicas": "2", "dist.max_restarts": "2"}, "dist.max_restarts"),
     ({"inject_fault": ["healkill:rank=0"]}, "inject_fault"),
+    ({"ft.replicas": "2", "compress.method": "topk:ratio=0.01"}, "compress.method"),
+    ({"ft.replicas": "2", "compress.method": "powersgd:rank=4"}, "compress.method"),
+    ({"ft.replicas": "2", "dist.nproc": "1", "parallel.sync": "diloco:period=4,bits=4"}, "parallel.sync"),
 ])
 def test_bad_live_recovery_settings_are_refused_with_the_field(overrides, field):
     with pytest.raises(ConfigError) as e:
@@ -107,7 +111,15 @@ def test_cli_refuses_a_single_replica_before_any_worker_starts(tmp_path, capsys)
 
 @needs_torchft
 def test_python_api_refuses_a_bad_live_recovery():
+    from syncwise.models import build_model
+    from syncwise.train import OptimizedTrainer
     from syncwise.train.live_recovery import LiveRecovery
+
+    model = build_model("tiny", vocab_size=64, seq_len=16)
+    live = LiveRecovery(replica=0, replicas=2, lighthouse="localhost:1")
+    with pytest.raises(ConfigError, match="compress_gradients"):  # before any Manager or quorum
+        OptimizedTrainer(model, torch.optim.AdamW(model.parameters()), compress_gradients="topk:ratio=0.01",
+                         live_recovery=live, show_progress=False)
 
     with pytest.raises(ConfigError, match="ft.replicas"):
         LiveRecovery(replica=0, replicas=1, lighthouse="localhost:1")

@@ -76,3 +76,38 @@ def test_buckets_go_out_during_backward_in_order_and_come_back_averaged():
     buckets.arm()
     model(x).square().mean().backward()
     assert buckets.issued == 0
+
+
+@pytest.mark.parametrize("compress, dtype, tol", [("bf16", torch.bfloat16, 1e-2), ("fp16", torch.float16, 1e-3)])
+def test_a_16_bit_compress_method_sends_half_the_bytes_and_the_average_comes_back_in_fp32(compress, dtype, tol):
+    """compress.method=bf16/fp16 under live recovery: every bucket goes out cast (half the bytes on the wire), the
+    gradients come back fp32 within the cast's precision; the compressors torchft cannot carry are refused."""
+    from syncwise.train.live_recovery import wire_dtype
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    params = list(model.parameters())
+    x = torch.randn(8, 16)
+    model(x).square().mean().backward()
+    expected = [p.grad.clone() for p in params]
+    pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+    sent = []
+
+    def issue(wire):
+        sent.append((wire.dtype, wire.numel() * wire.element_size()))
+        return pg.allreduce([wire])
+
+    buckets = _ReplicaBuckets(params, issue, overlap=False, wire_dtype=wire_dtype(compress))
+    for p in params:
+        p.grad = None
+    buckets.arm()
+    model(x).square().mean().backward()
+    buckets.finish()
+    assert {d for d, _ in sent} == {dtype}
+    assert sum(b for _, b in sent) * 2 == sum(p.numel() * 4 for p in params)
+    for p, g in zip(params, expected):
+        assert p.grad.dtype == torch.float32
+        torch.testing.assert_close(p.grad, g, rtol=tol, atol=tol)
+    assert wire_dtype("none") is None and wire_dtype(None) is None
+    with pytest.raises(ConfigError, match="compress.method"):
+        wire_dtype("topk:ratio=0.01")

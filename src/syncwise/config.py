@@ -820,9 +820,10 @@ def _check_live_recovery(cfg: RunConfig, specs: Any, group_world: int) -> None:
             raise ConfigError(f"parallel.{name}", value, "1 with ft.replicas ≥ 2: a replica group may be DDP or FSDP2 "
                               "(parallel.dp_shard, HSDP across replica groups); tensor, pipeline and expert groups "
                               "inside a replica are not covered (docs/live-recovery.md)")
-    from .layout import check_live_sync
+    from .layout import check_live_compress, check_live_sync
 
     check_live_sync(specs.sync, cfg.parallel.sync, group_world, cfg.parallel.dp_shard)
+    check_live_compress(cfg.compress.method)
     if cfg.dist.lab:  # one replica group per lab node (syncwise.launch.ft_lab), the lighthouse on node 0
         from .lab.cluster import status
 

@@ -805,7 +805,7 @@ def check_live_sync(sync: Optional[SyncSpec], given: Any, group_world: int, dp_s
     Everything else: one ConfigError line naming the field, the value and what is accepted, with the reason."""
     if sync is None:
         return
-    accepted = "every-step, or localsgd / diloco (delay=0, warmup=0, dtype=fp32) with ft.replicas ≥ 2"
+    accepted = "every-step, or localsgd / diloco (delay=0, warmup=0, dtype=fp32, bits=32) with ft.replicas ≥ 2"
     if sync.method in _LIVE_SYNC_REFUSED:
         raise ConfigError("parallel.sync", given, f"{accepted}: {sync.method} is not covered: "
                           f"{_LIVE_SYNC_REFUSED[sync.method]} (docs/live-recovery.md)")
@@ -818,7 +818,24 @@ def check_live_sync(sync: Optional[SyncSpec], given: Any, group_world: int, dp_s
                          ("warmup", sync.warmup == 0, "warm-up steps would need a quorum and a commit every step; "
                           "not built"),
                          ("dtype", sync.dtype == "fp32", "the low-precision cast's error feedback is not carried "
-                          "through torchft's all-reduce yet")):
+                          "through torchft's all-reduce yet"),
+                         ("bits", getattr(sync, "bits", 32) in (16, 32), "the quantized outer gradient is all-gathered; "
+                          "torchft's manager only all-reduces")):
         if not ok:
             raise ConfigError("parallel.sync", given, f"{accepted}: {key}={getattr(sync, key)} is not covered: {why} "
                               "(docs/live-recovery.md)")
+
+
+#: compress.method values live recovery takes: the cross-replica all-reduce sends the gradients as they are (none)
+#: or cast to 16 bits (train/live_recovery.py's buckets; inside a replica group, DDP's hook casts too).
+LIVE_COMPRESS = ("none", "fp16", "bf16")
+
+
+def check_live_compress(compress: Any, field: str = "compress.method") -> None:
+    """compress.method under live recovery: one of :data:`LIVE_COMPRESS`, else one ConfigError line (torchft's
+    manager only all-reduces: top-k, PowerSGD, ... need all-gathers or per-replica state a heal would reconcile)."""
+    name = "none" if compress in (None, False) else str(getattr(compress, "text", compress))
+    if name not in LIVE_COMPRESS:
+        raise ConfigError(field, name, f"{', '.join(LIVE_COMPRESS)} with ft.replicas ≥ 2: live recovery's cross-replica "
+                          "all-reduce goes through torchft's manager, which only all-reduces (the other compressors "
+                          "need all-gathers or per-replica state a heal would have to reconcile; docs/live-recovery.md)")

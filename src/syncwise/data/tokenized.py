@@ -36,12 +36,17 @@ _EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 
 
 def _tokenizer_file(path: str) -> Path:
+    accepted = "a tokenizer.json file, or a folder holding one (a Hugging Face tokenizer saved with " \
+               "save_pretrained / Tokenizer.save)"
     p = Path(path).expanduser()
-    if p.is_dir():
-        p = p / "tokenizer.json"
-    if not p.is_file():
-        raise ConfigError("data.tokenizer", path, "a tokenizer.json file, or a folder holding one "
-                          "(a Hugging Face tokenizer saved with save_pretrained / Tokenizer.save)")
+    try:
+        if p.is_dir():
+            p = p / "tokenizer.json"
+        found = p.is_file()
+    except OSError as e:  # e.g. a name longer than the file system allows (is_dir/is_file raise, not answer False)
+        raise ConfigError("data.tokenizer", path, f"{accepted} ({e.strerror})") from None
+    if not found:
+        raise ConfigError("data.tokenizer", path, accepted)
     return p
 
 

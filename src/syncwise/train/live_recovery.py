@@ -45,6 +45,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..comm.stats import STATS
 from ..errors import ConfigError, SyncwiseError
 
 ENV_REPLICA = "SYNCWISE_FT_REPLICA"          # this replica group's index, 0 .. replicas-1
@@ -188,7 +189,8 @@ class LiveRecovery:
             self._quorum(trainer.step + 1)
         self._quorum_ready = True
         if self.outer is None:  # (local SGD / DiLoCo: no gradient crosses replicas; the outer step averages)
-            self._grads = _ReplicaBuckets(self.params, self._issue, overlap=_overlap_ok(trainer, group_size))
+            self._grads = _ReplicaBuckets(self.params, self._issue, overlap=_overlap_ok(trainer, group_size),
+                                          wire_dtype=wire_dtype(getattr(trainer, "compress_spec", None)))
         if self.manager.current_step() == 0 and trainer.step == 0:
             step = resume_fallback()
             if step:
@@ -407,6 +409,7 @@ class LiveRecovery:
             return None
         if self._behind:
             flat.zero_()
+        STATS.record("all_reduce", flat.numel() * flat.element_size())  # (the bytes this rank puts on the wire)
         return self.manager.allreduce(flat)
 
     def _snapshot_for_peers(self) -> None:
@@ -561,6 +564,15 @@ def _overlap_ok(trainer: Any, group_size: int) -> bool:
         getattr(trainer, "grad_accum_steps", 1) == 1 and pipeline is None
 
 
+def wire_dtype(compress: Any) -> Optional[torch.dtype]:
+    """The cross-replica all-reduce's dtype for ``compress`` (a spec text; None/'none': the gradients' own;
+    syncwise.layout.check_live_compress says which are taken)."""
+    from ..layout import check_live_compress
+
+    check_live_compress(compress)
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(str(compress))
+
+
 class _ReplicaBuckets:
     """The cross-replica all-reduce of the gradients, in fixed flat buckets (:func:`_assign_buckets`) allocated once
     and reused every step. With ``overlap``, a post-accumulate-grad hook on each parameter marks its gradient
@@ -572,11 +584,15 @@ class _ReplicaBuckets:
     for all, and writes the averages back to ``.grad``."""
 
     def __init__(self, params: list[torch.Tensor], issue: Callable[[torch.Tensor], Any], overlap: bool,
-                 cap_bytes: int = BUCKET_BYTES, first_bytes: int = FIRST_BUCKET_BYTES):
+                 cap_bytes: int = BUCKET_BYTES, first_bytes: int = FIRST_BUCKET_BYTES,
+                 wire_dtype: Optional[torch.dtype] = None):
         self.params, self._issue = params, issue
         self.buckets = _assign_buckets(params, cap_bytes, first_bytes)
         self.flats = [torch.empty(sum(_local(params[i]).numel() for i in b), dtype=params[b[0]].dtype,
                                   device=_local(params[b[0]]).device) for b in self.buckets]
+        # compress.method=fp16/bf16: each bucket goes out cast to this dtype (half the bytes), back to fp32 after
+        self.wires = [torch.empty_like(f, dtype=wire_dtype) if wire_dtype is not None and f.dtype != wire_dtype
+                      else None for f in self.flats]
         self._bucket_of = {i: n for n, b in enumerate(self.buckets) for i in b}
         self._handles = [p.register_post_accumulate_grad_hook(lambda _p, i=i: self._ready(i))
                          for i, p in enumerate(params)] if overlap else []
@@ -614,7 +630,10 @@ class _ReplicaBuckets:
             else:
                 flat[offset:offset + n].copy_(_local(p.grad).reshape(-1))
             offset += n
-        self._works[b] = self._issue(flat)
+        wire = self.wires[b]
+        if wire is not None:
+            wire.copy_(flat)
+        self._works[b] = self._issue(flat if wire is None else wire)
         self.issued += 1
 
     def finish(self) -> None:
@@ -626,6 +645,8 @@ class _ReplicaBuckets:
             if work is not None:
                 work.wait()
             flat, offset = self.flats[b], 0
+            if self.wires[b] is not None:
+                flat.copy_(self.wires[b])
             for i in self.buckets[b]:
                 p = self.params[i]
                 if p.grad is None:

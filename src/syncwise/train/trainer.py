@@ -231,7 +231,7 @@ class OptimizedTrainer:
         """Live recovery (train/live_recovery.py) drives the step as a sync strategy on the exchange seam: the
         cross-replica average and the commit decision, every step (DDP or FSDP2 inside a replica group: HSDP with
         torchft as the replicate dimension), or once per round around local SGD / DiLoCo (one process per group)."""
-        from ..layout import check_live_sync
+        from ..layout import check_live_compress, check_live_sync
 
         self.live = live
         if live is None:
@@ -244,6 +244,7 @@ class OptimizedTrainer:
         if spec.sync is not None:
             self.sync_spec = spec.sync.spec
         check_live_sync(spec.sync, self.sync_spec, self.world_size, spec.dp_shard)
+        check_live_compress(self.compress_spec, "compress_gradients")
         self.sync = live.attach(self.model, spec.sync)
         if self.sync is not live:  # local SGD / DiLoCo: its state is checkpointed and healed as the 'sync' component
             self.par.sync = self.sync
