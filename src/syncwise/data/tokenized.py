@@ -38,13 +38,13 @@ _EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 def _tokenizer_file(path: str) -> Path:
     accepted = "a tokenizer.json file, or a folder holding one (a Hugging Face tokenizer saved with " \
                "save_pretrained / Tokenizer.save)"
-    p = Path(path).expanduser()
     try:
+        p = Path(path).expanduser()
         if p.is_dir():
             p = p / "tokenizer.json"
         found = p.is_file()
-    except OSError as e:  # e.g. a name longer than the file system allows (is_dir/is_file raise, not answer False)
-        raise ConfigError("data.tokenizer", path, f"{accepted} ({e.strerror})") from None
+    except (OSError, RuntimeError) as e:  # a name too long for the file system, ~nosuchuser: raised, not False
+        raise ConfigError("data.tokenizer", path, f"{accepted} ({getattr(e, 'strerror', None) or e})") from None
     if not found:
         raise ConfigError("data.tokenizer", path, accepted)
     return p
