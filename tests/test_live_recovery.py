@@ -90,8 +90,8 @@ def uninterrupted(tmp_path_factory):
     ({"ft.replicas": "2", "dist.nproc": "2", "parallel.sync": "localsgd:period=4"}, "dist.nproc"),
     ({"ft.replicas": "2", "dist.max_restarts": "2"}, "dist.max_restarts"),
     ({"inject_fault": ["healkill:rank=0"]}, "inject_fault"),
-    ({"ft.replicas": "2", "compress.method": "topk:ratio=0.01"}, "compress.method"),
-    ({"ft.replicas": "2", "compress.method": "powersgd:rank=4"}, "compress.method"),
+    ({"ft.replicas": "2", "dist.nproc": "1", "compress.method": "topk:ratio=0.01"}, "compress.method"),
+    ({"ft.replicas": "2", "dist.nproc": "1", "compress.method": "powersgd:rank=4"}, "compress.method"),
     ({"ft.replicas": "2", "dist.nproc": "1", "parallel.sync": "diloco:period=4,bits=4"}, "parallel.sync"),
 ])
 def test_bad_live_recovery_settings_are_refused_with_the_field(overrides, field):

@@ -823,7 +823,7 @@ def _check_live_recovery(cfg: RunConfig, specs: Any, group_world: int) -> None:
     from .layout import check_live_compress, check_live_sync
 
     check_live_sync(specs.sync, cfg.parallel.sync, group_world, cfg.parallel.dp_shard)
-    check_live_compress(cfg.compress.method)
+    check_live_compress(cfg.compress.method, group_world)
     if cfg.dist.lab:  # one replica group per lab node (syncwise.launch.ft_lab), the lighthouse on node 0
         from .lab.cluster import status
 

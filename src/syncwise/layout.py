@@ -831,11 +831,14 @@ def check_live_sync(sync: Optional[SyncSpec], given: Any, group_world: int, dp_s
 LIVE_COMPRESS = ("none", "fp16", "bf16")
 
 
-def check_live_compress(compress: Any, field: str = "compress.method") -> None:
-    """compress.method under live recovery: one of :data:`LIVE_COMPRESS`, else one ConfigError line (torchft's
-    manager only all-reduces: top-k, PowerSGD, ... need all-gathers or per-replica state a heal would reconcile)."""
+def check_live_compress(compress: Any, group_world: int = 1, field: str = "compress.method") -> None:
+    """compress.method under live recovery. The cross-replica all-reduce (torchft's manager: it only all-reduces)
+    takes :data:`LIVE_COMPRESS` (a 16-bit cast). Another compressor applies only inside a replica group of several
+    DDP workers (its hook; its state heals with the rest), the cross-replica hop staying uncompressed; with one
+    worker per group it would compress nothing: one ConfigError line."""
     name = "none" if compress in (None, False) else str(getattr(compress, "text", compress))
-    if name not in LIVE_COMPRESS:
-        raise ConfigError(field, name, f"{', '.join(LIVE_COMPRESS)} with ft.replicas ≥ 2: live recovery's cross-replica "
-                          "all-reduce goes through torchft's manager, which only all-reduces (the other compressors "
-                          "need all-gathers or per-replica state a heal would have to reconcile; docs/live-recovery.md)")
+    if name not in LIVE_COMPRESS and group_world <= 1:
+        raise ConfigError(field, name, f"{', '.join(LIVE_COMPRESS)} with ft.replicas ≥ 2 and one worker per replica "
+                          "group: live recovery's cross-replica all-reduce goes through torchft's manager, which only "
+                          "all-reduces (top-k, PowerSGD, ... need all-gathers or per-replica state a heal would have to "
+                          "reconcile); with dist.nproc > 1 they apply inside each replica group (docs/live-recovery.md)")

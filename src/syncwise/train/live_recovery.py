@@ -565,11 +565,9 @@ def _overlap_ok(trainer: Any, group_size: int) -> bool:
 
 
 def wire_dtype(compress: Any) -> Optional[torch.dtype]:
-    """The cross-replica all-reduce's dtype for ``compress`` (a spec text; None/'none': the gradients' own;
-    syncwise.layout.check_live_compress says which are taken)."""
-    from ..layout import check_live_compress
-
-    check_live_compress(compress)
+    """The cross-replica all-reduce's dtype for ``compress`` (a spec text): fp16/bf16 cast it; anything else
+    sends the gradients' own dtype (another compressor works inside a replica group only:
+    syncwise.layout.check_live_compress)."""
     return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(str(compress))
 
 

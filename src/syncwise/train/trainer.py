@@ -244,7 +244,7 @@ class OptimizedTrainer:
         if spec.sync is not None:
             self.sync_spec = spec.sync.spec
         check_live_sync(spec.sync, self.sync_spec, self.world_size, spec.dp_shard)
-        check_live_compress(self.compress_spec, "compress_gradients")
+        check_live_compress(self.compress_spec, self.world_size, "compress_gradients")
         self.sync = live.attach(self.model, spec.sync)
         if self.sync is not live:  # local SGD / DiLoCo: its state is checkpointed and healed as the 'sync' component
             self.par.sync = self.sync
