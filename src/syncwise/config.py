@@ -362,6 +362,10 @@ class FaultToleranceSection:
                              "one next to the replica groups", "'' or HOST:PORT", _host_port_ok)
     quorum_timeout_s: float = option(60.0, "how long a replica waits for the others to form a step's quorum",
                                      "a number of seconds from 1 to 86,400", _in(1, 86_400))
+    heartbeat_timeout_s: float = option(1.0, "how late a replica group's heartbeat (torchft's manager beats every 0.1 "
+                                        "s) may be before the lighthouse drops it from the next quorum: the survivors "
+                                        "of a killed replica wait this long (at most ft.timeout_s)",
+                                        "a number of seconds from 0.2 to 600", _in(0.2, 600))
     timeout_s: float = option(30.0, "the cross-replica all-reduce's and the healing transfer's timeout: a replica "
                               "stopped (not dead) this long is dropped from the step",
                               "a number of seconds from 1 to 86,400", _in(1, 86_400))

@@ -246,11 +246,12 @@ def launch_live_recovery(cfg: RunConfig) -> dict:
 
         codes = run_replicas_lab(worker, cfg.run_dir, ft.replicas, cfg.dist.nproc, ft.replica_restarts,
                                  min_replicas=ft.min_replicas, quorum_timeout_s=ft.quorum_timeout_s,
-                                 timeout_s=ft.timeout_s)
+                                 timeout_s=ft.timeout_s, heartbeat_timeout_s=ft.heartbeat_timeout_s)
     else:
         codes = run_replicas(worker, cfg.run_dir, ft.replicas, cfg.dist.nproc, ft.replica_restarts,
                              lighthouse=ft.lighthouse, min_replicas=ft.min_replicas,
-                             quorum_timeout_s=ft.quorum_timeout_s, timeout_s=ft.timeout_s)
+                             quorum_timeout_s=ft.quorum_timeout_s, timeout_s=ft.timeout_s,
+                             heartbeat_timeout_s=ft.heartbeat_timeout_s)
     summary = merge_metrics(cfg.run_dir, cfg.train.steps)
     summary["live_recovery"]["exit_codes"] = codes
     (Path(cfg.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -34,7 +34,7 @@ class Lighthouse:
     """torchft's lighthouse (``torchft_lighthouse``, the Rust server in the torchft wheel) as a child process of
     this launcher, its log in ``log_path``; ``address`` is its http://HOST:PORT."""
 
-    def __init__(self, min_replicas: int, log_path: Path, heartbeat_timeout_ms: int = 5_000,
+    def __init__(self, min_replicas: int, log_path: Path, heartbeat_timeout_ms: int = 1_000,
                  join_timeout_ms: int = 60_000):
         port = free_port()
         self.address = f"http://{socket.gethostname()}:{port}"
@@ -63,6 +63,11 @@ class Lighthouse:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+
+
+def heartbeat_ms(heartbeat_timeout_s: float, timeout_s: float) -> int:
+    """The lighthouse's ``--heartbeat_timeout_ms`` for ``ft.heartbeat_timeout_s``, at most ``ft.timeout_s``."""
+    return int(min(heartbeat_timeout_s, timeout_s) * 1000)
 
 
 def _lighthouse_program() -> str:
@@ -100,7 +105,7 @@ def replica_env(replica: int, replicas: int, lighthouse: str, nproc: int, min_re
 
 def run_replicas(module_args: Sequence[str], run_dir: str | Path, replicas: int, nproc: int, restarts: int,
                  lighthouse: str = "", min_replicas: int = 1, quorum_timeout_s: float = 60.0,
-                 timeout_s: float = 30.0) -> list[int]:
+                 timeout_s: float = 30.0, heartbeat_timeout_s: float = 1.0) -> list[int]:
     """Start the lighthouse (unless ``lighthouse`` names one) and ``replicas`` torchrun jobs running
     ``module_args`` (e.g. ``['-m', 'syncwise.commands.worker', '--config', FILE]``); wait for all; return their exit
     codes. Each group's output goes to ``RUN_DIR/ft/replica{R}.log``. SIGINT/SIGTERM here stop every group."""
@@ -112,9 +117,10 @@ def run_replicas(module_args: Sequence[str], run_dir: str | Path, replicas: int,
     shutil.rmtree(run_dir / FT_DIR / "status", ignore_errors=True)
     server = None
     if not lighthouse:
-        # a replica stopped (not dead) is dropped once its heartbeat is this late: not later than the collective
+        # a replica dead or stopped is dropped from the next quorum once its heartbeat is this late (the survivors
+        # of a kill wait this long): not later than the collective timeout
         server = Lighthouse(min_replicas, run_dir / FT_DIR / "lighthouse.log",
-                            heartbeat_timeout_ms=int(min(5.0, timeout_s) * 1000))
+                            heartbeat_timeout_ms=heartbeat_ms(heartbeat_timeout_s, timeout_s))
         lighthouse = server.address
     elif "://" not in lighthouse:
         lighthouse = f"http://{lighthouse}"
@@ -234,6 +240,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--lighthouse", default="")
     p.add_argument("--quorum-timeout-s", type=float, default=60.0)
     p.add_argument("--timeout-s", type=float, default=30.0)
+    p.add_argument("--heartbeat-timeout-s", type=float, default=1.0)
     p.add_argument("--run-dir", required=True)
     p.add_argument("script", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
@@ -242,7 +249,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error("needs --replicas ≥ 2, 1 ≤ --min-replicas ≤ --replicas, --nproc ≥ 1 and a script")
     codes = run_replicas(script, args.run_dir, args.replicas, args.nproc, args.restarts, lighthouse=args.lighthouse,
                          min_replicas=args.min_replicas, quorum_timeout_s=args.quorum_timeout_s,
-                         timeout_s=args.timeout_s)
+                         timeout_s=args.timeout_s, heartbeat_timeout_s=args.heartbeat_timeout_s)
     print(f"replica groups ended with exit codes {codes}; logs in {Path(args.run_dir) / FT_DIR}", file=sys.stderr)
     return 0 if not all(codes) else 1
 

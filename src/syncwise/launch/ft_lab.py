@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 from ..errors import ConfigError, SyncwiseError
 from ..lab.cluster import PREFIX, LabLock, LabState, node_command, require
 from ..lab.launch import omp_threads
-from .ft import FT_DIR, _attempts, _lighthouse_program, replica_command, replica_env
+from .ft import FT_DIR, _attempts, _lighthouse_program, heartbeat_ms, replica_command, replica_env
 
 #: a relaunched replica group's attempt numbers start here times the relaunch (its torchrun counts from 0 again)
 ATTEMPT_BASE_ENV = "SYNCWISE_FT_FIRST_ATTEMPT"  # LiveRecovery.run_dir adds torchrun's restart count
@@ -70,7 +70,8 @@ def _wait_listening(state: LabState, node: int, port: int, proc: subprocess.Pope
 
 def run_replicas_lab(module_args: Sequence[str], run_dir: str | Path, replicas: int, nproc: int, restarts: int,
                      min_replicas: int = 1, quorum_timeout_s: float = 60.0, timeout_s: float = 30.0,
-                     relaunches: Optional[int] = None, prefix: str = PREFIX) -> list[int]:
+                     relaunches: Optional[int] = None, prefix: str = PREFIX,
+                     heartbeat_timeout_s: float = 1.0) -> list[int]:
     """The lighthouse on lab node 0 and replica group ``r`` on node ``r`` (``replicas`` ≤ the lab's nodes); wait
     for all; return each group's last exit code. ``relaunches`` (default ``restarts``): how often a group whose
     torchrun failed is started again on its node. Logs: ``RUN_DIR/ft/replica{R}.log``, ``lighthouse.log``."""
@@ -80,11 +81,13 @@ def run_replicas_lab(module_args: Sequence[str], run_dir: str | Path, replicas: 
             raise ConfigError("ft.replicas", replicas, f"at most the lab's {state.num_nodes} nodes (one replica group "
                               f"per node; `syncwise cluster up --nodes {replicas}`)")
         return _run(state, list(module_args), Path(run_dir), replicas, nproc, restarts, min_replicas,
-                    quorum_timeout_s, timeout_s, restarts if relaunches is None else relaunches)
+                    quorum_timeout_s, timeout_s, restarts if relaunches is None else relaunches,
+                    heartbeat_timeout_s)
 
 
 def _run(state: LabState, module_args: list[str], run_dir: Path, replicas: int, nproc: int, restarts: int,
-         min_replicas: int, quorum_timeout_s: float, timeout_s: float, relaunches: int) -> list[int]:
+         min_replicas: int, quorum_timeout_s: float, timeout_s: float, relaunches: int,
+         heartbeat_timeout_s: float) -> list[int]:
     ft_dir = run_dir / FT_DIR
     ft_dir.mkdir(parents=True, exist_ok=True)
     # as run_replicas: a launch of a resumed run numbers its attempts after the earlier ones; old status files go
@@ -92,10 +95,10 @@ def _run(state: LabState, module_args: list[str], run_dir: Path, replicas: int, 
     shutil.rmtree(ft_dir / "status", ignore_errors=True)
     port = random.randint(20000, 28999)  # fresh namespaces: any port is free; random avoids TIME_WAIT
     lh_log = open(ft_dir / "lighthouse.log", "ab")
-    # a replica stopped (not dead) is dropped once its heartbeat is this late (as run_replicas does)
+    # a replica dead or stopped is dropped once its heartbeat is this late (as run_replicas does)
     lighthouse = subprocess.Popen(
         in_node(state, 0, [_lighthouse_program(), "--bind", f"[::]:{port}", "--min_replicas", str(min_replicas),
-                           "--heartbeat_timeout_ms", str(int(min(5.0, timeout_s) * 1000))]),
+                           "--heartbeat_timeout_ms", str(heartbeat_ms(heartbeat_timeout_s, timeout_s))]),
         stdout=lh_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")})
     procs: dict[int, subprocess.Popen] = {}

@@ -280,20 +280,22 @@ class LiveRecoveryJob:
     replica_restarts: int = 3  # torchrun --max-restarts inside a replica group (each restart heals from a peer)
     quorum_timeout_s: float = 60.0
     timeout_s: float = 30.0
+    heartbeat_timeout_s: float = 1.0
     steps: int = 0  # the run's steps: the replica groups' metrics are merged into one row per step at the end
 
     @property
     def lighthouse_args(self) -> list[str]:
         """torchft's lighthouse (the ``torchft_lighthouse`` binary of the torchft wheel) without ``--bind``: a
-        quorum needs ``min_replicas``; join and heartbeat timeouts as ``syncwise train`` starts it locally."""
+        quorum needs ``min_replicas``; the join timeout as ``syncwise train`` starts it locally, the heartbeat timeout
+        ``ft.heartbeat_timeout_s`` (at most ``ft.timeout_s``)."""
         import inspect
 
-        from .ft import Lighthouse
+        from .ft import Lighthouse, heartbeat_ms
 
         defaults = inspect.signature(Lighthouse.__init__).parameters
         return ["torchft_lighthouse", f"--min_replicas={self.min_replicas}",
                 f"--join_timeout_ms={defaults['join_timeout_ms'].default}",
-                f"--heartbeat_timeout_ms={defaults['heartbeat_timeout_ms'].default}"]
+                f"--heartbeat_timeout_ms={heartbeat_ms(self.heartbeat_timeout_s, self.timeout_s)}"]
 
     def replica_env(self, replica: str, lighthouse: str, status_dir: str) -> dict[str, str]:
         """What a replica group's workers read (``syncwise.launch.ft.replica_env``'s variables): ``replica`` may be
@@ -320,7 +322,8 @@ def live_recovery_job(ft: Any, steps: int, launch: LaunchOptions) -> Optional[Li
         raise ConfigError("launch.rdzv_port", launch.rdzv_port, "at most 63,536 with ft.replicas: the lighthouse "
                           "listens 1,000 ports above the rendezvous (Slurm: + job id mod 1000)")
     return LiveRecoveryJob(replicas=ft.replicas, min_replicas=ft.min_replicas, replica_restarts=ft.replica_restarts,
-                           quorum_timeout_s=ft.quorum_timeout_s, timeout_s=ft.timeout_s, steps=steps)
+                           quorum_timeout_s=ft.quorum_timeout_s, timeout_s=ft.timeout_s,
+                           heartbeat_timeout_s=getattr(ft, "heartbeat_timeout_s", 1.0), steps=steps)
 
 
 @dataclass(frozen=True)
