@@ -57,7 +57,7 @@ class LocalSGD(SyncStrategy):
         self.tensors = self.params + [b for b in model.buffers() if b.is_floating_point()]
         # FSDP2 / HSDP: the parameters are DTensors; the replica state is this rank's shards (averaged with the same
         # shard of the other replica groups, ``group`` = dp_replicate), read through ``to_local()`` at every use
-        self._sharded = any(_is_dtensor(t) for t in self.tensors)
+        self._sharded = any(is_dtensor(t) for t in self.tensors)
         self.flat, self._views = _flat_storage(self.tensors, views=not self._sharded)
         self.anchor = self.flat.clone()  # the last agreed replica state
         self.outer_opt = torch.optim.SGD([self.anchor], lr=spec.outer_lr, momentum=spec.momentum,
@@ -150,13 +150,13 @@ class LocalSGD(SyncStrategy):
         """The replica state as one flat fp32 tensor (the live buffer when the parameters are its views)."""
         if self._views:
             return self.flat
-        return self.flat.copy_(_flatten_dense_tensors([_local(t).detach().float() for t in self.tensors]))
+        return self.flat.copy_(_flatten_dense_tensors([local_shard(t).detach().float() for t in self.tensors]))
 
     def _write(self, flat: torch.Tensor) -> None:
         if flat is not self.flat:
             self.flat.copy_(flat)
         if not self._views:
-            local = [_local(t) for t in self.tensors]
+            local = [local_shard(t) for t in self.tensors]
             for t, value in zip(local, _unflatten_dense_tensors(self.flat, local)):
                 t.detach().copy_(value)
 
@@ -287,14 +287,14 @@ class LocalSGD(SyncStrategy):
         pending["gathered"] = None
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def is_dtensor(t: torch.Tensor) -> bool:
     return hasattr(t, "to_local") and hasattr(t, "device_mesh")
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_shard(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (FSDP2 / HSDP parameters; sharing its storage), else the tensor itself. Read
     at every use: FSDP2 may re-point a parameter's local tensor at its lazy initialisation (first forward)."""
-    if not _is_dtensor(t):
+    if not is_dtensor(t):
         return t
     with torch.no_grad():
         return t.to_local()
@@ -304,7 +304,7 @@ def _flat_storage(tensors: list[torch.Tensor], views: bool = True) -> tuple[torc
     """One flat fp32 copy of ``tensors`` (their local shards for DTensors); when they are all fp32 on one device (and
     ``views``), re-point them to be views of it (so reading and writing the replica state costs nothing). Returns
     (flat, are_views)."""
-    flat = _flatten_dense_tensors([_local(t).detach().float() for t in tensors]).clone()
+    flat = _flatten_dense_tensors([local_shard(t).detach().float() for t in tensors]).clone()
     if not views or any(t.dtype != torch.float32 or t.device != flat.device for t in tensors):
         return flat, False
     offset = 0

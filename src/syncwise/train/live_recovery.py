@@ -47,6 +47,8 @@ import torch
 
 from ..comm.stats import STATS
 from ..errors import ConfigError, SyncwiseError
+from ..parallel.local_sgd import is_dtensor as _is_dtensor
+from ..parallel.local_sgd import local_shard as _local
 
 ENV_REPLICA = "SYNCWISE_FT_REPLICA"          # this replica group's index, 0 .. replicas-1
 ENV_REPLICAS = "SYNCWISE_FT_REPLICAS"        # the configured replica groups
@@ -679,31 +681,21 @@ def _advertised_host() -> str:
 
 
 # ---------------------------------------------------------------------------------------------- HSDP: DTensors
-def _is_dtensor(t: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (a view: writing it writes the DTensor), a plain tensor as it is."""
-    return t.to_local() if _is_dtensor(t) else t
+def _map_tree(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``fn`` applied to every leaf of a state dict's nested dicts, lists and tuples."""
+    if isinstance(tree, dict):
+        return {k: _map_tree(fn, v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_map_tree(fn, v) for v in tree)
+    return fn(tree)
 
 
 def _to_local_tree(tree: Any) -> Any:
-    if isinstance(tree, dict):
-        return {k: _to_local_tree(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_to_local_tree(v) for v in tree)
-    return tree.to_local() if _is_dtensor(tree) else tree
+    return _map_tree(lambda t: t.to_local() if _is_dtensor(t) else t, tree)
 
 
 def _clone_tree(tree: Any) -> Any:
-    if isinstance(tree, dict):
-        return {k: _clone_tree(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_clone_tree(v) for v in tree)
-    return tree.detach().clone() if isinstance(tree, torch.Tensor) else tree
+    return _map_tree(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, tree)
 
 
 def _to_dtensor_tree(received: Any, current: Any) -> Any:
