@@ -1,7 +1,8 @@
-"""Pieces several test modules share: whether the network lab can run here, and a checkpointer whose saves stay in
-flight until the test lets them finish."""
+"""Pieces several test modules share: whether the network lab can run here, a checkpointer whose saves stay in
+flight until the test lets them finish, and a live-recovery run's rows and final replica digests."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -30,3 +31,18 @@ class GatedCheckpointer(SmartCheckpointer):
     def _finish(self, *args, **kwargs):
         self.gate.wait(timeout=60)
         return super()._finish(*args, **kwargs)
+
+
+def metrics_rows(run_dir) -> list[dict]:
+    """A run's ``metrics.jsonl`` rows."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_replica_digests(live_summary: dict) -> dict:
+    """Each replica's parameter digest at the end of its last attempt that trained (``summary.live_recovery``: an
+    attempt started after the run had finished trains nothing and writes no summary)."""
+    last: dict = {}
+    for a in live_summary["attempts"]:
+        if a["replica"] not in last or a["attempt"] > last[a["replica"]]["attempt"]:
+            last[a["replica"]] = a
+    return {r: a["param_digest"] for r, a in last.items()}

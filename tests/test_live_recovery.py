@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 
+from helpers import final_replica_digests, metrics_rows
 from syncwise.cli import main
 from syncwise.config import build_config, check_references
 from syncwise.errors import ConfigError
@@ -32,22 +33,8 @@ def _train(run_dir, *extra):
     return main(["train", "--run-dir", str(run_dir), *BASE, *extra])
 
 
-def _rows(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def _summary(run_dir):
     return json.loads((run_dir / "summary.json").read_text())
-
-
-def _final_digests(summary):
-    """Each replica's parameter digest at the end of its last attempt that trained (an attempt started after the
-    run had finished trains nothing and writes no summary)."""
-    last = {}
-    for a in summary["live_recovery"]["attempts"]:
-        if a["replica"] not in last or a["attempt"] > last[a["replica"]]["attempt"]:
-            last[a["replica"]] = a
-    return {r: a["param_digest"] for r, a in last.items()}
 
 
 def _tail_loss(rows, n=5):
@@ -57,10 +44,10 @@ def _tail_loss(rows, n=5):
 def _check_run(run_dir, replicas=3):
     """One metrics row per step; the replicas that trained to the end hold identical parameters (``replicas``: how
     many must have; None: at least one)."""
-    rows = _rows(run_dir)
+    rows = metrics_rows(run_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # one row per step, none missing
     summary = _summary(run_dir)
-    digests = _final_digests(summary)
+    digests = final_replica_digests(summary["live_recovery"])
     assert len(set(digests.values())) == 1, digests  # replicas identical at the end
     assert len(digests) == replicas if replicas else digests, digests
     assert summary["live_recovery"]["steps_missing"] == []
@@ -170,7 +157,7 @@ def test_losing_every_replica_falls_back_to_the_newest_checkpoint_and_a_relaunch
     fallbacks = [a["fallback_step"] for a in summary["live_recovery"]["attempts"] if a["attempt"] == 1]
     assert 5 in fallbacks or 8 in fallbacks, summary["live_recovery"]["attempts"]  # resumed from a checkpoint
     assert main([*[a if a != str(STEPS) else str(STEPS + 3) for a in args], "--resume", "auto"]) == 0
-    rows = _rows(run_dir)
+    rows = metrics_rows(run_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 4)) and rows[-1]["attempt"] == 2
     summary = _summary(run_dir)
     assert summary["steps"] == STEPS + 3

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import final_replica_digests, metrics_rows
 from syncwise.cli import main
 from syncwise.config import build_config, check_references
 from syncwise.errors import ConfigError
@@ -27,21 +28,21 @@ BASE = ["--preset", "tiny", "--data.seq_len=32", "--train.val_interval=0", "--tr
         "--ckpt.interval=0", "--ft.timeout_s=10", "--ft.replicas=2"]
 
 
-def _rows(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def _attempts(run_dir):
     summary = json.loads((run_dir / "summary.json").read_text())["live_recovery"]
     return summary, {(a["replica"], a["attempt"]): a for a in summary["attempts"]}
 
 
-def _final_digests(summary):
-    last = {}
-    for a in summary["attempts"]:
-        if a["replica"] not in last or a["attempt"] > last[a["replica"]]["attempt"]:
-            last[a["replica"]] = a
-    return {r: a["param_digest"] for r, a in last.items()}
+def _ended_identical(run_dir, steps):
+    """One row per step, no step missing, both groups exited 0 and ended with identical parameters: (rows, the
+    live-recovery summary, its attempts by (replica, attempt))."""
+    rows = metrics_rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    summary, attempts = _attempts(run_dir)
+    assert summary["steps_missing"] == [] and summary["exit_codes"] == [0, 0]
+    digests = final_replica_digests(summary)
+    assert len(digests) == 2 and len(set(digests.values())) == 1, digests
+    return rows, summary, attempts
 
 
 def _mean(rows, which):
@@ -116,12 +117,7 @@ def test_hsdp_replica_group_killed_heals_its_shards_from_the_live_peer(tmp_path)
     run_dir = tmp_path / "hsdp"
     assert main(["train", "--run-dir", str(run_dir), *BASE, "--nproc", "2", "--parallel.dp_shard=2", "--steps", "16",
                  "--inject-fault", "slowdata:ms=500", "--inject-fault", "kill:rank=2,step=3"]) == 0
-    rows = _rows(run_dir)
-    assert [r["step"] for r in rows] == list(range(1, 17))
-    summary, attempts = _attempts(run_dir)
-    assert summary["steps_missing"] == [] and summary["exit_codes"] == [0, 0]
-    digests = _final_digests(summary)
-    assert len(digests) == 2 and len(set(digests.values())) == 1, digests
+    rows, summary, attempts = _ended_identical(run_dir, 16)
     heal = attempts[(1, 1)]["heals"]  # the replacement received the state from the live peer, no checkpoint read
     assert heal and heal[0]["step"] >= 2 and attempts[(1, 1)]["fallback_step"] is None
     assert rows[-1]["replicas"] == 2
@@ -140,12 +136,7 @@ def test_diloco_worker_killed_mid_round_is_replaced_and_heals_at_an_outer_step(t
     run_dir = tmp_path / "diloco"
     assert main(["train", "--run-dir", str(run_dir), *BASE, "--nproc", "1", "--parallel.sync=diloco:period=4",
                  "--steps", "20", "--inject-fault", "slowdata:ms=400", "--inject-fault", "kill:rank=1,step=3"]) == 0
-    rows = _rows(run_dir)
-    assert [r["step"] for r in rows] == list(range(1, 21))
-    summary, attempts = _attempts(run_dir)
-    assert summary["steps_missing"] == [] and summary["exit_codes"] == [0, 0]
-    digests = _final_digests(summary)
-    assert len(digests) == 2 and len(set(digests.values())) == 1, digests
+    rows, summary, attempts = _ended_identical(run_dir, 20)
     survivor = attempts[(0, 0)]
     assert survivor["discarded_rounds"] >= 1 and survivor["discarded_inner_steps"] >= 4
     assert rows[3].get("discarded_inner_steps") == 4 and summary["discarded_inner_steps"] == 4
