@@ -201,3 +201,20 @@ def test_top_level_names_are_lazy():
             "assert 'torch' not in sys.modules\nfrom syncwise import AsyncPipeline\nprint(AsyncPipeline.__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "AsyncPipeline", out.stderr
+
+
+def test_live_recovery_layout_rule_is_one_rule_for_both_front_ends():
+    """check_live_layout: the command line's per-field error and the Python API's 'parallel' error come from one rule;
+    DDP / FSDP2 inside a replica group pass."""
+    from syncwise.layout import check_live_layout
+
+    check_live_layout(1, 1, 1)
+    check_live_layout(1, 1, 1, "parallel")
+    for degrees, name in (((2, 1, 1), "tp"), ((1, 2, 1), "pp"), ((1, 1, 4), "ep")):
+        with pytest.raises(ConfigError) as cli:
+            check_live_layout(*degrees)
+        assert cli.value.field == f"parallel.{name}" and "ft.replicas" in str(cli.value)
+        with pytest.raises(ConfigError) as api:
+            check_live_layout(*degrees, "parallel")
+        assert api.value.field == "parallel" and f"{name}=" in str(api.value)
+        assert str(cli.value).split("accepted")[-1] == str(api.value).split("accepted")[-1]

@@ -1,4 +1,4 @@
-"""The cross-replica gradient buckets of live recovery (syncwise.train.live_recovery._ReplicaBuckets), on a real
+"""The cross-replica gradient buckets of live recovery (syncwise.train.live_buckets.ReplicaBuckets), on a real
 single-process gloo group: bucket assignment, buckets sent from gradient hooks during backward in bucket order, an
 unused parameter's zeros, and the averages written back to ``.grad``. (The replica groups themselves:
 tests/test_live_recovery.py.)"""
@@ -10,17 +10,17 @@ import torch.distributed as dist
 from torch import nn
 
 from syncwise.errors import ConfigError
-from syncwise.train.live_recovery import _assign_buckets, _ReplicaBuckets
+from syncwise.train.live_buckets import ReplicaBuckets, assign_buckets
 
 
 def test_buckets_reverse_order_caps_and_dtypes():
     params = [torch.zeros(256), torch.zeros(256), torch.zeros(256, dtype=torch.float64), torch.zeros(512),
               torch.zeros(100)]
     # 1 KiB each for fp32 256; the first bucket closes at 1 KiB, then at 3 KiB; a dtype change closes one too
-    assert _assign_buckets(params, cap_bytes=3072, first_bytes=1024) == [[4, 3], [2], [1, 0]]
-    assert _assign_buckets(params) == [[4, 3], [2], [1, 0]]  # (default caps: only the dtype splits these)
+    assert assign_buckets(params, cap_bytes=3072, first_bytes=1024) == [[4, 3], [2], [1, 0]]
+    assert assign_buckets(params) == [[4, 3], [2], [1, 0]]  # (default caps: only the dtype splits these)
     with pytest.raises(ConfigError, match="bucket_cap_bytes"):
-        _assign_buckets(params, cap_bytes=0)
+        assign_buckets(params, cap_bytes=0)
 
 
 def test_buckets_go_out_during_backward_in_order_and_come_back_averaged():
@@ -41,7 +41,7 @@ def test_buckets_go_out_during_backward_in_order_and_come_back_averaged():
         sent.append((flat.numel(), sum(p.grad is not None for p in params)))  # gradients ready when it went out
         return pg.allreduce([flat])
 
-    buckets = _ReplicaBuckets(params, issue, overlap=True, cap_bytes=1024, first_bytes=512)
+    buckets = ReplicaBuckets(params, issue, overlap=True, cap_bytes=1024, first_bytes=512)
     assert len(buckets.buckets) >= 3 and buckets.buckets[0][0] == len(params) - 1
     for step in range(2):  # the same buffers serve every step
         for p in params:
@@ -60,7 +60,7 @@ def test_buckets_go_out_during_backward_in_order_and_come_back_averaged():
 
     sent.clear()
     params = list(model.parameters())
-    buckets = _ReplicaBuckets(params, issue, overlap=True, cap_bytes=1024, first_bytes=512)
+    buckets = ReplicaBuckets(params, issue, overlap=True, cap_bytes=1024, first_bytes=512)
     for p in params:
         p.grad = None
     buckets.arm()
@@ -82,7 +82,7 @@ def test_buckets_go_out_during_backward_in_order_and_come_back_averaged():
 def test_a_16_bit_compress_method_sends_half_the_bytes_and_the_average_comes_back_in_fp32(compress, dtype, tol):
     """compress.method=bf16/fp16 under live recovery: every bucket goes out cast (half the bytes on the wire), the
     gradients come back fp32 within the cast's precision; the compressors torchft cannot carry are refused."""
-    from syncwise.train.live_recovery import wire_dtype
+    from syncwise.train.live_buckets import wire_dtype
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
@@ -97,7 +97,7 @@ def test_a_16_bit_compress_method_sends_half_the_bytes_and_the_average_comes_bac
         sent.append((wire.dtype, wire.numel() * wire.element_size()))
         return pg.allreduce([wire])
 
-    buckets = _ReplicaBuckets(params, issue, overlap=False, wire_dtype=wire_dtype(compress))
+    buckets = ReplicaBuckets(params, issue, overlap=False, wire_dtype=wire_dtype(compress))
     for p in params:
         p.grad = None
     buckets.arm()

@@ -818,14 +818,9 @@ def _check_live_recovery(cfg: RunConfig, specs: Any, group_world: int) -> None:
     ft = cfg.ft
     if ft.min_replicas > ft.replicas:
         raise ConfigError("ft.min_replicas", ft.min_replicas, f"an integer from 1 to ft.replicas ({ft.replicas})")
-    for name in ("tp", "pp", "ep"):
-        value = getattr(cfg.parallel, name)
-        if value > 1:
-            raise ConfigError(f"parallel.{name}", value, "1 with ft.replicas ≥ 2: a replica group may be DDP or FSDP2 "
-                              "(parallel.dp_shard, HSDP across replica groups); tensor, pipeline and expert groups "
-                              "inside a replica are not covered (docs/live-recovery.md)")
-    from .layout import check_live_compress, check_live_sync
+    from .layout import check_live_compress, check_live_layout, check_live_sync
 
+    check_live_layout(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep)
     check_live_sync(specs.sync, cfg.parallel.sync, group_world, cfg.parallel.dp_shard)
     check_live_compress(cfg.compress.method, group_world)
     if cfg.dist.lab:  # one replica group per lab node (syncwise.launch.ft_lab), the lighthouse on node 0

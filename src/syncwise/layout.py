@@ -799,6 +799,19 @@ _LIVE_SYNC_REFUSED = {
 }
 
 
+def check_live_layout(tp: int, pp: int, ep: int, field: Optional[str] = None) -> None:
+    """The layouts live recovery covers: a replica group is DDP or FSDP2 (``dp_shard``; HSDP with torchft as the
+    replicate dimension across groups). Tensor, pipeline and expert groups inside a replica are refused in one
+    ConfigError line: per field (``parallel.tp``, the command line's) or under ``field`` (the Python API's
+    ``parallel``, naming the degree)."""
+    for name, value in (("tp", tp), ("pp", pp), ("ep", ep)):
+        if value > 1:
+            raise ConfigError(field or f"parallel.{name}", value if field is None else f"{name}={value}",
+                              "1 with ft.replicas ≥ 2: a replica group may be DDP or FSDP2 (parallel.dp_shard, HSDP "
+                              "across replica groups); tensor, pipeline and expert groups inside a replica are not "
+                              "covered (docs/live-recovery.md)")
+
+
 def check_live_sync(sync: Optional[SyncSpec], given: Any, group_world: int, dp_shard: int) -> None:
     """The sync strategies live recovery covers: every-step (DDP or FSDP2 inside a replica group, torchft across
     groups), and localsgd / diloco with one process per replica group, ``delay=0``, ``warmup=0``, ``dtype=fp32``.
@@ -827,7 +840,7 @@ def check_live_sync(sync: Optional[SyncSpec], given: Any, group_world: int, dp_s
 
 
 #: compress.method values live recovery takes: the cross-replica all-reduce sends the gradients as they are (none)
-#: or cast to 16 bits (train/live_recovery.py's buckets; inside a replica group, DDP's hook casts too).
+#: or cast to 16 bits (train/live_buckets.py; inside a replica group, DDP's hook casts too).
 LIVE_COMPRESS = ("none", "fp16", "bf16")
 
 

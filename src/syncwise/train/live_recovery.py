@@ -14,7 +14,7 @@ DiLoCo workers as replicas: :class:`LiveOuterSync`, a quorum and a commit once p
    the peers' step, before its forward. Every replica in the quorum counts in the step's average.
 2. ``exchange`` (after backward): the gradients are averaged over the replicas that took part in the quorum
    (torchft's reconfigurable gloo process group, fixed flat buckets that, with one worker per group, go out from
-   gradient hooks during backward: ``_ReplicaBuckets``), then ``should_commit``: every replica
+   gradient hooks during backward: ``ReplicaBuckets`` (train/live_buckets.py)), then ``should_commit``: every replica
    group applies the update only when the all-reduce succeeded everywhere in it and at least ``min_replicas``
    replicas took part. A step that does not commit is redone with the next batch (same step number: metrics.jsonl
    keeps one row per step); the batch it used is skipped, not repeated, and counted (``discarded_batches``).
@@ -41,14 +41,17 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from ..comm.stats import STATS
 from ..errors import ConfigError, SyncwiseError
 from ..parallel.local_sgd import is_dtensor as _is_dtensor
-from ..parallel.local_sgd import local_shard as _local
+from .live_buckets import ReplicaBuckets, overlap_ok, wire_dtype
+
+if TYPE_CHECKING:
+    from .live_outer import LiveOuterSync
 
 ENV_REPLICA = "SYNCWISE_FT_REPLICA"          # this replica group's index, 0 .. replicas-1
 ENV_REPLICAS = "SYNCWISE_FT_REPLICAS"        # the configured replica groups
@@ -113,7 +116,7 @@ class LiveRecovery:
         self._sync_next = False                   # the next quorum is awaited in begin_step (after a fallback)
         self._pending_before = (0, 0)             # the manager's (step, batches committed) before the async quorum
         self._quorum_wait_s = 0.0                  # this step's wait for its async quorum (inside the step)
-        self._grads: Optional[_ReplicaBuckets] = None
+        self._grads: Optional[ReplicaBuckets] = None
 
     @classmethod
     def from_env(cls) -> Optional["LiveRecovery"]:
@@ -149,6 +152,8 @@ class LiveRecovery:
         whose outer step goes through this object's torchft manager once per round."""
         if sync is None:
             return self
+        from .live_outer import LiveOuterSync
+
         self.outer = LiveOuterSync(self, model, sync)
         return self.outer
 
@@ -191,7 +196,7 @@ class LiveRecovery:
             self._quorum(trainer.step + 1)
         self._quorum_ready = True
         if self.outer is None:  # (local SGD / DiLoCo: no gradient crosses replicas; the outer step averages)
-            self._grads = _ReplicaBuckets(self.params, self._issue, overlap=_overlap_ok(trainer, group_size),
+            self._grads = ReplicaBuckets(self.params, self._issue, overlap=overlap_ok(trainer, group_size),
                                           wire_dtype=wire_dtype(getattr(trainer, "compress_spec", None)))
         if self.manager.current_step() == 0 and trainer.step == 0:
             step = resume_fallback()
@@ -242,7 +247,7 @@ class LiveRecovery:
         """Average the gradients over the quorum's replicas, then ask whether the step commits: ``[None]`` (apply
         the averaged ``.grad``) or ``[]`` (no update: the step is redone). Returns (updates, seconds waited).
 
-        The buckets whose gradients were ready during backward are already on the wire (:class:`_ReplicaBuckets`);
+        The buckets whose gradients were ready during backward are already on the wire (:class:`~syncwise.train.live_buckets.ReplicaBuckets`);
         the rest are sent now, in the same bucket order on every replica, and all are awaited."""
         start = time.perf_counter()
         self._await_quorum()
@@ -528,140 +533,6 @@ def _start_async_quorum(manager: Any) -> bool:
     return True
 
 
-FIRST_BUCKET_BYTES = 1 << 20  # the first bucket is small so its all-reduce starts early (DDP's first bucket)
-BUCKET_BYTES = 25 << 20       # then buckets of DDP's default bucket_cap_mb
-
-
-def _assign_buckets(params: list[torch.Tensor], cap_bytes: int = BUCKET_BYTES,
-                    first_bytes: int = FIRST_BUCKET_BYTES) -> list[list[int]]:
-    """The parameters' indices in buckets, in reverse order (backward produces the last layers' gradients first,
-    as DDP assumes); one dtype and device per bucket; a bucket is closed once it holds ``cap_bytes``
-    (``first_bytes`` for the first one). Depends only on the parameters' shapes and order: every replica (and
-    a replacement) gets the same buckets, so their all-reduces pair up."""
-    if cap_bytes <= 0 or first_bytes <= 0:
-        raise ConfigError("bucket_cap_bytes", min(cap_bytes, first_bytes), "a positive number of bytes")
-    buckets: list[list[int]] = []
-    current: list[int] = []
-    size, key = 0, None
-    for i in reversed(range(len(params))):
-        p = params[i]
-        k = (p.dtype, p.device)
-        if current and (k != key or size >= (first_bytes if not buckets else cap_bytes)):
-            buckets.append(current)
-            current, size = [], 0
-        current.append(i)
-        size += p.numel() * p.element_size()
-        key = k
-    if current:
-        buckets.append(current)
-    return buckets
-
-
-def _overlap_ok(trainer: Any, group_size: int) -> bool:
-    """Whether the buckets can be sent from gradient hooks during backward: the gradient a hook sees is the step's
-    final one only with one backward per step (no accumulation, no DynamicBatcher) and no DDP inside the replica
-    group (its averaged gradient lands in ``.grad`` only at the end of backward)."""
-    pipeline = getattr(getattr(trainer, "par", None), "pipeline", None)
-    return group_size == 1 and getattr(trainer, "batcher", None) is None and \
-        getattr(trainer, "grad_accum_steps", 1) == 1 and pipeline is None
-
-
-def wire_dtype(compress: Any) -> Optional[torch.dtype]:
-    """The cross-replica all-reduce's dtype for ``compress`` (a spec text): fp16/bf16 cast it; anything else
-    sends the gradients' own dtype (another compressor works inside a replica group only:
-    syncwise.layout.check_live_compress)."""
-    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(str(compress))
-
-
-class _ReplicaBuckets:
-    """The cross-replica all-reduce of the gradients, in fixed flat buckets (:func:`_assign_buckets`) allocated once
-    and reused every step. With ``overlap``, a post-accumulate-grad hook on each parameter marks its gradient
-    ready during backward, and each bucket is sent (``issue(flat)`` → a torchft work) as soon as it and every
-    bucket before it are complete, so the all-reduces run while backward computes the earlier layers. The order
-    of the buckets is the same on every replica whatever order gradients arrive in (gloo pairs collectives by
-    order). :meth:`finish` sends the buckets not sent yet (a parameter unused this step, an MoE expert no token
-    chose, never becomes ready: it sends zeros, as every replica must hand the all-reduce the same buffer), waits
-    for all, and writes the averages back to ``.grad``."""
-
-    def __init__(self, params: list[torch.Tensor], issue: Callable[[torch.Tensor], Any], overlap: bool,
-                 cap_bytes: int = BUCKET_BYTES, first_bytes: int = FIRST_BUCKET_BYTES,
-                 wire_dtype: Optional[torch.dtype] = None):
-        self.params, self._issue = params, issue
-        self.buckets = _assign_buckets(params, cap_bytes, first_bytes)
-        self.flats = [torch.empty(sum(_local(params[i]).numel() for i in b), dtype=params[b[0]].dtype,
-                                  device=_local(params[b[0]]).device) for b in self.buckets]
-        # compress.method=fp16/bf16: each bucket goes out cast to this dtype (half the bytes), back to fp32 after
-        self.wires = [torch.empty_like(f, dtype=wire_dtype) if wire_dtype is not None and f.dtype != wire_dtype
-                      else None for f in self.flats]
-        self._bucket_of = {i: n for n, b in enumerate(self.buckets) for i in b}
-        self._handles = [p.register_post_accumulate_grad_hook(lambda _p, i=i: self._ready(i))
-                         for i, p in enumerate(params)] if overlap else []
-        self._armed = False
-        self.arm()
-        self._armed = False  # (armed by each step's begin_step)
-
-    @property
-    def overlapped(self) -> bool:
-        return bool(self._handles)
-
-    def arm(self) -> None:
-        """A new step: every bucket waits for its gradients again."""
-        self._missing = [len(b) for b in self.buckets]
-        self._seen = [False] * len(self.params)
-        self._works: list[Any] = [None] * len(self.buckets)
-        self.issued = 0  # buckets sent this step (always a prefix of the bucket order)
-        self._armed = self.overlapped
-
-    def _ready(self, i: int) -> None:
-        if not self._armed or self._seen[i]:
-            return
-        self._seen[i] = True
-        self._missing[self._bucket_of[i]] -= 1
-        while self.issued < len(self.buckets) and self._missing[self.issued] == 0:
-            self._send(self.issued)
-
-    def _send(self, b: int) -> None:
-        flat, offset = self.flats[b], 0
-        for i in self.buckets[b]:
-            p = self.params[i]
-            n = _local(p).numel()  # (HSDP: this rank's shard, paired with group rank r of every replica)
-            if p.grad is None:
-                flat[offset:offset + n].zero_()
-            else:
-                flat[offset:offset + n].copy_(_local(p.grad).reshape(-1))
-            offset += n
-        wire = self.wires[b]
-        if wire is not None:
-            wire.copy_(flat)
-        self._works[b] = self._issue(flat if wire is None else wire)
-        self.issued += 1
-
-    def finish(self) -> None:
-        """Send the rest, wait for every bucket, and write the averaged gradients to ``.grad``."""
-        self._armed = False
-        while self.issued < len(self.buckets):
-            self._send(self.issued)
-        for b, work in enumerate(self._works):
-            if work is not None:
-                work.wait()
-            flat, offset = self.flats[b], 0
-            if self.wires[b] is not None:
-                flat.copy_(self.wires[b])
-            for i in self.buckets[b]:
-                p = self.params[i]
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                g = _local(p.grad)
-                n = g.numel()
-                g.copy_(flat[offset:offset + n].view_as(g))
-                offset += n
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-
 def _transport(timeout: timedelta) -> Any:
     """torchft's HTTP checkpoint transport (its default), advertising ``_advertised_host()`` instead of
     ``socket.gethostname()`` (the lab's namespaces share one host name, which resolves to each one's own loopback)."""
@@ -711,122 +582,3 @@ def _to_dtensor_tree(received: Any, current: Any) -> Any:
         return DTensor.from_local(received.to(current.device), current.device_mesh, current.placements,
                                   run_check=False, shape=current.shape, stride=current.stride())
     return received
-
-
-# ------------------------------------------------------------------------- local SGD / DiLoCo workers as replicas
-class LiveOuterSync:
-    """Local SGD / DiLoCo with each replica group (one process) as a worker, on torchft (docs/live-recovery.md).
-
-    Syncwise's :class:`~syncwise.parallel.local_sgd.LocalSGD` keeps the replica state (parameters as views of one
-    flat fp32 buffer), the anchor (the last agreed parameters) and the outer optimizer (DiLoCo: SGD with Nesterov
-    momentum; local SGD: lr 1, none); this wrapper replaces its communication. A round of ``period`` inner steps:
-
-    1. its first step's quorum (:meth:`LiveRecovery.begin_step`; the inner steps after it run without talking to
-       anyone): a replica behind — a replacement, or one whose last outer step did not commit while a peer's did —
-       receives the parameters, the anchor and the outer optimizer state, the inner optimizer, the LR schedule,
-       the counters and the data position from a live peer (a snapshot taken at the round's start);
-    2. its last step (:meth:`after_step`): the pseudo-gradient (anchor − parameters) and the steps this replica
-       dropped are averaged over the quorum through torchft's manager, then ``should_commit``: committed, the outer
-       optimizer steps the anchor and the parameters become it; not committed (a replica died in the round), the
-       parameters go back to the anchor — the round's inner steps are discarded (their metrics rows stay, and the
-       sync step's row counts them: ``discarded_inner_steps``).
-
-    The trainer drives it as any sync strategy (its ``exchange`` leaves the gradients local) and checkpoints and
-    heals its state as the ``sync`` component. It needs the manager's synchronous quorum (``use_async_quorum=False``,
-    as torchft's own DiLoCo requires): the heal must land before the round's first inner step.
-    """
-
-    replicas_diverge = False  # one process per replica group: nothing diverges inside the group
-
-    def __init__(self, live: LiveRecovery, model: Any, spec: Any):
-        from ..parallel.local_sgd import LocalSGD
-
-        self.live, self.spec = live, spec
-        self.inner = LocalSGD(model, spec, group=None)  # its state and outer optimizer; the all-reduce is torchft's
-        self.params = self.inner.params
-        self.quorum_due = True           # the next step starts a round (after join: its quorum serves)
-        self.discarded_rounds = 0        # outer steps that did not commit (parameters back to the anchor)
-        self.discarded_inner_steps = 0   # the inner steps of those rounds
-        self._round_start = 1            # the first step of the current round
-        self._row: dict[str, Any] = {}
-
-    # the sync-strategy protocol (syncwise.parallel.sync_spec.SyncStrategy), as the trainer asks it
-    @property
-    def syncs(self) -> int:
-        return self.inner.syncs
-
-    @property
-    def restored(self) -> bool:
-        return self.inner.restored
-
-    def syncs_gradients(self, step: int) -> bool:
-        return False
-
-    def exchange(self, step: int, last: bool = False) -> tuple[list, float]:
-        self._row = {}
-        return [None], 0.0  # the inner optimizer applies this replica's own gradients
-
-    def skip(self, step: int) -> bool:
-        return self.inner.skip(step)
-
-    def take_skips(self) -> list[int]:
-        return self.inner.take_skips()
-
-    def resumed(self) -> None:
-        self.inner.resumed()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**self.inner.state_dict(), "discarded_rounds": self.discarded_rounds,
-                "discarded_inner_steps": self.discarded_inner_steps}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state)
-        self.discarded_rounds = int(state.get("discarded_rounds", 0))
-        self.discarded_inner_steps = int(state.get("discarded_inner_steps", 0))
-
-    def after_step(self, step: int, last: bool = False) -> float:
-        """The outer step at the round's last step (``period`` steps, and the run's last): returns seconds waited."""
-        if not self.inner.is_sync_step(step, last):
-            return 0.0
-        waited = self._outer_step(step)
-        self.quorum_due = True
-        return waited
-
-    def round_started(self, step: int) -> None:
-        """The round's quorum is done (a heal may have moved the trainer to the peers' step): its first step."""
-        self.quorum_due, self._round_start = False, step
-
-    @torch.no_grad()
-    def _outer_step(self, step: int) -> float:
-        inner, manager = self.inner, self.live.manager
-        torch.sub(inner.anchor, inner._read(), out=inner._delta)  # this replica's pseudo-gradient
-        inner._pack_skips(step, inner._flags)  # the steps it dropped in the round ride along
-        started = time.perf_counter()
-        manager.allreduce(inner._wire).wait()  # the average over the quorum's replicas (torchft's gloo group)
-        committed = manager.should_commit()
-        waited = time.perf_counter() - started
-        if committed:
-            inner._unpack_skips(step, inner._flags)
-            inner.anchor.grad = inner._delta
-            inner.outer_opt.step()
-            inner.anchor.grad = None
-            inner.syncs += 1
-            self.live._record_status(step)
-        else:  # back to the last outer step's parameters: this round's inner steps are discarded
-            # (the inner AdamW keeps its moments and the LR schedule its steps, as in torchft's DiLoCo)
-            steps = step - self._round_start + 1
-            self.discarded_rounds += 1
-            self.discarded_inner_steps += steps
-            self._row = {"discarded_inner_steps": steps}
-            print(f"syncwise: live recovery: replica {self.live.replica}: the outer step at step {step} did not "
-                  f"commit; the round's {steps} inner step(s) are discarded (parameters back to the last outer "
-                  "step's)", file=sys.stderr, flush=True)
-        inner._write(inner.anchor)
-        return waited
-
-    def row(self) -> dict[str, Any]:
-        return dict(self._row)
-
-    def summary(self) -> dict[str, Any]:
-        return {"outer_steps": self.inner.syncs, "discarded_rounds": self.discarded_rounds,
-                "discarded_inner_steps": self.discarded_inner_steps}

@@ -231,16 +231,13 @@ class OptimizedTrainer:
         """Live recovery (train/live_recovery.py) drives the step as a sync strategy on the exchange seam: the
         cross-replica average and the commit decision, every step (DDP or FSDP2 inside a replica group: HSDP with
         torchft as the replicate dimension), or once per round around local SGD / DiLoCo (one process per group)."""
-        from ..layout import check_live_compress, check_live_sync
+        from ..layout import check_live_compress, check_live_layout, check_live_sync
 
         self.live = live
         if live is None:
             return
         spec = self.par.spec
-        if spec.tp > 1 or spec.pp > 1 or spec.ep > 1:
-            raise ConfigError("parallel", describe_layout(self.par), "DDP or FSDP2 (dp_shard; HSDP across replica "
-                              "groups) with live recovery: tensor, pipeline and expert groups inside a replica are "
-                              "not covered (docs/live-recovery.md)")
+        check_live_layout(spec.tp, spec.pp, spec.ep, "parallel")
         if spec.sync is not None:
             self.sync_spec = spec.sync.spec
         check_live_sync(spec.sync, self.sync_spec, self.world_size, spec.dp_shard)
