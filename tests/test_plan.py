@@ -275,6 +275,30 @@ def test_expert_dispatch_bytes():
     assert times["bf16"] / times["fp8"] == pytest.approx(bf16 / fp8, rel=0.05)
 
 
+def test_ep_fold_keeps_the_expert_group_on_the_node():
+    """Megatron's MoE parallel folding (ep_fold): the ep group is ep consecutive ranks (tp ones included), so with
+    tp 2 × ep 8 on 8-GPU nodes the all-to-alls stay on NVLink; without it the group strides over tp and spans 2
+    nodes. ep may then divide dp × tp; syncwise refuses the layout (its ep is borrowed from data parallel)."""
+    c = cluster("h100-sxm", 4, 8)
+    m = load_model("xl", 1024)
+    plain = Layout(dp_shard=16, tp=2, ep=8, micro_batch=4, ep_dispatch="bf16")
+    folded = dataclasses.replace(plain, ep_fold=True)
+    assert group(c, plain, "ep") == (8, 2, 4) and group(c, folded, "ep") == (8, 1, 8)
+    assert group(c, folded, "ep_replicate")[0] == 4            # 32 ranks / 8 hold the same experts
+    t_plain = predict(c, m, plain, 64, 1024, syncwise_rules=False).breakdown["ep_comm"]
+    t_fold = predict(c, m, folded, 64, 1024, syncwise_rules=False).breakdown["ep_comm"]
+    assert t_fold < t_plain / 3                                  # NVLink instead of the node's InfiniBand share
+    wide = Layout(dp_shard=4, tp=8, ep=16, micro_batch=4, ep_fold=True)   # ep 16 > dp 4: only folded
+    predict(c, m, wide, 64, 1024, syncwise_rules=False)
+    with pytest.raises(ConfigError, match="a divisor of dp = 4"):
+        predict(c, m, dataclasses.replace(wide, ep_fold=False), 64, 1024, syncwise_rules=False)
+    text = folded.describe()
+    assert "ep_fold=yes" in text and parse_layout(text) == folded
+    runnable = Layout(dp_replicate=4, ep=2)
+    assert syncwise_refusal(runnable, m, 4, 0) is None
+    assert "ep_fold" in syncwise_refusal(dataclasses.replace(runnable, ep_fold=True), m, 4, 0)
+
+
 # ------------------------------------------------------------------------------------------------ predict / search
 def test_a_layout_whose_product_is_not_the_world_is_refused(llama):
     c = cluster("h100-sxm", 2, 8)

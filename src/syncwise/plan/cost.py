@@ -80,11 +80,13 @@ class Traffic:
 
 def group(cloud: CloudConfig, layout: Layout, dim: str) -> tuple[int, int, int]:
     """(size, stride, members per node) of ``dim``'s groups: tp, dp_shard, dp_replicate, pp, dp (both
-    data-parallel dimensions), ep (neighbouring dp ranks), ep_replicate (ranks holding the same experts)."""
+    data-parallel dimensions), ep (neighbouring dp ranks; with ``ep_fold``, Megatron's MoE parallel folding,
+    neighbouring ranks, tp ones included), ep_replicate (ranks holding the same experts)."""
     t, s, r = layout.tp, layout.dp_shard, layout.dp_replicate
     size, stride = {"tp": (t, 1), "dp_shard": (s, t), "dp_replicate": (r, t * s), "pp": (layout.pp, t * s * r),
-                    "dp": (s * r, t), "ep": (layout.ep, t),
-                    "ep_replicate": (max(1, s * r // layout.ep), t * layout.ep)}[dim]
+                    "dp": (s * r, t), "ep": (layout.ep, 1 if layout.ep_fold else t),
+                    "ep_replicate": ((max(1, s * r * t // layout.ep), layout.ep) if layout.ep_fold else
+                                     (max(1, s * r // layout.ep), t * layout.ep))}[dim]
     G = cloud.gpus_per_node
     if stride * size <= G:
         per_node = size
@@ -275,7 +277,11 @@ def validate_layout(cloud: CloudConfig, model: ModelSpec, layout: Layout) -> Non
     if layout.ep > 1:
         _check(model.is_moe and model.n_routed_experts % layout.ep == 0, "ep", layout.ep,
                f"a divisor of the routed experts ({model.n_routed_experts})" if model.is_moe else "1 (dense model)")
-        _check(layout.dp % layout.ep == 0, "ep", layout.ep, f"a divisor of dp = {layout.dp}")
+        if layout.ep_fold:
+            _check(layout.dp * layout.tp % layout.ep == 0, "ep", layout.ep,
+                   f"a divisor of dp × tp = {layout.dp * layout.tp} (ep_fold)")
+        else:
+            _check(layout.dp % layout.ep == 0, "ep", layout.ep, f"a divisor of dp = {layout.dp}")
 
 
 def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: int, seq_len: Optional[int] = None,

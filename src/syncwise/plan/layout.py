@@ -27,7 +27,11 @@ class Layout:
     (0: the planner picks), ``microbatches`` per step (pipeline M, or gradient accumulation when pp = 1; 0:
     derived from the batch), recomputation, sequence parallel (syncwise's tensor parallel always shards the
     sequence), the gradient compressor and the sync strategy. ``zero1``: a distributed optimizer (ZeRO-1,
-    optimizer state sharded over data parallel) — not a syncwise layout, for published runs."""
+    optimizer state sharded over data parallel) — not a syncwise layout, for published runs. ``ep_fold``:
+    Megatron-Core's MoE parallel folding (arXiv 2504.14960; expert tensor parallel 1): the expert layers regroup the
+    ranks, an expert-parallel group taking ``ep`` consecutive ranks, tensor-parallel ones included, so an ep of up
+    to a node's GPUs stays on the node's fabric and ep may divide dp × tp — not a syncwise layout (syncwise's ep
+    is borrowed from data parallel), for published runs."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -44,6 +48,7 @@ class Layout:
     compress: Compress = NO_COMPRESS  # parsed spec objects (text is parsed once, on construction)
     sync: Optional[SyncSpec] = None   # None: every-step
     zero1: bool = False
+    ep_fold: bool = False
 
     def __post_init__(self) -> None:
         # The compressor and sync specs travel as the owner's parsed objects (syncwise.layout): text is parsed
@@ -90,6 +95,8 @@ class Layout:
             parts.append(f"sync={self.sync}")
         if self.zero1:
             parts.append("zero1=yes")
+        if self.ep_fold:
+            parts.append("ep_fold=yes")
         return ",".join(parts)
 
     @classmethod
@@ -153,11 +160,11 @@ LAYOUT_ACCEPTED = ("key=value options separated by commas: dp (= dp_replicate), 
                    "microbatch (sequences per micro-batch), microbatches (per step), schedule (" + "|".join(SCHEDULES)
                    + "), v (stages per rank), recompute (none|selective|full), sp (yes|no), ep_dispatch "
                    "(fp8|bf16|fp32), compress (a compressor spec without commas), sync (a sync spec without "
-                   "commas), zero1 (yes|no); e.g. dp=4,tp=2,pp=2,microbatch=2,recompute=selective")
+                   "commas), zero1 (yes|no), ep_fold (yes|no); e.g. dp=4,tp=2,pp=2,microbatch=2,recompute=selective")
 _INT_KEYS = {"dp": "dp_replicate", "dp_replicate": "dp_replicate", "dp_shard": "dp_shard", "fsdp": "dp_shard",
              "tp": "tp", "pp": "pp", "ep": "ep", "microbatch": "micro_batch", "micro_batch": "micro_batch",
              "microbatches": "microbatches", "v": "stages_per_rank", "stages_per_rank": "stages_per_rank"}
-_KEYS = (*_INT_KEYS, "schedule", "pp_schedule", "recompute", "sp", "ep_dispatch", "compress", "sync", "zero1")
+_KEYS = (*_INT_KEYS, "schedule", "pp_schedule", "recompute", "sp", "ep_dispatch", "compress", "sync", "zero1", "ep_fold")
 
 
 def parse_layout(text: str, world: Optional[int] = None, field: str = "--layout") -> Layout:
@@ -180,8 +187,8 @@ def parse_layout(text: str, world: Optional[int] = None, field: str = "--layout"
             kwargs["ep_dispatch"] = read_choice(raw, field, text, key, DISPATCH)
         elif key == "sp":
             kwargs["sequence_parallel"] = read_bool(raw, field, text, key)
-        elif key == "zero1":
-            kwargs["zero1"] = read_bool(raw, field, text, key)
+        elif key in ("zero1", "ep_fold"):
+            kwargs[key] = read_bool(raw, field, text, key)
         else:
             kwargs[key] = raw
     if "dp_replicate" not in kwargs:
@@ -198,7 +205,7 @@ def parse_layout(text: str, world: Optional[int] = None, field: str = "--layout"
 def owner_layout(layout: Layout, microbatches: int = 0) -> owner.Layout:
     """The planner's layout as the one owner of the layout's rules sees it (``syncwise.layout.Layout``: degrees,
     pipeline and expert settings, the parsed compressor and sync specs — the same objects). The planner's own
-    fields (micro-batch size, recomputation, sequence parallel, zero1) stay here."""
+    fields (micro-batch size, recomputation, sequence parallel, zero1, ep_fold) stay here."""
     shared = {f.name for f in dataclasses.fields(owner.Layout)}
     return owner.Layout(**{f.name: getattr(layout, f.name) for f in dataclasses.fields(layout) if f.name in shared}
                         | {"microbatches": microbatches or layout.microbatches})
@@ -207,13 +214,15 @@ def owner_layout(layout: Layout, microbatches: int = 0) -> owner.Layout:
 def syncwise_refusal(layout: Layout, model: Any, world: int, microbatches: int) -> Optional[str]:
     """Why syncwise cannot run ``layout`` (None when it can): ``syncwise.layout.Layout.check`` and
     ``check_model`` — the rules every ``syncwise train`` run and every ``OptimizedTrainer`` pass, pipeline
-    schedules included — plus the planner-only fields (zero1, sp). Torch-free: what the installed torch ships
+    schedules included — plus the planner-only fields (zero1, ep_fold, sp). Torch-free: what the installed torch ships
     (a schedule's class, float8 for an fp8 dispatch) is the cluster's torch's, checked when its workers start
     (``syncwise.parallel.mesh.check_torch_support``)."""
     try:
         owner_layout(layout, microbatches).check(world).check_model(model)
         if layout.zero1:
             raise ConfigError("zero1", True, "no: syncwise shards optimizer state only with FSDP2 (dp_shard)")
+        if layout.ep_fold:
+            raise ConfigError("ep_fold", True, "no: syncwise's expert parallel is borrowed from data parallel")
         if layout.tp > 1 and not layout.sequence_parallel:
             raise ConfigError("sp", False, "yes: syncwise's tensor parallel always shards the sequence")
     except ConfigError as e:
