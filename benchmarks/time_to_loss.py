@@ -21,8 +21,8 @@ one LR trajectory, so a strategy is not helped or hurt by a schedule stretched t
     python benchmarks/time_to_loss.py --lab 60mbit --preset small --steps 1000 --cap 2000 --repeats 3
 
 Writes ``--json`` (rows, per-round values, the target, the command) and a PNG of validation loss against
-wall-clock time with the target drawn in. ``torchft-diloco[:period=H]`` runs torchft's DiLoCo (local workers only;
-benchmarks/torchft_diloco.py says what it needs); its bytes are nominal (torchft's collectives bypass syncwise.comm).
+wall-clock time with the target drawn in. ``torchft-diloco[:period=H]`` runs torchft's DiLoCo (locally, or with
+``--lab`` one replica per lab node; benchmarks/torchft_diloco.py says what it needs); its bytes are nominal (torchft's collectives bypass syncwise.comm).
 """
 from __future__ import annotations
 
@@ -98,9 +98,9 @@ def plan(args: argparse.Namespace, out_dir: Path) -> list[list[B.BenchRun]]:
     """Per round: compute-only, fp32 DDP (N steps), every configuration and peer (cap steps). Validated up front."""
     others = [s for s in B.split_configs(f"{args.configs},{args.peers}") if s != B.BASELINE]
     torchft = {s: torchft_period(s) for s in others if s.partition(":")[0] == TORCHFT}
-    if torchft and args.lab is not None:
-        raise ConfigError("peers", next(iter(torchft)), "configurations without torchft-diloco with --lab: its replica "
-                          "processes and lighthouse are started on this host, not in the lab's namespaces")
+    if torchft and args.lab is not None and (args.nproc or 1) != 1:
+        raise ConfigError("peers", next(iter(torchft)), "configurations without torchft-diloco with --lab and --nproc "
+                          f"{args.nproc}: its replicas are one process per lab node")
     ours = [s for s in others if s not in torchft]
     rounds = []
     for r in range(args.repeats):
@@ -129,7 +129,7 @@ def torchft_period(spec: str) -> int:
     return period
 
 
-def run_torchft(run: B.BenchRun, threads: int) -> dict[str, Any]:
+def run_torchft(run: B.BenchRun, threads: int, lab_prefix: Optional[str] = None, nodes: int = 1) -> dict[str, Any]:
     """Run torchft's DiLoCo (benchmarks/torchft_diloco.py) for ``run``; its console output goes to console.log."""
     import importlib.util
 
@@ -139,7 +139,8 @@ def run_torchft(run: B.BenchRun, threads: int) -> dict[str, Any]:
 
     run.run_dir.mkdir(parents=True, exist_ok=True)
     with B._output_to(run.run_dir / "console.log"):
-        return torchft_run(run.cfg, torchft_period(run.name), run.cfg.dist.nproc, threads)
+        replicas = nodes if run.cfg.dist.lab else run.cfg.dist.nproc   # on the lab: one replica per node
+        return torchft_run(run.cfg, torchft_period(run.name), replicas, threads, lab_prefix)
 
 
 # -------------------------------------------------------------------------------------------- reading runs
@@ -188,7 +189,10 @@ def round_rows(runs: list[B.BenchRun], summaries: dict[str, dict], errors: dict[
                                "mean_step_time_s": b.get("mean_step_time_s"),
                                "comm_bytes_per_step": b.get("comm_bytes_per_step"),
                                "final_val_loss": b.get("final_val_loss")}
-        hit = None if row["error"] else crossing(curve(run.run_dir), target)
+        points = [] if row["error"] else curve(run.run_dir)
+        hit = crossing(points, target) if points else None
+        at_n = next((q["val_loss"] for q in points if q["step"] >= args.steps), None)
+        row["val_loss_at_n"] = at_n  # matched tokens: the evaluation at fp32 DDP's N steps
         row.update({"reached": hit is not None,
                     "steps_to_target": hit and hit["step"], "time_to_target_s": hit and hit["time_s"],
                     "tokens_to_target": hit and hit["tokens"],
@@ -197,6 +201,10 @@ def round_rows(runs: list[B.BenchRun], summaries: dict[str, dict], errors: dict[
                     "final_gap": (row["final_val_loss"] / target - 1) if row["final_val_loss"] else None})
         rows.append(row)
     base_t = rows[0]["time_to_target_s"]
+    base_n, base_b = rows[0]["val_loss_at_n"], rows[0]["comm_bytes_per_step"]
+    for r in rows:  # at matched tokens (N steps): the loss gap and how many times fewer bytes than fp32 DDP
+        r["gap_at_n"] = r["val_loss_at_n"] / base_n - 1 if r["val_loss_at_n"] and base_n else None
+        r["fewer_bytes_than_fp32"] = base_b / r["comm_bytes_per_step"] if base_b and r["comm_bytes_per_step"] else None
     peers = [r["time_to_target_s"] for r in rows if r["peer"] and r["time_to_target_s"]]
     best_peer = min(peers) if peers else None
     for r in rows:
@@ -208,7 +216,8 @@ def round_rows(runs: list[B.BenchRun], summaries: dict[str, dict], errors: dict[
 
 
 AVERAGED = ("time_to_target_s", "tokens_to_target", "steps_to_target", "bytes_per_token", "parallel_efficiency",
-            "speedup_vs_fp32", "speedup_vs_best_peer", "comm_bytes_per_step", "final_val_loss", "final_gap")
+            "speedup_vs_fp32", "speedup_vs_best_peer", "comm_bytes_per_step", "final_val_loss", "final_gap",
+            "val_loss_at_n", "gap_at_n", "fewer_bytes_than_fp32")
 
 
 def combine(per_round: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -235,7 +244,7 @@ def render(rows: list[dict[str, Any]], title: str, target: float) -> None:
     table = Table(title=title, caption=f"target: fp32 DDP's validation loss {target:.4f} (mean of its last evaluations)"
                                        "; time = cumulative step time; ratios paired within each round")
     for col in ("config", "reached", "time to target s", "steps", "tokens", "B/token", "efficiency", "vs fp32",
-                "vs best peer", "final val gap"):
+                "vs best peer", "× fewer bytes", "gap at N", "final val gap"):
         table.add_column(col, justify="left" if col == "config" else "right", no_wrap=True)
     for r in rows:
         rng = r.get("speedup_vs_fp32_range")
@@ -243,7 +252,8 @@ def render(rows: list[dict[str, Any]], title: str, target: float) -> None:
                       f(r["time_to_target_s"], ".2f"), f(r["steps_to_target"], ".0f"), f(r["tokens_to_target"], ".3g"),
                       f(r["bytes_per_token"], ".3g"), f(r["parallel_efficiency"], ".2f"),
                       f(r["speedup_vs_fp32"], ".2f") + (f" ({rng[0]:.2f}–{rng[1]:.2f})" if rng and r["repeats"] > 1 else ""),
-                      f(r["speedup_vs_best_peer"], ".2f"),
+                      f(r["speedup_vs_best_peer"], ".2f"), f(r["fewer_bytes_than_fp32"], ".1f"),
+                      f(None if r["gap_at_n"] is None else 100 * r["gap_at_n"], "+.2f") + "%",
                       f(None if r["final_gap"] is None else 100 * r["final_gap"], "+.2f") + "%")
     Console(width=200).print(table)
 
@@ -289,7 +299,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(f"round {k + 1}/{len(rounds)}: {run.name} ({run.cfg.train.steps} steps)", flush=True)
                 try:
                     if run.name.partition(":")[0] == TORCHFT:
-                        summaries[k][run.name] = run_torchft(run, threads)
+                        summaries[k][run.name] = run_torchft(run, threads, args.lab_prefix, args.nodes)
                     else:
                         summaries[k][run.name] = B.run_one(run, threads, args.lab_prefix)
                 except SyncwiseError as e:

@@ -19,12 +19,18 @@ torchft's collectives bypass syncwise.comm: ``comm_bytes`` is the nominal fp32 p
 its all-reduce at a sync step (4 B × parameters), as syncwise counts its own all-reduces.
 
     python benchmarks/torchft_diloco.py --run-dir runs/tft --preset tiny --steps 60 --period 8 --replicas 2
+    python benchmarks/time_to_loss.py --lab 20mbit --configs diloco:period=16 --peers torchft-diloco:period=16
+
+Across the network lab (``cfg.dist.lab``, ``time_to_loss.py --lab``): the lighthouse runs on lab node 0 and replica
+``r`` on node ``r``, inside the node's namespaces, so its all-reduces cross the shaped link.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import random
+import signal
 import socket
 import subprocess
 import sys
@@ -39,31 +45,69 @@ sys.path.insert(0, str(ROOT / "src"))
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 
 
-def run(cfg: Any, period: int, replicas: int, threads: int) -> dict[str, Any]:
-    """Train ``cfg`` (a RunConfig; its run_dir receives the files) with torchft's DiLoCo; return the summary."""
-    from torchft._torchft import LighthouseServer
+def run(cfg: Any, period: int, replicas: int, threads: int, lab_prefix: "str | None" = None) -> dict[str, Any]:
+    """Train ``cfg`` (a RunConfig; its run_dir receives the files) with torchft's DiLoCo; return the summary.
 
+    ``lab_prefix``: across the network lab instead of this host's loopback (``cfg.dist.lab``): the lighthouse on
+    node 0 and replica ``r`` on node ``r`` (one replica per node), each in the node's network namespace and a UTS
+    namespace named after it (``syncwise.launch.ft_lab.in_node``: torchft advertises its host name), so the
+    pseudo-gradient all-reduces cross the lab's shaped link as syncwise's own do."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.save(run_dir / "config.json")
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=replicas)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = str(threads)
     env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
-    procs = []
+    procs: list[subprocess.Popen] = []
+    logs = []
+    state = lighthouse = server = None
     try:
+        if cfg.dist.lab:
+            from syncwise.lab.cluster import PREFIX, require
+            from syncwise.launch.ft import _lighthouse_program
+            from syncwise.launch.ft_lab import in_node, wait_listening
+
+            state = require(lab_prefix or PREFIX)
+            if replicas != state.num_nodes:
+                from syncwise.errors import ConfigError
+
+                raise ConfigError("dist.nproc", cfg.dist.nproc, f"1 per lab node for torchft-diloco (one replica per "
+                                  f"node; the lab has {state.num_nodes} nodes, {replicas} replicas asked)")
+            port = random.randint(20000, 28999)
+            logs.append(open(run_dir / "lighthouse.log", "wb"))
+            lighthouse = subprocess.Popen(in_node(state, 0, [_lighthouse_program(), "--bind", f"[::]:{port}",
+                                                             "--min_replicas", str(replicas)]),
+                                          stdout=logs[-1], stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          start_new_session=True)
+            wait_listening(state, 0, port, lighthouse, run_dir / "lighthouse.log")
+            address = f"http://{state.node(0).namespace}:{port}"
+        else:
+            from torchft._torchft import LighthouseServer
+
+            server = LighthouseServer(bind="[::]:0", min_replicas=replicas)
+            address = server.address()
         for r in range(replicas):
-            log = open(run_dir / f"replica{r}.log", "wb")
-            procs.append(subprocess.Popen(
-                [sys.executable, __file__, "--worker", "--run-dir", str(run_dir), "--replica", str(r),
-                 "--replicas", str(replicas), "--period", str(period), "--lighthouse", lighthouse.address()],
-                env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+            logs.append(open(run_dir / f"replica{r}.log", "wb"))
+            argv = [sys.executable, __file__, "--worker", "--run-dir", str(run_dir), "--replica", str(r),
+                    "--replicas", str(replicas), "--period", str(period), "--lighthouse", address]
+            renv = env if state is None else {**env, "GLOO_SOCKET_IFNAME": state.node(r).ifname,
+                                               "SYNCWISE_FT_HOST": state.node(r).namespace}
+            procs.append(subprocess.Popen(argv if state is None else in_node(state, r, argv), env=renv,
+                                          stdout=logs[-1], stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          start_new_session=state is not None))
         codes = [p.wait() for p in procs]
     finally:
-        for p in procs:
+        for p in procs + ([lighthouse] if lighthouse is not None else []):
             if p.poll() is None:
-                p.kill()
-        lighthouse.shutdown()
+                if state is not None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                else:
+                    p.kill()
+                p.wait()
+        if server is not None:
+            server.shutdown()
+        for log in logs:
+            log.close()
     if any(codes):
         from syncwise.errors import SyncwiseError
 
@@ -117,12 +161,15 @@ def worker(args: argparse.Namespace) -> None:
     outer = torch.optim.SGD(model.parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
     loader = iter(TokenBatchLoader(corpus.train, cfg.data.batch_size, cfg.data.seq_len, r, replicas, seed=cfg.train.seed))
     val = evaluation_batches(corpus.val, cfg.data.batch_size, cfg.data.seq_len, cfg.train.val_batches, r, replicas)
-    store = dist.TCPStore(host_name="localhost", port=0, is_master=True, wait_for_workers=False)
+    # the peers reach this replica's store at its advertised host (the lab node's name; torchft's manager
+    # hands store_addr to the other replicas for the cross-replica process group)
+    host = os.environ.get("SYNCWISE_FT_HOST", "localhost")
+    store = dist.TCPStore(host_name=host, port=0, is_master=True, wait_for_workers=False)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=120)), min_replica_size=replicas, use_async_quorum=False,
         load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), inner.load_state_dict(sd["inner"])),
         state_dict=lambda: {"model": model.state_dict(), "inner": inner.state_dict()},
-        replica_id=f"replica{r}", store_addr="localhost", store_port=store.port, rank=0, world_size=1,
+        replica_id=f"replica{r}", store_addr=host, store_port=store.port, rank=0, world_size=1,
         lighthouse_addr=args.lighthouse, port=_free_port(), timeout=timedelta(seconds=120),
         quorum_timeout=timedelta(seconds=120), connect_timeout=timedelta(seconds=60))
     n_params = count_params(model)

@@ -58,7 +58,8 @@ def kill_node(node: int, prefix: str = PREFIX) -> int:
     return len(pids)
 
 
-def _wait_listening(state: LabState, node: int, port: int, proc: subprocess.Popen, log: Path) -> None:
+def wait_listening(state: LabState, node: int, port: int, proc: subprocess.Popen, log: Path) -> None:
+    """Until torchft's lighthouse ``proc`` accepts connections on lab node ``node``'s address (30 s at most)."""
     address = state.node(node).address
     deadline = time.monotonic() + 30
     probe = node_command(state, node, ["bash", "-c", f"exec 3<>/dev/tcp/{address}/{port}"])
@@ -104,7 +105,7 @@ def _run(state: LabState, module_args: list[str], run_dir: Path, replicas: int, 
     procs: dict[int, subprocess.Popen] = {}
     logs = []
     try:
-        _wait_listening(state, 0, port, lighthouse, ft_dir / "lighthouse.log")
+        wait_listening(state, 0, port, lighthouse, ft_dir / "lighthouse.log")
         address = f"http://{state.node(0).namespace}:{port}"
         threads = str(omp_threads(state, nproc))
 
