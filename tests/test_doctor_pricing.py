@@ -163,6 +163,19 @@ def test_one_micro_batch_size_brackets_the_fixed_cost(tmp_path):
         assert f.details["verdict"] in ("slower", "unknown") and f.predicted_step_s is None
 
 
+def test_a_peak_that_explains_all_the_busy_time_does_not_collapse_the_bracket(tmp_path):
+    """cpu-lab's catalog peak is the measured training throughput: where the FLOPs at that peak explain (nearly) all
+    of a run's busy time, the bracket's costly end is all of a micro-batch's busy time, not 0 (which priced extra
+    micro-batches as free: doctor_fixes' pipeline row, 143 -> 163 ms measured where 91 ms was predicted)."""
+    def row(r, s):
+        return {**_bubble_row(r, s), "step_time_s": 1e-4, "compute_s": 1e-4}   # less than its FLOPs at the peak
+    d = diagnose(load_run(_write(tmp_path / "r", parallel=PP, row=row)))
+    mb = d.facts["microbatch_fixed"]
+    assert "effective rate" in mb["bound_by"] and 0 < mb["bound_s"] <= 1e-4 / PP["microbatches"]
+    normal = diagnose(load_run(_write(tmp_path / "n", parallel=PP, row=_bubble_row))).facts["microbatch_fixed"]
+    assert "beyond its FLOPs" in normal["bound_by"] and 0 < normal["bound_s"] < 0.3 / PP["microbatches"]
+
+
 def test_rebalanced_experts_are_not_predicted_a_speedup(tmp_path):
     def row(r, s):
         ep = 0.25 if r == 0 else 0.05
