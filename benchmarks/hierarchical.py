@@ -110,7 +110,9 @@ def main() -> None:
               f"{s['final_loss_hierarchical']:.4f} ({s['loss_rel_diff'] * 100:+.2f} %)   link "
               f"{s['link_bytes_flat'] / 2**20:.2f} -> {s['link_bytes_hierarchical'] / 2**20:.2f} MiB/step", flush=True)
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps({"rate": a.rate, "preset": a.preset, "steps": a.steps, "nodes": 2,
+    Path(a.json).write_text(json.dumps({"command": "python benchmarks/hierarchical.py " + " ".join(sys.argv[1:]),
+                                        "machine": "2 CPU cores shared by the lab's 4 ranks (2 nodes x 2); no other job",
+                                        "rate": a.rate, "preset": a.preset, "steps": a.steps, "nodes": 2,
                                         "procs_per_node": 2, "batch_per_rank": a.batch, "repeats": a.repeats,
                                         "extra": a.set, "summary": summary, "rows": rows}, indent=2) + "\n")
     print(f"wrote {a.json}")

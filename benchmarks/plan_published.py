@@ -151,11 +151,18 @@ NOTES = """\
   large-model value, and a measured GEMM curve on an H100 (`syncwise plan --calibrate` there) is what
   would tell whether small GEMMs or something else (attention at head dim 64-128, kernels below PyTorch's
   dispatcher) is missing.
-- **Qwen3-235B-A22B (+57 %)**: the published row runs expert parallel 8 inside a node with expert-TP 1
-  while attention uses TP 2 (Megatron folds EP over TP × DP); this planner's ep groups are ep data-parallel
-  ranks at stride tp, so its ep 8 spans 16 GPUs — two nodes — and the all-to-alls (13.5 s of the predicted
-  27.5 s) cross InfiniBand. The row shows a layout the planner cannot express (expert-TP ≠ TP), not a
-  calibrated miss; it stays in the table as the MoE check.
+- **Qwen3-235B-A22B, the MoE table (3 rows of Megatron-Core's model zoo, one model on the same 256 H100 at the
+  same global batch).** The FSDP row (TP 2, EP 8) was +57 % while this planner put its ep 8 at stride tp — 16
+  GPUs, two nodes, the all-to-alls (13.5 s of 27.6 s) on InfiniBand. Megatron folds EP over TP × DP (MoE
+  parallel folding, expert-TP 1): the 8 EP ranks are one node's GPUs. With that layout expressed (`ep_fold`)
+  the row is -3.0 %. The two pipelined rows: **TP 2 PP 8 VPP 4 EP 32, +30.5 %** — its ep 32 spans 4 nodes and
+  the planner sends every (token, expert) copy over InfiniBand (14.4 s of all-to-all), where DeepEP's internode
+  dispatch sends a token once per destination node and fans it out over NVLink (top-8 over 4 nodes: about 2.7
+  remote copies per token instead of 6), not modelled; **TP 4 PP 8 VPP 4 EP 8, -43.9 %** — the table's slowest
+  row (167 TFLOP/s against 245-276), predicted the fastest of the three; nothing in this model (tp 4's
+  all-reduces are 1.8 s of 16.3 s) accounts for the other 12.7 s, so this row is an unexplained miss. Not rows:
+  the "+1f1b overlap" variant (all-to-alls hidden behind another micro-batch's compute) and the A2A-dispatcher
+  row (PP 32 × VPP 3 = 96 stages for 94 layers).
 - **BLOOM (+10.8 %, quoted from memory)**: 4 NICs per node and micro-batch 2 are assumptions; its 250 k
   vocabulary makes the head a large share of the first and last stages, which the model averages.
 """
