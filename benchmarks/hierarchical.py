@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from syncwise import lab
+from syncwise.commands.bench import split_configs  # one parser of a spec list (options after ':' keep their commas)
 
 # PowerSGD's default start_iter=10 sends full gradients for 10 steps: 2 here, so the steady state is compressed
 COMPRESSORS = ("powersgd:rank=4,start_iter=2", "fp8", "topk:ratio=0.01")
@@ -76,7 +77,7 @@ def main() -> None:
     rows = []
     lab.up(2, a.rate, procs_per_node=2)
     try:
-        for compress in a.compressors.split(","):
+        for compress in split_configs(a.compressors):
             for rep in range(a.repeats):
                 # alternate which mode goes first, so a drift of the shared machine hits both alike
                 for mode in (MODES if rep % 2 == 0 else MODES[::-1]):
@@ -92,7 +93,7 @@ def main() -> None:
     finally:
         lab.down()
     summary = {}
-    for compress in a.compressors.split(","):
+    for compress in split_configs(a.compressors):
         by = {m: [r for r in rows if r["compress"] == compress and r["hierarchical"] == m and "step_s" in r]
               for m in MODES}
         if not all(by.values()):

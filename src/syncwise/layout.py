@@ -503,12 +503,18 @@ HIERARCHICAL = ("auto", "on", "off")
 def hierarchical_applies(lay: "Layout", nodes: int, procs_per_node: int) -> bool:
     """Whether the hierarchical gradient sync runs for checked layout ``lay`` on ``nodes`` × ``procs_per_node``
     ranks: 'on' always (a one-node or one-rank-per-node topology degenerates to one of the hops); 'auto' when
-    there is a slow hop to spare (> 1 node, > 1 rank per node) and a syncwise compressor runs every step on DDP
-    replicas (fp32 'none' keeps DDP's built-in all-reduce under auto: the baseline stays PyTorch's)."""
+    there is a slow hop to spare (> 1 node, > 1 rank per node) and a syncwise compressor that all-gathers runs
+    every step on DDP replicas. Where it pays (benchmarks/RESULTS.md §2, 2 lab nodes × 2 ranks at 100 Mbit/s,
+    ``small``): a flat all-gather pushes (nodes − 1) × ranks-per-node payloads over each node's link, the
+    hierarchical one about one — fp8 1.63× faster at the same loss; top-k 1 % 1.03× (its payload is already
+    small). An all-reducing compressor only trades the ring's 1.5 payloads for one and pays the fp32 hops inside
+    the node: PowerSGD rank 4 was 0.93×, so auto leaves it (and the casts, randomk) flat; 'on' still applies.
+    fp32 'none' keeps DDP's built-in all-reduce under auto: the baseline stays PyTorch's."""
     if lay.hierarchical == "on":
         return True
     return (lay.hierarchical == "auto" and nodes > 1 and procs_per_node > 1 and lay.replicas_only
-            and lay.sync is None and not lay.compress.is_none and not lay.compress.torch_hook)
+            and lay.sync is None and not lay.compress.is_none and not lay.compress.torch_hook
+            and lay.compress.spec.collective == "all_gather")
 
 
 @dataclass(frozen=True)
