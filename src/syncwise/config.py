@@ -231,9 +231,8 @@ class DistSection:
     hierarchical: str = option("auto", "gradient sync across nodes: on = reduce inside each node at full precision, "
                                "run compress.method only across nodes (each local rank owns part of every bucket), "
                                "gather inside the node; auto = on when the job has > 1 node and > 1 worker per node "
-                               "and a syncwise compressor that all-gathers (fp8, int8, sign, topk, demo) runs every step on DDP "
-                               "replicas; off = the flat sync "
-                               "(docs/compression.md)", *_one_of(*HIERARCHICAL))
+                               "and a syncwise compressor that all-gathers (fp8, int8, sign, topk, demo) runs every "
+                               "step on DDP replicas; off = the flat sync (docs/compression.md)", *_one_of(*HIERARCHICAL))
     timeout_s: float = option(300.0, "a collective that takes longer fails with a message",
                               f"a number of seconds from 1 to {_seconds(_MAX_TIMEOUT_S)} (one week)",
                               _in(1, _MAX_TIMEOUT_S))
