@@ -1,0 +1,80 @@
+"""What a compressor's encode + decode costs on this CPU, against what the planner charges for it (issue 28).
+
+The planner prices a compressor's own compute (``syncwise.plan.cost._codec_time``) as memory traffic per element
+(``CODEC_COST``) at the accelerator's memory bandwidth plus its FLOPs at half the peak — on the catalog's
+``cpu-lab`` worker, 10 GB/s (assumed) and 60 GFLOP/s. This measures the real thing: each compressor averages a
+model's gradient-shaped tensors bucket by bucket in a 1-rank gloo group (``syncwise.compress.profile_compressor``:
+the collectives are local copies, so the time is the compressor's compute), 1 thread, median of ``--steps`` steps,
+and prints measured / priced per step. ``--compress auto`` picked fp8 at 1 Gbit/s where it measured 1.11× slower
+than the best (benchmarks/RESULTS.md §15); this says by how much the codec is underpriced.
+
+    python benchmarks/codec_cost.py [--presets tiny,small] [--steps 5] [--json benchmarks/results/codec-cost.json]
+
+Run it on a quiet machine: it is a timing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+SPECS = ("fp16", "bf16", "fp8", "int8", "sign", "topk:ratio=0.01", "randomk:ratio=0.01", "powersgd:rank=4", "demo")
+
+
+def main(argv: "list[str] | None" = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--presets", default="tiny,small")
+    p.add_argument("--specs", default=",".join(SPECS), help="compressor specs (a spec's own options after ':')")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--peers", type=int, default=2, help="ranks the planner prices the decode for (default 2)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+
+    import torch
+
+    from syncwise.commands.bench import split_configs
+    from syncwise.compress import CompressionPolicy, model_gradients, parse_compress_spec, profile_compressor
+    from syncwise.layout import parse_compress
+    from syncwise.models import build_model
+    from syncwise.plan import load_model
+    from syncwise.plan.cloud import cluster
+    from syncwise.plan.cost import _codec_time, compressor_wire
+    from syncwise.plan.layout import SYNCWISE
+
+    torch.set_num_threads(1)
+    cloud = cluster("cpu-lab", 2, 1)
+    rows = []
+    for preset in [s for s in args.presets.split(",") if s]:
+        model = build_model(preset)
+        grads = model_gradients(model)
+        spec_model = load_model(preset)
+        elements = sum(t.numel() for _, t in grads)
+        for spec in split_configs(args.specs):
+            prof = profile_compressor(parse_compress_spec(spec), grads, policy=CompressionPolicy(), steps=args.steps)
+            wire = compressor_wire(parse_compress(spec), spec_model, SYNCWISE)
+            priced = _codec_time(cloud, wire, elements, args.peers)
+            measured = prof["ms_per_step"] / 1e3
+            rows.append({"preset": preset, "spec": spec, "elements": elements, "buckets": prof["buckets"],
+                         "measured_ms_per_step": 1e3 * measured, "priced_ms_per_step": 1e3 * priced,
+                         "measured_over_priced": measured / priced if priced else None,
+                         "measured_ns_per_element": 1e9 * measured / elements})
+            r = rows[-1]
+            print(f"{preset:6s} {spec:22s} measured {r['measured_ms_per_step']:8.2f} ms  priced "
+                  f"{r['priced_ms_per_step']:7.2f} ms  x{(r['measured_over_priced'] or 0):6.1f}  "
+                  f"({r['measured_ns_per_element']:.1f} ns/element)", flush=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({
+            "command": "python benchmarks/codec_cost.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "machine": "2-core VM, 1 thread, nothing else running", "accelerator": "cpu-lab (catalog)",
+            "rows": rows}, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
