@@ -188,11 +188,13 @@ def round_rows(runs: list[B.BenchRun], summaries: dict[str, dict], errors: dict[
                                "parallel_efficiency": b.get("parallel_efficiency"),
                                "mean_step_time_s": b.get("mean_step_time_s"),
                                "comm_bytes_per_step": b.get("comm_bytes_per_step"),
-                               "final_val_loss": b.get("final_val_loss")}
+                               "final_val_loss": b.get("final_val_loss"),
+                               # fp32 DDP's bytes per step / this configuration's (bench's ratio)
+                               "fewer_bytes_than_fp32": b.get("compression_ratio")}
         points = [] if row["error"] else curve(run.run_dir)
-        hit = crossing(points, target) if points else None
-        at_n = next((q["val_loss"] for q in points if q["step"] >= args.steps), None)
-        row["val_loss_at_n"] = at_n  # matched tokens: the evaluation at fp32 DDP's N steps
+        hit = crossing(points, target)
+        # matched tokens: the evaluation at fp32 DDP's N steps
+        row["val_loss_at_n"] = next((q["val_loss"] for q in points if q["step"] >= args.steps), None)
         row.update({"reached": hit is not None,
                     "steps_to_target": hit and hit["step"], "time_to_target_s": hit and hit["time_s"],
                     "tokens_to_target": hit and hit["tokens"],
@@ -201,10 +203,9 @@ def round_rows(runs: list[B.BenchRun], summaries: dict[str, dict], errors: dict[
                     "final_gap": (row["final_val_loss"] / target - 1) if row["final_val_loss"] else None})
         rows.append(row)
     base_t = rows[0]["time_to_target_s"]
-    base_n, base_b = rows[0]["val_loss_at_n"], rows[0]["comm_bytes_per_step"]
-    for r in rows:  # at matched tokens (N steps): the loss gap and how many times fewer bytes than fp32 DDP
+    base_n = rows[0]["val_loss_at_n"]
+    for r in rows:  # the loss gap at matched tokens (N steps)
         r["gap_at_n"] = r["val_loss_at_n"] / base_n - 1 if r["val_loss_at_n"] and base_n else None
-        r["fewer_bytes_than_fp32"] = base_b / r["comm_bytes_per_step"] if base_b and r["comm_bytes_per_step"] else None
     peers = [r["time_to_target_s"] for r in rows if r["peer"] and r["time_to_target_s"]]
     best_peer = min(peers) if peers else None
     for r in rows:
