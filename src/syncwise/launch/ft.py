@@ -30,11 +30,15 @@ from .local import free_port, threads_per_worker
 FT_DIR = "ft"  # RUN_DIR/ft/replica{R}.{attempt}: each replica group attempt's own run directory (LiveRecovery.run_dir)
 
 
+#: the launchers' default for ft.heartbeat_timeout_s (config.FaultToleranceSection's default, which users set)
+HEARTBEAT_TIMEOUT_S = 1.0
+
+
 class Lighthouse:
     """torchft's lighthouse (``torchft_lighthouse``, the Rust server in the torchft wheel) as a child process of
     this launcher, its log in ``log_path``; ``address`` is its http://HOST:PORT."""
 
-    def __init__(self, min_replicas: int, log_path: Path, heartbeat_timeout_ms: int = 1_000,
+    def __init__(self, min_replicas: int, log_path: Path, heartbeat_timeout_ms: int = int(HEARTBEAT_TIMEOUT_S * 1000),
                  join_timeout_ms: int = 60_000):
         port = free_port()
         self.address = f"http://{socket.gethostname()}:{port}"
@@ -105,7 +109,7 @@ def replica_env(replica: int, replicas: int, lighthouse: str, nproc: int, min_re
 
 def run_replicas(module_args: Sequence[str], run_dir: str | Path, replicas: int, nproc: int, restarts: int,
                  lighthouse: str = "", min_replicas: int = 1, quorum_timeout_s: float = 60.0,
-                 timeout_s: float = 30.0, heartbeat_timeout_s: float = 1.0) -> list[int]:
+                 timeout_s: float = 30.0, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> list[int]:
     """Start the lighthouse (unless ``lighthouse`` names one) and ``replicas`` torchrun jobs running
     ``module_args`` (e.g. ``['-m', 'syncwise.commands.worker', '--config', FILE]``); wait for all; return their exit
     codes. Each group's output goes to ``RUN_DIR/ft/replica{R}.log``. SIGINT/SIGTERM here stop every group."""
@@ -240,7 +244,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--lighthouse", default="")
     p.add_argument("--quorum-timeout-s", type=float, default=60.0)
     p.add_argument("--timeout-s", type=float, default=30.0)
-    p.add_argument("--heartbeat-timeout-s", type=float, default=1.0)
+    p.add_argument("--heartbeat-timeout-s", type=float, default=HEARTBEAT_TIMEOUT_S)
     p.add_argument("--run-dir", required=True)
     p.add_argument("script", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)

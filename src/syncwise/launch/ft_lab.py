@@ -28,7 +28,8 @@ from typing import Optional, Sequence
 from ..errors import ConfigError, SyncwiseError
 from ..lab.cluster import PREFIX, LabLock, LabState, node_command, require
 from ..lab.launch import omp_threads
-from .ft import FT_DIR, _attempts, _lighthouse_program, heartbeat_ms, replica_command, replica_env
+from .ft import (FT_DIR, HEARTBEAT_TIMEOUT_S, _attempts, _lighthouse_program, heartbeat_ms, replica_command,
+                 replica_env)
 
 #: a relaunched replica group's attempt numbers start here times the relaunch (its torchrun counts from 0 again)
 ATTEMPT_BASE_ENV = "SYNCWISE_FT_FIRST_ATTEMPT"  # LiveRecovery.run_dir adds torchrun's restart count
@@ -72,7 +73,7 @@ def wait_listening(state: LabState, node: int, port: int, proc: subprocess.Popen
 def run_replicas_lab(module_args: Sequence[str], run_dir: str | Path, replicas: int, nproc: int, restarts: int,
                      min_replicas: int = 1, quorum_timeout_s: float = 60.0, timeout_s: float = 30.0,
                      relaunches: Optional[int] = None, prefix: str = PREFIX,
-                     heartbeat_timeout_s: float = 1.0) -> list[int]:
+                     heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> list[int]:
     """The lighthouse on lab node 0 and replica group ``r`` on node ``r`` (``replicas`` ≤ the lab's nodes); wait
     for all; return each group's last exit code. ``relaunches`` (default ``restarts``): how often a group whose
     torchrun failed is started again on its node. Logs: ``RUN_DIR/ft/replica{R}.log``, ``lighthouse.log``."""

@@ -323,7 +323,7 @@ def live_recovery_job(ft: Any, steps: int, launch: LaunchOptions) -> Optional[Li
                           "listens 1,000 ports above the rendezvous (Slurm: + job id mod 1000)")
     return LiveRecoveryJob(replicas=ft.replicas, min_replicas=ft.min_replicas, replica_restarts=ft.replica_restarts,
                            quorum_timeout_s=ft.quorum_timeout_s, timeout_s=ft.timeout_s,
-                           heartbeat_timeout_s=getattr(ft, "heartbeat_timeout_s", 1.0), steps=steps)
+                           heartbeat_timeout_s=ft.heartbeat_timeout_s, steps=steps)
 
 
 @dataclass(frozen=True)
