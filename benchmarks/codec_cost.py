@@ -1,8 +1,9 @@
 """What a compressor's encode + decode costs on this CPU, against what the planner charges for it (issue 28).
 
-The planner prices a compressor's own compute (``syncwise.plan.cost._codec_time``) as memory traffic per element
-(``CODEC_COST``) at the accelerator's memory bandwidth plus its FLOPs at half the peak — on the catalog's
-``cpu-lab`` worker, 10 GB/s (assumed) and 60 GFLOP/s. This measures the real thing: each compressor averages a
+The planner prices a compressor's own compute (its prediction's ``compress_compute``) as memory traffic per
+element (``CODEC_COST``) at the accelerator's memory bandwidth plus its FLOPs at half the peak — on the catalog's
+``cpu-lab`` worker, 10 GB/s (assumed) and 60 GFLOP/s; "priced" below is that term of ``predict`` for 2 data-parallel
+ranks (``--peers``) of the same preset. This measures the real thing: each compressor averages a
 model's gradient-shaped tensors bucket by bucket in a 1-rank gloo group (``syncwise.compress.profile_compressor``:
 the collectives are local copies, so the time is the compressor's compute), 1 thread, median of ``--steps`` steps,
 and prints measured / priced per step. ``--compress auto`` picked fp8 at 1 Gbit/s where it measured 1.11× slower
@@ -38,15 +39,12 @@ def main(argv: "list[str] | None" = None) -> int:
 
     from syncwise.commands.bench import split_configs
     from syncwise.compress import CompressionPolicy, model_gradients, parse_compress_spec, profile_compressor
-    from syncwise.layout import parse_compress
     from syncwise.models import build_model
-    from syncwise.plan import load_model
+    from syncwise.plan import Layout, load_model, predict
     from syncwise.plan.cloud import cluster
-    from syncwise.plan.cost import _codec_time, compressor_wire
-    from syncwise.plan.layout import SYNCWISE
 
     torch.set_num_threads(1)
-    cloud = cluster("cpu-lab", 2, 1)
+    cloud = cluster("cpu-lab", args.peers, 1)
     rows = []
     for preset in [s for s in args.presets.split(",") if s]:
         model = build_model(preset)
@@ -55,8 +53,8 @@ def main(argv: "list[str] | None" = None) -> int:
         elements = sum(t.numel() for _, t in grads)
         for spec in split_configs(args.specs):
             prof = profile_compressor(parse_compress_spec(spec), grads, policy=CompressionPolicy(), steps=args.steps)
-            wire = compressor_wire(parse_compress(spec), spec_model, SYNCWISE)
-            priced = _codec_time(cloud, wire, elements, args.peers)
+            priced = predict(cloud, spec_model, Layout(dp_replicate=args.peers, compress=spec, micro_batch=1),
+                             args.peers, syncwise_rules=False).breakdown["compress_compute"]
             measured = prof["ms_per_step"] / 1e3
             rows.append({"preset": preset, "spec": spec, "elements": elements, "buckets": prof["buckets"],
                          "measured_ms_per_step": 1e3 * measured, "priced_ms_per_step": 1e3 * priced,
