@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     try:
         for rate in rates:
             state = lab.shape(inter_node=rate, prefix=args.prefix)
-            cloud = job_cloud(state.num_nodes, 1, state.inter_node_bps)
+            cloud = job_cloud(state.num_nodes, 1, state.inter_node_bps, burst_bytes=state.burst)
             lay, line, ranked = resolve_auto(Layout.of(compress="auto", sync="auto"), cloud, model,
                                              args.batch_size * state.num_nodes, args.seq_len, table,
                                              micro_batch=args.batch_size)

@@ -1,15 +1,19 @@
 """What a compressor's encode + decode costs on this CPU, against what the planner charges for it (issue 28).
 
-The planner prices a compressor's own compute (its prediction's ``compress_compute``) as memory traffic per
-element (``CODEC_COST``) at the accelerator's memory bandwidth plus its FLOPs at half the peak — on the catalog's
-``cpu-lab`` worker, 10 GB/s (assumed) and 60 GFLOP/s; "priced" below is that term of ``predict`` for 2 data-parallel
-ranks (``--peers``) of the same preset. This measures the real thing: each compressor averages a
+The planner prices a compressor's own compute (its prediction's ``compress_compute``) from the accelerator's
+measured codec cost (``[accelerator.codec_cost]``: ns per element + µs per tensor, written by ``syncwise plan
+--calibrate`` from two synthetic gradient sets) where it has one, else as memory traffic per element
+(``CODEC_COST``) at the memory bandwidth plus FLOPs at half the peak. "priced" below is that term of ``predict``
+for 2 data-parallel ranks (``--peers``) of the same preset, on the catalog's ``cpu-lab`` worker (which carries this
+VM's calibration), ``--cluster FILE`` (a calibrated TOML), or ``--uncalibrated`` (CODEC_COST alone, as before the
+calibration existed). This measures the real thing: each compressor averages a
 model's gradient-shaped tensors bucket by bucket in a 1-rank gloo group (``syncwise.compress.profile_compressor``:
 the collectives are local copies, so the time is the compressor's compute), 1 thread, median of ``--steps`` steps,
 and prints measured / priced per step. ``--compress auto`` picked fp8 at 1 Gbit/s where it measured 1.11× slower
 than the best (benchmarks/RESULTS.md §15); this says by how much the codec is underpriced.
 
-    python benchmarks/codec_cost.py [--presets tiny,small] [--steps 5] [--json benchmarks/results/codec-cost.json]
+    python benchmarks/codec_cost.py [--presets tiny,small] [--steps 5] [--cluster FILE | --uncalibrated]
+                                    [--json benchmarks/results/codec-cost.json]
 
 Run it on a quiet machine: it is a timing.
 """
@@ -32,6 +36,8 @@ def main(argv: "list[str] | None" = None) -> int:
     p.add_argument("--specs", default=",".join(SPECS), help="compressor specs (a spec's own options after ':')")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--peers", type=int, default=2, help="ranks the planner prices the decode for (default 2)")
+    p.add_argument("--cluster", default=None, help="price with this cluster TOML's accelerator (default: cpu-lab)")
+    p.add_argument("--uncalibrated", action="store_true", help="price with CODEC_COST alone (no codec_cost)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
@@ -44,7 +50,17 @@ def main(argv: "list[str] | None" = None) -> int:
     from syncwise.plan.cloud import cluster
 
     torch.set_num_threads(1)
+    import dataclasses
+
+    from syncwise.plan import load_cluster
+
     cloud = cluster("cpu-lab", args.peers, 1)
+    if args.cluster:
+        cloud = dataclasses.replace(cloud, accelerator=load_cluster(args.cluster).accelerator)
+    if args.uncalibrated:
+        cloud = dataclasses.replace(cloud, accelerator=dataclasses.replace(cloud.accelerator, codec_cost=()))
+    priced_by = ("CODEC_COST" if not cloud.accelerator.codec_cost else
+                 f"{cloud.accelerator.name}'s codec_cost" + (f" ({args.cluster})" if args.cluster else ""))
     rows = []
     for preset in [s for s in args.presets.split(",") if s]:
         model = build_model(preset)
@@ -64,11 +80,15 @@ def main(argv: "list[str] | None" = None) -> int:
             print(f"{preset:6s} {spec:22s} measured {r['measured_ms_per_step']:8.2f} ms  priced "
                   f"{r['priced_ms_per_step']:7.2f} ms  x{(r['measured_over_priced'] or 0):6.1f}  "
                   f"({r['measured_ns_per_element']:.1f} ns/element)", flush=True)
+    ratios = [r["measured_over_priced"] for r in rows if r["measured_over_priced"]]
+    mae = sum(abs(1 / x - 1) for x in ratios) / max(len(ratios), 1)
+    print(f"priced by {priced_by}: mean |priced / measured - 1| = {100 * mae:.1f} % over {len(ratios)} rows")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({
             "command": "python benchmarks/codec_cost.py " + " ".join(sys.argv[1:] if argv is None else argv),
-            "machine": "2-core VM, 1 thread, nothing else running", "accelerator": "cpu-lab (catalog)",
+            "machine": "2-core VM, 1 thread, nothing else running", "priced_by": priced_by,
+            "mean_abs_error_of_price": mae,
             "rows": rows}, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0

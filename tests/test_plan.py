@@ -560,6 +560,29 @@ def test_calibration_toml_loads_and_reproduces_its_measurements(tmp_path):
                                                                        "all_gather_efficiency": 2}})
 
 
+def test_calibration_carries_the_codecs_and_the_labs_burst(tmp_path):
+    """Measured compressor compute (two gradient sets per compressor, every worker) becomes [accelerator.codec_cost]
+    (the workers' median fit); the lab's tbf bucket becomes the inter-node fabric's burst_kbyte."""
+    from syncwise.plan.calibrate import CODEC_SETS, cloud_toml, derive_cluster
+
+    result = _fake_calibration()
+    result["lab"]["burst_bytes"] = 131072
+    sets = [(sum(r * c for r, c in shapes), len(shapes)) for shapes in CODEC_SETS]
+    workers = []
+    for k, (a, b) in enumerate(((5e-9, 10e-6), (6e-9, 14e-6), (7e-9, 30e-6), (6e-9, 14e-6))):
+        rows = [{"spec": "fp8", "elements": e, "tensors": t, "seconds": a * e + b * t} for e, t in sets]
+        workers.append({**result["workers"][k], "codecs": rows})
+    result["workers"] = workers
+    result["cluster"] = derive_cluster(result)
+    path = tmp_path / "lab.toml"
+    path.write_text(cloud_toml(result, "syncwise plan --calibrate --lab"))
+    text = path.read_text()
+    assert "[accelerator.codec_cost]" in text and "# codec_cost:" in text
+    c = load_cluster(path)
+    assert c.accelerator.codec("fp8") == pytest.approx((6e-9, 14e-6), rel=1e-3)    # the median worker's fit
+    assert c.inter_node.burst_bytes == pytest.approx(131072)
+
+
 def test_calibrate_measures_this_machine(tmp_path, capsys):
     """The real thing, kept small: 2 local workers, the tiny preset as the reference step, 2 iterations."""
     from syncwise.cli import main
@@ -571,6 +594,9 @@ def test_calibrate_measures_this_machine(tmp_path, capsys):
     assert (c.nodes, c.gpus_per_node) == (1, 2) and 1e8 < c.accelerator.peak_bf16_flops < 1e13
     assert 0 < c.accelerator.matmul_efficiency <= 1 and c.intra_node.bandwidth > 1e6
     assert json.loads((tmp_path / "here.toml.json").read_text())["world"]
+    assert {name for name, _, _ in c.accelerator.codec_cost} == {"fp16", "bf16", "fp8", "int8", "sign", "topk",
+                                                                 "randomk", "powersgd", "demo"}
+    assert all(e > 0 and t >= 0 for _, e, t in c.accelerator.codec_cost)
     rc = main(["plan", "--cluster", str(out), "--model", "small", "--global-batch", "8", "--seq-len", "128"])
     assert rc == 0
     assert main(["plan", "--calibrate", "--reference", "nope:1:2"]) == 2

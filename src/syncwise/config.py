@@ -630,7 +630,7 @@ def resolve_auto(cfg: RunConfig) -> str:
         if cfg.dist.device == "cuda" or (cfg.dist.device == "auto" and _visible_gpus()):
             raise ConfigError("compress.auto_cluster", "", "a calibrated cluster TOML (`syncwise plan --calibrate "
                               "--out cluster.toml`) for auto on GPU workers: the built-in cluster is the CPU lab's")
-        inter = None
+        inter, burst = None, 0.0
         if cfg.dist.lab:
             from .lab.cluster import status
 
@@ -638,8 +638,8 @@ def resolve_auto(cfg: RunConfig) -> str:
             if state is None:
                 raise ConfigError("dist.lab", True, "a running lab (`syncwise cluster up`) for auto, which prices "
                                   "the strategies on its link rate")
-            inter = state.inter_node_bps
-        cloud = job_cloud(world // local, local, inter)
+            inter, burst = state.inter_node_bps, state.burst
+        cloud = job_cloud(world // local, local, inter, burst_bytes=burst)
     with _as_field("model.preset", cfg.model.preset):
         model = load_model(cfg.model.preset, cfg.data.seq_len)
     inner = lay.dp_shard * lay.tp * lay.pp

@@ -33,11 +33,12 @@ def ddp_like_buckets(named: Sequence[tuple[str, torch.Tensor]], bucket_cap_mb: f
 
 def profile_compressor(compressor: Compressor, grads: Sequence[tuple[str, torch.Tensor]],
                        bucket_cap_mb: float = 25.0, policy: Optional[CompressionPolicy] = None,
-                       steps: int = 3) -> dict[str, Any]:
+                       steps: int = 3, group: Any = None) -> dict[str, Any]:
     """Average ``grads`` (name, tensor) ``steps`` times bucket by bucket; report ratio and ms per bucket.
 
     Returns ``elements``, ``bytes_sent`` per step, ``ratio`` (fp32 bytes / bytes sent), ``buckets``,
-    ``ms_per_bucket`` and ``ms_per_step`` (median over steps, after one warm-up step).
+    ``ms_per_bucket`` and ``ms_per_step`` (median over steps, after one warm-up step). ``group``: the process
+    group to average over (default: the world; a 1-rank group of its own when none is initialized).
     """
     own_group = not dist.is_initialized()
     if own_group:
@@ -53,7 +54,7 @@ def profile_compressor(compressor: Compressor, grads: Sequence[tuple[str, torch.
             t0 = time.perf_counter()
             for b, ts in zip(buckets, inputs):
                 keys = [grads[i][0] for i in b]
-                compressor.average(ts, keys, None, [policy.compress(t) for t in ts])
+                compressor.average(ts, keys, group, [policy.compress(t) for t in ts])
             times.append(time.perf_counter() - t0)
             sent = compressor.counters["bytes_sent"] - before
         elements = sum(t.numel() for _, t in grads)

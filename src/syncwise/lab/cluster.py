@@ -119,7 +119,9 @@ def default_burst(bps: int) -> int:
 
     The floor keeps a 64 KiB GSO super-packet (and lo's 64 KiB MTU) inside one bucket, which tbf
     needs to pass it at all; 4 ms of traffic keeps multi-gigabit rates accurate despite timer jitter.
-    Either way the burst is tiny next to the megabytes a gradient all-reduce moves.
+    The burst is small next to the megabytes a large model's all-reduce moves, not next to a small one's (1 Gbit/s:
+    500 KB, most of `tiny`'s 558 KB of fp32 gradients): the planner models the bucket (``Fabric.burst_bytes``,
+    ``syncwise.plan.cost``), and ``syncwise plan --calibrate --lab`` and ``--compress auto`` pass it on.
     """
     return max(128 * 1024, int(bps / 8 * 0.004))
 

@@ -16,7 +16,10 @@ What is measured, on every worker at once (so workers that share cores measure w
   in the lab with several workers per node, the same four collectives inside each node at once (node
   subgroups). Efficiencies are solved from the cost model's own collective formula (``collective_time``),
   so the planner reproduces the measured times; the all-reduce's is the fabric's ``efficiency``, the
-  others' become ``all_gather_efficiency`` ... when they differ.
+  others' become ``all_gather_efficiency`` ... when they differ. In the lab, its tbf bucket becomes the
+  inter-node fabric's ``burst_kbyte``.
+* **Compressors**: each compressor's encode + decode on two gradient sets in a 1-rank group (``measure_codecs``)
+  → ``[accelerator.codec_cost]``: ns per element and µs per tensor (``fit_codec``).
 
 The launcher side (``calibrate``, ``cloud_toml``, the fits) is pure Python; the worker side imports torch
 inside its functions, so ``import syncwise.plan`` stays torch-free.
@@ -254,6 +257,46 @@ def measure_reference_step(preset: str = REFERENCE_PRESET, batch: int = REFERENC
     return times[len(times) // 2]
 
 
+#: the compressors ``measure_codecs`` times (a spec's options are those syncwise bench's tables use)
+CODEC_SPECS = ("fp16", "bf16", "fp8", "int8", "sign", "topk:ratio=0.01", "randomk:ratio=0.01", "powersgd:rank=4",
+               "demo")
+#: two gradient sets: few large tensors (the per-element cost) and many small ones (the per-tensor cost)
+CODEC_SETS = (((1024, 1024),), ((64, 64),) * 32)
+
+
+def measure_codecs(group: Any, specs: Sequence[str] = CODEC_SPECS, steps: int = 3) -> list[dict]:
+    """Each compressor's encode + decode (``syncwise.compress.profile_compressor``) averaging the two gradient sets
+    of :data:`CODEC_SETS` over ``group`` — a 1-rank group, so the collective is a local copy and the time is the
+    compressor's compute, measured by every worker at once (as in a run). One row per (spec, set): elements,
+    tensors, seconds."""
+    import torch
+
+    from ..compress import CompressionPolicy, parse_compress_spec, profile_compressor
+
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for spec in specs:
+        for shapes in CODEC_SETS:
+            grads = [(f"w{i}", torch.randn(shape, generator=g)) for i, shape in enumerate(shapes)]
+            prof = profile_compressor(parse_compress_spec(spec), grads, policy=CompressionPolicy(min_numel=0),
+                                      steps=steps, group=group)
+            rows.append({"spec": spec, "elements": prof["elements"], "tensors": len(grads),
+                         "seconds": prof["ms_per_step"] / 1e3})
+    return rows
+
+
+def fit_codec(rows: Sequence[dict]) -> tuple[float, float]:
+    """(seconds per element, seconds per tensor) through a compressor's two measurements (``t = a·E + b·T``),
+    each ≥ 0 (a negative intercept is noise: then all the time is per element)."""
+    (e1, t1, s1), (e2, t2, s2) = [(r["elements"], r["tensors"], r["seconds"]) for r in rows[:2]]
+    det = e1 * t2 - e2 * t1
+    a = (s1 * t2 - s2 * t1) / det if det else s1 / max(e1, 1)
+    b = (e1 * s2 - e2 * s1) / det if det else 0.0
+    if b < 0 or a < 0:
+        a, b = (s1 + s2) / (e1 + e2), 0.0
+    return a, b
+
+
 def _time_group(op: str, nbytes: int, group, n: int, iters: int) -> float:
     """Median seconds of ``op`` on ``nbytes`` (comm-bench's definition of the buffer) inside ``group``."""
     import statistics
@@ -316,8 +359,11 @@ def worker(options: dict) -> dict:
         memory = measure_memory()
         ref = options.get("reference") or [REFERENCE_PRESET, REFERENCE_BATCH, REFERENCE_SEQ]
         step_s = measure_reference_step(ref[0], int(ref[1]), int(ref[2]), int(options.get("reference_steps", 3)))
+        alone, _ = dist.new_subgroups(group_size=1)       # every rank's own 1-rank group (all ranks create all)
+        specs = options.get("codecs", CODEC_SPECS)           # [] / None: not measured
+        codecs = measure_codecs(alone, specs) if specs else []
         mine = {"rank": rank, "gemm": gemm, "memory_bytes_s": memory, "reference_step_s": step_s,
-                "kernels": measure_kernels()}
+                "kernels": measure_kernels(), "codecs": codecs}
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, mine)
         sizes = sorted({SMALL_MESSAGE, int(options.get("large_bytes", 16 * 2**20))})
@@ -391,7 +437,8 @@ def calibrate(lab: bool = False, prefix: Optional[str] = None, nproc: Optional[i
                 raise SyncwiseError(f"the lab calibration job failed (exit code {code}); see the worker output")
             result = json.loads(out.read_text())
         result["lab"] = {"prefix": state.prefix, "nodes": state.num_nodes, "inter_node": state.inter_node,
-                         "inter_node_bps": state.inter_node_bps, "intra_node": state.intra_node}
+                         "inter_node_bps": state.inter_node_bps, "intra_node": state.intra_node,
+                         "burst_bytes": state.burst}
     else:
         if launcher is None:
             raise ValueError("calibrate(lab=False) needs launcher=syncwise.launch.run_local")
@@ -443,6 +490,13 @@ def derive_cluster(result: dict) -> dict:
                    "gemm_half_gflop": half / 1e9, "reserved_gib": reserved}
     if sms:
         accelerator.update(sm_count=sms, kernel_launch_us=round(launch * 1e6, 3), kernel_gap_us=round(gap * 1e6, 3))
+    codec = {}
+    for spec in dict.fromkeys(r["spec"] for w in workers for r in w.get("codecs") or []):
+        fits = [fit_codec([r for r in w["codecs"] if r["spec"] == spec]) for w in workers if w.get("codecs")]
+        codec[spec.partition(":")[0]] = [round(_median([f[0] for f in fits]) * 1e9, 4),
+                                         round(_median([f[1] for f in fits]) * 1e6, 3)]
+    if codec:
+        accelerator["codec_cost"] = codec
     # communication
     world_rows = result["world"]
     intra_rows = result["intra"] if nodes > 1 else world_rows
@@ -454,6 +508,8 @@ def derive_cluster(result: dict) -> dict:
                               "network_priority": "balanced", "accelerator": accelerator}
     tables["intra_node"] = {"name": "measured-intra", "kind": "lab" if cpu else "nvlink", **intra} if intra else \
         {"name": "lab-loopback" if cpu else "nvlink4"}
+    if inter and lab.get("burst_bytes"):          # the lab's tbf bucket (Fabric.burst_bytes)
+        inter["burst_kbyte"] = lab["burst_bytes"] / 1e3
     tables["inter_node"] = {"name": "measured-inter", "kind": "lab" if lab else "ethernet", **inter,
                             "nics_per_node": 1} if inter else {"name": "none"}
     cloud_from_dict(tables)      # the file must load: fail here, not in the user's next command
@@ -517,6 +573,10 @@ def cloud_toml(result: dict, command: str = "syncwise plan --calibrate") -> str:
                 f"(back-to-back adds), {k['kernel_gap_s'] * 1e6:.2f} µs per kernel on a full queue (rank 0); "
                 "with an SM count the GEMM-shape model prices small GEMMs, so gemm_half_gflop is 0."]
                if (k := w[0].get("kernels")) else []),
+             *(["# codec_cost: each compressor's encode + decode in a 1-rank group (calibrate.measure_codecs) on "
+                "1 × 1024² and 32 × 64² fp32 tensors, fitted t = elements × ns + tensors × µs (rank 0: " + ", ".join(
+                    f"{r['spec'].partition(':')[0]} {r['seconds'] * 1e3:.2f}" for r in w[0]["codecs"]) + " ms)"]
+               if w[0].get("codecs") else []),
              f"# matmul_efficiency: the cost model's single-process step equals a measured "
              f"{result['reference'][0]} step ({result['reference'][1]} x {result['reference'][2]} tokens, forward + "
              f"backward + AdamW, no communication): median {_median([x['reference_step_s'] for x in w]) * 1e3:.0f} ms.",
@@ -540,17 +600,25 @@ def cloud_toml(result: dict, command: str = "syncwise plan --calibrate") -> str:
     return "\n".join(lines) + "\n"
 
 
+def _toml_value(v: Any) -> str:
+    if isinstance(v, str):
+        return f'"{v}"'
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return repr(float(f"{v:.6g}"))
+
+
 def _toml_table(name: Optional[str], values: dict) -> list[str]:
+    """TOML lines of a table; its dict values become sub-tables after it (``[name.key]``)."""
     out = [f"[{name}]"] if name else []
+    out += [f"{k} = {_toml_value(v)}" for k, v in values.items() if not isinstance(v, dict)]
     for k, v in values.items():
-        if isinstance(v, str):
-            out.append(f'{k} = "{v}"')
-        elif isinstance(v, bool):
-            out.append(f"{k} = {'true' if v else 'false'}")
-        elif isinstance(v, int):
-            out.append(f"{k} = {v}")
-        else:
-            out.append(f"{k} = {float(f'{v:.6g}')!r}")
+        if isinstance(v, dict):
+            out += ["", *_toml_table(f"{name}.{k}" if name else k, v)]
     return out
 
 

@@ -57,6 +57,17 @@ class Accelerator:
     # the host (syncwise.plan.cost.kernels_per_microbatch). 0 = not charged (the CPU lab: in the calibration).
     kernel_launch_s: float = 0.0
     kernel_gap_s: float = 0.0
+    # Measured compressor compute on this accelerator (`syncwise plan --calibrate`): (compressor name, seconds per
+    # gradient element, seconds per gradient tensor) of its encode + decode for one peer. Absent compressors are
+    # priced from CODEC_COST (memory traffic and FLOPs per element, syncwise.plan.cost).
+    codec_cost: tuple[tuple[str, float, float], ...] = ()
+
+    def codec(self, name: str) -> Optional[tuple[float, float]]:
+        """(seconds per element, seconds per tensor) measured for compressor ``name``, or None."""
+        for n, per_element, per_tensor in self.codec_cost:
+            if n == name:
+                return per_element, per_tensor
+        return None
 
     def gemm_efficiency(self, flops: float) -> float:
         """Achieved / peak for one GEMM of ``flops`` FLOPs (monotone non-decreasing in ``flops``)."""
@@ -95,6 +106,14 @@ class Fabric:
     # measured bus-bandwidth efficiency of other collectives where they differ from the all-reduce's (gloo's
     # reduce-scatter and all-gather are not NCCL's rings): ((kind, efficiency), ...); absent kinds use efficiency
     op_efficiency: tuple[tuple[str, float], ...] = ()
+    # a token-bucket-shaped link (the network lab's tc tbf): bytes that pass at the host's own speed when the bucket
+    # is full; the bucket refills at ``bandwidth`` while the step computes. 0 = an ordinary link.
+    burst_bytes: float = 0.0
+
+    def burst_credit(self, gap_s: float) -> float:
+        """Bytes that pass without waiting on the rate after ``gap_s`` seconds without traffic: the bucket's depth,
+        or what refilled it in that time (tbf: tokens accrue at the rate up to the burst)."""
+        return min(self.burst_bytes, self.bandwidth * max(0.0, gap_s)) if self.burst_bytes > 0 else 0.0
 
     @property
     def effective(self) -> float:
@@ -166,6 +185,13 @@ _KERNEL = ("; per-kernel host launch 4 µs and device gap 1 µs (NVIDIA, 'Gettin
            "developer.nvidia.com/blog/cuda-graphs/)")
 _GPU = dict(kernel_launch_s=KERNEL_LAUNCH_S, kernel_gap_s=KERNEL_GAP_S)
 
+#: the CPU lab worker's compressor compute (ns per element, µs per tensor → seconds), measured by
+#: `syncwise plan --calibrate --lab --nproc 1` on the 2-core VM at 1 Gbit/s (2026-11-25)
+CPU_LAB_CODECS = tuple(sorted((name, ns * 1e-9, us * 1e-6) for name, (ns, us) in {
+    "fp16": (1.123, 12.5), "bf16": (1.280, 11.6), "fp8": (5.661, 14.9), "int8": (8.857, 22.3),
+    "sign": (12.19, 38.1), "topk": (18.84, 0.0), "randomk": (5.380, 59.8), "powersgd": (0.681, 16.9),
+    "demo": (19.96, 117.0)}.items()))
+
 ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in (
     Accelerator("a100-40gb", 312e12, 312e12, 0.0, 40 * GIB, 1.555e12, 0.70,
                 source=_NV_A100 + "; 40 GB HBM2 at 1,555 GB/s; no FP8. " + _EFF + _SMS + _KERNEL, sm_count=108, **_GPU),
@@ -196,7 +222,10 @@ ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in (
                 source="measured, benchmarks/RESULTS.md §3: `small` preset compute-only steps, 16 × 128 tokens in "
                        "538 ms and 96 × 128 in 2.9-3.3 s = 59-66 GFLOP/s of PaLM-convention training FLOPs per "
                        "worker (1 thread); memory: a share of the VM's 23 GiB; 10 GB/s memory bandwidth assumed; "
-                       "reserved 0.4 GiB = the Python/torch baseline RSS of RESULTS.md §7"),
+                       "reserved 0.4 GiB = the Python/torch baseline RSS of RESULTS.md §7; codec_cost measured by "
+                       "`syncwise plan --calibrate --lab --nproc 1` on the same VM (2 workers at once, 1 thread each; "
+                       "benchmarks/results/codec-cost.json checks it on the presets' gradients)",
+                codec_cost=CPU_LAB_CODECS),
 )}
 
 _LAT = "latency assumed (order of magnitude of a NCCL / gloo message step, not a datasheet figure)"
@@ -310,7 +339,7 @@ _ACC_KEYS = {  # TOML key -> (Accelerator field, scale to SI)
 }
 _FAB_KEYS = {
     "bandwidth_gbit_s": ("bandwidth", 1e9 / 8), "bandwidth_gbyte_s": ("bandwidth", 1e9),
-    "latency_us": ("latency", 1e-6), "efficiency": ("efficiency", 1.0),
+    "latency_us": ("latency", 1e-6), "efficiency": ("efficiency", 1.0), "burst_kbyte": ("burst_bytes", 1e3),
 }
 #: per-collective efficiencies a fabric table may give (TOML key -> collective kind)
 OP_EFFICIENCY_KEYS = {"all_gather_efficiency": "all_gather", "reduce_scatter_efficiency": "reduce_scatter",
@@ -351,7 +380,7 @@ def _table(path: str, value: Any, catalog: dict, keys: dict, extra: tuple[str, .
         if key in value:
             hi = 1.0 if attr in ("matmul_efficiency", "efficiency") else math.inf
             lo_open = attr not in ("peak_fp8_flops", "reserved_bytes", "latency", "gemm_half_flops", "sm_count",
-                                   "kernel_launch_s", "kernel_gap_s")
+                                   "kernel_launch_s", "kernel_gap_s", "burst_bytes")
             fields[attr] = _number(f"{path}.{key}", value[key], 0.0, lo_open, hi) * scale
             if attr == "sm_count":
                 if value[key] != int(value[key]):
@@ -368,6 +397,24 @@ def _table(path: str, value: Any, catalog: dict, keys: dict, extra: tuple[str, .
     return name, base, fields
 
 
+def _codec_table(path: str, value: Any) -> tuple[tuple[str, float, float], ...]:
+    """``[accelerator.codec_cost]``: compressor name = [ns per element, µs per tensor] → Accelerator.codec_cost."""
+    from ..layout import COMPRESSORS
+
+    if not isinstance(value, dict):
+        raise ConfigError(path, value, "a table: compressor name = [ns per element, µs per tensor]")
+    out = []
+    for key, pair in value.items():
+        if key not in COMPRESSORS:
+            raise ConfigError(f"{path}.{key}", pair, "a compressor name: " + ", ".join(COMPRESSORS))
+        if not (isinstance(pair, list) and len(pair) == 2):
+            raise ConfigError(f"{path}.{key}", pair, "[ns per element, µs per tensor]: two numbers ≥ 0")
+        ns = _number(f"{path}.{key}[0]", pair[0], 0.0, False)
+        us = _number(f"{path}.{key}[1]", pair[1], 0.0, False)
+        out.append((key, ns * 1e-9, us * 1e-6))
+    return tuple(sorted(out))
+
+
 def cloud_from_dict(values: dict[str, Any], source: str = "cluster") -> CloudConfig:
     """Build a CloudConfig from the TOML tables (see ``examples/clusters/``); errors name the field."""
     if not isinstance(values, dict):
@@ -378,15 +425,17 @@ def cloud_from_dict(values: dict[str, Any], source: str = "cluster") -> CloudCon
     for key in ("nodes", "gpus_per_node"):
         if key not in values:
             raise ConfigError(f"cluster.{key}", None, "an integer ≥ 1 (required)")
-    name, base, fields = _table("cluster.accelerator", values.get("accelerator", "h100-sxm"), ACCELERATORS,
-                                _ACC_KEYS, ())
+    raw_acc = values.get("accelerator", "h100-sxm")
+    name, base, fields = _table("cluster.accelerator", raw_acc, ACCELERATORS, _ACC_KEYS, ("codec_cost",))
+    if isinstance(raw_acc, dict) and "codec_cost" in raw_acc:
+        fields["codec_cost"] = _codec_table("cluster.accelerator.codec_cost", raw_acc["codec_cost"])
     if base is None:
         acc = Accelerator(name, fields["peak_bf16_flops"], fields.get("peak_fp16_flops", fields["peak_bf16_flops"]),
                           fields.get("peak_fp8_flops", 0.0), fields["memory_bytes"], fields.get("hbm_bandwidth", 2e12),
                           fields["matmul_efficiency"], fields.get("reserved_bytes", 3 * GIB), source="cluster file",
                           gemm_half_flops=fields.get("gemm_half_flops", 0.0), sm_count=fields.get("sm_count", 0),
                           kernel_launch_s=fields.get("kernel_launch_s", 0.0),
-                          kernel_gap_s=fields.get("kernel_gap_s", 0.0))
+                          kernel_gap_s=fields.get("kernel_gap_s", 0.0), codec_cost=fields.get("codec_cost", ()))
     else:
         acc = dataclasses.replace(base, **fields)
     fabrics = []
@@ -408,7 +457,7 @@ def cloud_from_dict(values: dict[str, Any], source: str = "cluster") -> CloudCon
         if base is None:
             fab = Fabric(fname, kind, fields["bandwidth"], fields.get("latency", 10e-6),
                          fields.get("efficiency", 0.8), nics, source="cluster file",
-                         op_efficiency=fields["op_efficiency"])
+                         op_efficiency=fields["op_efficiency"], burst_bytes=fields.get("burst_bytes", 0.0))
         else:
             fab = dataclasses.replace(base, kind=kind, nics_per_node=nics, **fields)
         fabrics.append(fab)

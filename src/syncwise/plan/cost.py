@@ -76,6 +76,7 @@ class Traffic:
 
     inter_bytes: float = 0.0
     inter_messages: float = 0.0
+    burst_left: float = 0.0      # bytes per node a token-bucket link still passes at the host's speed (Fabric.burst_bytes)
 
 
 def group(cloud: CloudConfig, layout: Layout, dim: str) -> tuple[int, int, int]:
@@ -116,11 +117,15 @@ def collective_time(cloud: CloudConfig, kind: str, nbytes: float, n: int, per_no
         node_out = G * nbytes
     else:
         node_out = groups_on_node * nbytes * bus
-    t_inter = node_out / cloud.node_inter_bandwidth(kind)
+    shaped = count * node_out
     if traffic is not None:
         traffic.inter_bytes += count * node_out
         traffic.inter_messages += count * _steps(kind, n)
-    return count * (max(t_intra, t_inter) + _steps(kind, n) * cloud.inter_node.latency)
+        passed = min(shaped, traffic.burst_left)      # a token bucket's burst: not held to the rate
+        traffic.burst_left -= passed
+        shaped -= passed
+    t_inter = shaped / cloud.node_inter_bandwidth(kind)
+    return max(count * t_intra, t_inter) + count * _steps(kind, n) * cloud.inter_node.latency
 
 
 def dim_time(cloud: CloudConfig, layout: Layout, dim: str, kind: str, nbytes: float,
@@ -142,6 +147,7 @@ class Wire:
     compute_bytes_per_peer: float = 0.0
     flops_per_element: float = 0.0
     collectives_per_bucket: int = 1
+    codec: str = ""              # the compressor's name (Accelerator.codec_cost: its measured compute)
 
 
 #: the planner's rough encode/decode cost of each compressor (docs/plan.md): HBM bytes per element, per element
@@ -175,7 +181,7 @@ def compressor_wire(spec: Any, model: ModelSpec, training: Training) -> Wire:
         return Wire(sp.collective, training.grad_reduce_bytes)
     wire = Wire(sp.collective, c.bytes_per_element or 0.0, raw, compute_bytes=compute,
                 compute_bytes_per_peer=per_peer * c.kept_fraction,
-                collectives_per_bucket=sp.collectives_per_bucket)
+                collectives_per_bucket=sp.collectives_per_bucket, codec=c.name)
     if c.bytes_per_element is not None:
         return wire
     rank, min_rate = opts["rank"], opts["min_compression_rate"]   # PowerSGD's: the matrices decide
@@ -411,11 +417,15 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
     traffic.inter_bytes += M * mb_traffic.inter_bytes
     traffic.inter_messages += M * mb_traffic.inter_messages
 
-    # ---- data-parallel gradient sync (once per step)
+    # ---- data-parallel gradient sync (once per step). On a token-bucket link (the lab's tbf) the bucket refilled
+    # while the step computed: that many of the sync's bytes pass at the host's speed (Fabric.burst_credit)
+    if cloud.nodes > 1:
+        traffic.burst_left = cloud.inter_node.nics_per_node * cloud.inter_node.burst_credit(t_pipe)
     wire = compressor_wire(layout.compress, model, training)
     sync = layout.sync                       # the parsed spec (None: every-step)
     sync_name = sync.method if sync is not None else EVERY_STEP
     dp_total = dp_exposed = compress_compute = sync_exposed = 0.0
+    tensors = model.tensor_count() / pp      # gradient tensors of this rank's stage
     dense, expert = sp_params.dense, sp_params.expert
     if layout.dp > 1:
         if layout.dp_shard > 1:    # FSDP2 / HSDP: reduce-scatter in the reduce dtype, then the replicas' all-reduce
@@ -436,7 +446,7 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
                     payload, raw = sync_bytes(shard, layout.dp_replicate, wire)
                     dp_total += dim_time(cloud, layout, "dp_replicate", wire.kind, payload, traffic)
                     dp_total += dim_time(cloud, layout, "dp_replicate", "all_reduce", raw, traffic)
-                    compress_compute += _codec_time(cloud, wire, shard, layout.dp_replicate)
+                    compress_compute += _codec_time(cloud, wire, shard, layout.dp_replicate, tensors)
             overlap_window = t_bwd - t_extra
             last = dp_total * sp_params.unit / max(local, 1.0)
             dp_exposed = max(last, dp_total - overlap_window)
@@ -462,7 +472,7 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
                 pe, re = sync_bytes(expert, max(1, layout.dp // layout.ep), wire)
                 dp_total += dim_time(cloud, layout, "ep_replicate", wire.kind, pe, traffic)
                 dp_total += dim_time(cloud, layout, "ep_replicate", "all_reduce", re, traffic)
-            compress_compute += _codec_time(cloud, wire, local, n)
+            compress_compute += _codec_time(cloud, wire, local, n, tensors)
             if sync_name == "pipesgd":        # overlapped with the next step's compute
                 dp_exposed = max(0.0, dp_total - t_pipe)
             else:
@@ -622,9 +632,18 @@ def _overlap(total: float, training: Training, layout: Layout, window: float, lo
     return max(last, total - window)
 
 
-def _codec_time(cloud: CloudConfig, wire: Wire, elements: float, n: int) -> float:
+def _codec_time(cloud: CloudConfig, wire: Wire, elements: float, n: int, tensors: float) -> float:
+    """Seconds of a compressor's encode + decode for ``elements`` in ``tensors`` gradient tensors among ``n`` peers.
+    Measured on this accelerator (``Accelerator.codec_cost``, for one peer: scaled to ``n`` by the decode's share
+    of CODEC_COST's traffic) when ``syncwise plan --calibrate`` measured it, else CODEC_COST's memory traffic at
+    the HBM bandwidth plus its FLOPs at half the peak."""
     acc = cloud.accelerator
     traffic = elements * (wire.compute_bytes + wire.compute_bytes_per_peer * n)
+    measured = acc.codec(wire.codec)
+    if measured is not None:
+        one_peer = wire.compute_bytes + wire.compute_bytes_per_peer
+        scale = (wire.compute_bytes + wire.compute_bytes_per_peer * n) / one_peer if one_peer else 1.0
+        return (elements * measured[0] + tensors * measured[1]) * scale
     return traffic / acc.hbm_bandwidth + elements * wire.flops_per_element / (acc.peak_bf16_flops * 0.5)
 
 

@@ -173,6 +173,20 @@ class ModelSpec:
         """Output head + final norm (0 head weights when tied to the embedding)."""
         return (0 if self.tie_embeddings else self.vocab_size * self.d_model) + self.norm_params()
 
+    def tensor_count(self) -> int:
+        """Parameter tensors (= gradient tensors a data-parallel sync handles; a compressor's fixed cost is per
+        tensor): every weight matrix (a layer's experts stacked, one tensor per matrix kind, as syncwise's and
+        torchtitan's grouped experts hold them), norms, biases, embeddings, head."""
+        per_norm = 2 if self.biases else 1
+        n = 1 + (1 if self.learned_positions else 0) + (0 if self.tie_embeddings else 1) + per_norm
+        for i in range(self.n_layers):
+            mats = len(self.matrices(i))
+            n += mats + 2 * per_norm + (mats if self.biases else 0)
+            if self.attention == "mla":
+                m = self.mla_dims()
+                n += (1 if m["q_lora_rank"] else 0) + 1
+        return n
+
     def param_counts(self) -> tuple[int, int]:
         """(total, active per token) parameters, embedding and head included (tied: once); syncwise's
         ``param_counts`` for its presets."""

@@ -216,16 +216,17 @@ def link_words(cloud: CloudConfig) -> str:
     return f"{rate} ({fabric.name}{', between nodes' if cloud.nodes > 1 else ', one node'})"
 
 
-def job_cloud(nodes: int, per_node: int, inter_bps: Optional[float] = None, accelerator: str = "cpu-lab"
-              ) -> CloudConfig:
+def job_cloud(nodes: int, per_node: int, inter_bps: Optional[float] = None, accelerator: str = "cpu-lab",
+              burst_bytes: float = 0.0) -> CloudConfig:
     """The cluster a job runs on when no calibrated cluster TOML is given: ``nodes`` × ``per_node`` workers of the
     catalog's ``accelerator`` (cpu-lab: the lab's measured CPU worker), the intra-node loopback, and between nodes
-    the network lab's link at ``inter_bps`` bit/s (its tbf rate)."""
+    the network lab's link at ``inter_bps`` bit/s (its tbf rate) with its tbf bucket of ``burst_bytes``."""
     from .cloud import cluster
 
     cloud = cluster(accelerator, nodes, per_node)
     if nodes > 1 and inter_bps:
-        cloud = dataclasses.replace(cloud, inter_node=dataclasses.replace(cloud.inter_node, bandwidth=inter_bps / 8))
+        cloud = dataclasses.replace(cloud, inter_node=dataclasses.replace(cloud.inter_node, bandwidth=inter_bps / 8,
+                                                                          burst_bytes=float(burst_bytes)))
     return cloud
 
 

@@ -42,8 +42,11 @@ from .model import ModelSpec
 
 LAB_LATENCY_S = 100e-6   # cloud.py's lab-loopback latency (gloo over loopback, measured order of magnitude)
 # Below this many bytes moved per step the collectives' time is latency and waiting for peers, not bandwidth: the
-# catalog's link is kept instead of a "bandwidth" fitted from them.
+# catalog's link is kept instead of a "bandwidth" fitted from them — unless the bytes took SLOW_LINK_FACTOR × what
+# the catalog's link (latency included) would take for them, which neither latency nor a few ms of waiting explain
+# (tiny's 558 KB of gradients took 218 ms on the lab's 20 Mbit/s link, 0.6 ms on the catalog's loopback).
 MIN_CALIBRATION_BYTES = 1 << 20
+SLOW_LINK_FACTOR = 50.0
 # Host cost of one gradient collective DDP issues from inside the backward on the lab's CPUs (bucket copy-in and
 # copy-out, gloo's enqueue and its loopback round trip, on cores the backward shares): 309 µs and 313 µs per extra
 # bucket at widths 64 and 256, measured by benchmarks/ddp_call_cost.py (2 gloo ranks; tiny buckets against 25 MB,
@@ -149,10 +152,12 @@ def calibrated_cloud(m: Measured) -> tuple[CloudConfig, Training]:
     """The cluster and recipe of the run: its ranks on one measured link, its bucket size."""
     world = m.layout.world
     cloud = cluster(m.accelerator, 1, world)
-    if m.moved_bytes and m.wire_s and m.moved_bytes >= MIN_CALIBRATION_BYTES:
-        # the cost model's latency of the sync: all-reduce message steps, once per bucket
-        steps = 2 * max(1, math.ceil(math.log2(max(world, 2))))
-        buckets = max(1.0, m.model.param_counts()[0] * 4 / (m.bucket_cap_mb * 1e6))
+    # the cost model's latency of the sync: all-reduce message steps, once per bucket
+    steps = 2 * max(1, math.ceil(math.log2(max(world, 2))))
+    buckets = max(1.0, m.model.param_counts()[0] * 4 / (m.bucket_cap_mb * 1e6))
+    catalog_s = (m.moved_bytes or 0) / cloud.intra_node.effective + steps * m.latency_s * buckets
+    if m.moved_bytes and m.wire_s and (m.moved_bytes >= MIN_CALIBRATION_BYTES or
+                                       m.wire_s >= SLOW_LINK_FACTOR * catalog_s):
         wire = max(m.wire_s - steps * m.latency_s * buckets, 0.05 * m.wire_s)
         link = Fabric("measured", "lab", m.moved_bytes / wire, m.latency_s, 1.0,
                       source="this run's effective bandwidth (bytes moved / collective time)")
