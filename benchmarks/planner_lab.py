@@ -121,11 +121,15 @@ def run_job(work: Path, name: str, preset: str, batch: int, fields: dict, compre
 def repredict(path: str, out: str) -> int:
     """Predict every measured row of a committed planner-lab JSON again with the current cost model, from the
     calibration stored beside it (no lab, no jobs): matmul_efficiency is solved again from the stored reference
-    steps (as `--calibrate` would now), the rest of each calibrated cluster is kept. Writes ``out``."""
+    steps (as `--calibrate` would now), the rest of each calibrated cluster is kept, and the lab's tbf bucket at
+    the row's rate is added where the calibration predates ``burst_kbyte``. Writes ``out``."""
     data = json.loads(Path(path).read_text())
     clouds = {}
     for rate, cal in data["calibrations"].items():
         cloud = cloud_from_dict(cal["cluster"], f"calibration at {rate}")
+        if not cloud.inter_node.burst_bytes:     # calibrations older than burst_kbyte: the lab's bucket at that rate
+            burst = cluster.default_burst(cluster.parse_rate(rate, "rate"))
+            cloud = dataclasses.replace(cloud, inter_node=dataclasses.replace(cloud.inter_node, burst_bytes=burst))
         acc = dataclasses.replace(cloud.accelerator, matmul_efficiency=1.0)
         eff = solve_efficiency(acc, load_model(REFERENCE_PRESET, REFERENCE_SEQ), REFERENCE_BATCH, REFERENCE_SEQ,
                                _median(cal["reference_step_s"]))
