@@ -42,6 +42,8 @@ from syncwise.plan.calibrate import (REFERENCE_BATCH, REFERENCE_PRESET, REFERENC
 
 PREFIX, SUBNET, NODES, PER_NODE = "planlab", "10.78.0.0/24", 2, 2
 WORLD = NODES * PER_NODE
+#: the cores of the VM that measured the committed rows (their calibrations predate Accelerator.shared_by)
+MEASURED_CORES = 2
 SEQ = 128
 #: name -> (preset, global batch, parallel fields, compressor, sync)
 CONFIGS = {
@@ -122,7 +124,8 @@ def repredict(path: str, out: str) -> int:
     """Predict every measured row of a committed planner-lab JSON again with the current cost model, from the
     calibration stored beside it (no lab, no jobs): matmul_efficiency is solved again from the stored reference
     steps (as `--calibrate` would now), the rest of each calibrated cluster is kept, and the lab's tbf bucket at
-    the row's rate is added where the calibration predates ``burst_kbyte``. Writes ``out``."""
+    the row's rate and the workers per core (4 on the 2-core VM) are added where the calibration predates
+    ``burst_kbyte`` and ``shared_by``. Writes ``out``."""
     data = json.loads(Path(path).read_text())
     clouds = {}
     for rate, cal in data["calibrations"].items():
@@ -131,6 +134,8 @@ def repredict(path: str, out: str) -> int:
             burst = cluster.default_burst(cluster.parse_rate(rate, "rate"))
             cloud = dataclasses.replace(cloud, inter_node=dataclasses.replace(cloud.inter_node, burst_bytes=burst))
         acc = dataclasses.replace(cloud.accelerator, matmul_efficiency=1.0)
+        if "shared_by" not in cal["cluster"]["accelerator"]:   # older calibrations: 4 workers, 1 thread, 2 cores
+            acc = dataclasses.replace(acc, shared_by=WORLD / MEASURED_CORES)
         eff = solve_efficiency(acc, load_model(REFERENCE_PRESET, REFERENCE_SEQ), REFERENCE_BATCH, REFERENCE_SEQ,
                                _median(cal["reference_step_s"]))
         clouds[rate] = dataclasses.replace(cloud, accelerator=dataclasses.replace(acc, matmul_efficiency=eff))

@@ -581,6 +581,7 @@ def test_calibration_carries_the_codecs_and_the_labs_burst(tmp_path):
     c = load_cluster(path)
     assert c.accelerator.codec("fp8") == pytest.approx((6e-9, 14e-6), rel=1e-3)    # the median worker's fit
     assert c.inter_node.burst_bytes == pytest.approx(131072)
+    assert c.accelerator.shared_by == 2.0         # 4 workers of 1 thread on the fake host's 2 cores
 
 
 def test_calibrate_measures_this_machine(tmp_path, capsys):

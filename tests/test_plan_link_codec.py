@@ -133,3 +133,36 @@ def test_measure_codecs_times_the_real_compressors_in_a_one_rank_group():
     assert all(r["seconds"] > 0 for r in rows)
     a, b = fit_codec(rows[:2])
     assert a > 0 and b >= 0
+
+
+# ------------------------------------------------------------------------------------------------ shared cores
+def test_a_pipeline_on_shared_cores_fills_its_bubble_with_the_other_stages_work():
+    """4 workers on 2 cores: the calibrated speed is the shared one; a stage idle in the bubble lends its core."""
+    base = job_cloud(2, 2, 200e6)
+    shared = dataclasses.replace(base, accelerator=dataclasses.replace(base.accelerator, shared_by=2.0))
+    lay = Layout(pp=2, dp_replicate=2, micro_batch=4, microbatches=4)
+    own, lent = (predict(c, load_model("small-dense", 128), lay, 32, 128) for c in (base, shared))
+    assert own.breakdown["pp_bubble"] > 0 and lent.breakdown["pp_bubble"] == 0      # (4 + 1) / 2 ≤ 4 micro-batches
+    assert lent.breakdown["compute"] == own.breakdown["compute"]                  # all busy: the calibrated speed
+    # one micro-batch: (1 + 1) / 2 = 1 — still no bubble; a deeper pipeline of 4 stages: (1 + 3) / 2 - 1 = 1 left
+    deep = Layout(pp=4, micro_batch=8, microbatches=1)
+    p = predict(dataclasses.replace(shared, nodes=1, gpus_per_node=4), load_model("small-dense", 128), deep, 8, 128)
+    tau = p.breakdown["compute"] + p.breakdown["recompute"]     # one micro-batch: all of it
+    assert p.breakdown["pp_bubble"] == pytest.approx(tau, rel=0.05)
+    with pytest.raises(ConfigError, match=r"cluster.accelerator.shared_by.*0.5"):
+        cloud_from_dict({"nodes": 1, "gpus_per_node": 2, "accelerator": {"name": "cpu-lab", "shared_by": 0.5}})
+
+
+def test_fsdp2_on_a_cpu_overlaps_nothing():
+    from syncwise.plan.calibrate import recipe_for
+
+    cloud = job_cloud(2, 2, 200e6)
+    cpu = recipe_for(cloud.accelerator)
+    assert not cpu.overlap_fsdp and SYNCWISE.overlap_fsdp
+    m, lay = load_model("small-dense", 128), Layout(dp_shard=4, micro_batch=8)
+    gpu_like = predict(cloud, m, lay, 32, 128, training=dataclasses.replace(cpu, overlap_fsdp=True))
+    on_cpu = predict(cloud, m, lay, 32, 128, training=cpu)
+    gathers = on_cpu.info["fsdp_gather_total_per_microbatch"]
+    assert on_cpu.breakdown["fsdp_comm_exposed"] == pytest.approx(gathers)            # forward + backward, whole
+    assert on_cpu.breakdown["dp_comm_exposed"] == pytest.approx(on_cpu.info["dp_comm_total"])
+    assert on_cpu.step_time_s > gpu_like.step_time_s

@@ -96,11 +96,12 @@ def solve_efficiency(acc: Accelerator, model: Any, batch: int, seq_len: int, mea
 
 def recipe_for(acc: Accelerator) -> Any:
     """The training recipe of a calibrated accelerator: on a CPU syncwise trains in fp32 (mixed_precision
-    'auto' = none), so activations and tensor-parallel traffic are 4 bytes, not bf16's 2."""
+    'auto' = none), so activations and tensor-parallel traffic are 4 bytes, not bf16's 2; and FSDP2's collectives
+    do not overlap compute there (``Training.overlap_fsdp``: its streams are the host thread)."""
     from .layout import SYNCWISE
 
     if acc.name.startswith("cpu"):
-        return dataclasses.replace(SYNCWISE, name="syncwise-fp32", activation_bytes=4)
+        return dataclasses.replace(SYNCWISE, name="syncwise-fp32", activation_bytes=4, overlap_fsdp=False)
     return SYNCWISE
 
 
@@ -363,7 +364,7 @@ def worker(options: dict) -> dict:
         specs = options.get("codecs", CODEC_SPECS)           # [] / None: not measured
         codecs = measure_codecs(alone, specs) if specs else []
         mine = {"rank": rank, "gemm": gemm, "memory_bytes_s": memory, "reference_step_s": step_s,
-                "kernels": measure_kernels(), "codecs": codecs}
+                "kernels": measure_kernels(), "codecs": codecs, "threads": torch.get_num_threads()}
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, mine)
         sizes = sorted({SMALL_MESSAGE, int(options.get("large_bytes", 16 * 2**20))})
@@ -497,6 +498,11 @@ def derive_cluster(result: dict) -> dict:
                                          round(_median([f[1] for f in fits]) * 1e6, 3)]
     if codec:
         accelerator["codec_cost"] = codec
+    # CPU workers on this host's cores (locally, and the lab's namespaces): workers × threads per core
+    threads = sum(int(w.get("threads") or 1) for w in workers)
+    cores = result.get("cpu_count") or 0
+    if cpu and cores and threads > cores:
+        accelerator["shared_by"] = round(threads / cores, 4)
     # communication
     world_rows = result["world"]
     intra_rows = result["intra"] if nodes > 1 else world_rows

@@ -61,6 +61,10 @@ class Accelerator:
     # gradient element, seconds per gradient tensor) of its encode + decode for one peer. Absent compressors are
     # priced from CODEC_COST (memory traffic and FLOPs per element, syncwise.plan.cost).
     codec_cost: tuple[tuple[str, float, float], ...] = ()
+    # Workers per compute unit when they share one (the CPU lab: 4 workers of 1 thread on 2 cores = 2; written by
+    # `--calibrate` on a CPU). The calibrated speed is the shared one (every worker measured at once); a pipeline
+    # stage idle in its bubble lends its share to the busy ones (syncwise.plan.cost). 1 = a unit of its own.
+    shared_by: float = 1.0
 
     def codec(self, name: str) -> Optional[tuple[float, float]]:
         """(seconds per element, seconds per tensor) measured for compressor ``name``, or None."""
@@ -336,6 +340,7 @@ _ACC_KEYS = {  # TOML key -> (Accelerator field, scale to SI)
     "hbm_gbyte_s": ("hbm_bandwidth", 1e9), "matmul_efficiency": ("matmul_efficiency", 1.0),
     "reserved_gib": ("reserved_bytes", 2**30), "gemm_half_gflop": ("gemm_half_flops", 1e9),
     "sm_count": ("sm_count", 1), "kernel_launch_us": ("kernel_launch_s", 1e-6), "kernel_gap_us": ("kernel_gap_s", 1e-6),
+    "shared_by": ("shared_by", 1),
 }
 _FAB_KEYS = {
     "bandwidth_gbit_s": ("bandwidth", 1e9 / 8), "bandwidth_gbyte_s": ("bandwidth", 1e9),
@@ -386,6 +391,8 @@ def _table(path: str, value: Any, catalog: dict, keys: dict, extra: tuple[str, .
                 if value[key] != int(value[key]):
                     raise ConfigError(f"{path}.{key}", value[key], "a whole number of SMs ≥ 0")
                 fields[attr] = int(value[key])
+            if attr == "shared_by" and fields[attr] < 1:
+                raise ConfigError(f"{path}.{key}", value[key], "a number ≥ 1 (workers sharing one compute unit)")
     if base is None:
         required = {"peak_bf16_flops": "peak_bf16_tflops", "memory_bytes": "memory_gib",
                     "matmul_efficiency": "matmul_efficiency"} if keys is _ACC_KEYS else \
@@ -435,7 +442,8 @@ def cloud_from_dict(values: dict[str, Any], source: str = "cluster") -> CloudCon
                           fields["matmul_efficiency"], fields.get("reserved_bytes", 3 * GIB), source="cluster file",
                           gemm_half_flops=fields.get("gemm_half_flops", 0.0), sm_count=fields.get("sm_count", 0),
                           kernel_launch_s=fields.get("kernel_launch_s", 0.0),
-                          kernel_gap_s=fields.get("kernel_gap_s", 0.0), codec_cost=fields.get("codec_cost", ()))
+                          kernel_gap_s=fields.get("kernel_gap_s", 0.0), codec_cost=fields.get("codec_cost", ()),
+                          shared_by=fields.get("shared_by", 1.0))
     else:
         acc = dataclasses.replace(base, **fields)
     fabrics = []

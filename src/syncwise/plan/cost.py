@@ -383,7 +383,7 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
         unit = ag * sp_params.unit / max(local, 1.0)
         passes = 2
         fsdp_gather_total = passes * ag
-        t_fsdp_mb = max(unit, ag - t_fwd) + max(unit, ag - (t_bwd - t_extra))
+        t_fsdp_mb = max(unit, ag - t_fwd) + max(unit, ag - (t_bwd - t_extra)) if training.overlap_fsdp else 2 * ag
     # ---- per-kernel overheads (per micro-batch): the host issues every kernel (and every collective: tp, ep
     # all-to-alls, pipeline sends) at kernel_launch_s at best; the device runs them with kernel_gap_s between.
     # Whichever is longer sets the micro-batch's time; the excess over the device's work is kernel_overhead.
@@ -413,6 +413,12 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
             if s in ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs") else (pp - 1) / (3 * max(v, 1))
     else:
         bubble_units = 0.0
+    # Workers that share compute units (the CPU lab: Accelerator.shared_by workers per core) compute at
+    # 1/shared_by of their own speed when all are busy, as calibrated; a stage idle in the bubble lends its share
+    # to the busy ones, so the step is the longer of all ranks' work at the shared speed (the units never idle)
+    # and the pipeline at its own speed: the bubble that is left
+    share = max(1.0, acc.shared_by)
+    bubble_units = max(0.0, (M + bubble_units) / share - M) if share > 1 else bubble_units
     t_pipe = tau * (M + bubble_units) + t_p2p_exposed
     traffic.inter_bytes += M * mb_traffic.inter_bytes
     traffic.inter_messages += M * mb_traffic.inter_messages
@@ -447,7 +453,7 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
                     dp_total += dim_time(cloud, layout, "dp_replicate", wire.kind, payload, traffic)
                     dp_total += dim_time(cloud, layout, "dp_replicate", "all_reduce", raw, traffic)
                     compress_compute += _codec_time(cloud, wire, shard, layout.dp_replicate, tensors)
-            overlap_window = t_bwd - t_extra
+            overlap_window = t_bwd - t_extra if training.overlap_fsdp else 0.0
             last = dp_total * sp_params.unit / max(local, 1.0)
             dp_exposed = max(last, dp_total - overlap_window)
         elif layout.zero1:        # distributed optimizer: reduce-scatter the gradients, all-gather the weights

@@ -139,6 +139,9 @@ class Training:
     overlap_dp: bool = True          # gradient sync overlaps backward (all but the last bucket)
     overlap_dp_with_pp: bool = False  # ... also under pp (syncwise's StageGradientSync runs after the schedule)
     overlap_p2p: bool = True         # pipeline sends are isends (torch.distributed.pipelining): hidden in the steady state
+    # FSDP2's all-gathers and reduce-scatters overlap compute through its own CUDA streams (implicit prefetch issues
+    # them synchronously on those streams); on a CPU the streams are the host thread, so nothing overlaps
+    overlap_fsdp: bool = True
     fsdp_with_tp: bool = True        # FSDP2 holds the data-parallel ranks of a tensor-parallel model (syncwise)
     bucket_bytes: float = 25e6       # dist.bucket_cap_mb
     flash_attention: bool = True     # SDPA's fused kernels: no s² attention activations stored
