@@ -72,12 +72,17 @@ PLAN = {
 }
 
 
-def layout_of(fields: dict, compress: str, sync: str) -> Layout:
-    """The planner's Layout of a `syncwise train` [parallel] table (a left-out dp_replicate takes the rest)."""
+#: dist.hierarchical arrived on 2026-11-24 (commit 164067a): jobs measured before it ran the flat gradient sync
+HIERARCHICAL_SINCE = "2026-11-24 11:00 UTC"
+
+
+def layout_of(fields: dict, compress: str, sync: str, hierarchical: str = "auto") -> Layout:
+    """The planner's Layout of a `syncwise train` [parallel] table (a left-out dp_replicate takes the rest) with
+    the job's dist.hierarchical (the default, auto)."""
     f = dict(fields)
     inner = f.get("pp", 1) * f.get("dp_shard", 1) * f.get("tp", 1)
     f.setdefault("dp_replicate", WORLD // inner)
-    return Layout(**f, compress=compress, sync=sync)
+    return Layout(**f, compress=compress, sync=sync, hierarchical=hierarchical)
 
 
 def run_job(work: Path, name: str, preset: str, batch: int, fields: dict, compress: str, sync: str,
@@ -125,7 +130,8 @@ def repredict(path: str, out: str) -> int:
     calibration stored beside it (no lab, no jobs): matmul_efficiency is solved again from the stored reference
     steps (as `--calibrate` would now), the rest of each calibrated cluster is kept, and the lab's tbf bucket at
     the row's rate and the workers per core (4 on the 2-core VM) are added where the calibration predates
-    ``burst_kbyte`` and ``shared_by``. Writes ``out``."""
+    ``burst_kbyte`` and ``shared_by``; jobs measured before dist.hierarchical existed are predicted flat. Writes
+    ``out``."""
     data = json.loads(Path(path).read_text())
     clouds = {}
     for rate, cal in data["calibrations"].items():
@@ -145,8 +151,9 @@ def repredict(path: str, out: str) -> int:
             continue
         preset, batch, fields, compress, sync = CONFIGS[r["name"]]
         cloud = clouds[r["rate"]]
-        pred = predict(cloud, load_model(preset, SEQ), layout_of(fields, compress, sync), batch, SEQ,
-                       training=recipe_for(cloud.accelerator), syncwise_rules=True)
+        flat = data["calibrations"][r["rate"]].get("measured_at", "") < HIERARCHICAL_SINCE
+        pred = predict(cloud, load_model(preset, SEQ), layout_of(fields, compress, sync, "off" if flat else "auto"),
+                       batch, SEQ, training=recipe_for(cloud.accelerator), syncwise_rules=True)
         rows.append({"name": r["name"], "rate": r["rate"], "measured_step_s": r["measured_step_s"],
                      "predicted_step_s_committed": r["predicted_step_s"], "error_committed": r["error"],
                      "predicted_step_s": pred.step_time_s, "error": pred.step_time_s / r["measured_step_s"] - 1,

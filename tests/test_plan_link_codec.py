@@ -166,3 +166,27 @@ def test_fsdp2_on_a_cpu_overlaps_nothing():
     assert on_cpu.breakdown["fsdp_comm_exposed"] == pytest.approx(gathers)            # forward + backward, whole
     assert on_cpu.breakdown["dp_comm_exposed"] == pytest.approx(on_cpu.info["dp_comm_total"])
     assert on_cpu.step_time_s > gpu_like.step_time_s
+
+
+# ------------------------------------------------------------------------------------------------ hierarchical sync
+def test_the_hierarchical_sync_is_priced_where_the_layout_owner_runs_it():
+    """dist.hierarchical=auto on 2 nodes × 2 ranks with fp8: fp32 hops inside the node, fp8 across on a half shard
+    per rank — about one payload over each node's link instead of the flat all-gather's (nodes − 1) × 2."""
+    cloud, m = job_cloud(2, 2, 200e6), load_model("small-dense", 128)
+
+    def p(compress, hierarchical):
+        return predict(cloud, m, Layout(dp_replicate=4, compress=compress, micro_batch=8, hierarchical=hierarchical),
+                       32, 128)
+
+    auto, flat = p("fp8", "auto"), p("fp8", "off")
+    assert auto.inter_node_bytes == pytest.approx(flat.inter_node_bytes / 3, rel=0.05)   # ring: 3 of 4 payloads
+    assert auto.breakdown["dp_comm_exposed"] < flat.breakdown["dp_comm_exposed"]
+    assert auto.breakdown["compress_compute"] < flat.breakdown["compress_compute"]       # half the elements each
+    # auto leaves fp32 DDP and the all-reducing compressors flat (the owner's rule); 'on' applies to them
+    assert p("none", "auto").step_time_s == p("none", "off").step_time_s
+    assert p("powersgd:rank=4", "auto").step_time_s == p("powersgd:rank=4", "off").step_time_s
+    assert p("none", "on").inter_node_bytes < p("none", "off").inter_node_bytes
+    # one rank per node, or one node: nothing to be hierarchical about
+    one = job_cloud(4, 1, 200e6)
+    assert predict(one, m, Layout(dp_replicate=4, compress="fp8", micro_batch=8), 32, 128).step_time_s == \
+        predict(one, m, Layout(dp_replicate=4, compress="fp8", micro_batch=8, hierarchical="off"), 32, 128).step_time_s

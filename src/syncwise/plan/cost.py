@@ -40,9 +40,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..errors import ConfigError
-from ..layout import EVERY_STEP, FSDP_REDUCE_DTYPES, OUTER_QBLOCK, parse_compress
+from ..layout import EVERY_STEP, FSDP_REDUCE_DTYPES, OUTER_QBLOCK, hierarchical_applies, parse_compress
 from .cloud import Accelerator, CloudConfig, gemm_time
-from .layout import SYNCWISE, Layout, Training, syncwise_refusal
+from .layout import SYNCWISE, Layout, Training, owner_layout, syncwise_refusal
 from .memory import Memory, activation_terms, memory_per_rank, stage_params
 from .model import ModelSpec
 
@@ -463,6 +463,22 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
                 dp_total += dim_time(cloud, layout, "ep_replicate", "all_reduce", expert * training.grad_reduce_bytes,
                                      traffic)
             dp_exposed = _overlap(dp_total, training, layout, t_bwd - t_extra, local)
+        elif sync_name == EVERY_STEP and _hierarchical(cloud, layout):
+            # dist.hierarchical: fp32 reduce-scatter inside the node, the compressor across nodes on each local
+            # rank's 1/per_node of every bucket (one group per local rank: every rank of the node sends at once),
+            # fp32 all-gather inside the node (syncwise.compress.hierarchical)
+            n_, _, pn = group(cloud, layout, "dp")
+            nodes_, shard = n_ // pn, dense / pn
+            dp_total += collective_time(cloud, "reduce_scatter", dense * 4, pn, pn)
+            dp_total += collective_time(cloud, "all_gather", dense * 4, pn, pn)
+            payload, raw = sync_bytes(shard, nodes_, wire)
+            dp_total += collective_time(cloud, wire.kind, payload, nodes_, 1, traffic)
+            dp_total += collective_time(cloud, "all_reduce", raw, nodes_, 1, traffic)
+            buckets = max(1.0, local * 4 / training.bucket_bytes)
+            dp_total += (buckets - 1) * (cloud.inter_node.latency * _steps(wire.kind, nodes_) * wire.collectives_per_bucket
+                                         + cloud.intra_node.latency * 2 * _steps("all_gather", pn))
+            compress_compute += _codec_time(cloud, wire, shard, nodes_, tensors)
+            dp_exposed = _overlap(dp_total, training, layout, t_bwd - t_extra, local)
         elif sync_name in (EVERY_STEP, "pipesgd"):
             n = layout.dp_replicate
             if sync_name == "pipesgd":
@@ -626,6 +642,15 @@ def _outer_step_time(cloud: Any, layout: Any, sync: Any, shard: float, dim: str,
         per_element = sync.bits / 8 + 4 / OUTER_QBLOCK
         return dim_time(cloud, layout, dim, "all_gather", shard * per_element * layout.dp_replicate, traffic)
     return dim_time(cloud, layout, dim, "all_reduce", shard * {"fp32": 4, "bf16": 2, "fp16": 2}[sync.dtype], traffic)
+
+
+def _hierarchical(cloud: CloudConfig, layout: Layout) -> bool:
+    """Whether syncwise's hierarchical gradient sync runs (the layout owner's rule, on the data-parallel group's
+    nodes × ranks per node): only where the group spans nodes with more than one rank on each."""
+    n, _, pn = group(cloud, layout, "dp")
+    if pn <= 1 or n <= pn or n % pn:
+        return False
+    return hierarchical_applies(owner_layout(layout), n // pn, pn)
 
 
 def _overlap(total: float, training: Training, layout: Layout, window: float, local: float) -> float:

@@ -49,6 +49,7 @@ class Layout:
     sync: Optional[SyncSpec] = None   # None: every-step
     zero1: bool = False
     ep_fold: bool = False
+    hierarchical: str = "auto"      # dist.hierarchical (syncwise.layout.hierarchical_applies decides where it runs)
 
     def __post_init__(self) -> None:
         # The compressor and sync specs travel as the owner's parsed objects (syncwise.layout): text is parsed
