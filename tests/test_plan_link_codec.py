@@ -112,7 +112,12 @@ def test_fit_codec_recovers_per_element_and_per_tensor_costs():
         e = sum(r * c for r, c in shapes)
         rows.append({"elements": e, "tensors": len(shapes), "seconds": a * e + b * len(shapes)})
     assert fit_codec(rows) == pytest.approx((a, b))
+    # a third, noisy point: least squares, close to both
+    rows.append({"elements": 500_000, "tensors": 50, "seconds": 1.1 * (a * 500_000 + b * 50)})
+    fa, fb = fit_codec(rows)
+    assert fa == pytest.approx(a, rel=0.15) and fb == pytest.approx(b, rel=0.5)
     # noise that would make the per-tensor cost negative: all of it per element instead
+    rows = rows[:2]
     rows[1]["seconds"] = a * rows[1]["elements"] * 0.5
     fa, fb = fit_codec(rows)
     assert fb == 0 and fa > 0
@@ -125,13 +130,15 @@ def test_measure_codecs_times_the_real_compressors_in_a_one_rank_group():
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        rows = measure_codecs(dist.new_group([0]), ("fp8", "powersgd:rank=4"), steps=1)
+        rows = measure_codecs(dist.new_group([0]), ("fp8", "powersgd:rank=4,start_iter=0"), steps=1,
+                              reference="tiny")
     finally:
         dist.destroy_process_group()
-    assert [(r["spec"], r["tensors"]) for r in rows] == [("fp8", 1), ("fp8", 32), ("powersgd:rank=4", 1),
-                                                         ("powersgd:rank=4", 32)]
+    ps = "powersgd:rank=4,start_iter=0"
+    assert [(r["spec"], r["tensors"]) for r in rows] == [("fp8", 1), ("fp8", 32), ("fp8", 21), (ps, 1), (ps, 32),
+                                                         (ps, 21)]          # tiny: 21 parameter tensors
     assert all(r["seconds"] > 0 for r in rows)
-    a, b = fit_codec(rows[:2])
+    a, b = fit_codec(rows[:3])
     assert a > 0 and b >= 0
 
 

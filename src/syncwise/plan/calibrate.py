@@ -258,44 +258,66 @@ def measure_reference_step(preset: str = REFERENCE_PRESET, batch: int = REFERENC
     return times[len(times) // 2]
 
 
-#: the compressors ``measure_codecs`` times (a spec's options are those syncwise bench's tables use)
-CODEC_SPECS = ("fp16", "bf16", "fp8", "int8", "sign", "topk:ratio=0.01", "randomk:ratio=0.01", "powersgd:rank=4",
-               "demo")
-#: two gradient sets: few large tensors (the per-element cost) and many small ones (the per-tensor cost)
+#: the compressors ``measure_codecs`` times (a spec's options are those syncwise bench's tables use; PowerSGD from
+#: its first step: its default start_iter=10 sends its first 10 steps uncompressed, which would time an fp32 copy)
+CODEC_SPECS = ("fp16", "bf16", "fp8", "int8", "sign", "topk:ratio=0.01", "randomk:ratio=0.01",
+               "powersgd:rank=4,start_iter=0", "demo")
+#: two synthetic gradient sets: one large tensor (the per-element cost) and many small ones (the per-tensor cost);
+#: ``measure_codecs`` adds the reference preset's own gradient shapes (mid-sized matrices, norms)
 CODEC_SETS = (((1024, 1024),), ((64, 64),) * 32)
 
 
-def measure_codecs(group: Any, specs: Sequence[str] = CODEC_SPECS, steps: int = 3) -> list[dict]:
-    """Each compressor's encode + decode (``syncwise.compress.profile_compressor``) averaging the two gradient sets
-    of :data:`CODEC_SETS` over ``group`` — a 1-rank group, so the collective is a local copy and the time is the
-    compressor's compute, measured by every worker at once (as in a run). One row per (spec, set): elements,
-    tensors, seconds."""
+def measure_codecs(group: Any, specs: Sequence[str] = CODEC_SPECS, steps: int = 3,
+                   reference: Optional[str] = REFERENCE_PRESET) -> list[dict]:
+    """Each compressor's encode + decode (``syncwise.compress.profile_compressor``, the default compression policy
+    of a run) averaging :data:`CODEC_SETS` and the ``reference`` preset's gradient shapes over ``group`` — a 1-rank
+    group, so the collective is a local copy and the time is the compressor's compute, measured by every worker at
+    once (as in a run). One row per (spec, set): elements, tensors, seconds."""
     import torch
 
     from ..compress import CompressionPolicy, parse_compress_spec, profile_compressor
 
+    sets: list[tuple] = list(CODEC_SETS)
+    if reference:
+        from ..models import build_model
+
+        sets.append(tuple(tuple(p.shape) for p in build_model(reference).parameters()))
     g = torch.Generator().manual_seed(0)
     rows = []
     for spec in specs:
-        for shapes in CODEC_SETS:
+        for shapes in sets:
             grads = [(f"w{i}", torch.randn(shape, generator=g)) for i, shape in enumerate(shapes)]
-            prof = profile_compressor(parse_compress_spec(spec), grads, policy=CompressionPolicy(min_numel=0),
-                                      steps=steps, group=group)
+            prof = profile_compressor(parse_compress_spec(spec), grads, policy=CompressionPolicy(), steps=steps,
+                                      group=group)
             rows.append({"spec": spec, "elements": prof["elements"], "tensors": len(grads),
                          "seconds": prof["ms_per_step"] / 1e3})
     return rows
 
 
 def fit_codec(rows: Sequence[dict]) -> tuple[float, float]:
-    """(seconds per element, seconds per tensor) through a compressor's two measurements (``t = a·E + b·T``),
-    each ≥ 0 (a negative intercept is noise: then all the time is per element)."""
-    (e1, t1, s1), (e2, t2, s2) = [(r["elements"], r["tensors"], r["seconds"]) for r in rows[:2]]
-    det = e1 * t2 - e2 * t1
-    a = (s1 * t2 - s2 * t1) / det if det else s1 / max(e1, 1)
-    b = (e1 * s2 - e2 * s1) / det if det else 0.0
-    if b < 0 or a < 0:
-        a, b = (s1 + s2) / (e1 + e2), 0.0
-    return a, b
+    """(seconds per element, seconds per tensor), ``t = a·E + b·T`` through a compressor's measurements by least
+    squares on the relative error (weights 1/t²), each ≥ 0: a negative part is noise, and then the other carries all
+    of the time (the better of the two one-parameter fits)."""
+    pts = [(float(r["elements"]), float(r["tensors"]), float(r["seconds"])) for r in rows if r["seconds"] > 0]
+    if not pts:
+        return 0.0, 0.0
+    w = [1 / s ** 2 for _, _, s in pts]
+    see = sum(wi * e * e for wi, (e, _, _) in zip(w, pts))
+    stt = sum(wi * t * t for wi, (_, t, _) in zip(w, pts))
+    set_ = sum(wi * e * t for wi, (e, t, _) in zip(w, pts))
+    ses = sum(wi * e * s for wi, (e, _, s) in zip(w, pts))
+    sts = sum(wi * t * s for wi, (_, t, s) in zip(w, pts))
+    det = see * stt - set_ * set_
+    if det > 0:
+        a, b = (ses * stt - sts * set_) / det, (see * sts - set_ * ses) / det
+        if a >= 0 and b >= 0:
+            return a, b
+
+    def err(a: float, b: float) -> float:
+        return sum(wi * (a * e + b * t - s) ** 2 for wi, (e, t, s) in zip(w, pts))
+
+    only_a, only_b = (ses / see if see else 0.0, 0.0), (0.0, sts / stt if stt else 0.0)
+    return min(only_a, only_b, key=lambda ab: err(*ab))
 
 
 def _time_group(op: str, nbytes: int, group, n: int, iters: int) -> float:
@@ -362,7 +384,7 @@ def worker(options: dict) -> dict:
         step_s = measure_reference_step(ref[0], int(ref[1]), int(ref[2]), int(options.get("reference_steps", 3)))
         alone, _ = dist.new_subgroups(group_size=1)       # every rank's own 1-rank group (all ranks create all)
         specs = options.get("codecs", CODEC_SPECS)           # [] / None: not measured
-        codecs = measure_codecs(alone, specs) if specs else []
+        codecs = measure_codecs(alone, specs, reference=ref[0]) if specs else []
         mine = {"rank": rank, "gemm": gemm, "memory_bytes_s": memory, "reference_step_s": step_s,
                 "kernels": measure_kernels(), "codecs": codecs, "threads": torch.get_num_threads()}
         everyone: list[Any] = [None] * world
@@ -580,7 +602,8 @@ def cloud_toml(result: dict, command: str = "syncwise plan --calibrate") -> str:
                 "with an SM count the GEMM-shape model prices small GEMMs, so gemm_half_gflop is 0."]
                if (k := w[0].get("kernels")) else []),
              *(["# codec_cost: each compressor's encode + decode in a 1-rank group (calibrate.measure_codecs) on "
-                "1 × 1024² and 32 × 64² fp32 tensors, fitted t = elements × ns + tensors × µs (rank 0: " + ", ".join(
+                f"1 × 1024², 32 × 64² and the {result['reference'][0]} preset's fp32 gradients, fitted t = elements × "
+                "ns + tensors × µs (rank 0: " + ", ".join(
                     f"{r['spec'].partition(':')[0]} {r['seconds'] * 1e3:.2f}" for r in w[0]["codecs"]) + " ms)"]
                if w[0].get("codecs") else []),
              f"# matmul_efficiency: the cost model's single-process step equals a measured "

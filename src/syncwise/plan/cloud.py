@@ -190,11 +190,12 @@ _KERNEL = ("; per-kernel host launch 4 µs and device gap 1 µs (NVIDIA, 'Gettin
 _GPU = dict(kernel_launch_s=KERNEL_LAUNCH_S, kernel_gap_s=KERNEL_GAP_S)
 
 #: the CPU lab worker's compressor compute (ns per element, µs per tensor → seconds), measured by
-#: `syncwise plan --calibrate --lab --nproc 1` on the 2-core VM at 1 Gbit/s (2026-11-25)
+#: `syncwise plan --calibrate --nproc 2` on the 2-core VM (2 workers at once, 1 thread each; 2026-11-25): 1 × 1024²,
+#: 32 × 64² and small-dense's gradients, PowerSGD from its first step
 CPU_LAB_CODECS = tuple(sorted((name, ns * 1e-9, us * 1e-6) for name, (ns, us) in {
-    "fp16": (1.123, 12.5), "bf16": (1.280, 11.6), "fp8": (5.661, 14.9), "int8": (8.857, 22.3),
-    "sign": (12.19, 38.1), "topk": (18.84, 0.0), "randomk": (5.380, 59.8), "powersgd": (0.681, 16.9),
-    "demo": (19.96, 117.0)}.items()))
+    "fp16": (1.261, 11.0), "bf16": (1.403, 10.5), "fp8": (5.113, 14.1), "int8": (8.484, 20.5),
+    "sign": (11.27, 39.7), "topk": (14.08, 8.5), "randomk": (5.294, 59.3), "powersgd": (3.920, 35.5),
+    "demo": (17.00, 105.4)}.items()))
 
 ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in (
     Accelerator("a100-40gb", 312e12, 312e12, 0.0, 40 * GIB, 1.555e12, 0.70,
@@ -227,8 +228,8 @@ ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in (
                        "538 ms and 96 × 128 in 2.9-3.3 s = 59-66 GFLOP/s of PaLM-convention training FLOPs per "
                        "worker (1 thread); memory: a share of the VM's 23 GiB; 10 GB/s memory bandwidth assumed; "
                        "reserved 0.4 GiB = the Python/torch baseline RSS of RESULTS.md §7; codec_cost measured by "
-                       "`syncwise plan --calibrate --lab --nproc 1` on the same VM (2 workers at once, 1 thread each; "
-                       "benchmarks/results/codec-cost.json checks it on the presets' gradients)",
+                       "`syncwise plan --calibrate --nproc 2` on the same VM (CPU_LAB_CODECS; "
+                       "benchmarks/results/codec-cost-calibrated.json checks it on the presets' gradients)",
                 codec_cost=CPU_LAB_CODECS),
 )}
 
