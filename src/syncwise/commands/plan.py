@@ -58,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cal = parser.add_argument_group("calibration (--calibrate: measure, write a cluster TOML; about 10-60 s)")
     cal.add_argument("--calibrate", action="store_true",
                      help="measure this machine (or the network lab with --lab): GEMM FLOP/s over sizes, memory "
-                          "bandwidth, a reference training step, and comm-bench's collectives; write a cluster TOML")
+                          "bandwidth, a reference training step, each compressor's encode + decode, and comm-bench's "
+                          "collectives (with --lab, the link's tbf bucket too); write a cluster TOML")
     cal.add_argument("--lab", action="store_true", help="with --calibrate: across the running network lab's nodes "
                      "(`syncwise cluster up` first)")
     cal.add_argument("--lab-prefix", default=None, help="the lab's name prefix (as `syncwise cluster --prefix`)")
