@@ -27,6 +27,8 @@ LLM_FOUNDRY = dataclasses.replace(SYNCWISE, name="llm-foundry", gather_bytes=2, 
 LLM_FOUNDRY_URL = ("github.com/mosaicml/llm-foundry/blob/main/scripts/train/benchmarking/README.md (MPT Training "
                    "Benchmarks)")
 MOE_ZOO_URL = "github.com/yanring/Megatron-MoE-ModelZoo/blob/main/best_practice/Qwen3/readme.md"
+#: torchtitan's FSDP2 default mixed precision: bf16 parameters gathered, fp32 reduce-scatter, flash attention
+TORCHTITAN = dataclasses.replace(LLM_FOUNDRY, name="torchtitan")
 
 
 def megatron_flops(B: int, s: int, L: int, h: int, V: int, recompute: bool = True) -> float:
@@ -190,6 +192,46 @@ def runs() -> list[PublishedRun]:
             Layout(dp_replicate=dp, pp=8, pp_schedule="interleaved-1f1b", stages_per_rank=4, micro_batch=1,
                    ep_dispatch="bf16", ep_fold=True, zero1=True, **lay), 2048, 4096,
             "step_time_s", step, training=MODERN, group="moe", assumed=zoo_note + recompute))
+    # ---- Mixtral 8x7B on 64 H100, Megatron-Core v0.8 (NVIDIA/Megatron-LM megatron/core/transformer/moe/README.md
+    #      at 0b981f9c53, 2024-08): "This boosts Mixtral 8X7B bf16 training to achieve 438 TFLOPS as of MCore v0.8",
+    #      beside the README's "reference parallel mappings of MCore v0.8": TP 1, EP 8, PP 4, VP 8, MBS 1, GBS 256,
+    #      seq 4096, all-to-all dispatcher, "8xH100 80GB HBM3, NVLink 4th Generation, InfiniBand 8x400 Gbit/s".
+    #      Megatron's FLOP count then did not halve causal attention (training.py: + seq_length / hidden_size):
+    #      8.29e10 FLOP/token, so 438 TFLOP/s = 5,284 tokens/s per GPU; the step = 256 × 4096 tokens / (64 × that).
+    mixtral = ModelSpec("mixtral-8x7b", 32000, 4096, 32, 32, 14336, seq_len=4096, n_kv_heads=8, n_routed_experts=8,
+                        top_k=2, moe_hidden=14336,
+                        source="Mixtral 8x7B (the README's example script): 32 layers, d 4096, 32 q / 8 kv heads, 8 "
+                               "experts top-2 of width 14,336, vocabulary 32,000")
+    out.append(PublishedRun(
+        "Mixtral-8x7B on 64 H100", "Megatron-Core MoE README (NVIDIA)", "MCore v0.8 reference mapping and its 438 "
+        "TFLOPS (github.com/NVIDIA/Megatron-LM/blob/0b981f9c53/megatron/core/transformer/moe/README.md)", mixtral,
+        cluster("h100-sxm", 8, 8, intra="nvlink4", inter="ib-ndr", nics_per_node=8),
+        Layout(dp_replicate=16, pp=4, pp_schedule="interleaved-1f1b", stages_per_rank=8, ep=8, micro_batch=1,
+               ep_dispatch="bf16", zero1=True), 256, 4096, "step_time_s", 256 * 4096 / (64 * 438e12 / 8.29e10),
+        training=MODERN, group="moe", confident=False,
+        assumed="the README does not print 438 TFLOPS next to the mapping (pairing them is our reading); no "
+                "recomputation (not stated); Megatron's distributed optimizer as zero1; balanced routing; the "
+                "all-to-all dispatcher as the planner's bf16 all-to-all"))
+    # ---- torchtitan's DeepSeek-V3-16B on 8 H100 (pytorch/torchtitan issue #1789, 2025-10-02: "tps: 11,636 ...
+    #      11,758 ... 11,533" tokens/s per GPU at steps 10-30), the default train config of that date
+    #      (deepseek_v3_16b.toml at 8ec37d2b): FSDP 8, EP 8, seq 4096, selective activation checkpointing ('op'),
+    #      bf16; the issue lowered local_batch_size from 8 to fit, value not given (4 assumed).
+    dsv3_16b = ModelSpec("deepseek-v3-16b", 102400, 2048, 27, 16, 10944, seq_len=4096, attention="mla",
+                         kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                         n_routed_experts=64, n_shared_experts=2, top_k=6, moe_hidden=1408, n_dense_layers=1,
+                         source="torchtitan deepseek_v3 '16B' flavor: 27 layers (first dense, FFN 10,944), d 2048, "
+                                "16 heads, MLA without q-LoRA (kv 512, nope 128, rope 64, v 128), 64 routed + 2 shared "
+                                "experts of 1,408, top-6, vocabulary 102,400")
+    out.append(PublishedRun(
+        "DeepSeek-V3-16B on 8 H100 (torchtitan)", "torchtitan (a user's log, pytorch/torchtitan#1789)",
+        "issue #1789 log, steps 10-30: ~11,640 tokens/s per GPU (github.com/pytorch/torchtitan/issues/1789)",
+        dsv3_16b, cluster("h100-sxm", 1, 8, intra="nvlink4"),
+        Layout(dp_shard=8, ep=8, micro_batch=4, recompute="selective", ep_dispatch="bf16"), 32, 4096,
+        "step_time_s", 32 * 4096 / (8 * 11640), training=TORCHTITAN, group="moe", confident=False,
+        fsdp_in_framework=True,
+        assumed="local batch 4 (the log lowered it from 8, value not given); early steps of a user's run, not a "
+                "benchmark; torchtitan's FSDP2 mixed precision (bf16 gathers, fp32 reduce-scatter) as TORCHTITAN; "
+                "selective 'op' checkpointing as the planner's selective recompute; balanced routing"))
     return out
 
 
