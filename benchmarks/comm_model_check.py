@@ -43,7 +43,8 @@ def main(argv=None) -> int:
 
     from syncwise.lab.cluster import default_burst
     from syncwise.plan import Layout, load_model, predict
-    from syncwise.plan.strategy import ConvergenceCost, job_cloud
+    from syncwise.layout import EVERY_STEP
+    from syncwise.plan.strategy import job_cloud
 
     model = load_model(args.preset, args.seq_len)
     variants = {"burst+codec": (True, True), "burst": (True, False), "codec": (False, True), "neither": (False, False)}
@@ -54,8 +55,9 @@ def main(argv=None) -> int:
                 name = metrics.parent.name
                 if name == "compute-only":
                     continue
-                spec = name.replace("_", ":", 1).replace("_", ",")
-                comp, sync = ConvergenceCost(spec, 1.0, 1.0, 1, 1).parsed()
+                cfg = json.loads((metrics.parent / "config.json").read_text())   # what the run itself trained
+                comp, sync = cfg["compress"]["method"], cfg["parallel"]["sync"]
+                spec = sync if comp == "none" and sync != EVERY_STEP else comp
                 comm, codec = measured(metrics)
                 row = {"run": run, "rate": rate, "strategy": spec, "measured_ms": 1e3 * (comm + codec),
                        "measured_comm_ms": 1e3 * comm, "measured_codec_ms": 1e3 * codec}
@@ -64,7 +66,8 @@ def main(argv=None) -> int:
                     if not cal:
                         cloud = dataclasses.replace(cloud, accelerator=dataclasses.replace(cloud.accelerator,
                                                                                            codec_cost=()))
-                    lay = Layout(dp_replicate=2, compress=comp.text, sync=sync, micro_batch=args.batch_size)
+                    lay = Layout(dp_replicate=2, compress=comp, sync=None if sync == EVERY_STEP else sync,
+                                 micro_batch=args.batch_size)
                     b = predict(cloud, model, lay, 2 * args.batch_size, args.seq_len).breakdown
                     row[label + "_ms"] = 1e3 * (b["dp_comm_exposed"] + b["sync_exposed"] + b["compress_compute"])
                 rows.append(row)
