@@ -50,25 +50,41 @@ GIB = 2**30
 
 
 # ------------------------------------------------------------------------------------------------ pure fits
+def _relative_lsq(pts: Sequence[tuple[float, float, float]]) -> Optional[tuple[float, float]]:
+    """(a, b) of ``t = a·x + b·y`` through (x, y, t) points by least squares on the relative error (weights 1/t²),
+    unconstrained; None when the two regressors cannot be told apart."""
+    w = [1 / t ** 2 for _, _, t in pts]
+    sxx = sum(wi * x * x for wi, (x, _, _) in zip(w, pts))
+    syy = sum(wi * y * y for wi, (_, y, _) in zip(w, pts))
+    sxy = sum(wi * x * y for wi, (x, y, _) in zip(w, pts))
+    sxt = sum(wi * x * t for wi, (x, _, t) in zip(w, pts))
+    syt = sum(wi * y * t for wi, (_, y, t) in zip(w, pts))
+    det = sxx * syy - sxy * sxy
+    if not det:
+        return None
+    a = (syy * sxt - sxy * syt) / det
+    return a, (syt - a * sxy) / syy
+
+
+def _through_origin(pts: Sequence[tuple[float, float, float]], term: int) -> float:
+    """The one coefficient of ``t = c · (x or y)`` (``term`` 0 or 1) by the same relative least squares."""
+    num = sum(p[term] * p[2] / p[2] ** 2 for p in pts)
+    den = sum(p[term] ** 2 / p[2] ** 2 for p in pts)
+    return num / den if den else 0.0
+
+
 def fit_gemm(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """(peak FLOP/s, gemm_half_flops) from (FLOPs, seconds) pairs: ``t = F / peak + t0`` by least squares on
     the relative error (weights 1/t²), ``t0 ≥ 0``; half = t0 × peak (the GEMM size at half the peak)."""
-    pts = [(float(f), float(t)) for f, t in points if f > 0 and t > 0]
+    pts = [(float(f), 1.0, float(t)) for f, t in points if f > 0 and t > 0]
     if not pts:
         raise ValueError("no GEMM measurements")
     if len(pts) == 1:
-        return pts[0][0] / pts[0][1], 0.0
-    w = [1 / t ** 2 for _, t in pts]
-    sw = sum(w)
-    swf = sum(wi * f for wi, (f, _) in zip(w, pts))
-    swff = sum(wi * f * f for wi, (f, _) in zip(w, pts))
-    swt = sum(wi * t for wi, (_, t) in zip(w, pts))
-    swft = sum(wi * f * t for wi, (f, t) in zip(w, pts))
-    det = sw * swff - swf * swf
-    a = (sw * swft - swf * swt) / det if det else 0.0
-    b = (swt - a * swf) / sw
+        return pts[0][0] / pts[0][2], 0.0
+    fit = _relative_lsq(pts)
+    a, b = fit if fit is not None else (0.0, 0.0)
     if b < 0 or a <= 0:                      # no measurable fixed cost: t = F / peak through the origin
-        a, b = swft / swff, 0.0
+        a, b = _through_origin(pts, 0), 0.0
     return 1 / a, b / a
 
 
@@ -296,28 +312,19 @@ def measure_codecs(group: Any, specs: Sequence[str] = CODEC_SPECS, steps: int = 
 
 def fit_codec(rows: Sequence[dict]) -> tuple[float, float]:
     """(seconds per element, seconds per tensor), ``t = a·E + b·T`` through a compressor's measurements by least
-    squares on the relative error (weights 1/t²), each ≥ 0: a negative part is noise, and then the other carries all
-    of the time (the better of the two one-parameter fits)."""
+    squares on the relative error (weights 1/t², as ``fit_gemm``), each ≥ 0: a negative part is noise, and then the
+    other carries all of the time (the better of the two one-parameter fits)."""
     pts = [(float(r["elements"]), float(r["tensors"]), float(r["seconds"])) for r in rows if r["seconds"] > 0]
     if not pts:
         return 0.0, 0.0
-    w = [1 / s ** 2 for _, _, s in pts]
-    see = sum(wi * e * e for wi, (e, _, _) in zip(w, pts))
-    stt = sum(wi * t * t for wi, (_, t, _) in zip(w, pts))
-    set_ = sum(wi * e * t for wi, (e, t, _) in zip(w, pts))
-    ses = sum(wi * e * s for wi, (e, _, s) in zip(w, pts))
-    sts = sum(wi * t * s for wi, (_, t, s) in zip(w, pts))
-    det = see * stt - set_ * set_
-    if det > 0:
-        a, b = (ses * stt - sts * set_) / det, (see * sts - set_ * ses) / det
-        if a >= 0 and b >= 0:
-            return a, b
+    fit = _relative_lsq(pts)
+    if fit is not None and fit[0] >= 0 and fit[1] >= 0:
+        return fit
 
     def err(a: float, b: float) -> float:
-        return sum(wi * (a * e + b * t - s) ** 2 for wi, (e, t, s) in zip(w, pts))
+        return sum(((a * e + b * t - s) / s) ** 2 for e, t, s in pts)
 
-    only_a, only_b = (ses / see if see else 0.0, 0.0), (0.0, sts / stt if stt else 0.0)
-    return min(only_a, only_b, key=lambda ab: err(*ab))
+    return min((_through_origin(pts, 0), 0.0), (0.0, _through_origin(pts, 1)), key=lambda ab: err(*ab))
 
 
 def _time_group(op: str, nbytes: int, group, n: int, iters: int) -> float:
