@@ -2,8 +2,8 @@
 
 The planner prices a compressor's own compute (its prediction's ``compress_compute``) from the accelerator's
 measured codec cost (``[accelerator.codec_cost]``: ns per element + µs per tensor, written by ``syncwise plan
---calibrate`` from two synthetic gradient sets) where it has one, else as memory traffic per element
-(``CODEC_COST``) at the memory bandwidth plus FLOPs at half the peak. "priced" below is that term of ``predict``
+--calibrate`` from two synthetic gradient sets and the reference preset's) where it has one, else as memory
+traffic per element (``CODEC_COST``) at the memory bandwidth plus FLOPs at half the peak. "priced" below is that term of ``predict``
 for 2 data-parallel ranks (``--peers``) of the same preset, on the catalog's ``cpu-lab`` worker (which carries this
 VM's calibration), ``--cluster FILE`` (a calibrated TOML), or ``--uncalibrated`` (CODEC_COST alone, as before the
 calibration existed). This measures the real thing: each compressor averages a

@@ -18,8 +18,9 @@ What is measured, on every worker at once (so workers that share cores measure w
   so the planner reproduces the measured times; the all-reduce's is the fabric's ``efficiency``, the
   others' become ``all_gather_efficiency`` ... when they differ. In the lab, its tbf bucket becomes the
   inter-node fabric's ``burst_kbyte``.
-* **Compressors**: each compressor's encode + decode on two gradient sets in a 1-rank group (``measure_codecs``)
-  → ``[accelerator.codec_cost]``: ns per element and µs per tensor (``fit_codec``).
+* **Compressors**: each compressor's encode + decode on three gradient sets (two synthetic, the reference
+  preset's) in a 1-rank group (``measure_codecs``) → ``[accelerator.codec_cost]``: ns per element and µs per
+  tensor (``fit_codec``).
 
 The launcher side (``calibrate``, ``cloud_toml``, the fits) is pure Python; the worker side imports torch
 inside its functions, so ``import syncwise.plan`` stays torch-free.
