@@ -218,3 +218,59 @@ def test_live_recovery_layout_rule_is_one_rule_for_both_front_ends():
             check_live_layout(*degrees, "parallel")
         assert api.value.field == "parallel" and f"{name}=" in str(api.value)
         assert str(cli.value).split("accepted")[-1] == str(api.value).split("accepted")[-1]
+
+
+# ------------------------------------------------------------------- the step's rules: one owner, both doors
+STEP_CASES = [  # (layout, the step fields that break a rule) -> the rule's key in layout.CLI/API_STEP_FIELDS
+    ({"dp_shard": 2}, {"dynamic_batch": True}, "dynamic_batch"),
+    ({"pp": 2}, {"grad_accum": 2}, "grad_accum"),
+    ({"dp_shard": 2}, {"grad_accum": 2}, None),   # accumulation is fine without a pipeline
+]
+
+
+def _step_api_worker(rank, world):
+    """OptimizedTrainer on 2 real ranks, each STEP_CASES row: the field its ConfigError names (None: accepted)."""
+    import torch
+    from syncwise.models import build_model
+    from syncwise.train import DynamicBatcher, OptimizedTrainer
+
+    out = []
+    for degrees, fields, _ in STEP_CASES:
+        torch.manual_seed(0)
+        model = build_model("tiny", vocab_size=64, seq_len=16)
+        try:
+            OptimizedTrainer(model, torch.optim.AdamW(model.parameters()), parallel=degrees, mixed_precision="none",
+                             show_progress=False, grad_accum_steps=fields.get("grad_accum", 1),
+                             dynamic_batch=DynamicBatcher(initial_size=2, max_size=2) if fields.get("dynamic_batch")
+                             else None)
+            out.append(None)
+        except ConfigError as e:
+            out.append(e.field)
+    return out
+
+
+def test_the_step_rules_are_one_rule_for_both_front_ends():
+    """dynamic batching needs replicas and a pipeline takes no accumulation: the command line refused them and the
+    Python API did not (and fp16 × pipeline the other way round); both now ask layout.check_step."""
+    from distributed import run_workers
+    from syncwise.config import build_config
+    from syncwise.layout import API_STEP_FIELDS, CLI_STEP_FIELDS
+
+    cli = []
+    for degrees, fields, _ in STEP_CASES:
+        overrides = {"dist.nproc": "2", "model.preset": "tiny", "data.batch_size": "4",
+                     **{f"parallel.{k}": str(v) for k, v in degrees.items()},
+                     "train.dynamic_batch": str(fields.get("dynamic_batch", False)).lower(),
+                     "train.grad_accum": str(fields.get("grad_accum", 1))}
+        try:
+            build_config(None, overrides, here=False)
+            cli.append(None)
+        except ConfigError as e:
+            cli.append(e.field)
+    api = run_workers(_step_api_worker, 2)[0]
+    assert cli == [CLI_STEP_FIELDS[k] if k else None for _, _, k in STEP_CASES]
+    assert api == [API_STEP_FIELDS[k] if k else None for _, _, k in STEP_CASES]
+    with pytest.raises(ConfigError) as e:  # fp16 × pipeline, formerly the trainer's alone, now the CLI's too
+        build_config(None, {"dist.nproc": "2", "parallel.pp": "2", "model.preset": "tiny",
+                            "train.mixed_precision": "fp16"}, here=False)
+    assert e.value.field == "train.mixed_precision" and "pipeline" in str(e.value)

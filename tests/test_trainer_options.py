@@ -88,3 +88,11 @@ def test_the_meter_reports_the_phase_and_an_after_update_callback_runs(tmp_path)
     summary = trainer.train(_loader(), steps=2)
     assert seen == [("optimizer step", False)] * 2
     assert summary["steps"] == 2 and summary["comm_bytes_per_step"] == 0  # one process: nothing sent
+
+
+def test_an_unknown_keyword_is_refused_with_the_nearest_name():
+    model, opt = _model()
+    with pytest.raises(ConfigError) as e:
+        OptimizedTrainer(model, opt, grad_acum_steps=2)
+    assert e.value.field == "grad_acum_steps" and "did you mean 'grad_accum_steps'" in str(e.value)
+    assert "\n" not in str(e.value)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .errors import ConfigError, SyncwiseError
-from .layout import DISPATCH, HIERARCHICAL, SCHEDULES
+from .layout import BUCKET_CAP_MB, CLI_STEP_FIELDS, DISPATCH, HIERARCHICAL, MIN_NUMEL, SCHEDULES, check_step
 from .specs import parse_bool
 
 if TYPE_CHECKING:
@@ -225,8 +225,8 @@ class DistSection:
                           lambda v: v in ("auto", "gloo", "nccl"))
     # Lower bound 0.001 MB (1 KB, 256 fp32 values): DDP rounds the cap to bytes and a smaller one puts every
     # gradient in a bucket of its own (1e-300 is 0 bytes), one collective per tensor; the tests' smallest is 0.01.
-    bucket_cap_mb: float = option(25.0, "DDP gradient bucket size in MB", "a number in [0.001, 10000] (1 KB at "
-                                  "least: below that every tensor is a bucket of its own)",
+    bucket_cap_mb: float = option(BUCKET_CAP_MB, "DDP gradient bucket size in MB", "a number in [0.001, 10000] (1 KB "
+                                  "at least: below that every tensor is a bucket of its own)",
                                   lambda v: 0.001 <= v <= 10_000)
     hierarchical: str = option("auto", "gradient sync across nodes: on = reduce inside each node at full precision, "
                                "run compress.method only across nodes (each local rank owns part of every bucket), "
@@ -295,7 +295,7 @@ class CompressSection:
                          "topk:ratio=0.01 (list below); torch-fp16, torch-powersgd:rank=4 ... use PyTorch's own hooks; auto = the one "
                          "predicted to reach fp32 DDP's loss soonest on this cluster (docs/plan.md), chosen at start-up",
                          "a compressor spec (list below)")
-    min_numel: int = option(4096, "tensors with fewer elements (norms, biases) are sent uncompressed",
+    min_numel: int = option(MIN_NUMEL, "tensors with fewer elements (norms, biases) are sent uncompressed",
                             "an integer from 0 to 2,147,483,647", _in(0, 2**31 - 1))
     auto_cluster: str = option("", "with compress.method or parallel.sync = auto: the cluster TOML the strategies are "
                                "priced on (`syncwise plan --calibrate` writes one); '' = this job's: the catalog's "
@@ -756,10 +756,6 @@ def check_references(cfg: RunConfig, here: bool = True) -> None:
     elif cfg.model.preset not in PRESETS:
         raise ConfigError("model.preset", cfg.model.preset, _preset_names())
     specs = cfg.specs()  # each spec by its owner's parser
-    sync = specs.sync
-    if sync is not None and sync.method == "pipesgd" and cfg.train.mixed_precision == "fp16":
-        raise ConfigError("parallel.sync", cfg.parallel.sync, "every-step or localsgd/diloco with fp16 mixed "
-                          "precision (a loss-scaled gradient applied one step late would meet another scale)")
     if cfg.train.lr * cfg.train.weight_decay >= 1:
         key = _blame(cfg, "train.weight_decay", "train.lr")
         raise ConfigError(key, _get(cfg, key), f"lr × weight_decay < 1 (AdamW scales the weights by 1 − lr × "
@@ -907,15 +903,11 @@ def _check_layout(cfg: RunConfig, lay: Any, fewest: int, most: int) -> None:
             if e.field in ("parallel.sync", "compress.method"):
                 raise ConfigError(e.field, _get(cfg, e.field), e.accepted) from None
             raise
+    check_step(lay, dynamic_batch=cfg.train.dynamic_batch, grad_accum=cfg.train.grad_accum,
+               fp16=cfg.train.mixed_precision == "fp16",
+               given={k: _get(cfg, key) for k, key in CLI_STEP_FIELDS.items()})
     if lay.replicas_only:
         return
-    key = next(f"parallel.{n}" for n in ("dp_shard", "tp", "pp", "ep") if getattr(lay, n) > 1)
-    if cfg.train.dynamic_batch:
-        raise ConfigError("train.dynamic_batch", True, f"false with {key}={_get(cfg, key)}: every forward there is "
-                          "collective, so one rank cannot probe or redo a micro-batch alone")
-    if lay.pp > 1 and cfg.train.grad_accum != 1:
-        raise ConfigError("train.grad_accum", cfg.train.grad_accum, f"1 with parallel.pp={lay.pp}: the "
-                          "pipeline's microbatches are its accumulation (set parallel.microbatches)")
     microbatches = lay.microbatches_per_step
     if lay.pp > 1 and cfg.data.batch_size % microbatches:
         key = "parallel.microbatches" if lay.microbatches else "data.batch_size"

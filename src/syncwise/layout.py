@@ -12,9 +12,10 @@ same layouts with the same ``ConfigError`` (field names as in the config: ``para
 The pipeline schedules' table and rules (:data:`SCHEDULE_SPECS`, :func:`check_pipeline_shape`) and the
 compressors' wire and state data (:class:`CompressorSpec`) are here too, so the planner reads them without torch.
 What stays elsewhere, because it needs torch or a layer above: whether the installed torch ships the schedule's
-class and has fp8 for the expert dispatch (``parallel.mesh.check_torch_support``), and rules that involve
-training fields (``train.grad_accum``, ``train.dynamic_batch``, ``train.mixed_precision``, ``data.batch_size``:
-``syncwise.config``). ``syncwise.parallel.ParallelSpec`` is this Layout under its torch-side name.
+class and has fp8 for the expert dispatch (``parallel.mesh.check_torch_support``), and rules that need the data
+(``data.batch_size`` against the pipeline's microbatches: ``syncwise.config``). The rules between the layout and
+the step's training fields (dynamic batching, accumulation, fp16) are :func:`check_step`, asked by both doors.
+``syncwise.parallel.ParallelSpec`` is this Layout under its torch-side name.
 """
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ from .errors import ConfigError
 from .specs import BOOL_ACCEPTED, check_keys, count, parse_spec, read_bool, read_float, read_int, read_value
 
 # ============================================================================================ compressor specs
+#: Tensors with fewer elements than this (norms, biases) are sent uncompressed: the one default of every door's
+#: ``min_numel`` (config, OptimizedTrainer, parallelize, the DDP hook, the integrations).
+MIN_NUMEL = 4096
+#: DDP's gradient bucket size in MB (torch's own default): the one default of every door's ``bucket_cap_mb``.
+BUCKET_CAP_MB = 25.0
 _SEED = ("int", 0, "base seed for random draws (same on all ranks)")
 
 
@@ -861,3 +867,36 @@ def check_live_compress(compress: Any, group_world: int = 1, field: str = "compr
                           "group: live recovery's cross-replica all-reduce goes through torchft's manager, which only "
                           "all-reduces (top-k, PowerSGD, ... need all-gathers or per-replica state a heal would have to "
                           "reconcile); with dist.nproc > 1 they apply inside each replica group (docs/live-recovery.md)")
+
+
+# ============================================================================================ the step's rules
+#: The training fields :func:`check_step` involves, as each door spells them: the command line's config keys and
+#: ``OptimizedTrainer``'s keywords. Both doors ask the same rules; only the names in the message differ.
+CLI_STEP_FIELDS = {"dynamic_batch": "train.dynamic_batch", "grad_accum": "train.grad_accum",
+                   "mixed_precision": "train.mixed_precision", "sync": "parallel.sync"}
+API_STEP_FIELDS = {"dynamic_batch": "dynamic_batch", "grad_accum": "grad_accum_steps",
+                   "mixed_precision": "mixed_precision", "sync": "sync"}
+
+
+def check_step(lay: Layout, *, dynamic_batch: Any, grad_accum: int, fp16: bool, given: dict[str, Any],
+               names: dict[str, str] = CLI_STEP_FIELDS) -> None:
+    """The rules between a layout and the step's training fields, written once and asked by the command line
+    (``syncwise.config``, ``names=CLI_STEP_FIELDS``) and the Python API (``OptimizedTrainer``,
+    ``API_STEP_FIELDS``). ``given`` holds the values as the caller wrote them (echoed in the error), keyed like
+    ``names``; ``fp16`` is whether the mixed precision resolves to fp16."""
+    if fp16 and lay.sync is not None and lay.sync.method == "pipesgd":
+        raise ConfigError(names["sync"], given["sync"], "every-step or localsgd/diloco with fp16 mixed precision (a "
+                          "loss-scaled gradient applied one step late would meet another scale)")
+    if fp16 and lay.pp > 1:
+        raise ConfigError(names["mixed_precision"], given["mixed_precision"], "bf16 or none with pipeline parallel: "
+                          "fp16 needs GradScaler's loss scaling, which cannot wrap the schedule's own backward")
+    if lay.replicas_only:
+        return
+    degree = next(n for n in ("dp_shard", "tp", "pp", "ep") if getattr(lay, n) > 1)
+    if dynamic_batch:
+        raise ConfigError(names["dynamic_batch"], given["dynamic_batch"], f"off with parallel.{degree}="
+                          f"{getattr(lay, degree)}: every forward there is collective, so one rank cannot probe or "
+                          "redo a micro-batch alone")
+    if lay.pp > 1 and grad_accum != 1:
+        raise ConfigError(names["grad_accum"], given["grad_accum"], f"1 with parallel.pp={lay.pp}: the pipeline's "
+                          "microbatches are its accumulation (set parallel.microbatches)")

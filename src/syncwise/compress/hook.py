@@ -33,6 +33,7 @@ from torch import nn
 from ..errors import ConfigError, SyncwiseError
 from ..comm import ops, streams
 from .base import Compressor, GatherCompressor, split_by_policy
+from ..layout import MIN_NUMEL
 
 
 @dataclass
@@ -43,7 +44,7 @@ class CompressionPolicy:
     Cast compressors (none/fp16/bf16) ignore the policy: they treat every tensor alike.
     """
 
-    min_numel: int = 4096
+    min_numel: int = MIN_NUMEL
     min_ndim: int = 2
 
     def __post_init__(self) -> None:

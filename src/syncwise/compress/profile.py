@@ -14,6 +14,7 @@ from torch import nn
 
 from .base import Compressor
 from .hook import CompressionPolicy
+from ..layout import BUCKET_CAP_MB
 
 
 def ddp_like_buckets(named: Sequence[tuple[str, torch.Tensor]], bucket_cap_mb: float) -> list[list[int]]:
@@ -32,7 +33,7 @@ def ddp_like_buckets(named: Sequence[tuple[str, torch.Tensor]], bucket_cap_mb: f
 
 
 def profile_compressor(compressor: Compressor, grads: Sequence[tuple[str, torch.Tensor]],
-                       bucket_cap_mb: float = 25.0, policy: Optional[CompressionPolicy] = None,
+                       bucket_cap_mb: float = BUCKET_CAP_MB, policy: Optional[CompressionPolicy] = None,
                        steps: int = 3, group: Any = None) -> dict[str, Any]:
     """Average ``grads`` (name, tensor) ``steps`` times bucket by bucket; report ratio and ms per bucket.
 

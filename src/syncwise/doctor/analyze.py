@@ -38,6 +38,7 @@ from typing import Any, Optional
 from . import arrivals as arrival_log
 from .dimensions import DIMENSIONS, WORDS, by_dimension
 from .rundir import Run
+from ..layout import BUCKET_CAP_MB
 
 PARTS = ("compute", "straggler_wait", "data_wait", "compress", "comm_dp", "comm_ep", "expert_wait", "pp_bubble",
          "checkpoint", "other")
@@ -330,7 +331,7 @@ def _facts(run: Run, per_rank: dict, use: list[int], world: int, wire: float) ->
     dp_bytes = _mean([_num(rows0[s], "comm_bytes_dp") or _num(rows0[s], "comm_bytes") for s in use if s in rows0])
     params = run.summary.get("params")
     compressor = str(run.summary.get("compressor") or run.cfg("compress", "method", "none"))
-    cap = float(run.cfg("dist", "bucket_cap_mb", 25.0))
+    cap = float(run.cfg("dist", "bucket_cap_mb", BUCKET_CAP_MB))
     grad_bytes = 4.0 * params if isinstance(params, (int, float)) and params else (
         dp_bytes if compressor == "none" else 0.0)
     pp = int(run.cfg("parallel", "pp", 1) or 1)

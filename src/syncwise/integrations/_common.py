@@ -7,6 +7,7 @@ from typing import Any, Union
 from ..comm import STATS
 from ..compress import CompressionPolicy, Compressor, GradientCompressor
 from ..errors import ConfigError, SyncwiseError
+from ..layout import MIN_NUMEL
 
 CompressorLike = Union[str, Compressor, GradientCompressor]
 
@@ -19,7 +20,7 @@ def require(module: str, package: str, integration: str) -> Any:
         raise SyncwiseError(f"syncwise.integrations.{integration} needs {package}: pip install {package}") from None
 
 
-def compressor_from(compressor: CompressorLike, min_numel: int = 4096, min_ndim: int = 2) -> GradientCompressor:
+def compressor_from(compressor: CompressorLike, min_numel: int = MIN_NUMEL, min_ndim: int = 2) -> GradientCompressor:
     """A :class:`GradientCompressor` from a spec (``"powersgd:rank=4"``), a compressor or a GradientCompressor.
 
     ``min_numel`` / ``min_ndim``: tensors smaller than this are sent as fp32 (the trainer's ``--compress.min_numel``).

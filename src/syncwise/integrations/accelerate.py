@@ -15,6 +15,7 @@ from typing import Any
 
 from ..compress import GradientCompressor
 from ._common import CompressorLike, RankedCompressorState, compressor_from, require
+from ..layout import MIN_NUMEL
 
 require("accelerate", "accelerate", "accelerate")
 
@@ -29,7 +30,7 @@ class _Checkpointed(RankedCompressorState):
 
 
 def register(accelerator: Any, model: Any, compressor: CompressorLike = "powersgd:rank=4", *,
-             min_numel: int = 4096, min_ndim: int = 2) -> GradientCompressor:
+             min_numel: int = MIN_NUMEL, min_ndim: int = 2) -> GradientCompressor:
     """Register ``compressor`` on ``model`` (as returned by ``accelerator.prepare``) and for checkpointing.
 
     With one process (no DDP wrapper) nothing is registered on the model, but the compressor is returned and

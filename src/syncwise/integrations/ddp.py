@@ -15,10 +15,11 @@ from torch import nn
 from ..compress import GradientCompressor
 from ..errors import ConfigError
 from ._common import CompressorLike, compressor_from
+from ..layout import MIN_NUMEL
 
 
 def register(ddp_model: nn.Module, compressor: CompressorLike = "powersgd:rank=4", *,
-             min_numel: int = 4096, min_ndim: int = 2) -> GradientCompressor:
+             min_numel: int = MIN_NUMEL, min_ndim: int = 2) -> GradientCompressor:
     """Register ``compressor`` as the comm hook of ``ddp_model`` (a DistributedDataParallel, before its first
     backward); returns the :class:`GradientCompressor`, whose ``state_dict()`` belongs in each rank's checkpoint."""
     if not hasattr(ddp_model, "register_comm_hook"):

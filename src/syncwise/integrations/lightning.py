@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._common import CompressorLike, RankedCompressorState, compressor_from, require
+from ..layout import MIN_NUMEL
 
 _L = require("lightning.pytorch", "lightning", "lightning")
 
@@ -19,7 +20,7 @@ class SyncwiseCallback(_L.Callback):
     """Compress DDP's gradient all-reduce with a syncwise compressor (a spec such as ``"powersgd:rank=4"``,
     a Compressor or a GradientCompressor); ``min_numel``: smaller tensors go as fp32."""
 
-    def __init__(self, compressor: CompressorLike = "powersgd:rank=4", *, min_numel: int = 4096, min_ndim: int = 2):
+    def __init__(self, compressor: CompressorLike = "powersgd:rank=4", *, min_numel: int = MIN_NUMEL, min_ndim: int = 2):
         self.compressor = compressor_from(compressor, min_numel=min_numel, min_ndim=min_ndim)
         self._state = RankedCompressorState(self.compressor)
         self.registered = False

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from ..errors import SyncwiseError
 from ._common import CompressorLike, RankedCompressorState, compressor_from, require
+from ..layout import MIN_NUMEL
 
 _tf = require("transformers", "transformers", "transformers")
 
@@ -27,7 +28,7 @@ class SyncwiseTrainerCallback(_tf.TrainerCallback):
     GradientCompressor); ``min_numel``: smaller tensors go as fp32. ``resume_from``: a checkpoint folder to read
     the compressor state from instead of ``<output_dir>/checkpoint-<global step>``."""
 
-    def __init__(self, compressor: CompressorLike = "powersgd:rank=4", *, min_numel: int = 4096,
+    def __init__(self, compressor: CompressorLike = "powersgd:rank=4", *, min_numel: int = MIN_NUMEL,
                  min_ndim: int = 2, resume_from: Optional[str] = None):
         self.compressor = compressor_from(compressor, min_numel=min_numel, min_ndim=min_ndim)
         self._state = RankedCompressorState(self.compressor)

@@ -28,6 +28,7 @@ from ..compress.hierarchical import HierarchicalHookState
 from ..compress.registry import build_compressor
 from ..errors import ConfigError
 from ..layout import COMPRESSORS, Compress
+from ..layout import BUCKET_CAP_MB, MIN_NUMEL
 
 
 class _LastGradReady:
@@ -203,8 +204,9 @@ def _counted(bytes_per_element: int, hook):
     return counted
 
 
-def apply_data_parallel(model: nn.Module, compressor: "Optional[Compressor | TorchHookSpec]" = None, bucket_cap_mb: float = 25.0,
-                        min_numel: int = 4096, device: Optional[torch.device] = None,
+def apply_data_parallel(model: nn.Module, compressor: "Optional[Compressor | TorchHookSpec]" = None,
+                        bucket_cap_mb: float = BUCKET_CAP_MB, min_numel: int = MIN_NUMEL,
+                        device: Optional[torch.device] = None,
                         find_unused_parameters: Optional[bool] = None, process_group: Any = None,
                         ignore: "Optional[list[str]]" = None, inline_compress: bool = False,
                         hierarchical: bool = False) -> DataParallel:
@@ -285,8 +287,9 @@ class StageGradientSync:
     ``ignore``: names left alone (expert-parallel experts, summed over their own group).
     """
 
-    def __init__(self, module: nn.Module, compressor: Optional[Compressor], group: Any, bucket_cap_mb: float = 25.0,
-                 min_numel: int = 4096, ignore: "Optional[list[str]]" = None) -> None:
+    def __init__(self, module: nn.Module, compressor: Optional[Compressor], group: Any,
+                 bucket_cap_mb: float = BUCKET_CAP_MB, min_numel: int = MIN_NUMEL,
+                 ignore: "Optional[list[str]]" = None) -> None:
         from ..compress import NoneCompressor
 
         self.group = group

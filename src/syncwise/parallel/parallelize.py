@@ -40,6 +40,7 @@ from .data_parallel import DataParallel, StageGradientSync, apply_data_parallel,
 from .mesh import adopt_mesh, build_mesh, check_torch_support
 from .sync import build_sync
 from .sync_spec import SyncStrategy
+from ..layout import BUCKET_CAP_MB, MIN_NUMEL
 
 
 COUNTED_STEPS = 2  # steps whose FSDP2 / tensor-parallel collectives are counted (see Parallelized.begin_step)
@@ -254,7 +255,8 @@ class Parallelized:
 
 
 def parallelize(model: nn.Module, spec: "Layout | dict | None" = None, device: Optional[torch.device] = None,
-                *, compressor: Any = None, bucket_cap_mb: float = 25.0, min_numel: int = 4096, sync: Any = None,
+                *, compressor: Any = None, bucket_cap_mb: float = BUCKET_CAP_MB, min_numel: int = MIN_NUMEL,
+                sync: Any = None,
                 activation_checkpointing: bool = False, compile: bool = False,
                 tp_plan: Optional[dict] = None, loss_fn: Any = None, split_fn: Any = None,
                 param_dtype: Optional[torch.dtype] = None) -> Parallelized:

@@ -39,6 +39,7 @@ from .cloud import CloudConfig, Fabric, cluster
 from .cost import Prediction, bus_factor, predict
 from .layout import SYNCWISE, Layout, Training
 from .model import ModelSpec
+from ..layout import BUCKET_CAP_MB
 
 LAB_LATENCY_S = 100e-6   # cloud.py's lab-loopback latency (gloo over loopback, measured order of magnitude)
 # Below this many bytes moved per step the collectives' time is latency and waiting for peers, not bandwidth: the
@@ -66,7 +67,7 @@ class Measured:
     compute_s: float                        # forward + backward + optimizer, no waits (the useful compute)
     moved_bytes: Optional[float] = None     # bytes the gradient-sync collectives moved per rank (bus-factored)
     wire_s: Optional[float] = None          # seconds those collectives took per step
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float = BUCKET_CAP_MB
     latency_s: float = LAB_LATENCY_S
     accelerator: str = "cpu-lab"
     grad_calls: Optional[float] = None      # gradient collectives per step the ranks issued (flight recorder)

@@ -24,6 +24,7 @@ from . import arguments
 from .dynamic_batch import DynamicBatcher
 from .faults import Fault
 from .preemption import DEFAULT_GRACE_S
+from ..layout import BUCKET_CAP_MB, MIN_NUMEL
 
 
 @dataclass
@@ -35,8 +36,8 @@ class CommOptions:
     parallel: Any = None             # a syncwise.parallel.ParallelSpec or a dict of its fields; None: DDP replicas
     tp_plan: Optional[dict] = None   # a user model's tensor-parallel plan (parallelize_module's dict)
     pipeline_split: Optional[Callable[[Any, int, int], Any]] = None  # split_fn(model, stage, n_stages) -> stage
-    bucket_cap_mb: float = 25.0      # DDP's gradient bucket size
-    min_numel: int = 4096            # tensors smaller than this are sent uncompressed
+    bucket_cap_mb: float = BUCKET_CAP_MB     # DDP's gradient bucket size
+    min_numel: int = MIN_NUMEL           # tensors smaller than this are sent uncompressed
 
     def __post_init__(self) -> None:
         arguments.finite("bucket_cap_mb", self.bucket_cap_mb, inclusive=False)
@@ -116,18 +117,26 @@ KEYWORDS = frozenset(f.name for kind in GROUPS.values() for f in fields(kind))  
 
 
 def gather(keywords: dict[str, Any], **groups: Any) -> TrainerOptions:
-    """The four groups from ``OptimizedTrainer``'s flat ``keywords`` and the groups given (``comm=``, ``step=``,
-    ``run=``, ``faults=``): a group given is used as it is; otherwise it is made from the keywords."""
+    """The four groups from ``OptimizedTrainer``'s flat ``keywords`` (those given; the rest keep their group's
+    default) and the groups given (``comm=``, ``step=``, ``run=``, ``faults=``): a group given is used as it is;
+    otherwise it is made from the keywords. A keyword no group has is refused, with the nearest name."""
+    unknown = sorted(set(keywords) - KEYWORDS)
+    if unknown:
+        import difflib
+
+        near = difflib.get_close_matches(unknown[0], sorted(KEYWORDS), n=1)
+        raise ConfigError(unknown[0], _short(keywords[unknown[0]]), (f"did you mean {near[0]!r}? " if near else "")
+                          + "a keyword of OptimizedTrainer: " + ", ".join(sorted(KEYWORDS | set(GROUPS))))
     out: dict[str, Any] = {}
     for name, kind in GROUPS.items():
         given = groups.get(name)
         if given is None:
-            out[name] = kind(**{f.name: keywords[f.name] for f in fields(kind)})
+            out[name] = kind(**{f.name: keywords[f.name] for f in fields(kind) if f.name in keywords})
             continue
         if not isinstance(given, kind):
             raise ConfigError(name, given, f"None or a syncwise.train.{kind.__name__}")
         for f in fields(kind):
-            if not _is_default(keywords[f.name], f.default):
+            if f.name in keywords and not _is_default(keywords[f.name], f.default):
                 raise ConfigError(f.name, keywords[f.name], f"its default ({f.default!r}) when {name}= is given: "
                                   f"set it in the {kind.__name__} instead")
         out[name] = given
@@ -139,3 +148,22 @@ def _is_default(value: Any, default: Any) -> bool:
         return True
     plain = (bool, int, float, str)
     return isinstance(value, plain) and isinstance(default, plain) and type(value) is type(default) and value == default
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def signature(init: Callable) -> "inspect.Signature":
+    """``init``'s signature with every group field added as a keyword-only parameter (its name, default and type):
+    what ``help(OptimizedTrainer)`` and IDEs show for the flat keywords, derived from the groups, written nowhere
+    else."""
+    import inspect
+
+    base = inspect.signature(init)
+    params = [p for p in base.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    for kind in GROUPS.values():
+        params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+                   for f in fields(kind)]
+    return base.replace(parameters=params)

@@ -51,7 +51,7 @@ from .faults import FaultPlan
 from .claim import claim
 from .meter import CONTROL_STATS, PendingStep, StepMeter, StepResult
 from .options import CommOptions, FaultOptions, RunOptions, StepOptions
-from .preemption import DEFAULT_GRACE_S, PreemptionGuard
+from .preemption import PreemptionGuard
 
 __all__ = ["OptimizedTrainer", "CommOptions", "StepOptions", "RunOptions", "FaultOptions", "PendingStep",
            "StepResult", "CONTROL_STATS", "lm_loss", "warmup_steps", "warmup_figures"]
@@ -110,23 +110,10 @@ class OptimizedTrainer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  loss_fn: Callable[[Any, Any], torch.Tensor] = lm_loss, *, comm: Optional[CommOptions] = None,
                  step: Optional[StepOptions] = None, run: Optional[RunOptions] = None,
-                 faults: Optional[FaultOptions] = None,
-                 # the groups' fields, flat (the seed's keywords): same names, same defaults (syncwise.train.options)
-                 compress_gradients: Any = None,
-                 mixed_precision: str = "auto", grad_accum_steps: int = 1, clip_grad_norm: float = 1.0,
-                 lr_scheduler: Any = None, compile: bool = False, activation_checkpointing: bool = False,
-                 bucket_cap_mb: float = 25.0, min_numel: int = 4096, device: Optional[torch.device] = None,
-                 val_loader: Optional[Iterable] = None, val_interval: int = 0, run_dir: Optional[str] = None,
-                 flops_per_token: Optional[float] = None, show_progress: bool = True,
-                 checkpointer: Optional[SmartCheckpointer] = None, inject_faults: Optional[list[str]] = None,
-                 collective_timeout_s: Optional[float] = None, sync: Any = None, data_seed: int = 0,
-                 tf32: bool = True, dynamic_batch: Optional[DynamicBatcher] = None,
-                 parallel: "ParallelSpec | dict | None" = None, tp_plan: Optional[dict] = None,
-                 pipeline_split: Optional[Callable[[nn.Module, int, int], nn.Module]] = None,
-                 preempt_grace_s: Optional[float] = DEFAULT_GRACE_S, log_interval: int = 10,
-                 live_recovery: Any = None):
-        self.options = options.gather({k: v for k, v in locals().items() if k in options.KEYWORDS},
-                                      comm=comm, step=step, run=run, faults=faults)
+                 faults: Optional[FaultOptions] = None, **keywords: Any):
+        # the groups' fields, flat (the seed's keywords): their names, defaults and types are the groups'
+        # (syncwise.train.options); the signature below lists them
+        self.options = options.gather(keywords, comm=comm, step=step, run=run, faults=faults)
         c, s, r, f = self.options.comm, self.options.step, self.options.run, self.options.faults
         self.grad_accum_steps, self.clip_grad_norm, self.lr_scheduler = s.grad_accum_steps, s.clip_grad_norm, \
             s.lr_scheduler
@@ -155,9 +142,6 @@ class OptimizedTrainer:
         # SIGTERM / SIGUSR1 during train(): stop after a step every rank agrees on, save, raise Preempted
         # (train/preemption.py); None or 0 leaves the signals alone.
         self.preemption = PreemptionGuard(f.preempt_grace_s or 0.0, self.rank, self.world_size)
-        if s.dynamic_batch is not None and not self.par.spec.replicas_only:
-            raise ConfigError("dynamic_batch", s.dynamic_batch, "None with FSDP2 or tensor parallel: every forward "
-                              "there is collective, so one rank cannot probe or redo a micro-batch alone")
         self.batcher = s.dynamic_batch  # micro-batches that fit; None: each loader batch is one micro-batch
         self.step = 0
         self.total_steps = 0
@@ -197,7 +181,7 @@ class OptimizedTrainer:
 
     def _lay_out(self, c: CommOptions, s: StepOptions, optimizer: torch.optim.Optimizer, loss_fn: Any) -> None:
         """The compressor and everything parallel, behind one seam (syncwise.parallel.parallelize, in its order)."""
-        from ..layout import names_auto
+        from ..layout import API_STEP_FIELDS, check_step, names_auto
 
         for name, value in (("compress_gradients", c.compress_gradients), ("sync", c.sync)):
             if names_auto(value):   # the choice needs the cluster and the convergence table: the planner's, above
@@ -223,9 +207,11 @@ class OptimizedTrainer:
         rebind_optimizer(optimizer, names, self.model, keep_only_present=self.par.pipeline is not None)
         self.sync = self.par.sync  # the reduced-sync strategy the step drives (None: every-step sync)
         self.sync_spec = self.sync.spec.spec if self.sync is not None else "every-step"
-        if self.amp_dtype == torch.float16 and self.par.pipeline is not None:
-            raise ConfigError("mixed_precision", self._given_precision, "bf16 or none with pipeline parallel: fp16 "
-                              "needs GradScaler's loss scaling, which cannot wrap the schedule's own backward")
+        # the rules between the layout and the step's fields: the same ones the command line asks (layout.py)
+        check_step(self.par.spec, dynamic_batch=s.dynamic_batch, grad_accum=s.grad_accum_steps,
+                   fp16=self.amp_dtype == torch.float16, names=API_STEP_FIELDS,
+                   given={"dynamic_batch": s.dynamic_batch, "grad_accum": s.grad_accum_steps,
+                          "mixed_precision": self._given_precision, "sync": c.sync})
 
     def _attach_live_recovery(self, live: Any) -> None:
         """Live recovery (train/live_recovery.py) drives the step as a sync strategy on the exchange seam: the
@@ -886,6 +872,9 @@ class OptimizedTrainer:
 
 
 DIMENSIONS = ("dp", "fsdp", "tp", "pp", "ep")
+
+
+OptimizedTrainer.__init__.__signature__ = options.signature(OptimizedTrainer.__init__)
 
 
 def _by_dim(row: dict, prefix: str) -> Optional[dict]:
