@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from .errors import ConfigError, SyncwiseError
 from .layout import BUCKET_CAP_MB, CLI_STEP_FIELDS, DISPATCH, HIERARCHICAL, MIN_NUMEL, SCHEDULES, check_step
 from .specs import parse_bool
+from .rundir import RunDir
 
 if TYPE_CHECKING:
     from .devices import Placement
@@ -786,8 +787,8 @@ def check_references(cfg: RunConfig, here: bool = True) -> None:
             problem = str(e)
         if problem:
             path = Path(cfg.resume)
-            run = path.parent if path.name == "checkpoints" and (path.parent / "config.json").exists() else path
-            if any((run / name).exists() for name in ("config.json", "metrics.jsonl", "checkpoints")):
+            run = path.parent if path.name == "checkpoints" and RunDir(path.parent).config.exists() else path
+            if RunDir(run).holds_a_run():
                 problem = (f"{cfg.resume} is a run directory, not one of its checkpoints; to continue that run: "
                            f"--run-dir {run} --resume auto")  # (not "manifest.json is missing")
             raise ConfigError("resume", cfg.resume, "'auto', 'none', or a published checkpoint directory "

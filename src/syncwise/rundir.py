@@ -1,4 +1,4 @@
-"""One run per run directory: an OS-level lock held for the run's life.
+"""A run directory: every path in it named once (:class:`RunDir`), and the OS-level lock held for the run's life.
 
 ``syncwise train`` takes an exclusive ``flock`` on ``RUN_DIR/.syncwise.lock`` *before* it looks at what the
 directory holds, so two runs started at the same moment cannot both pass the "already holds a run" check:
@@ -28,12 +28,61 @@ LOCK_FILE = ".syncwise.lock"
 LOCKED_ENV = "SYNCWISE_RUN_DIR_LOCKED"  # set for workers: the launcher holds the lock of this directory
 
 
+class RunDir:
+    """Every path of a run directory, named here and nowhere else (docs/report.md lists what each holds)::
+
+        config.json      the resolved configuration the workers ran (syncwise train)
+        metrics.jsonl    one row per step (rank 0), read by report, doctor and a resumed run
+        summary.json     the run's totals, written at its end
+        preempted.json   written when a signal stopped the run (exit 83)
+        checkpoints/     step_N/ checkpoints (DCP) with their manifest.json
+        ranks/           each rank's own rows (rank{R}.jsonl) and collective arrivals (arrivals{R}.jsonl)
+        heartbeats/      each rank's last phase, for the hang report
+        ft/              live recovery: each replica group attempt's own run directory and log
+        logs/            the workers' own output (torch-elastic's per-rank logs)
+    """
+
+    def __init__(self, root: "str | os.PathLike"):
+        self.root = Path(root)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.root)!r})"
+
+    def __fspath__(self) -> str:
+        return str(self.root)
+
+    config = property(lambda self: self.root / "config.json")
+    metrics = property(lambda self: self.root / "metrics.jsonl")
+    summary = property(lambda self: self.root / "summary.json")
+    preempted = property(lambda self: self.root / "preempted.json")
+    checkpoints = property(lambda self: self.root / "checkpoints")
+    ranks = property(lambda self: self.root / "ranks")
+    heartbeats = property(lambda self: self.root / "heartbeats")
+    ft = property(lambda self: self.root / "ft")
+    logs = property(lambda self: self.root / "logs")
+    lock = property(lambda self: self.root / LOCK_FILE)
+
+    def rank_log(self, rank: int) -> Path:
+        return self.ranks / f"rank{rank}.jsonl"
+
+    def arrivals(self, rank: int) -> Path:
+        return self.ranks / f"arrivals{rank}.jsonl"
+
+    def run_files(self) -> tuple[Path, ...]:
+        """What the trainer writes: finding one of these means a run was there."""
+        return self.metrics, self.summary, self.preempted
+
+    def holds_a_run(self) -> bool:
+        """Whether anything of a run (its configuration, rows or checkpoints) is here."""
+        return any(p.exists() for p in (self.config, self.metrics, self.checkpoints))
+
+
 class RunDirLock:
     """Exclusive ownership of a run directory; ``acquire`` raises SyncwiseError if another run holds it."""
 
     def __init__(self, run_dir: str | os.PathLike):
         self.run_dir = Path(run_dir)
-        self.path = self.run_dir / LOCK_FILE
+        self.path = RunDir(run_dir).lock
         self._fd: Optional[int] = None
 
     def acquire(self) -> "RunDirLock":

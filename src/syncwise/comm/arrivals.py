@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from ..rundir import RunDir
+
 log = logging.getLogger(__name__)
 
 DEFAULT_BUFFER = 2000           # torch's default TORCH_FR_BUFFER_SIZE when the variable is unset
@@ -71,7 +73,7 @@ class ArrivalLog:
     def __init__(self, run_dir: "str | Path | None", rank: int, every_s: float = 5.0, max_per_step: int = 512,
                  start_step: int = 0):
         self.rank, self.every_s, self.max_per_step = rank, every_s, max_per_step
-        self.path = Path(run_dir) / "ranks" / f"arrivals{rank}.jsonl" if run_dir else None
+        self.path = RunDir(run_dir).arrivals(rank) if run_dir else None
         self._steps: list[tuple[int, int, int]] = []      # (step, start_ns, end_ns) not yet written
         self._last_record = -1
         self._last_dump = time.monotonic()

@@ -27,6 +27,7 @@ from typing import Any, Optional
 from ..config import RunConfig, build_config
 from ..errors import ConfigError, SyncwiseError
 from ..parallel.sync_spec import METHODS as SYNC_METHODS
+from ..rundir import RunDir
 
 COMPUTE_ONLY = "compute-only"
 # N independent compute-only workers at once (N = all workers of the distributed runs): the lab's nodes share
@@ -191,8 +192,8 @@ def plan_runs(args: argparse.Namespace, out_dir: Path) -> list[BenchRun]:
     slugs = [r.run_dir.name for r in runs]
     if len(set(slugs)) != len(slugs):
         raise ConfigError("configs", ",".join(specs), "configurations with distinct names")
-    busy = [str(r.run_dir) for r in runs if (r.run_dir / "metrics.jsonl").exists() or
-            (r.run_dir / "summary.json").exists()]
+    busy = [str(r.run_dir) for r in runs if RunDir(r.run_dir).metrics.exists() or
+            RunDir(r.run_dir).summary.exists()]
     if busy:
         raise SyncwiseError(f"{busy[0]} already holds a run; nothing was started. Choose another --out-dir.")
     return runs
@@ -222,16 +223,16 @@ def _launch_lab(cfg: RunConfig, prefix: Optional[str]) -> dict[str, Any]:
     from ..lab.launch import lab_torchrun
 
     run_dir = Path(cfg.run_dir)
-    logs = run_dir / "logs"
+    logs = RunDir(run_dir).logs
     logs.mkdir(parents=True, exist_ok=True)
     # Node 0's output goes to a file too: the bench prints its own progress and table.
     with open(logs / "node0.console.log", "wb") as console:
-        code = lab_torchrun(["-m", "syncwise.commands.worker", "--config", str(run_dir / "config.json")],
+        code = lab_torchrun(["-m", "syncwise.commands.worker", "--config", str(RunDir(run_dir).config)],
                             nproc_per_node=cfg.dist.nproc, log_dir=str(logs), console=console,
                             **({"prefix": prefix} if prefix else {}))
     if code != 0:
         raise SyncwiseError(f"the lab job failed (exit code {code}); logs under {logs}")
-    return json.loads((run_dir / "summary.json").read_text())
+    return json.loads(RunDir(run_dir).summary.read_text())
 
 
 def _run_compute_only(cfg: RunConfig, threads: int) -> dict[str, Any]:
@@ -266,23 +267,23 @@ def _run_compute_shared(run: BenchRun, threads: int) -> dict[str, Any]:
         cfg = copy.deepcopy(run.cfg)
         cfg.run_dir = str(run.run_dir / f"worker{i}")
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-        cfg.save(Path(cfg.run_dir) / "config.json")
+        cfg.save(RunDir(cfg.run_dir).config)
         dirs.append(Path(cfg.run_dir))
         with open(Path(cfg.run_dir) / "console.log", "wb") as log:
             procs.append(subprocess.Popen([sys.executable, "-m", "syncwise.commands.worker", "--config",
-                                           str(Path(cfg.run_dir) / "config.json")], env=env, stdout=log,
+                                           str(RunDir(cfg.run_dir).config)], env=env, stdout=log,
                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
     codes = [p.wait() for p in procs]
     if any(codes):
         raise SyncwiseError(f"a compute-only worker failed (exit codes {codes}); see {run.run_dir}/worker*/console.log")
-    summaries = [json.loads((d / "summary.json").read_text()) for d in dirs]
+    summaries = [json.loads(RunDir(d).summary.read_text()) for d in dirs]
     summary = dict(summaries[0])
     # Every copy did the same work at the same time: their mean step time is the shared-CPU compute time.
     summary["mean_step_time_s"] = sum(x["mean_step_time_s"] for x in summaries) / len(summaries)
     summary["copies"] = run.copies
-    (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    RunDir(run.run_dir).summary.write_text(json.dumps(summary, indent=2) + "\n")
     # metrics.jsonl of the first copy, so the plot shows this reference too
-    (run.run_dir / "metrics.jsonl").write_text((dirs[0] / "metrics.jsonl").read_text())
+    RunDir(run.run_dir).metrics.write_text(RunDir(dirs[0]).metrics.read_text())
     return summary
 
 
@@ -329,7 +330,7 @@ def _run_one(run: BenchRun, threads: int, lab_prefix: Optional[str]) -> dict[str
     if run.cfg.dist.lab:
         return _launch_lab(run.cfg, lab_prefix)
     launch(run.cfg)
-    return json.loads((run.run_dir / "summary.json").read_text())
+    return json.loads(RunDir(run.run_dir).summary.read_text())
 
 
 class _Lab:
@@ -526,7 +527,7 @@ def write_plot(rows: list[dict[str, Any]], path: str | Path, title: str) -> Path
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(9, 5.5))
     for r in rows:
-        metrics = read_jsonl(Path(r["run_dir"]) / "metrics.jsonl")
+        metrics = read_jsonl(RunDir(r["run_dir"]).metrics)
         if r.get("error") or not metrics:
             continue
         t, clock, ema, smooth = [], 0.0, None, []

@@ -21,6 +21,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..metrics import read_jsonl
 from ..metrics.units import human_bytes, human_seconds, loss
+from ..rundir import RunDir
 
 MARKER = "<!-- written by syncwise report -->"
 SPLIT = (("compute_s", "compute"), ("comm_exposed_s", "exposed comm"), ("data_wait_s", "data wait"))
@@ -35,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_run(path: Path) -> dict[str, Any]:
     """A run's curves and figures from its directory (a running run too: a torn last row is skipped)."""
-    metrics = path / "metrics.jsonl"
+    metrics = RunDir(path).metrics
     if not path.is_dir():
         raise ConfigError("RUN", str(path), "a run directory (syncwise train --run-dir DIR made it)")
     if not metrics.exists():
@@ -45,7 +46,7 @@ def load_run(path: Path) -> dict[str, Any]:
     if not rows:
         raise ConfigError("RUN", str(path), "a run with at least one step in its metrics.jsonl (it is empty)")
     try:
-        summary = json.loads((path / "summary.json").read_text())
+        summary = json.loads(RunDir(path).summary.read_text())
     except (OSError, ValueError):
         summary = None
     elapsed, t = [], 0.0

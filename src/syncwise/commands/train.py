@@ -11,7 +11,7 @@ from ..config import (RunConfig, add_train_arguments, build_config, describe_fie
                       overrides_from_args, placement, upgrade_moved_keys)
 from .. import rundir
 from ..errors import ConfigError, SyncwiseError
-from ..rundir import RunDirLock
+from ..rundir import RunDir, RunDirLock
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,7 +48,7 @@ def prepare_run_dir(cfg: RunConfig) -> RunDirLock:
     lock = RunDirLock(run_dir).acquire()
     try:
         check_run_dir(cfg, run_dir)
-        cfg.save(run_dir / "config.json")
+        cfg.save(RunDir(run_dir).config)
     except BaseException:
         lock.release()
         raise
@@ -60,12 +60,12 @@ def check_run_dir(cfg: RunConfig, run_dir: Path) -> None:
     if previous and cfg.resume == "none":
         # Even config.json + logs/ alone (a run that died at start-up) are someone's: never overwritten.
         raise SyncwiseError(rundir.holds_a_run(run_dir, previous))
-    summary = _read_json(run_dir / "summary.json")
+    summary = _read_json(RunDir(run_dir).summary)
     if cfg.resume == "auto" and summary and int(summary.get("steps") or 0) >= cfg.train.steps:
         raise RunFinished(
             f"the run in {run_dir} already finished at step {summary['steps']} (its summary.json); nothing to "
             f"resume. To train it further, pass --resume auto with --steps larger than {summary['steps']}.")
-    before = _read_json(run_dir / "config.json")
+    before = _read_json(RunDir(run_dir).config)
     if previous and before:
         # The model/data layout must match the checkpoints; so must the compressor / sync strategy, whose
         # per-rank state (residuals, PowerSGD's Q, replicas) the checkpoints hold: changing them would drop it.
@@ -73,7 +73,7 @@ def check_run_dir(cfg: RunConfig, run_dir: Path) -> None:
         fixed = {"model": ("preset", "attention"), "data": ("seq_len", "corpus"), "compress": ("method",),
                  "parallel": ("sync",)}
         try:  # a run saved before parallel.sync had that key as compress.sync
-            before = upgrade_moved_keys(before, str(run_dir / "config.json")) or before
+            before = upgrade_moved_keys(before, str(RunDir(run_dir).config)) or before
         except ConfigError:
             pass  # contradicts itself: resolve_config reports it
         for section, keys in fixed.items():
@@ -116,11 +116,11 @@ def resolve_config(file_values: dict | None, overrides: dict) -> RunConfig:
     cfg = build_config(file_values, overrides)
     if cfg.resume == "none" or not cfg.run_dir:
         return cfg
-    saved = _read_json(Path(cfg.run_dir) / "config.json")
+    saved = _read_json(RunDir(cfg.run_dir).config)
     if not saved:
         return cfg
     try:  # keys that moved since the run was saved (compress.sync -> parallel.sync) under their new names
-        saved = upgrade_moved_keys(saved, str(Path(cfg.run_dir) / "config.json")) or saved
+        saved = upgrade_moved_keys(saved, str(RunDir(cfg.run_dir).config)) or saved
     except ConfigError as e:
         raise SyncwiseError(f"--resume: the saved configuration of {cfg.run_dir} does not load ({e}); start a "
                             "new run, or fix its config.json") from None
@@ -174,9 +174,9 @@ def interrupted_message(cfg: RunConfig, signal_name: str = "SIGINT") -> str:
     from ..metrics import read_jsonl
 
     run_dir = Path(cfg.run_dir)
-    rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+    rows = read_jsonl(RunDir(run_dir).metrics) if RunDir(run_dir).metrics.exists() else []
     step = max((int(r.get("step", 0)) for r in rows), default=0)
-    saved = published_checkpoints(run_dir / "checkpoints")
+    saved = published_checkpoints(RunDir(run_dir).checkpoints)
     ckpt = f"last checkpoint step {step_of(saved[0])} ({saved[0]})" if saved else "no checkpoint saved yet"
     return (f"interrupted ({signal_name}) at step {step}; {ckpt}; resume with: syncwise train --run-dir "
             f"{run_dir} --resume auto" + (" (it restarts from step 0: nothing was saved)" if not saved else ""))
@@ -196,14 +196,14 @@ def launch(cfg: RunConfig) -> dict:
         # SIGTERM/SIGUSR1 here stop the lab's agents with SIGTERM; each forwards it to its workers, which save
         # within the grace (the agents wait that long, and so does the lab launcher before it kills anything).
         with signals_raise():
-            code = lab_torchrun(["-m", "syncwise.commands.worker", "--config", str(Path(cfg.run_dir) / "config.json")],
+            code = lab_torchrun(["-m", "syncwise.commands.worker", "--config", str(RunDir(cfg.run_dir).config)],
                                 nproc_per_node=cfg.dist.nproc, max_restarts=cfg.dist.max_restarts,
                                 env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(int(grace) + 5)}, stop_grace=grace + 10)
         if code != 0:
             if read_marker(cfg.run_dir):
                 raise RunPreempted(read_marker(cfg.run_dir))
             raise SyncwiseError(f"the lab job failed (exit code {code}); see the worker output above")
-        return json.loads((Path(cfg.run_dir) / "summary.json").read_text())
+        return json.loads(RunDir(cfg.run_dir).summary.read_text())
     if cfg.dist.nproc == 1 and cfg.dist.max_restarts == 0 and cfg.dist.nnodes == "1":
         return train_worker(cfg)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -212,7 +212,7 @@ def launch(cfg: RunConfig) -> dict:
 
     try:
         results = run_local(run_worker, cfg.dist.nproc, cfg, max_restarts=cfg.dist.max_restarts,
-                            log_dir=str(Path(cfg.run_dir) / "logs"), nnodes=cfg.dist.nnodes,
+                            log_dir=str(RunDir(cfg.run_dir).logs), nnodes=cfg.dist.nnodes,
                             shutdown_grace_s=grace + 5 if grace else None)
     except ChildFailedError as e:
         if read_marker(cfg.run_dir):  # a worker was signalled (not this launcher): the workers stopped and saved
@@ -240,7 +240,7 @@ def launch_live_recovery(cfg: RunConfig) -> dict:
     ft = cfg.ft
     print(f"syncwise: live recovery: {ft.replicas} replica groups of {cfg.dist.nproc} worker(s), lighthouse "
           f"{ft.lighthouse or 'started here'}; replica logs in {Path(cfg.run_dir) / 'ft'}", flush=True)
-    worker = ["-m", "syncwise.commands.worker", "--config", str(Path(cfg.run_dir) / "config.json")]
+    worker = ["-m", "syncwise.commands.worker", "--config", str(RunDir(cfg.run_dir).config)]
     if cfg.dist.lab:  # one replica group per lab node, the lighthouse on node 0 (syncwise.launch.ft_lab)
         from ..launch.ft_lab import run_replicas_lab
 
@@ -254,7 +254,7 @@ def launch_live_recovery(cfg: RunConfig) -> dict:
                              heartbeat_timeout_s=ft.heartbeat_timeout_s)
     summary = merge_metrics(cfg.run_dir, cfg.train.steps)
     summary["live_recovery"]["exit_codes"] = codes
-    (Path(cfg.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    RunDir(cfg.run_dir).summary.write_text(json.dumps(summary, indent=2) + "\n")
     if summary.get("steps", 0) < cfg.train.steps or all(codes):
         raise SyncwiseError(f"live recovery: the replica groups ended with exit codes {codes} and the run reached "
                             f"step {summary.get('steps', 0)} of {cfg.train.steps}; see {Path(cfg.run_dir) / 'ft'}"

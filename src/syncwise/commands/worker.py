@@ -31,7 +31,7 @@ from ..errors import SyncwiseError
 from ..data import SmartPrefetcher, TokenBatchLoader, evaluation_batches, load_corpus
 from ..metrics.sinks import close_sinks, open_sinks
 from ..models import build_model, count_params, flops_per_token, lm_loss
-from ..rundir import RunDirLock, held_by_launcher
+from ..rundir import RunDir, RunDirLock, held_by_launcher
 from ..train.arguments import join_torchrun
 from ..train.dynamic_batch import DynamicBatcher
 from ..train.preemption import Preempted
@@ -212,7 +212,7 @@ def train_worker(cfg: RunConfig) -> dict[str, Any]:
         checkpointer = None
         if cfg.run_dir:
             checkpointer = SmartCheckpointer(
-                Path(cfg.run_dir) / "checkpoints", interval=cfg.ckpt.interval,  # 0: only the final checkpoint
+                RunDir(cfg.run_dir).checkpoints, interval=cfg.ckpt.interval,  # 0: only the final checkpoint
                 max_checkpoints=cfg.ckpt.keep, compression=cfg.ckpt.compression, async_save=cfg.ckpt.async_save,
                 mtbf_s=cfg.ckpt.mtbf_s, layout=parallel.describe, shared=live is not None)
         trainer = OptimizedTrainer(

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from ..rundir import RunDir
+
 PERSISTENT = 0.75        # late in this share of the steps since its onset: a persistent straggler
 MIN_LATE_S = 0.5e-3      # a margin below this is clock noise and scheduling, not a straggler
 LATE_SHARE = 0.05        # ... and below this share of the step too
@@ -53,10 +55,9 @@ class Arrivals:
 
 def load(run_path: "str | Path", ranks: list[int]) -> Optional[Arrivals]:
     """The run's arrivals, or None when fewer than two ranks logged any."""
-    base = Path(run_path) / "ranks"
     rows: dict[int, dict[int, dict[str, Any]]] = {}
     for r in ranks:
-        path = base / f"arrivals{r}.jsonl"
+        path = RunDir(run_path).arrivals(r)
         if not path.is_file():
             continue
         per: dict[int, dict[str, Any]] = {}

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SyncwiseError
+from ..rundir import RunDir
 
 EXPECTED = ("a run directory written by `syncwise train` or OptimizedTrainer(run_dir=...): metrics.jsonl and "
             "summary.json (config.json and ranks/ when present)")
@@ -76,7 +77,7 @@ def load_run(path: "str | Path", live: bool = False) -> Run:
         raise SyncwiseError(f"doctor: {p} does not exist; expected {EXPECTED}")
     if not p.is_dir():
         raise SyncwiseError(f"doctor: {p} is not a directory; expected {EXPECTED}")
-    metrics = p / "metrics.jsonl"
+    metrics = RunDir(p).metrics
     if not metrics.is_file():
         raise SyncwiseError(f"doctor: {p} has no metrics.jsonl; expected {EXPECTED}")
     what = "one JSON object per step with 'step' and 'step_time_s' (syncwise's metrics.jsonl)"
@@ -84,7 +85,7 @@ def load_run(path: "str | Path", live: bool = False) -> Run:
     if not rows:
         raise SyncwiseError(f"doctor: {metrics} holds no steps; expected {what} (did the run train at least one "
                             "step?)")
-    summary_path = p / "summary.json"
+    summary_path = RunDir(p).summary
     if live and not summary_path.is_file():
         summary: Any = {}
     elif not summary_path.is_file():
@@ -95,13 +96,13 @@ def load_run(path: "str | Path", live: bool = False) -> Run:
     if not isinstance(summary, dict):
         raise SyncwiseError(f"doctor: {summary_path} is not a JSON object; expected the run's final summary")
     config: dict[str, Any] = {}
-    if (p / "config.json").exists():
+    if RunDir(p).config.exists():
         config = _json(p / "config.json", "the run's resolved configuration (a JSON object)")
         if not isinstance(config, dict):
             raise SyncwiseError(f"doctor: {p / 'config.json'} is not a JSON object; expected the run's resolved "
                                 "configuration")
     run = Run(p, rows, summary, config)
-    rank_dir = p / "ranks"
+    rank_dir = RunDir(p).ranks
     if rank_dir.is_dir():
         for f in sorted(rank_dir.iterdir()):
             m = re.fullmatch(r"rank(\d+)\.(jsonl|json)", f.name)

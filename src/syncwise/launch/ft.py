@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..errors import SyncwiseError
+from ..rundir import RunDir
 from .local import free_port, threads_per_worker
 
 FT_DIR = "ft"  # RUN_DIR/ft/replica{R}.{attempt}: each replica group attempt's own run directory (LiveRecovery.run_dir)
@@ -190,14 +191,14 @@ def merge_metrics(run_dir: str | Path, total_steps: int) -> dict[str, Any]:
     trained: dict[int, set[int]] = {}  # replica -> steps it took part in (any attempt)
     # A step logged twice (every replica lost: the fallback from a checkpoint redid it) is the latest attempt's.
     for r, a, d in sorted(attempts, key=lambda t: (-t[1], t[0])):
-        for row in _read_rows(d / "metrics.jsonl"):
+        for row in _read_rows(RunDir(d).metrics):
             step = int(row.get("step", 0))
             trained.setdefault(r, set()).add(step)
             by_step.setdefault(step, {**row, "attempt": a})
     rows = [by_step[s] for s in sorted(by_step)]
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    summaries = [(r, a, json.loads((d / "summary.json").read_text())) for r, a, d in attempts
-                 if (d / "summary.json").exists()]
+    RunDir(run_dir).metrics.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    summaries = [(r, a, json.loads(RunDir(d).summary.read_text())) for r, a, d in attempts
+                 if RunDir(d).summary.exists()]
     # the summary of the attempt that got furthest (the latest such attempt, then the lowest replica)
     best = min(summaries, key=lambda t: (-int(t[2].get("steps") or 0), -t[1], t[0]), default=None)
     summary: dict[str, Any] = dict(best[2]) if best else {"steps": max(by_step, default=0)}
@@ -216,7 +217,7 @@ def merge_metrics(run_dir: str | Path, total_steps: int) -> dict[str, Any]:
         # local SGD / DiLoCo: the inner steps of the rounds whose outer step did not commit (their rows stay)
         "discarded_inner_steps": sum(int(row.get("discarded_inner_steps", 0)) for row in rows),
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    RunDir(run_dir).summary.write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 

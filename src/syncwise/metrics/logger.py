@@ -12,6 +12,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from ..rundir import RunDir
+
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """All rows of a metrics.jsonl (a torn last line from a crash is ignored)."""
@@ -73,7 +75,7 @@ class MetricsLogger:
 
     def _open_files(self, start_step: int, tensorboard: bool) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.run_dir / "metrics.jsonl"
+        self.path = RunDir(self.run_dir).metrics
         if start_step == 0 and self.path.exists():
             self.path.unlink()  # a fresh run in this directory: the old run's rows do not belong to it
         elif self.path.exists():
@@ -126,7 +128,7 @@ class MetricsLogger:
             self._progress.stop()
         if self._file is not None:
             self._file.close()
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            RunDir(self.run_dir).summary.write_text(json.dumps(summary, indent=2) + "\n")
         if self._tb is not None:
             self._tb.close()
         if not self.show:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..comm.stats import STATS, CommStats
+from ..rundir import RunDir
 from .logger import read_jsonl
 
 log = logging.getLogger(__name__)
@@ -95,14 +96,14 @@ class RankLog:
 
     def __init__(self, run_dir: "str | Path | None", rank: int, world_size: int = 1, start_step: int = 0):
         self.rank, self.world_size = rank, world_size
-        self.dir = Path(run_dir) / "ranks" if run_dir else None
+        self.dir = RunDir(run_dir).ranks if run_dir else None
         self._file = None
         self._stats_mark = STATS.snapshot()
         self._control: Optional[dict] = None
         if self.dir is None:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
-        path = self.dir / f"rank{rank}.jsonl"
+        path = RunDir(run_dir).rank_log(rank)
         if path.exists():  # a fresh run drops an old run's rows; a resumed one the rows it redoes
             rows = [r for r in read_jsonl(path) if r.get("step", 0) <= start_step] if start_step else []
             tmp = path.with_suffix(".jsonl.tmp")

@@ -16,15 +16,12 @@ import torch.distributed as dist
 from .. import rundir
 from ..checkpoint.storage import published_checkpoints
 from ..errors import SyncwiseError
-from ..rundir import RunDirLock, held_by_launcher
-
-# What the trainer writes into a run directory: finding one of these means a run was there.
-RUN_FILES = ("metrics.jsonl", "summary.json", "preempted.json")
+from ..rundir import RunDir, RunDirLock, held_by_launcher
 
 
 def previous_run(run_dir: Optional[Path], checkpoint_dir: Optional[Path]) -> list[str]:
     """The files and checkpoints of an earlier run in ``run_dir`` / ``checkpoint_dir`` (empty: none)."""
-    found = [name for name in RUN_FILES if run_dir is not None and (run_dir / name).exists()]
+    found = [p.name for p in RunDir(run_dir).run_files() if p.exists()] if run_dir is not None else []
     if checkpoint_dir is not None and checkpoint_dir.is_dir():
         found += [str(p.relative_to(run_dir)) if run_dir is not None and p.is_relative_to(run_dir) else str(p)
                   for p in published_checkpoints(checkpoint_dir)]

@@ -42,6 +42,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from ..comm import ops
+from ..rundir import RunDir
 
 #: Exit code of a process that stopped on SIGTERM/SIGUSR1 after publishing a checkpoint of its last finished step.
 #: Resume (``--resume auto``; the generated Slurm script requeues itself) continues exactly.
@@ -60,7 +61,7 @@ EXIT_INTERRUPTED = 130
 #: Two SIGINTs closer than this are one Ctrl-C (the terminal's copy and the one torchrun's agent forwards).
 SAME_CTRL_C_S = 1.0
 #: The file rank 0 writes into the run directory when it stopped for preemption (removed when a run starts).
-MARKER = "preempted.json"
+MARKER = RunDir(".").preempted.name  # the file name, for shell scripts (launch/slurm.py)
 DEFAULT_GRACE_S = 60.0
 
 
@@ -114,7 +115,7 @@ def signals_raise() -> Iterator[None]:
 
 
 def marker_path(run_dir: "str | os.PathLike") -> Path:
-    return Path(run_dir) / MARKER
+    return RunDir(run_dir).preempted
 
 
 def read_marker(run_dir: "str | os.PathLike | None") -> Optional[dict[str, Any]]:

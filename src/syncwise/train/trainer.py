@@ -52,6 +52,7 @@ from .claim import claim
 from .meter import CONTROL_STATS, PendingStep, StepMeter, StepResult
 from .options import CommOptions, FaultOptions, RunOptions, StepOptions
 from .preemption import PreemptionGuard
+from ..rundir import RunDir
 
 __all__ = ["OptimizedTrainer", "CommOptions", "StepOptions", "RunOptions", "FaultOptions", "PendingStep",
            "StepResult", "CONTROL_STATS", "lm_loss", "warmup_steps", "warmup_figures"]
@@ -277,7 +278,7 @@ class OptimizedTrainer:
             batches, layout_check = self._check_layout(cloud_config, batches, logger)
         if self.world_size > 1 and self.collective_timeout_s:
             self.watchdog = Watchdog(self.collective_timeout_s, self.rank, self.world_size,
-                                     Path(self.run_dir) / "heartbeats" if self.run_dir else None)
+                                     RunDir(self.run_dir).heartbeats if self.run_dir else None)
         history: list[StepResult] = []
         unlogged: collections.deque = collections.deque()  # (PendingStep, checkpoint save in flight during it)
         self._changes_seen = len(self.batcher.history) if self.batcher is not None else 0
@@ -487,7 +488,7 @@ class OptimizedTrainer:
         if self.rank == 0 and self.show_progress:
             print(f"syncwise: the run already finished at step {self.step} (steps={total}); nothing to train. "
                   "Pass a larger step count to train it further.", flush=True)
-        path = Path(self.run_dir) / "summary.json" if self.run_dir else None
+        path = RunDir(self.run_dir).summary if self.run_dir else None
         try:
             return json.loads(path.read_text()) if path is not None else {"steps": self.step}
         except (OSError, ValueError):
@@ -532,7 +533,7 @@ class OptimizedTrainer:
             self.sync.resumed()
         if resume == "auto" and step == 0:
             return None
-        logged = read_jsonl(Path(self.run_dir) / "metrics.jsonl") if self.run_dir and self.rank == 0 else []
+        logged = read_jsonl(RunDir(self.run_dir).metrics) if self.run_dir and self.rank == 0 else []
         return max(0, max((r.get("step", 0) for r in logged), default=step) - step)
 
     @property
@@ -766,7 +767,7 @@ class OptimizedTrainer:
         start = getattr(self, "_start_step", 0)
         if not start or self.rank != 0 or not self.run_dir:
             return []
-        rows = [r for r in read_jsonl(Path(self.run_dir) / "metrics.jsonl") if r.get("step", 0) <= start]
+        rows = [r for r in read_jsonl(RunDir(self.run_dir).metrics) if r.get("step", 0) <= start]
         return [StepResult(loss=r["loss"] if r.get("loss") is not None else math.nan,
                            step_time_s=r.get("step_time_s") or 0.0, compute_s=r.get("compute_s") or 0.0,
                            comm_exposed_s=r.get("comm_exposed_s") or 0.0, data_wait_s=r.get("data_wait_s") or 0.0,
