@@ -31,7 +31,7 @@ class PeakInfo(NamedTuple):
 
 # Dense bf16 tensor-core peaks per device (per GPU, per GCD on multi-die AMD parts), first match wins,
 # so a variant precedes its family. NVIDIA's datasheets print the 2:4-sparsity figure; dense is half
-# of it (the number in parentheses below). The full table with links is in docs/models-gpu.md.
+# of it (the number in parentheses below). The full table with links is in docs/gpu.md.
 _NV = "NVIDIA datasheet"
 PEAK_TABLE: tuple[PeakEntry, ...] = (
     # Blackwell

@@ -39,7 +39,7 @@ class ModelConfig:
                                "(torch._grouped_mm, no host sync), 'padded' (block-padded bmm, no host "
                                "sync), 'loop' (per-expert Python loop, the reference; syncs the host), "
                                "or 'auto' (grouped where this device and dtype have a fast path, else "
-                               "padded; see docs/models-gpu.md).")
+                               "padded; see docs/gpu.md).")
     attention: str = _f("mha", "Attention kind: 'mha' (standard multi-head) or 'mla' "
                                "(multi-head latent attention: low-rank KV with a decoupled RoPE key).")
     q_lora_rank: int = _f(0, "MLA: rank of the query compression; 0 = no query compression.")

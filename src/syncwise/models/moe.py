@@ -131,7 +131,7 @@ class GroupedExperts(nn.Module):
     """E SwiGLU experts stored as stacked (E, ...) weights, so expert parallelism can shard dim 0
     and every expert weight always receives a gradient tensor (zero where an expert got no tokens).
 
-    Three exact implementations of the same computation (``impl``; see docs/models-gpu.md):
+    Three exact implementations of the same computation (``impl``; see docs/gpu.md):
 
     - ``grouped``: three ``torch._grouped_mm`` calls over the expert-sorted rows with int32 offsets
       (cumulative counts). No host sync, static shapes. Chosen where the device and dtype have a
@@ -207,7 +207,7 @@ class GroupedExperts(nn.Module):
         # Worst-case padding adds E * (B - 1) rows of matmul work, and every block copies its
         # expert's weights: B = half the mean group size (a power of two in 16..256) bounds the
         # padding at ~2x the rows in the worst case and ~1.25x at balanced load, with about three
-        # weight copies per expert. On CPU (docs/models-gpu.md) B = 64 was the best of 8..256 for
+        # weight copies per expert. On CPU (docs/gpu.md) B = 64 was the best of 8..256 for
         # `small` and tied with 128 for `medium`; GPU matmuls want B >= 64 as well.
         mean = max(1, n_rows // self.w1.shape[0])
         return max(16, min(256, 1 << max(0, (mean // 2).bit_length() - 1)))
