@@ -123,3 +123,68 @@ def test_replicas_stay_bitwise_identical_on_three_ranks_for_every_compressor_and
         assert torch.isfinite(first).all(), spec
         for r in results[1:]:
             assert torch.equal(r[spec], first), f"{spec}: replicas drifted apart"
+
+
+# ---- host reads: SYNCWISE_STRICT_SYNCS -----------------------------------------------------------------------------
+STRICT_SPECS = [None, "topk:ratio=0.1", "powersgd:rank=2,start_iter=1", "fp8", "int8"]
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+
+
+def _strict_steps(rank, world, specs, sync=None):
+    """Steady DDP steps under SYNCWISE_STRICT_SYNCS=1 (fused AdamW: the non-finite step is skipped on the device)."""
+    import os
+
+    from syncwise.comm import hostread
+    from syncwise.train import OptimizedTrainer
+
+    os.environ[hostread.STRICT_ENV] = "1"
+    out = {}
+    for spec in specs:
+        model = _mlp()
+        g = torch.Generator().manual_seed(rank)
+        batches = [(torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(6)]
+        trainer = OptimizedTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True),
+                                   nn.functional.cross_entropy, compress_gradients=spec, min_numel=256, sync=sync,
+                                   show_progress=False)
+        trainer.log_lag = 1  # as on a GPU
+        hostread.DESIGNED.clear()
+        summary = trainer.train(batches, steps=6)
+        out[str(spec)] = (trainer._skips_on_device, dict(hostread.DESIGNED), summary["final_loss"])
+    return out
+
+
+def test_steady_ddp_steps_read_no_device_value_on_the_host_outside_the_reader():
+    """Fails on 7ed2b6b: the step read bool(nonfinite) / float(loss) / the compressor's flags directly."""
+    for result in run_workers(_strict_steps, 2, STRICT_SPECS):
+        for spec, (on_device, designed, loss) in result.items():
+            assert on_device, spec
+            assert designed == {}, (spec, designed)  # no designed read either
+            assert loss == loss, spec
+
+
+def test_strict_syncs_fails_a_direct_read_inside_the_step_region():
+    import os
+
+    from syncwise.comm import hostread
+
+    os.environ[hostread.STRICT_ENV] = "1"
+    try:
+        t = torch.ones(()) * 2
+        with hostread.step_region():
+            copy = hostread.HostCopy({"x": t, "n": 3})
+            try:
+                float(t)
+            except hostread.HostReadError as e:
+                assert "HostCopy" in str(e) and "test_hot_path.py" in str(e)
+            else:
+                raise AssertionError("a direct read passed")
+            with hostread.designed("test"):
+                assert bool(t)
+            assert copy.read() == {"x": 2.0, "n": 3}
+        assert float(t) == 2.0  # outside the region: anything goes
+    finally:
+        del os.environ[hostread.STRICT_ENV]

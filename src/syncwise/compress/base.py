@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import ops
+from ..comm.hostread import HostCopy
 from ..errors import ConfigError, SyncwiseError
 from ..layout import COMPRESSORS
 
@@ -341,37 +342,24 @@ class Compressor:
 class Verdict:
     """One averaged bucket's verdict (``ok``), its element count and compressed keys, readable later.
 
-    A CPU flag is host memory already; a CUDA flag is copied to pinned memory behind an event, so
-    reading it waits for that event only, not for the work queued after it (a plain ``.item()`` would
-    wait for the whole stream: the rest of the backward pass)."""
+    The flag goes through :class:`syncwise.comm.hostread.HostCopy`: on CUDA copied to pinned memory behind an event,
+    so reading it waits for that event only, not for the work queued after it (a plain ``.item()`` would wait for
+    the whole stream: the rest of the backward pass)."""
 
-    __slots__ = ("keys", "elements", "_flag", "_event")
+    __slots__ = ("keys", "elements", "_copy")
 
     def __init__(self, ok: "Union[bool, torch.Tensor]", elements: int, keys: Sequence[str]):
         self.keys = frozenset(keys)
         self.elements = elements
-        self._event: Any = None
-        if not torch.is_tensor(ok) or ok.device.type == "cpu":
-            self._flag: Any = ok
-        elif ok.device.type == "cuda":
-            self._flag = torch.empty((), dtype=torch.bool, pin_memory=True)
-            self._flag.copy_(ok, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record(torch.cuda.current_stream(ok.device))
-        else:  # another accelerator: read when needed (a sync there, never in ready())
-            self._flag = ok
+        self._copy = HostCopy({"ok": ok})
 
     def ready(self) -> bool:
         """True if reading the verdict would not wait for the device."""
-        if self._event is not None:
-            return bool(self._event.query())
-        return not torch.is_tensor(self._flag) or self._flag.device.type == "cpu"
+        return self._copy.ready()
 
     def value(self) -> bool:
         """The verdict (waits for its event on CUDA)."""
-        if self._event is not None:
-            self._event.synchronize()
-        return bool(self._flag)
+        return bool(self._copy.read()["ok"])
 
 
 def rank_order_sum(rows: torch.Tensor) -> torch.Tensor:

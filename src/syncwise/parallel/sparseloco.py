@@ -27,7 +27,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ..comm import ops, timing
+from ..comm import hostread, ops, timing
 from ..comm.stats import STATS, CommStats
 from .local_sgd import LocalSGD
 from .sync_spec import SyncSpec
@@ -123,7 +123,8 @@ class SparseLoCo(LocalSGD):
                 pending["work"].wait()
         waited = iv.seconds()
         gathered = pending["gathered"].view(-1, pending["payload"])
-        ok = bool(gathered[:, -_FLAG:].contiguous().view(torch.int32).eq(0).all())
+        with hostread.designed("outer average landed: every replica finite? (once per period)"):
+            ok = bool(gathered[:, -_FLAG:].contiguous().view(torch.int32).eq(0).all())
         skips = -_FLAG - self.spec.period
         self._unpack_skips(pending["launched_at"], gathered[:, skips:-_FLAG].amax(0))  # every replica records them
         if ok:
