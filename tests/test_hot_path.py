@@ -188,3 +188,59 @@ def test_strict_syncs_fails_a_direct_read_inside_the_step_region():
         assert float(t) == 2.0  # outside the region: anything goes
     finally:
         del os.environ[hostread.STRICT_ENV]
+
+
+# ---- lifetimes: an async collective owns its tensors until it completes -------------------------------------------
+def _owned(rank, world):
+    import gc
+    import weakref
+
+    from syncwise.comm import ops
+
+    import time
+
+    inp = torch.full((1024,), float(rank))
+    out = torch.empty(world * 1024)
+    alive = weakref.ref(inp)
+    if rank == 1:
+        time.sleep(1.0)  # rank 0's gather cannot complete before rank 1 joins: it is in flight below
+    work = ops.all_gather(out, inp, async_op=True)
+    held = [f for f in list(ops._in_flight.values()) if any(t is inp for t in f.tensors)]
+    del inp  # the caller drops its input before waiting (SparseLoCo's payload did)
+    gc.collect()
+    owned_in_flight = rank == 1 or (bool(held) and alive() is not None)
+    held = None
+    work.wait()
+    work.get_future().wait()
+    gc.collect()
+    released = not any(f.op == "all_gather" for f in ops._in_flight.values())
+    return owned_in_flight, released, out[1024:].eq(1.0).all().item()
+
+
+def test_an_async_collectives_record_owns_its_tensors_until_it_completes():
+    """Fails on 7ed2b6b: the in-flight record kept no tensor (NCCL's stash went at the timing stream's wait)."""
+    for owned, released, ok in run_workers(_owned, 2):
+        assert owned and released and ok
+
+
+# ---- N7, N11: NCCL's timeout above syncwise's; one timing stream per group ----------------------------------------
+def test_nccl_timeout_is_set_above_the_watchdogs_report():
+    from syncwise.comm import ops
+    from syncwise.comm.watchdog import Watchdog
+    import inspect
+
+    grace = inspect.signature(Watchdog.__init__).parameters["grace_s"].default
+    interval = inspect.signature(Watchdog.__init__).parameters["interval_s"].default
+    for backend in ("nccl", "cuda:nccl,cpu:gloo"):
+        assert ops.backend_timeout(60, backend).total_seconds() > 60 + grace + interval
+    assert ops.backend_timeout(60, "gloo").total_seconds() == 60
+    assert ops.backend_timeout(None, "nccl") is None
+
+
+def test_one_timing_stream_per_group():
+    from syncwise.comm import ops
+
+    dev = torch.device("cuda", 0)
+    a, b = object(), object()
+    assert ops.timing_stream_key(dev, a) != ops.timing_stream_key(dev, b) != ops.timing_stream_key(dev, None)
+    assert ops.timing_stream_key(dev, a) == ops.timing_stream_key(dev, a)

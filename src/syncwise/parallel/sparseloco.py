@@ -107,8 +107,9 @@ class SparseLoCo(LocalSGD):
         payload = torch.cat([payload, self._flags.to(torch.uint8), bad.view(torch.uint8)])
         out = torch.empty(self._world() * payload.numel(), dtype=torch.uint8, device=payload.device)
         work = ops.all_gather(out, payload, group=self.group, async_op=True, stats=self.stats)
+        # the payload stays referenced until the round lands (comm.ops's in-flight record owns it too, issue 39 N1)
         self._pending = {"launched_at": step, "apply_at": step + delay, "work": work, "gathered": out,
-                         "payload": payload.numel()}
+                         "payload": payload.numel(), "sent": payload}
 
     def _world(self) -> int:
         import torch.distributed as dist
