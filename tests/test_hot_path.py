@@ -244,3 +244,25 @@ def test_one_timing_stream_per_group():
     a, b = object(), object()
     assert ops.timing_stream_key(dev, a) != ops.timing_stream_key(dev, b) != ops.timing_stream_key(dev, None)
     assert ops.timing_stream_key(dev, a) == ops.timing_stream_key(dev, a)
+
+
+# ---- N4, N12, N13: chunks only on the CPU; pinned random-k indices; compressor matmuls in fp32 --------------------
+def test_fp8_chunks_passes_only_on_the_cpu():
+    from syncwise.compress.cast import FP8Compressor
+
+    c = FP8Compressor()
+    assert c._step(torch.device("cpu")) == FP8Compressor._CHUNK // c.config.block * c.config.block
+    assert c._step(torch.device("cuda", 0)) >= 1 << 40  # one pass per bucket on a GPU (7ed2b6b: 2^18 there too)
+
+
+def test_compressor_matmuls_are_fp32_on_the_cpu_and_fp64_rounded_on_a_gpu():
+    from syncwise.compress.base import fp32_matmul
+
+    seen = []
+
+    def mm(a, b):
+        seen.append(a.dtype)
+        return a @ b
+
+    a, b = torch.randn(4, 3), torch.randn(3, 2)
+    assert torch.equal(fp32_matmul(mm, a, b), a @ b) and seen == [torch.float32]

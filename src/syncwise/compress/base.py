@@ -362,6 +362,16 @@ class Verdict:
         return bool(self._copy.read()["ok"])
 
 
+def fp32_matmul(fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
+    """``fn(*tensors)`` (a matmul) in full fp32 precision whatever the global TF32 setting (the trainer turns TF32 on
+    for the model on CUDA): on a GPU computed in fp64 and rounded to fp32 once — TF32's 10-bit mantissa would round
+    PowerSGD's and DeMo's projections coarsely, differently per GPU model (issue 39 N13). Thread-safe, unlike
+    toggling ``torch.backends.cuda.matmul.allow_tf32`` while the backward runs. On the CPU (no TF32): as given."""
+    if tensors[0].device.type == "cuda":
+        return fn(*(t.double() for t in tensors)).float()
+    return fn(*tensors)
+
+
 def rank_order_sum(rows: torch.Tensor) -> torch.Tensor:
     """``rows[0] + rows[1] + ...`` (world x n) added in rank order: the same fp32 bits on every rank and every GPU
     model (a reduction kernel's order depends on its launch configuration)."""
