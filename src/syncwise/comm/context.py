@@ -131,7 +131,8 @@ class CommContext:
             ops.declare_backend(devices.process_group_backend("nccl" if self.device.type == "cpu" else self.backend))
             extra = {"device_id": self.device} if self.backend == "nccl" else {}
             dist.init_process_group(devices.process_group_backend(self.backend),
-                                    timeout=timedelta(seconds=self.timeout_s), **extra)
+                                    timeout=ops.backend_timeout(self.timeout_s, self.backend) or
+                                    timedelta(seconds=self.timeout_s), **extra)
             self._owns_default = True
         else:
             existing = str(dist.get_backend())
@@ -190,7 +191,8 @@ class CommContext:
         Every rank must create every group in the same order, so both enumerations are issued on all
         ranks; groups that would coincide with WORLD reuse it instead of opening new connections.
         """
-        topo, timeout = self.topology, timedelta(seconds=self.timeout_s)
+        topo = self.topology
+        timeout = ops.backend_timeout(self.timeout_s, self.backend) or timedelta(seconds=self.timeout_s)
         world = dist.group.WORLD
         if topo.nodes == 1:
             return world, None

@@ -25,7 +25,7 @@ import os
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Optional
 
@@ -151,6 +151,10 @@ class InFlight:
     group: object  # the process group (None: the default one); named only when a report needs it
     started: Optional[float]  # time.monotonic(); None for torch's own collective found in a traceback
     interval: Optional[Interval] = None  # CUDA events of an NCCL collective: in flight until its end completed
+    #: an async collective's tensors, owned by this record until the collective completed (issue 39 N1): NCCL's
+    #: ``work.wait()`` on the timing stream releases the work's own stash, and a caller that drops its input before
+    #: waiting (SparseLoCo's payload) would hand the block back to the allocator while NCCL still reads it
+    tensors: tuple = field(default=(), repr=False, compare=False)
 
     def describe(self) -> str:
         if self.group is UNKNOWN_GROUP:
@@ -167,6 +171,33 @@ def set_collective_timeout(seconds: Optional[float]) -> None:
     _timeout = timedelta(seconds=seconds) if seconds else None
 
 
+#: seconds NCCL's own timeout is set above syncwise's (issue 39 N7): NCCL's watchdog aborts the communicator at its
+#: timeout and tears the process down, so at the same value syncwise's report (the watchdog's, at timeout + its grace
+#: of 2 s, checked every 1 s) never printed. gloo raises in the waiting thread, which the trainer reports: no margin.
+NCCL_TIMEOUT_MARGIN_S = 30.0
+
+
+def backend_timeout(seconds: Optional[float], backend: Optional[str]) -> Optional[timedelta]:
+    """The timeout a process group of ``backend`` gets for syncwise's collective timeout ``seconds``: the same on
+    gloo, :data:`NCCL_TIMEOUT_MARGIN_S` more where the group has an NCCL communicator (so syncwise reports first)."""
+    if not seconds:
+        return None
+    margin = NCCL_TIMEOUT_MARGIN_S if backend is not None and "nccl" in str(backend) else 0.0
+    return timedelta(seconds=seconds + margin)
+
+
+def _group_timeout(backend: Optional[str] = None) -> Optional[timedelta]:
+    """The job's timeout for a group of ``backend`` (None: the default group's)."""
+    if _timeout is None:
+        return None
+    if backend is None:
+        try:
+            backend = str(dist.get_backend())
+        except (RuntimeError, ValueError):
+            backend = None
+    return backend_timeout(_timeout.total_seconds(), backend)
+
+
 def collective_timeout_s() -> Optional[float]:
     return _timeout.total_seconds() if _timeout is not None else None
 
@@ -175,9 +206,9 @@ def new_group(ranks: Optional[list[int]] = None, backend: Optional[str] = None, 
     """``dist.new_group`` with the job's timeout (torch's own default is 30 min, so a side communicator —
     compression, checkpoint saving — would outlast ``--dist.timeout_s`` by far) and a name for reports."""
     try:
-        group = dist.new_group(ranks=ranks, backend=backend, timeout=_timeout, group_desc=desc)
+        group = dist.new_group(ranks=ranks, backend=backend, timeout=_group_timeout(backend), group_desc=desc)
     except TypeError:  # torch without group_desc
-        group = dist.new_group(ranks=ranks, backend=backend, timeout=_timeout)
+        group = dist.new_group(ranks=ranks, backend=backend, timeout=_group_timeout(backend))
     if backend is not None and group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
         declare_backend(backend, group)  # an explicit backend: the strict check holds the group to it
     return group
@@ -190,7 +221,11 @@ def adopt_group(group) -> None:
     replicas) was never reported: the waiting ranks sat there for 30 min (issue 23). No-op without a job timeout."""
     if _timeout is None or group is None or group is dist.GroupMember.NON_GROUP_MEMBER:
         return
-    dist.distributed_c10d._set_pg_timeout(_timeout, group)
+    try:
+        backend = str(dist.get_backend(group))
+    except (RuntimeError, ValueError):
+        backend = None
+    dist.distributed_c10d._set_pg_timeout(_group_timeout(backend), group)
 
 
 def group_device(group=None) -> torch.device:
@@ -218,7 +253,7 @@ def _prune_in_flight() -> None:
     """Drop CUDA-timed collectives whose end event has completed."""
     for token, f in list(_in_flight.items()):
         if f.interval is not None and f.interval.done():
-            _in_flight.pop(token, None)
+            _release(token)
 
 
 def oldest_in_flight() -> Optional[InFlight]:
@@ -286,11 +321,19 @@ _timing_streams: dict = {}
 _timing_lock = threading.Lock()
 
 
-def _timing_stream(device: torch.device) -> "torch.cuda.Stream":
+def timing_stream_key(device: torch.device, group=None) -> tuple:
+    """Which timing stream times a collective: one per (device, group) (issue 39 N11). A stream waits for its
+    collectives in issue order, so with one per device a long async collective (DiLoCo's outer average) held back
+    the end events of every later one on other groups and inflated their times."""
+    return (device, "default" if group is None or group is dist.group.WORLD else id(group))
+
+
+def _timing_stream(device: torch.device, group=None) -> "torch.cuda.Stream":
+    key = timing_stream_key(device, group)
     with _timing_lock:
-        stream = _timing_streams.get(device)
+        stream = _timing_streams.get(key)
         if stream is None:
-            stream = _timing_streams[device] = torch.cuda.Stream(device=device)
+            stream = _timing_streams[key] = torch.cuda.Stream(device=device)
         return stream
 
 
@@ -309,9 +352,9 @@ def _issue(name: str, nbytes: int, fn, async_op: bool, stats: CommStats, group=N
     if tensors and strict():
         check_devices(name, list(tensors), group)
     if tensors and _nccl_timed(tensors[0], group):
-        return _issue_nccl(name, nbytes, fn, async_op, stats, group, tensors[0].device)
+        return _issue_nccl(name, nbytes, fn, async_op, stats, group, tensors)
     start = time.perf_counter()
-    token, record, work = _launch(name, group, fn)
+    token, record, work = _launch(name, group, fn, tensors=tensors if async_op else ())
     if not async_op:
         _in_flight.pop(token, None)
         stats.record(name, nbytes, time.perf_counter() - start)
@@ -320,7 +363,7 @@ def _issue(name: str, nbytes: int, fn, async_op: bool, stats: CommStats, group=N
 
     def _done(fut):
         global _last_failed
-        _in_flight.pop(token, None)
+        _release(token)
         stats.add_time(name, time.perf_counter() - start)
         try:
             return fut.value()
@@ -335,12 +378,25 @@ def _issue(name: str, nbytes: int, fn, async_op: bool, stats: CommStats, group=N
     return work
 
 
-def _launch(name: str, group, fn, interval: Optional[Interval] = None):
+class StrictLifetimeError(RuntimeError):
+    """An async collective completed after its tensors were released (strict devices: ``SYNCWISE_STRICT_DEVICES``)."""
+
+
+def _release(token: int) -> None:
+    """The collective of ``token`` completed: its record leaves the in-flight set and lets its tensors go. Strict:
+    check the record still owned every tensor up to here (the one lifetime rule, issue 39 N1)."""
+    record = _in_flight.pop(token, None)
+    if record is not None and strict() and any(t is None or not torch.is_tensor(t) for t in record.tensors):
+        raise StrictLifetimeError(f"{record.describe()} completed after its tensors were released [{STRICT_ENV}=1]")
+
+
+def _launch(name: str, group, fn, interval: Optional[Interval] = None, tensors: tuple = ()):
     """Call ``fn`` (the collective) with its record in the in-flight set; a collective that raises is remembered
-    as the last failed one and leaves the set. Returns (token, record, work)."""
+    as the last failed one and leaves the set. ``tensors``: an async collective's, owned by the record until it
+    completed. Returns (token, record, work)."""
     global _last_failed
     token = next(_tokens)
-    record = _in_flight[token] = InFlight(name, group, time.monotonic(), interval)
+    record = _in_flight[token] = InFlight(name, group, time.monotonic(), interval, tuple(tensors))
     try:
         work = fn()
     except BaseException:
@@ -350,21 +406,22 @@ def _launch(name: str, group, fn, interval: Optional[Interval] = None):
     return token, record, work
 
 
-def _issue_nccl(name: str, nbytes: int, fn, async_op: bool, stats: CommStats, group, device: torch.device):
-    """A CUDA collective on NCCL: events around it (see the module docstring); never blocks the host."""
+def _issue_nccl(name: str, nbytes: int, fn, async_op: bool, stats: CommStats, group, tensors: tuple):
+    """A CUDA collective on NCCL: events around it (see the module docstring); never blocks the host. An async one's
+    tensors stay owned by its in-flight record until its end event completed (pruned then)."""
+    device = tensors[0].device
+    _prune_in_flight()  # releases the tensors of the collectives that have completed since
     interval = Interval(device).start()  # current stream: NCCL's stream waits for it before starting
-    _, _, work = _launch(name, group, fn, interval)
+    _, _, work = _launch(name, group, fn, interval, tensors if async_op else ())
     if not async_op:
         interval.stop()  # the sync call made the current stream wait for the collective
     else:
-        side = _timing_stream(device)
+        side = _timing_stream(device, group)
         with torch.cuda.stream(side):
             work.wait()  # a stream wait (no host block): the side stream reaches the end with the collective
             interval.stop(side)
     stats.record(name, nbytes)
     stats.add_interval(name, interval)
-    if len(_in_flight) > 256:
-        _prune_in_flight()
     return work
 
 
@@ -378,7 +435,7 @@ class _TimedWork:
         try:
             out = self._work.wait(*args, **kwargs)
         finally:
-            _in_flight.pop(self._token, None)
+            _release(self._token)
         self._stats.add_time(self._name, time.perf_counter() - self._start)
         return out
 

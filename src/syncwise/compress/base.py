@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import ops
+from ..comm.hostread import HostCopy
 from ..errors import ConfigError, SyncwiseError
 from ..layout import COMPRESSORS
 
@@ -341,37 +342,43 @@ class Compressor:
 class Verdict:
     """One averaged bucket's verdict (``ok``), its element count and compressed keys, readable later.
 
-    A CPU flag is host memory already; a CUDA flag is copied to pinned memory behind an event, so
-    reading it waits for that event only, not for the work queued after it (a plain ``.item()`` would
-    wait for the whole stream: the rest of the backward pass)."""
+    The flag goes through :class:`syncwise.comm.hostread.HostCopy`: on CUDA copied to pinned memory behind an event,
+    so reading it waits for that event only, not for the work queued after it (a plain ``.item()`` would wait for
+    the whole stream: the rest of the backward pass)."""
 
-    __slots__ = ("keys", "elements", "_flag", "_event")
+    __slots__ = ("keys", "elements", "_copy")
 
     def __init__(self, ok: "Union[bool, torch.Tensor]", elements: int, keys: Sequence[str]):
         self.keys = frozenset(keys)
         self.elements = elements
-        self._event: Any = None
-        if not torch.is_tensor(ok) or ok.device.type == "cpu":
-            self._flag: Any = ok
-        elif ok.device.type == "cuda":
-            self._flag = torch.empty((), dtype=torch.bool, pin_memory=True)
-            self._flag.copy_(ok, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record(torch.cuda.current_stream(ok.device))
-        else:  # another accelerator: read when needed (a sync there, never in ready())
-            self._flag = ok
+        self._copy = HostCopy({"ok": ok})
 
     def ready(self) -> bool:
         """True if reading the verdict would not wait for the device."""
-        if self._event is not None:
-            return bool(self._event.query())
-        return not torch.is_tensor(self._flag) or self._flag.device.type == "cpu"
+        return self._copy.ready()
 
     def value(self) -> bool:
         """The verdict (waits for its event on CUDA)."""
-        if self._event is not None:
-            self._event.synchronize()
-        return bool(self._flag)
+        return bool(self._copy.read()["ok"])
+
+
+def fp32_matmul(fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
+    """``fn(*tensors)`` (a matmul) in full fp32 precision whatever the global TF32 setting (the trainer turns TF32 on
+    for the model on CUDA): on a GPU computed in fp64 and rounded to fp32 once — TF32's 10-bit mantissa would round
+    PowerSGD's and DeMo's projections coarsely, differently per GPU model (issue 39 N13). Thread-safe, unlike
+    toggling ``torch.backends.cuda.matmul.allow_tf32`` while the backward runs. On the CPU (no TF32): as given."""
+    if tensors[0].device.type == "cuda":
+        return fn(*(t.double() for t in tensors)).float()
+    return fn(*tensors)
+
+
+def rank_order_sum(rows: torch.Tensor) -> torch.Tensor:
+    """``rows[0] + rows[1] + ...`` (world x n) added in rank order: the same fp32 bits on every rank and every GPU
+    model (a reduction kernel's order depends on its launch configuration)."""
+    out = rows[0].clone()
+    for w in range(1, rows.shape[0]):
+        out.add_(rows[w])
+    return out
 
 
 def divisor(ok: torch.Tensor, world: int) -> torch.Tensor:
@@ -544,7 +551,7 @@ class GatherCompressor(Compressor):
             unflatten_into(total.div_(div), comp)
         if raw:
             values = gathered[:, encoded:-_FLAG_BYTES].contiguous().view(torch.float32)
-            unflatten_into(values.sum(0).div_(div), raw)
+            unflatten_into(rank_order_sum(values).div_(div), raw)
         if packed.commit is not None:
             packed.commit(ok)
         return ok

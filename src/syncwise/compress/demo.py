@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import ConfigError
-from .base import GatherCompressor, config_class, flatten
+from .base import GatherCompressor, config_class, flatten, fp32_matmul
 
 MAX_CHUNK = 128  # a tile of 128 x 128 has 16,384 coefficients: its index fits an int16
 
@@ -134,12 +134,12 @@ class DeMoCompressor(GatherCompressor):
     def _dct(self, x: torch.Tensor, t: Tiling) -> torch.Tensor:
         """Coefficients (tiles, tile_size) of the flat tensor ``x``: ``D_r · tile · D_cᵀ`` per tile."""
         dr, dc = self._basis(t.tile_rows, x.device), self._basis(t.tile_cols, x.device)
-        return torch.matmul(torch.matmul(dr, self._to_tiles(x, t)), dc.T).reshape(t.tiles, t.tile_size)
+        return fp32_matmul(lambda a, b, c: a @ b @ c, dr, self._to_tiles(x, t), dc.T).reshape(t.tiles, t.tile_size)
 
     def _idct(self, coeffs: torch.Tensor, t: Tiling) -> torch.Tensor:
         dr, dc = self._basis(t.tile_rows, coeffs.device), self._basis(t.tile_cols, coeffs.device)
         tiles = coeffs.view(t.tiles, t.tile_rows, t.tile_cols)
-        return self._from_tiles(torch.matmul(torch.matmul(dr.T, tiles), dc), t)
+        return self._from_tiles(fp32_matmul(lambda a, b, c: a @ b @ c, dr.T, tiles, dc), t)
 
     # ---- GatherCompressor ---------------------------------------------------------------------
     def _compensate(self, comp, keys):

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError, SyncwiseError
-from ..comm import ops, streams
+from ..comm import hostread, ops, streams
 from .base import Compressor, GatherCompressor, split_by_policy
 from ..layout import MIN_NUMEL
 
@@ -168,7 +168,7 @@ class CompressionHookState:
         """Average one bucket (on the worker, or inline) and complete ``fut``; on CUDA on the side stream."""
         side = streams.side_stream(result.device, "compress") if ready is not None else None
         try:
-            with (torch.cuda.stream(side) if side is not None else contextlib.nullcontext()):
+            with (torch.cuda.stream(side) if side is not None else contextlib.nullcontext()), hostread.step_region():
                 if side is not None:
                     side.wait_event(ready)
                     streams.keep_for_stream([*tensors, result], side)  # made on the backward's stream

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import ConfigError
-from .base import Compressor, commit, config_class, divisor, nonfinite_flag
+from .base import Compressor, commit, config_class, divisor, fp32_matmul, nonfinite_flag
 
 
 PowerSGDConfig = config_class("powersgd", "PowerSGDConfig", __name__)  # options, types, defaults: syncwise.layout.COMPRESSORS
@@ -96,7 +96,7 @@ class PowerSGDCompressor(Compressor):
         # all-reduce #1: P = M Q of every group, plus the uncompressed tensors, plus the non-finite flag (its
         # sum counts the ranks whose bucket held NaN/Inf). The verdict ``ok`` stays on the device: a bad bucket
         # still runs all-reduce #2 (on a zeroed P, every rank alike) and comes back NaN with the state kept.
-        ps = [torch.bmm(mats, q) for (_, _, _, _, mats, q) in batches]
+        ps = [fp32_matmul(torch.bmm, mats, q) for (_, _, _, _, mats, q) in batches]
         flag = nonfinite_flag([b[4] for b in batches] + raw)
         p_sum, ok = self._average_raw(raw, group, world, extra=torch.cat([p.reshape(-1) for p in ps]), flag=flag)
         off = 0
@@ -107,7 +107,7 @@ class PowerSGDCompressor(Compressor):
             # identical P on all ranks -> identical orthonormal basis everywhere (a NaN P would make a NaN QR)
             p_hat = torch.linalg.qr(torch.where(ok, p, 0.0), mode="reduced").Q
             # M^T P as (P^T M)^T: a row-major GEMM over M instead of a strided one (~2x faster on CPU)
-            qs.append((p_hat, torch.bmm(p_hat.transpose(1, 2), mats).transpose(1, 2)))
+            qs.append((p_hat, fp32_matmul(torch.bmm, p_hat.transpose(1, 2), mats).transpose(1, 2)))
 
         # all-reduce #2: Q = M^T P_hat (averaged; NaN on a bad bucket, so the result is NaN too)
         q_flat = torch.cat([q.reshape(-1) for _, q in qs])
@@ -117,7 +117,7 @@ class PowerSGDCompressor(Compressor):
         for (js, n, m, r, mats, q_old), (p_hat, q) in zip(batches, qs):
             q = q_flat[off:off + q.numel()].view_as(q)
             off += q.numel()
-            approx = torch.bmm(p_hat, q.transpose(1, 2))
+            approx = fp32_matmul(torch.bmm, p_hat, q.transpose(1, 2))
             b = 0
             for j in js:
                 key, t, e = keys[j], comp[j], sizes[j]

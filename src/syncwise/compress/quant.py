@@ -92,6 +92,21 @@ def _on(table: torch.Tensor, device: torch.device) -> torch.Tensor:
     return out
 
 
+_SIZES: dict = {}
+
+
+def _on_sizes(sizes: list[int], device: torch.device) -> torch.Tensor:
+    """``sizes`` as an int64 tensor on ``device``, made once per bucket layout and device (no pageable copy per
+    bucket)."""
+    key = (tuple(sizes), device)
+    out = _SIZES.get(key)
+    if out is None:
+        if len(_SIZES) > 4096:
+            _SIZES.clear()
+        out = _SIZES[key] = torch.tensor(sizes, dtype=torch.long).to(device)
+    return out
+
+
 def _segments(sizes: list[int]) -> list[tuple[int, int]]:
     out, off = [], 0
     for n in sizes:
@@ -124,8 +139,9 @@ class SignCompressor(GatherCompressor):
         nbytes = -(-n // 8)
         signs = _on(_SIGN_TABLE, gathered.device)[gathered[:, :nbytes].long()].view(gathered.shape[0], -1)  # world x 8*nbytes
         scale = gathered[:, nbytes:].contiguous().view(torch.float32)  # world x tensors
-        out = torch.empty(n, device=gathered.device)
-        for t, (a, b) in enumerate(_segments(sizes)):
-            # sum over ranks of scale_r * sign_r, as one matrix-vector product per tensor
-            torch.mv(signs[:, a:b].t(), scale[:, t], out=out[a:b])
+        # each element's scale, per rank (world x n): the tensors' scales repeated over their elements
+        scale = scale.repeat_interleave(_on_sizes(sizes, gathered.device), dim=1, output_size=n)
+        out = torch.mul(signs[0, :n], scale[0])
+        for w in range(1, gathered.shape[0]):  # rank order: the same fp32 sum on every rank and every GPU model
+            out.addcmul_(signs[w, :n], scale[w])  # (a matrix-vector product sums in the library's own order)
         return out

@@ -95,7 +95,14 @@ class TopKCompressor(GatherCompressor):
         k = sum(k_for(s, self.config.ratio) for s in sizes)
         v = gathered[:, :4 * k].contiguous().view(torch.float32).reshape(-1)
         i = gathered[:, 4 * k:].contiguous().view(torch.int32).reshape(-1).long()
-        return torch.zeros(n, device=v.device).index_add_(0, i, v)
+        out = torch.zeros(n, device=v.device)
+        # One index_add_ per rank, in rank order: a rank's indices are distinct (top-k per tensor, offsets apart), so
+        # no call adds twice into one element, and each element's sum is ((r0 + r1) + r2) ... on every rank. One
+        # index_add_ over every rank's pairs would collide where ranks picked the same coordinate, and CUDA's float
+        # atomics add colliding pairs in a scheduling-dependent order: DDP replicas would drift apart (issue 39 N3).
+        for w in range(gathered.shape[0]):
+            out.index_add_(0, i[w * k:(w + 1) * k], v[w * k:(w + 1) * k])
+        return out
 
 
 RandomKConfig = config_class("randomk", "RandomKConfig", __name__)  # options, types, defaults: syncwise.layout.COMPRESSORS
@@ -127,6 +134,8 @@ class RandomKCompressor(Compressor):
             idx = first_distinct(n, k, g)  # O(k) draws instead of a permutation of n: ~50x faster at 1 %
         else:
             idx = torch.randperm(n, generator=g)[:k].sort().values
+        if device.type == "cuda":  # pinned, so the copy is queued on the stream instead of waiting for it (N12)
+            return idx.pin_memory().to(device, non_blocking=True)
         return idx.to(device)
 
     def _average(self, comp, keys, raw, group, world):

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm import ops
+from ..comm import hostread, ops
 from ..comm.stats import STATS, CommStats
 from ..errors import ConfigError
 from ..layout import DISPATCH, check_expert_count
@@ -249,7 +249,8 @@ class ExpertParallelExperts(GroupedExperts):
         recv = torch.empty_like(send)
         ops.all_to_all(recv, send, group=group, stats=self.stats)
         # The one host sync: all_to_all_single takes its split sizes as host integers.
-        in_splits, out_splits = torch.stack([send.sum(1), recv.sum(1)]).tolist()
+        with hostread.designed("expert parallel: all_to_all split sizes (NCCL takes them from the host)"):
+            in_splits, out_splits = torch.stack([send.sum(1), recv.sum(1)]).tolist()
         rows = _AllToAll.apply(x, out_splits, in_splits, group, w.dispatch, w.dispatch_grad, self.stats, self.block)
         y = self._local_experts(rows, recv)
         return _AllToAll.apply(y, in_splits, out_splits, group, w.combine, w.combine_grad, self.stats, self.block)

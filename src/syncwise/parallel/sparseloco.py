@@ -27,7 +27,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ..comm import ops, timing
+from ..comm import hostread, ops, timing
 from ..comm.stats import STATS, CommStats
 from .local_sgd import LocalSGD
 from .sync_spec import SyncSpec
@@ -107,8 +107,9 @@ class SparseLoCo(LocalSGD):
         payload = torch.cat([payload, self._flags.to(torch.uint8), bad.view(torch.uint8)])
         out = torch.empty(self._world() * payload.numel(), dtype=torch.uint8, device=payload.device)
         work = ops.all_gather(out, payload, group=self.group, async_op=True, stats=self.stats)
+        # the payload stays referenced until the round lands (comm.ops's in-flight record owns it too, issue 39 N1)
         self._pending = {"launched_at": step, "apply_at": step + delay, "work": work, "gathered": out,
-                         "payload": payload.numel()}
+                         "payload": payload.numel(), "sent": payload}
 
     def _world(self) -> int:
         import torch.distributed as dist
@@ -123,7 +124,8 @@ class SparseLoCo(LocalSGD):
                 pending["work"].wait()
         waited = iv.seconds()
         gathered = pending["gathered"].view(-1, pending["payload"])
-        ok = bool(gathered[:, -_FLAG:].contiguous().view(torch.int32).eq(0).all())
+        with hostread.designed("outer average landed: every replica finite? (once per period)"):
+            ok = bool(gathered[:, -_FLAG:].contiguous().view(torch.int32).eq(0).all())
         skips = -_FLAG - self.spec.period
         self._unpack_skips(pending["launched_at"], gathered[:, skips:-_FLAG].amax(0))  # every replica records them
         if ok:

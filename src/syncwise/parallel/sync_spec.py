@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..comm import hostread
 from ..layout import (EVERY_STEP, MAX_OUTER_LR, MAX_PERIOD, MAX_WARMUP, METHODS, SYNC_ACCEPTED, SyncSpec,  # noqa: F401
                       _coerce)
 
@@ -80,7 +81,8 @@ class SyncStrategy:
 
     def _unpack_skips(self, at: int, flags: torch.Tensor) -> None:
         """The averaged flags of the average launched at ``at``: a slot above 0 is a step some replica dropped."""
-        steps = [at - int(d) for d in torch.nonzero(flags.float() > 0).flatten().tolist()]
+        with hostread.designed("outer average landed: the steps a replica dropped (once per period)"):
+            steps = [at - int(d) for d in torch.nonzero(flags.float() > 0).flatten().tolist()]
         self._learned.extend(sorted(steps))
 
     def resumed(self) -> None:

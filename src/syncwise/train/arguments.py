@@ -8,7 +8,6 @@ from __future__ import annotations
 import atexit
 import math
 import os
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
@@ -101,8 +100,8 @@ def join_torchrun(device: torch.device, timeout_s: Optional[float] = None, backe
     elif backend == "nccl" and device.type != "cuda":
         raise ConfigError("backend", backend, f"auto or gloo for a model on {device} (NCCL moves only CUDA tensors)")
     kwargs: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
-    if timeout_s:
-        kwargs["timeout"] = timedelta(seconds=timeout_s)
+    if timeout_s:  # NCCL's above syncwise's own, so syncwise's hang report comes first (comm.ops.backend_timeout)
+        kwargs["timeout"] = ops.backend_timeout(timeout_s, backend)
     if device.type == "cuda":
         # Before any CUDA tensor or communicator: control tensors made with current_device() (checkpointer,
         # DCP, DTensor) must land on this rank's GPU, not cuda:0 (issue 24).

@@ -29,6 +29,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..comm import ops
+from ..comm import hostread
+from ..comm.hostread import HostCopy
 from ..comm.stats import STATS, CommStats
 from ..comm.timing import Interval, on_cuda
 from ..metrics.ranklog import StepProbe
@@ -87,10 +89,30 @@ class PendingStep:
     lr: float  # the learning rate this step's update used
     micro_batch: Optional[int] = None  # DynamicBatcher's micro size after this step
     parallel_metrics: dict = field(default_factory=dict)  # what the layout measured (the pipeline's bubble)
+    #: the step's device values (loss, norm, skip flag, 0-d tensors among parallel_metrics) copied to pinned memory
+    #: behind one event at the step's end (issue 39 N2): settling reads them without draining the queue
+    host: Optional[HostCopy] = None
     _settled: Optional[StepResult] = None
 
+    def capture(self) -> "PendingStep":
+        """Start the copies of the step's device values to the host (one event); ``settle`` reads them."""
+        values = {"loss": self.loss, "grad_norm": self.grad_norm, "skipped": self.skipped}
+        values.update({"pm:" + k: v for k, v in self.parallel_metrics.items() if torch.is_tensor(v) and v.numel() == 1})
+        self.host = HostCopy(values)
+        return self
+
     def settle(self) -> StepResult:
+        with hostread.step_region():  # strict: the row's values come from the reader, never a direct read
+            return self._settle()
+
+    def _settle(self) -> StepResult:
         if self._settled is None:
+            if self.host is None:
+                self.capture()
+            values = self.host.read()
+            for k, v in values.items():
+                if k.startswith("pm:"):
+                    self.parallel_metrics[k[3:]] = v
             times = self.comm_times()
             dp_time, dp_exposed = times.get("dp", (0.0, None))
             if not times.pop("dp_unmeasured", False):
@@ -98,13 +120,13 @@ class PendingStep:
             comm = sum(times[d][1] or 0.0 for d in ("dp", "fsdp", "tp") if d in times)
             dims = [d for d in self.comm_bytes if d in times or self.comm_bytes[d] is not None]
             self._settled = StepResult(
-                loss=float(self.loss), step_time_s=self.step_time_s,
+                loss=float(values["loss"]), step_time_s=self.step_time_s,
                 compute_s=max(0.0, self.step_time_s - self.data_wait_s - comm), comm_exposed_s=comm,
                 data_wait_s=self.data_wait_s, comm_bytes=self.comm_bytes.get("dp"), tokens=self.tokens,
                 comm_bytes_by_dim=self.comm_bytes,
                 comm_s_by_dim={d: times.get(d, (0.0, 0.0))[0] for d in dims},
                 comm_exposed_by_dim={d: times.get(d, (0.0, 0.0))[1] for d in dims},
-                grad_norm=float(self.grad_norm), skipped=bool(self.skipped))
+                grad_norm=float(values["grad_norm"]), skipped=bool(values["skipped"]))
         return self._settled
 
 
@@ -257,7 +279,7 @@ class StepMeter:
                            comm_bytes=comm_bytes,
                            tokens=tokens_of(batches) * self.par.dp_size, lr=lr,
                            micro_batch=self.batcher.size if self.batcher is not None else None,
-                           parallel_metrics={**self.par.step_metrics(), **self.probe.take()})
+                           parallel_metrics={**self.par.step_metrics(), **self.probe.take()}).capture()
 
 
 class _DataWait:

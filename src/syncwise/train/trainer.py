@@ -35,7 +35,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint import ModelOptimizerState, RNGState, SmartCheckpointer, TrainState
-from ..comm import ops
+from ..comm import hostread, ops
+from ..comm.hostread import HostCopy
 from ..comm.arrivals import ArrivalLog
 from ..comm.watchdog import Watchdog
 from ..data.sharding import position_is_global, shard_loader
@@ -131,7 +132,8 @@ class OptimizedTrainer:
             ops.set_collective_timeout(f.collective_timeout_s)  # also for the groups the hook creates below
         self.model = model.to(self.device)  # the plain module: evaluation, checkpoints, router updates
         if self.device.type == "cuda" and s.tf32:
-            # fp32 matmuls (the parts autocast leaves in fp32, and mixed_precision='none') on tensor cores.
+            # fp32 matmuls (the parts autocast leaves in fp32, and mixed_precision='none') on tensor cores. The
+            # compressors' matmuls stay full fp32 whatever this says (compress.base.full_fp32: replicas agree).
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
         self._set_precision(s.mixed_precision)
@@ -159,12 +161,13 @@ class OptimizedTrainer:
         if hasattr(self.model, "update_router_bias"):
             self.after_update.append(self._update_router_bias)
         # Skip a non-finite step inside the optimizer (no host read of the gradient norm) where it can: fused
-        # AdamW takes GradScaler's found_inf flag. fp16 keeps GradScaler's own path; reduced-sync strategies
-        # decide per replica on the host.
+        # AdamW takes GradScaler's found_inf flag. fp16 keeps GradScaler's own path; strategies whose replicas
+        # diverge (local SGD, DiLoCo) decide per replica on the host (a dropped step rides on the next average).
         self._skips_on_device = (getattr(optimizer, "_step_supports_amp_scaling", False)
                                  and all(g.get("fused") for g in optimizer.param_groups)
-                                 and not self.scaler.is_enabled() and self.sync is None)
-        self._unsettled: Optional[tuple[int, torch.Tensor]] = None  # (step, non-finite flag) not read yet
+                                 and not self.scaler.is_enabled()
+                                 and (self.sync is None or not self.sync.replicas_diverge))
+        self._unsettled: Optional[tuple[int, HostCopy]] = None  # (step, non-finite flag) not read yet
         self._lr_used = optimizer.param_groups[0]["lr"]
         # Rows (loss, norm, timings) are read this many steps late: on a GPU the host then never waits for
         # the device inside the loop; on a CPU there is nothing to gain.
@@ -586,6 +589,10 @@ class OptimizedTrainer:
     # ----------------------------------------------------------------------------------------- one step
     def _train_step(self, batches: Iterator) -> PendingStep:
         """One optimizer step: get batch → forward/backward (accumulating) → sync → update → meter."""
+        with hostread.step_region():  # SYNCWISE_STRICT_SYNCS=1: no host read of a step value outside HostCopy
+            return self._train_step_in(batches)
+
+    def _train_step_in(self, batches: Iterator) -> PendingStep:
         step, last = self.step + 1, self.step + 1 >= self.total_steps
         meter = self.meter.begin(step)
         self.optimizer.zero_grad(set_to_none=True)
@@ -702,9 +709,10 @@ class OptimizedTrainer:
                 self.optimizer.step()
             finally:
                 del self.optimizer.found_inf, self.optimizer.grad_scale
-            self._unsettled = (step, nonfinite)
+            self._unsettled = (step, HostCopy({"nonfinite": nonfinite}))  # read a step later: no queue drain
             return grad_norm, nonfinite
-        skipped = not torch.isfinite(grad_norm).item()
+        with hostread.designed("skip decided on the host (non-fused optimizer, fp16, local SGD / DiLoCo)"):
+            skipped = not torch.isfinite(grad_norm).item()
         if skipped:
             self.optimizer.zero_grad(set_to_none=True)
             self.skipped_steps.append(step)
@@ -726,8 +734,11 @@ class OptimizedTrainer:
         if self._unsettled is not None:
             step, nonfinite = self._unsettled
             self._unsettled = None
-            if bool(nonfinite):
+            if nonfinite.read()["nonfinite"]:
                 self.skipped_steps.append(step)
+                # local SGD: this replica alone dropped the step (carried on the next average); the LR keeps pace
+                if self.sync is not None and self.sync.skip(step) and self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
             elif self.lr_scheduler is not None:
                 self.lr_scheduler.step()
 
