@@ -707,7 +707,7 @@ class Layout:
             return lay
         if lay.fsdp:
             check_fsdp_compress(c, lay.dp_replicate, "compress.method", f" (with {lay._split_by()} FSDP2 reduces the "
-                                "gradients)", dp_shard=lay.dp_shard)
+                                "gradients)", dp_shard=lay.dp_shard, pp=lay.pp)
         elif lay.pp > 1 and c.torch_hook and lay.dp_replicate > 1:
             # A pipeline stage runs several backwards per step, which DDP (and so its comm hooks) cannot take.
             raise ConfigError("compress.method", c.text, "a syncwise compressor (or none) with pp > 1: PyTorch's DDP "
@@ -772,15 +772,16 @@ class Layout:
                                   f"it evenly across the tp ranks; divisors: {divisors(size)}")
 
 
-def fsdp_quantized_reduce(c: Compress, dp_replicate: int, dp_shard: int) -> bool:
+def fsdp_quantized_reduce(c: Compress, dp_replicate: int, dp_shard: int, pp: int = 1) -> bool:
     """Whether ``c`` runs as FSDP2's reduce-scatter itself (quantized blocks by all-to-all, an fp32 sum:
-    ``syncwise.parallel.fsdp_quant``): an int8 / fp8 spec, sharded parameters (dp_shard > 1) and one replica. With
-    replicas (HSDP) the compressor runs across them instead (the all-reduce hook), where the slow links are."""
-    return c.name in FSDP_QUANTIZED and dp_shard > 1 and dp_replicate == 1
+    ``syncwise.parallel.fsdp_quant``): an int8 / fp8 spec, sharded parameters (dp_shard > 1), one replica and no
+    pipeline (pipeline stages as FSDP2 roots are not tested with it yet). With replicas (HSDP) the compressor runs
+    across them instead (the all-reduce hook), where the slow links are."""
+    return c.name in FSDP_QUANTIZED and dp_shard > 1 and dp_replicate == 1 and pp == 1
 
 
 def check_fsdp_compress(c: Compress, dp_replicate: int, field_name: str = "compress.method", why: str = "",
-                        dp_shard: int = 1) -> bool:
+                        dp_shard: int = 1, pp: int = 1) -> bool:
     """The compressor a layout that FSDP2 holds (dp_shard > 1 or tp > 1) can run: True when it runs across the
     replica groups as FSDP2's all-reduce hook, False when it is FSDP2's own reduce dtype (none, bf16, fp16) or
     FSDP2's quantized reduce-scatter (:func:`fsdp_quantized_reduce`). ``dp_replicate`` 0: not known yet (the
@@ -791,7 +792,7 @@ def check_fsdp_compress(c: Compress, dp_replicate: int, field_name: str = "compr
                           "DDP comm hooks need DDP's gradient buckets, and FSDP2 reduces gradients itself" + why)
     if c.name in FSDP_REDUCE_DTYPES:
         return False
-    if fsdp_quantized_reduce(c, dp_replicate, dp_shard):
+    if fsdp_quantized_reduce(c, dp_replicate, dp_shard, pp):
         # FSDP2's reduce-scatter keeps no state between steps (each unit's buffer is new every backward): no
         # residuals to feed back, no per-tensor warm-up count.
         o = c.options
@@ -806,7 +807,7 @@ def check_fsdp_compress(c: Compress, dp_replicate: int, field_name: str = "compr
     # Other compressors run as FSDP2's all-reduce hook across the replica groups; with one replica FSDP2's
     # reduce-scatter is the only gradient collective, and only int8 / fp8 replace it.
     if dp_replicate and dp_replicate < 2:
-        quantized = " or int8 / fp8 with dp_shard > 1 (FSDP2's quantized reduce-scatter)"
+        quantized = " or int8 / fp8 with dp_shard > 1 and pp = 1 (FSDP2's quantized reduce-scatter)"
         raise ConfigError(field_name, c.text, f"none, bf16 or fp16{quantized} with dp_replicate = 1 under FSDP2 / "
                           f"tensor parallel: {c.name} compresses the all-reduce across replicas (FSDP2's all-reduce "
                           "hook), and with one replica FSDP2's reduce-scatter is the only gradient collective; set "

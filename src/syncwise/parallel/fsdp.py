@@ -37,7 +37,7 @@ from ..layout import check_fsdp_compress, parse_compress
 _REDUCE_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def fsdp_gradient_sync(compress_spec: Any, dp_replicate: int, dp_shard: int = 1
+def fsdp_gradient_sync(compress_spec: Any, dp_replicate: int, dp_shard: int = 1, pp: int = 1
                        ) -> tuple[Optional[torch.dtype], bool]:
     """How a layout that FSDP2 holds (dp_shard > 1 or tp > 1) reduces gradients under ``--compress``:
     ``(reduce_dtype, compress_across_replicas)``.
@@ -55,7 +55,7 @@ def fsdp_gradient_sync(compress_spec: Any, dp_replicate: int, dp_shard: int = 1
     ``compress_spec``: the parsed spec (``syncwise.layout.Compress``, as ``parallelize`` has it) or its text.
     """
     c = parse_compress(compress_spec, "compress")
-    across = check_fsdp_compress(c, max(dp_replicate, 1), "compress", dp_shard=dp_shard)  # the rule: syncwise.layout
+    across = check_fsdp_compress(c, max(dp_replicate, 1), "compress", dp_shard=dp_shard, pp=pp)  # syncwise.layout
     if not across:
         return _REDUCE_DTYPES.get(c.name, torch.float32), False
     if isinstance(compress_spec, str):  # text: the compressor's own bounds, as everywhere (an instance has them)
@@ -64,14 +64,14 @@ def fsdp_gradient_sync(compress_spec: Any, dp_replicate: int, dp_shard: int = 1
     return torch.float32, True
 
 
-def fsdp_reduce_codec(compress_spec: Any, dp_replicate: int, dp_shard: int) -> Any:
+def fsdp_reduce_codec(compress_spec: Any, dp_replicate: int, dp_shard: int, pp: int = 1) -> Any:
     """The quantized reduce-scatter's codec (``fsdp_quant.BlockCodec``) when ``--compress`` runs as FSDP2's
     reduce-scatter (``syncwise.layout.fsdp_quantized_reduce``), else None."""
     from ..layout import fsdp_quantized_reduce
     from .fsdp_quant import codec_of
 
     c = parse_compress(compress_spec, "compress")
-    return codec_of(c) if fsdp_quantized_reduce(c, max(dp_replicate, 1), dp_shard) else None
+    return codec_of(c) if fsdp_quantized_reduce(c, max(dp_replicate, 1), dp_shard, pp) else None
 
 
 # ---------------------------------------------------------------------------------------- units

@@ -310,10 +310,10 @@ def parallelize(model: nn.Module, spec: "Layout | dict | None" = None, device: O
     if dp_dims and spec.fsdp:
         from .fsdp import apply_fsdp, attach_compression, fsdp_gradient_sync, fsdp_reduce_codec
         from .fsdp_quant import gather_codec
-        reduce_dtype, compress_replicas = fsdp_gradient_sync(spec.compress, spec.dp_replicate, spec.dp_shard)
+        reduce_dtype, compress_replicas = fsdp_gradient_sync(spec.compress, spec.dp_replicate, spec.dp_shard, spec.pp)
         # parallel.fsdp_gather / fsdp_reshard and the quantized reduce-scatter (int8 / fp8, one replica): every
         # apply_fsdp below takes them (docs/fsdp.md)
-        quant = {"reduce_codec": fsdp_reduce_codec(spec.compress, spec.dp_replicate, spec.dp_shard),
+        quant = {"reduce_codec": fsdp_reduce_codec(spec.compress, spec.dp_replicate, spec.dp_shard, spec.pp),
                  "gather_codec": gather_codec(spec.fsdp_gather),
                  "reshard_after_forward": _fsdp_reshard(spec, world),
                  "seed": int(spec.compress.options.get("seed", 0) or 0)}
