@@ -272,3 +272,42 @@ def test_syncwise_train_runs_quantized_fsdp2_resumes_bit_exact_and_resumes_under
     # the 'fsdp' dimension's bytes per step: int8 payloads (measured 218,180 B) against fp32 FSDP2's gathers
     # and reduce-scatter with resharding (1.08 MB): > 3.5x fewer
     assert 3.5 * rows[-1]["comm_bytes_fsdp"] < other[-1]["comm_bytes_fsdp"], (rows[-1], other[-1])
+
+
+def _reshard_worker(rank, world):
+    """2 nodes × 2 ranks: int8 gathers with each fsdp_reshard. node keeps forward's (dequantized) parameters
+    sharded over the node's 2 ranks and re-gathers them there at full precision, so backward computes with exactly
+    forward's weights, as with all (which re-gathers the same int8 codes): the same losses, bit for bit."""
+    from syncwise.comm.context import Topology
+    from syncwise.layout import node_reshard
+    from syncwise.parallel.fsdp_quant import gather_codec
+
+    mesh = build_mesh(ParallelSpec(dp_shard=world), "cpu")
+    out = {}
+    for mode in ("all", "node", "none"):
+        lay = Layout.of(dp_shard=world, fsdp_gather="int8", fsdp_reshard=mode).check(world)
+        reshard = node_reshard(lay, Topology.from_env(world).procs_per_node)
+        torch.manual_seed(0)
+        model = apply_fsdp(build_model("tiny", seq_len=SEQ), mesh, ("dp_shard",), gather_codec=gather_codec("int8"),
+                           reshard_after_forward=reshard)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        losses = []
+        for _ in range(3):
+            opt.zero_grad()
+            loss = _loss(model, _batch(0, rank))
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+        sent = sum(c.bytes_sent for m in model.modules() for c in getattr(m, "_syncwise_comms", {}).values())
+        out[mode] = (reshard, losses, sent)
+    return out
+
+
+@pytest.mark.slow  # 4 workers
+def test_fsdp_reshard_node_regathers_inside_the_node_with_forwards_weights():
+    for r in run_workers(_reshard_worker, 4, local_world_size=2, timeout=400):
+        assert [r[m][0] for m in ("all", "node", "none")] == [True, 2, False]
+        assert r["node"][1] == r["all"][1] == r["none"][1]
+        # node: backward's gathers inside the node at fp32 (counted as fp32 bytes over 2 ranks), the cross-node
+        # gathers of forward only; none: forward's gathers only
+        assert r["none"][2] < r["all"][2] and r["none"][2] < r["node"][2]
