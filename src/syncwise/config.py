@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .errors import ConfigError, SyncwiseError
-from .layout import BUCKET_CAP_MB, CLI_STEP_FIELDS, DISPATCH, HIERARCHICAL, MIN_NUMEL, SCHEDULES, check_step
+from .layout import (BUCKET_CAP_MB, CLI_STEP_FIELDS, DISPATCH, FSDP_GATHER, FSDP_RESHARD, HIERARCHICAL, MIN_NUMEL,
+                     SCHEDULES, check_step)
 from .specs import parse_bool
 from .rundir import RunDir
 
@@ -286,6 +287,14 @@ class ParallelSection:
     ep_dispatch: str = option("fp32", "precision of expert parallel's token dispatch: fp8 (e4m3, 1x128 scales, "
                               "DeepSeek-V3's choice, bf16 combine), bf16, fp32 (exact)",
                               *_one_of(*DISPATCH))
+    fsdp_gather: str = option("fp32", "precision of FSDP2's parameter all-gathers (dp_shard > 1): fp32 = FSDP2's own "
+                              "(in the parameter dtype); bf16 = a cast; fp8 / int8 = blocks of 128 with an fp32 scale "
+                              "each (ZeRO++'s qwZ), dequantized into FSDP2's buffer; master weights stay fp32 and "
+                              "sharded (docs/parallelism.md)", *_one_of(*FSDP_GATHER))
+    fsdp_reshard: str = option("all", "what each FSDP2 unit keeps after its forward (dp_shard > 1): all = resharded "
+                               "over every shard rank (ZeRO-3); node = over its node's ranks, so backward's "
+                               "all-gather never crosses nodes (ZeRO++'s hpZ); none = unsharded until its backward",
+                               *_one_of(*FSDP_RESHARD))
 
 
 @dataclass

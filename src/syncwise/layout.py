@@ -138,6 +138,15 @@ COMPRESSORS: dict[str, CompressorSpec] = {s.name: s for s in [
 ]}
 #: compressors that FSDP2 runs as its own reduce dtype (a 16-bit reduce-scatter is FSDP's compressed sync)
 FSDP_REDUCE_DTYPES = ("none", "bf16", "fp16")
+#: compressors that become FSDP2's reduce-scatter itself when there is one replica (dp_shard > 1, dp_replicate = 1):
+#: blockwise codes exchanged by all-to-all, summed in fp32 (syncwise.parallel.fsdp_quant; ZeRO++'s qgZ)
+FSDP_QUANTIZED = ("int8", "fp8")
+#: parallel.fsdp_gather: the precision of FSDP2's parameter all-gathers (fp32: FSDP2's own, in the param dtype)
+FSDP_GATHER = ("fp32", "bf16", "fp8", "int8")
+#: parallel.fsdp_reshard: what a unit keeps after its forward — all: resharded over every shard rank (ZeRO-3);
+#: node: over the ranks of its node (backward's all-gather stays in the node: ZeRO++'s hpZ); none: unsharded to
+#: its backward (ZeRO-2-like, most memory)
+FSDP_RESHARD = ("all", "node", "none")
 _TYPES = {"int": int, "float": float, "bool": bool, "str": str}
 
 
@@ -542,10 +551,15 @@ class Layout:
     # dist.hierarchical: reduce inside a node at full precision, compress only the inter-node hop (auto: when the
     # job has > 1 node and > 1 rank per node, which only the workers know; see compress.hierarchical)
     hierarchical: str = "auto"
+    fsdp_gather: str = "fp32"   # FSDP_GATHER
+    fsdp_reshard: str = "all"   # FSDP_RESHARD
 
     def __post_init__(self) -> None:
         if self.hierarchical not in HIERARCHICAL:
             raise ConfigError("dist.hierarchical", self.hierarchical, "one of: " + ", ".join(HIERARCHICAL))
+        for name, accepted in (("fsdp_gather", FSDP_GATHER), ("fsdp_reshard", FSDP_RESHARD)):
+            if getattr(self, name) not in accepted:
+                raise ConfigError(f"parallel.{name}", getattr(self, name), "one of: " + ", ".join(accepted))
         # Specs given as text are parsed here, once (a parsed spec passes through as it is).
         if not isinstance(self.compress, Compress):
             object.__setattr__(self, "compress", parse_compress(self.compress, "compress.method"))
@@ -687,6 +701,7 @@ class Layout:
             if why:
                 raise ConfigError("dist.hierarchical", "on", f"auto or off with {why}: the hierarchical gradient sync "
                                   "needs DDP replicas synced every step with a syncwise compressor (or none)")
+        lay._check_fsdp_options()
         if lay.replicas_only:
             return lay
         # The reduced-sync strategies average whole replicas; sharded, tensor, pipeline and expert parallel split
@@ -698,12 +713,22 @@ class Layout:
             return lay
         if lay.fsdp:
             check_fsdp_compress(c, lay.dp_replicate, "compress.method", f" (with {lay._split_by()} FSDP2 reduces the "
-                                "gradients)")
+                                "gradients)", dp_shard=lay.dp_shard, pp=lay.pp)
         elif lay.pp > 1 and c.torch_hook and lay.dp_replicate > 1:
             # A pipeline stage runs several backwards per step, which DDP (and so its comm hooks) cannot take.
             raise ConfigError("compress.method", c.text, "a syncwise compressor (or none) with pp > 1: PyTorch's DDP "
                               "comm hooks need DDP, which a pipeline stage's several backwards per step break")
         return lay
+
+    def _check_fsdp_options(self) -> None:
+        """``parallel.fsdp_gather`` / ``fsdp_reshard`` other than their defaults change FSDP2's parameter
+        all-gathers, which only sharded parameters have (dp_shard > 1). (fsdp_reshard=node's own rule, a node's
+        ranks dividing dp_shard, needs the topology: ``node_reshard``, where the workers start.)"""
+        for name, default in (("fsdp_gather", "fp32"), ("fsdp_reshard", "all")):
+            v = getattr(self, name)
+            if v != default and self.dp_shard < 2:
+                raise ConfigError(f"parallel.{name}", v, f"{default} with parallel.dp_shard = 1: only FSDP2's sharded "
+                                  "parameters are all-gathered (set parallel.dp_shard ≥ 2)")
 
     def _check_hsdp_sync(self, s: SyncSpec) -> None:
         """A reduced-sync strategy on a layout that splits a replica: it runs over HSDP's replica groups (FSDP2 inside
@@ -753,24 +778,61 @@ class Layout:
                                   f"it evenly across the tp ranks; divisors: {divisors(size)}")
 
 
-def check_fsdp_compress(c: Compress, dp_replicate: int, field_name: str = "compress.method", why: str = "") -> bool:
+def fsdp_quantized_reduce(c: Compress, dp_replicate: int, dp_shard: int, pp: int = 1) -> bool:
+    """Whether ``c`` runs as FSDP2's reduce-scatter itself (quantized blocks by all-to-all, an fp32 sum:
+    ``syncwise.parallel.fsdp_quant``): an int8 / fp8 spec, sharded parameters (dp_shard > 1), one replica and no
+    pipeline (pipeline stages as FSDP2 roots are not tested with it yet). With replicas (HSDP) the compressor runs
+    across them instead (the all-reduce hook), where the slow links are."""
+    return c.name in FSDP_QUANTIZED and dp_shard > 1 and dp_replicate == 1 and pp == 1
+
+
+def check_fsdp_compress(c: Compress, dp_replicate: int, field_name: str = "compress.method", why: str = "",
+                        dp_shard: int = 1, pp: int = 1) -> bool:
     """The compressor a layout that FSDP2 holds (dp_shard > 1 or tp > 1) can run: True when it runs across the
-    replica groups as FSDP2's all-reduce hook, False when it is FSDP2's own reduce dtype (none, bf16, fp16).
-    ``dp_replicate`` 0: not known yet (the replica rule is checked once it is)."""
+    replica groups as FSDP2's all-reduce hook, False when it is FSDP2's own reduce dtype (none, bf16, fp16) or
+    FSDP2's quantized reduce-scatter (:func:`fsdp_quantized_reduce`). ``dp_replicate`` 0: not known yet (the
+    replica rule is checked once it is)."""
     # PyTorch's DDP comm hooks rewrite DDP's buckets; FSDP2 has none.
     if c.torch_hook:
         raise ConfigError(field_name, c.text, "a syncwise compressor (or none) with dp_shard > 1 or tp > 1: PyTorch's "
                           "DDP comm hooks need DDP's gradient buckets, and FSDP2 reduces gradients itself" + why)
     if c.name in FSDP_REDUCE_DTYPES:
         return False
+    if fsdp_quantized_reduce(c, dp_replicate, dp_shard, pp):
+        # FSDP2's reduce-scatter keeps no state between steps (each unit's buffer is new every backward): no
+        # residuals to feed back, no per-tensor warm-up count.
+        o = c.options
+        if o.get(_EF):
+            raise ConfigError(field_name, c.text, f"{c.name} without error_feedback as FSDP2's quantized "
+                              "reduce-scatter (dp_shard > 1, dp_replicate = 1): it keeps no residuals; its blockwise "
+                              "scales and the fp32 sum bound the error instead" + why)
+        if o.get("warmup"):
+            raise ConfigError(field_name, c.text, f"{c.name} with warmup=0 as FSDP2's quantized reduce-scatter "
+                              "(dp_shard > 1, dp_replicate = 1): it counts no steps" + why)
+        return False
     # Other compressors run as FSDP2's all-reduce hook across the replica groups; with one replica FSDP2's
-    # reduce-scatter, which has no hook, is the only gradient collective.
+    # reduce-scatter is the only gradient collective, and only int8 / fp8 replace it.
     if dp_replicate and dp_replicate < 2:
-        raise ConfigError(field_name, c.text, f"none, bf16 or fp16 with dp_replicate = 1 under FSDP2 / tensor "
-                          f"parallel: {c.name} compresses the all-reduce across replicas (FSDP2's all-reduce hook), "
-                          "and with one replica FSDP2's reduce-scatter, which has no hook, is the only gradient "
-                          "collective; set parallel.dp_replicate ≥ 2 to run it" + why)
+        quantized = " or int8 / fp8 with dp_shard > 1 and pp = 1 (FSDP2's quantized reduce-scatter)"
+        raise ConfigError(field_name, c.text, f"none, bf16 or fp16{quantized} with dp_replicate = 1 under FSDP2 / "
+                          f"tensor parallel: {c.name} compresses the all-reduce across replicas (FSDP2's all-reduce "
+                          "hook), and with one replica FSDP2's reduce-scatter is the only gradient collective; set "
+                          "parallel.dp_replicate ≥ 2 to run it" + why)
     return True
+
+
+def node_reshard(lay: "Layout", procs_per_node: int) -> "bool | int":
+    """FSDP2's ``reshard_after_forward`` for ``parallel.fsdp_reshard`` on nodes of ``procs_per_node`` ranks: all →
+    True, none → False, node → the shard ranks of one node (procs_per_node / tp: tp is the innermost dimension),
+    which must divide dp_shard (True when one node holds every shard rank, False when it holds one)."""
+    if lay.fsdp_reshard != "node":
+        return lay.fsdp_reshard == "all"
+    k = procs_per_node // lay.tp if procs_per_node % lay.tp == 0 else 0
+    if k < 1 or lay.dp_shard % k:
+        raise ConfigError("parallel.fsdp_reshard", "node", f"all or none on nodes of {procs_per_node} ranks: node "
+                          f"reshards to a node's shard ranks (ranks per node / tp = {procs_per_node}/{lay.tp}), which "
+                          f"must be a whole number dividing parallel.dp_shard ({lay.dp_shard})")
+    return True if k >= lay.dp_shard else False if k == 1 else k
 
 
 def check_expert_count(n_routed_experts: int, ep: int) -> None:

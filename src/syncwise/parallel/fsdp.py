@@ -37,7 +37,8 @@ from ..layout import check_fsdp_compress, parse_compress
 _REDUCE_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def fsdp_gradient_sync(compress_spec: Any, dp_replicate: int) -> tuple[Optional[torch.dtype], bool]:
+def fsdp_gradient_sync(compress_spec: Any, dp_replicate: int, dp_shard: int = 1, pp: int = 1
+                       ) -> tuple[Optional[torch.dtype], bool]:
     """How a layout that FSDP2 holds (dp_shard > 1 or tp > 1) reduces gradients under ``--compress``:
     ``(reduce_dtype, compress_across_replicas)``.
 
@@ -47,18 +48,30 @@ def fsdp_gradient_sync(compress_spec: Any, dp_replicate: int) -> tuple[Optional[
       runs as FSDP2's all-reduce hook across the ``dp_replicate`` groups (:func:`attach_compression`), which is
       where the slow links are (replicas span nodes). It needs ``dp_replicate ≥ 2``: with one replica every
       rank is inside FSDP2's reduce-scatter, which has no hook to rewrite.
+    - ``int8`` / ``fp8`` with one replica and ``dp_shard`` > 1: FSDP2's reduce-scatter itself, quantized
+      (``(torch.float32, False)``; :func:`fsdp_reduce_codec` gives the codec, ``fsdp_quant`` runs it).
     - ``torch-*`` (PyTorch's DDP comm hooks) need DDP's buckets: refused.
 
     ``compress_spec``: the parsed spec (``syncwise.layout.Compress``, as ``parallelize`` has it) or its text.
     """
     c = parse_compress(compress_spec, "compress")
-    across = check_fsdp_compress(c, max(dp_replicate, 1), "compress")  # the rule: syncwise.layout
+    across = check_fsdp_compress(c, max(dp_replicate, 1), "compress", dp_shard=dp_shard, pp=pp)  # syncwise.layout
     if not across:
-        return _REDUCE_DTYPES[c.name], False
+        return _REDUCE_DTYPES.get(c.name, torch.float32), False
     if isinstance(compress_spec, str):  # text: the compressor's own bounds, as everywhere (an instance has them)
         from ..compress.registry import build_compressor
         build_compressor(c)
     return torch.float32, True
+
+
+def fsdp_reduce_codec(compress_spec: Any, dp_replicate: int, dp_shard: int, pp: int = 1) -> Any:
+    """The quantized reduce-scatter's codec (``fsdp_quant.BlockCodec``) when ``--compress`` runs as FSDP2's
+    reduce-scatter (``syncwise.layout.fsdp_quantized_reduce``), else None."""
+    from ..layout import fsdp_quantized_reduce
+    from .fsdp_quant import codec_of
+
+    c = parse_compress(compress_spec, "compress")
+    return codec_of(c) if fsdp_quantized_reduce(c, max(dp_replicate, 1), dp_shard, pp) else None
 
 
 # ---------------------------------------------------------------------------------------- units
@@ -116,7 +129,8 @@ def _dp_mesh(mesh: Any, dp_dims: Sequence[str]) -> Any:
 
 def apply_fsdp(model: nn.Module, mesh: Any, dp_dims: Sequence[str] = ("dp_shard",),
                param_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = torch.float32,
-               reshard_after_forward: bool = True) -> nn.Module:
+               reshard_after_forward: Union[bool, int] = True, reduce_codec: Any = None,
+               gather_codec: Any = None, seed: int = 0) -> nn.Module:
     """Shard ``model`` in place with FSDP2 (``dp_dims=("dp_shard",)``) or HSDP
     (``("dp_replicate", "dp_shard")``) over ``mesh`` (``syncwise.parallel.mesh.build_mesh``; None: the
     whole world); returns the model (now also an ``FSDPModule``).
@@ -129,6 +143,14 @@ def apply_fsdp(model: nn.Module, mesh: Any, dp_dims: Sequence[str] = ("dp_shard"
     again at once. ``reduce_dtype=None`` reduces in the gradients' own dtype. ``param_dtype``: the dtype the
     parameters are all-gathered and computed in — ``torch.bfloat16`` under bf16 autocast (the trainer passes it),
     so FSDP2 moves half the bytes and autocast has nothing to re-cast (issue 24); None keeps them fp32.
+    ``reshard_after_forward`` may also be an int k (a divisor of the shard group's size): after forward each unit
+    keeps its parameters sharded over groups of k neighbouring shard ranks (``fsdp_reshard=node``: the ranks of a
+    node), so backward's all-gather stays inside them (ZeRO++'s hpZ).
+
+    ``reduce_codec`` / ``gather_codec`` (``syncwise.parallel.fsdp_quant.BlockCodec``, None: FSDP2's own
+    collectives): every unit's gradient reduce-scatter and parameter all-gather quantized in blocks
+    (``QuantizedReduceScatter``: all-to-all and an fp32 sum in rank order; ``QuantizedAllGather``: dequantized into
+    FSDP2's buffer). ``seed``: stochastic rounding's (per unit and rank).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -137,9 +159,37 @@ def apply_fsdp(model: nn.Module, mesh: Any, dp_dims: Sequence[str] = ("dp_shard"
     units = [u for u in fsdp_units(model) if u is not model]
     for i, unit in enumerate(units):
         last = i == len(units) - 1
-        fully_shard(unit, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and not last)
+        fully_shard(unit, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False if last else reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+    if reduce_codec is not None or gather_codec is not None:
+        _attach_quantized(model, dp_mesh, reduce_codec, gather_codec, seed)
     return model
+
+
+def _shard_size(dp_mesh: Any) -> int:
+    import torch.distributed as dist
+    if dp_mesh is None:
+        return dist.get_world_size()
+    return dp_mesh.size(-1)  # HSDP: (dp_replicate, dp_shard); FSDP: (dp_shard,)
+
+
+def _attach_quantized(model: nn.Module, dp_mesh: Any, reduce_codec: Any, gather_codec: Any, seed: int) -> None:
+    """Set every unit's custom collectives (``fsdp_quant``); ``attach_timing`` wraps them later (it reads
+    ``_syncwise_comms``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from .fsdp_quant import QuantizedAllGather, QuantizedReduceScatter
+
+    world = _shard_size(dp_mesh)
+    for i, module in enumerate(m for m in model.modules() if isinstance(m, FSDPModule)):
+        comms = {}
+        if gather_codec is not None:
+            comms["all_gather"] = QuantizedAllGather(gather_codec, world)
+            module.set_custom_all_gather(comms["all_gather"])
+        if reduce_codec is not None:
+            comms["reduce_scatter"] = QuantizedReduceScatter(reduce_codec, seed=seed, unit=i)
+            module.set_custom_reduce_scatter(comms["reduce_scatter"])
+        module._syncwise_comms = comms
 
 
 # ---------------------------------------------------------------------------------------- timing
@@ -157,11 +207,13 @@ def attach_timing(model: nn.Module, times: Any, labels: dict[str, str]) -> None:
     from ..comm.counting import uncounted
     from ..comm.timing import Interval
 
-    def timed(call: Any, output: torch.Tensor, payload: torch.Tensor, group: Any, async_op: bool) -> Any:
+    def timed(call: Any, output: torch.Tensor, payload: torch.Tensor, group: Any, async_op: bool,
+              inner: Any = None) -> Any:
         label = labels.get(group.group_name)
         if label is None:
             return call()
-        times.count(label, payload.numel() * payload.element_size())
+        wire = getattr(inner, "wire_bytes", None)  # a quantized collective: what it puts on the wire
+        times.count(label, wire(payload, group) if wire else payload.numel() * payload.element_size())
         iv = Interval(payload.device).start()
         with uncounted():
             work = call()
@@ -176,20 +228,33 @@ def attach_timing(model: nn.Module, times: Any, labels: dict[str, str]) -> None:
         return work
 
     class TimedAllGather(DefaultAllGather):
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def allocate(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # noqa: D102
+            return self.inner.allocate(*args, **kwargs)
+
         def __call__(self, output_tensor, input_tensor, group, async_op=False):  # noqa: D102
-            return timed(lambda: super(TimedAllGather, self).__call__(output_tensor, input_tensor, group, async_op),
-                         output_tensor, input_tensor, group, async_op)
+            return timed(lambda: self.inner(output_tensor, input_tensor, group, async_op),
+                         output_tensor, input_tensor, group, async_op, self.inner)
 
     class TimedReduceScatter(DefaultReduceScatter):
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def allocate(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # noqa: D102
+            return self.inner.allocate(*args, **kwargs)
+
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # noqa: D102
-            return timed(lambda: super(TimedReduceScatter, self).__call__(output_tensor, input_tensor, group, op,
-                                                                          async_op),
-                         output_tensor, input_tensor, group, async_op)
+            return timed(lambda: self.inner(output_tensor, input_tensor, group, op, async_op),
+                         output_tensor, input_tensor, group, async_op, self.inner)
 
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            module.set_custom_all_gather(TimedAllGather())
-            module.set_custom_reduce_scatter(TimedReduceScatter())
+            # around the unit's own collectives: FSDP2's, or the quantized ones apply_fsdp set (fsdp_quant)
+            comms = getattr(module, "_syncwise_comms", {})
+            module.set_custom_all_gather(TimedAllGather(comms.get("all_gather") or DefaultAllGather()))
+            module.set_custom_reduce_scatter(TimedReduceScatter(comms.get("reduce_scatter") or DefaultReduceScatter()))
 
 
 class _Later:

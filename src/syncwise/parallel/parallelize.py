@@ -34,7 +34,7 @@ from torch import nn
 from ..comm.context import Topology
 from ..comm.counting import CollectiveCounter, DimensionTimes, mesh_groups
 from ..errors import ConfigError, SyncwiseError
-from ..layout import NO_COMPRESS, Compress, Layout, hierarchical_applies, parse_compress, parse_sync
+from ..layout import NO_COMPRESS, Compress, Layout, hierarchical_applies, node_reshard, parse_compress, parse_sync
 from .activation_checkpoint import apply_activation_checkpointing
 from .data_parallel import DataParallel, StageGradientSync, apply_data_parallel, compressor_of
 from .mesh import adopt_mesh, build_mesh, check_torch_support
@@ -310,8 +310,15 @@ def parallelize(model: nn.Module, spec: "Layout | dict | None" = None, device: O
     # DTensors back into local tensors (torch's DDP + TP work-around), and then neither gradient clipping nor
     # resharding checkpoints would see the sharded parameters.
     if dp_dims and spec.fsdp:
-        from .fsdp import apply_fsdp, attach_compression, fsdp_gradient_sync
-        reduce_dtype, compress_replicas = fsdp_gradient_sync(spec.compress, spec.dp_replicate)
+        from .fsdp import apply_fsdp, attach_compression, fsdp_gradient_sync, fsdp_reduce_codec
+        from .fsdp_quant import gather_codec
+        reduce_dtype, compress_replicas = fsdp_gradient_sync(spec.compress, spec.dp_replicate, spec.dp_shard, spec.pp)
+        # parallel.fsdp_gather / fsdp_reshard and the quantized reduce-scatter (int8 / fp8, one replica): every
+        # apply_fsdp below takes them (docs/parallelism.md)
+        quant = {"reduce_codec": fsdp_reduce_codec(spec.compress, spec.dp_replicate, spec.dp_shard, spec.pp),
+                 "gather_codec": gather_codec(spec.fsdp_gather),
+                 "reshard_after_forward": _fsdp_reshard(spec, world),
+                 "seed": int(spec.compress.options.get("seed", 0) or 0)}
         # Each pipeline stage is its own FSDP2 root (torch's PipelineStage defers its reduce-scatter to the last
         # microbatch's backward).
         roots = parts
@@ -321,7 +328,7 @@ def parallelize(model: nn.Module, spec: "Layout | dict | None" = None, device: O
             # averages each rank's local shards with the same shard of the other groups (the dp_replicate group).
             for root in roots:
                 apply_fsdp(root, mesh, ("dp_shard",), param_dtype=param_dtype,
-                           reduce_dtype=reduce_dtype or torch.float32)
+                           reduce_dtype=reduce_dtype or torch.float32, **quant)
             par.sync = build_sync(sync, model, group=mesh["dp_replicate"].get_group())
             if par.sync is not None and sync.warmup:
                 _attach_warmup_all_reduce(roots, par, mesh["dp_replicate"].get_group())
@@ -329,7 +336,7 @@ def parallelize(model: nn.Module, spec: "Layout | dict | None" = None, device: O
             # FSDP2 inside each replica group; syncwise's compressor is the all-reduce across the groups.
             par.dp = DataParallel(module=model, hook_state=None)
             for root in roots:
-                apply_fsdp(root, mesh, ("dp_shard",), param_dtype=param_dtype, reduce_dtype=torch.float32)
+                apply_fsdp(root, mesh, ("dp_shard",), param_dtype=param_dtype, reduce_dtype=torch.float32, **quant)
             par.dp.hook_state = _replica_hook_state(compressor, mesh, par.model, min_numel)
             for root in roots:
                 attach_compression(root, par.dp.hook_state)
@@ -337,7 +344,7 @@ def parallelize(model: nn.Module, spec: "Layout | dict | None" = None, device: O
             # HSDP over both data-parallel dimensions; apply_fsdp treats one replica (1 × N) as plain FSDP2.
             for root in roots:
                 apply_fsdp(root, mesh, ("dp_replicate", "dp_shard"), param_dtype=param_dtype,
-                           reduce_dtype=reduce_dtype or torch.float32)
+                           reduce_dtype=reduce_dtype or torch.float32, **quant)
         par.fsdp = True
     elif dp_dims and par.pipeline is not None:  # this rank's stages' gradients averaged over their replicas
         par.stage_sync = StageGradientSync(par.model, compressor, par.dp_group, bucket_cap_mb, min_numel,
@@ -382,6 +389,14 @@ def _attach_warmup_all_reduce(roots: list, par: Parallelized, group: Any) -> Non
     for root in roots:
         for unit in [m for m in root.modules() if isinstance(m, FSDPModule)]:
             unit.set_all_reduce_hook(hook)
+
+
+def _fsdp_reshard(spec: Layout, world: int) -> "bool | int":
+    """FSDP2's reshard_after_forward for parallel.fsdp_reshard on this job's nodes (torchrun's LOCAL_WORLD_SIZE;
+    the rule: ``layout.node_reshard``)."""
+    if spec.fsdp_reshard != "node":
+        return spec.fsdp_reshard == "all"
+    return node_reshard(spec, Topology.from_env(world).procs_per_node)
 
 
 def _hierarchical_here(spec: Layout, world: int) -> bool:

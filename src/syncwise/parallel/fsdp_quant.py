@@ -1,0 +1,257 @@
+"""Quantized FSDP2 collectives (ZeRO++'s qgZ and qwZ, written for FSDP2's public hooks).
+
+FSDP2 (torch ≥ 2.9) lets a unit replace its two collectives: ``FSDPModule.set_custom_reduce_scatter`` and
+``set_custom_all_gather`` take objects with torch's ``ReduceScatter`` / ``AllGather`` protocol
+(``torch/distributed/fsdp/_fully_shard/_fsdp_api.py``): ``allocate(size, dtype=, device=)`` for FSDP2's buffers and
+``__call__(output, input, group, [op,] async_op)``. FSDP2 keeps everything around them: the flat buffers, the
+padding, the copy-in of the unsharded gradients and the copy-out of the gathered parameters, the streams.
+
+- :class:`QuantizedReduceScatter` (``--compress int8|fp8`` with ``dp_shard > 1`` and one replica): each rank cuts
+  its flat fp32 gradient into the ``W`` destination chunks FSDP2's reduce-scatter would send, quantizes each chunk
+  in blocks (one fp32 scale per block, its max |x| → the largest code), exchanges the chunks by one
+  ``all_to_all_single`` of bytes (codes and scales side by side; gloo and NCCL both have it), and each rank
+  dequantizes the ``W`` chunks it received and sums them **in fp32, in rank order** (then divides by W for FSDP2's
+  average). No low-precision arithmetic ever accumulates: a ring reduce-scatter in int8 would round again at every
+  hop; this rounds once per contribution, and the sum is deterministic (the same order on every run).
+- :class:`QuantizedAllGather` (``--parallel.fsdp_gather=bf16|fp8|int8``): each rank quantizes its shard of the
+  unit's parameters (already in FSDP2's all-gather dtype: fp32, or bf16 under bf16 mixed precision), all-gathers
+  the bytes, and dequantizes every rank's part — its own included, so every rank computes with the same weights —
+  into FSDP2's all-gather buffer. The master weights stay fp32 and sharded; only the transient compute copy is
+  rounded. A gather over a smaller group than the one it was built for (the node-local group of
+  ``fsdp_reshard=node``, backward's re-gather of forward's resharded parameters) is FSDP2's own, at full precision:
+  re-quantizing already rounded values on other block boundaries would give backward other weights than forward.
+
+Codecs (:class:`BlockCodec`): ``int8`` — symmetric integer codes in ``[-levels, levels]`` (``levels`` ≤ 127; ≤ 7
+packs two codes per byte: int4), nearest rounding (error ≤ scale/2 = max|block| / (2·levels)) or stochastic
+(unbiased, error < scale); ``fp8`` — e4m3 with the block's max mapped to 448 (relative error ≤ 2⁻⁴, nearest);
+``bf16`` — a cast (relative error ≤ 2⁻⁸), no scales. No state is kept: no error feedback, and stochastic rounding
+draws from a generator seeded per unit and rank (``seed``), so a resumed run draws anew (unbiased either way);
+nearest rounding, the default here, is deterministic.
+
+Bytes: each object reports what its rank puts on the wire (``wire_bytes``), which ``attach_timing`` counts as the
+'fsdp' dimension's bytes instead of the fp32 input.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+#: the codecs a quantized FSDP2 collective can use (``parallel.fsdp_gather`` takes these plus fp32)
+CODECS = ("bf16", "fp8", "int8")
+_FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+@dataclass(frozen=True)
+class BlockCodec:
+    """Blockwise quantization of a 2-D batch of rows (each row one destination's chunk, ``n`` elements).
+
+    A row becomes ``payload(n)`` bytes: ``ceil(n / block)`` blocks of codes (zero-padded to whole blocks), then one
+    fp32 scale per block (none for bf16)."""
+
+    name: str                 # int8 | fp8 | bf16
+    block: int = 128
+    levels: int = 127         # int8: codes in [-levels, levels]; ≤ 7 packs two per byte
+    stochastic: bool = False  # int8 only
+
+    def __post_init__(self) -> None:
+        if self.name not in CODECS:
+            raise ValueError(f"codec {self.name!r}: one of {CODECS}")
+        if self.name == "int8" and self.levels <= 7 and self.block % 2:
+            raise ValueError("a 4-bit codec needs an even block")
+
+    @property
+    def code_bits(self) -> int:
+        return {"bf16": 16, "fp8": 8}.get(self.name, 4 if self.levels <= 7 else 8)
+
+    def blocks(self, n: int) -> int:
+        return 1 if self.name == "bf16" else max(1, math.ceil(n / self.block))
+
+    def padded(self, n: int) -> int:
+        return n if self.name == "bf16" else self.blocks(n) * self.block
+
+    def code_bytes(self, n: int) -> int:
+        return self.padded(n) * self.code_bits // 8
+
+    def payload(self, n: int) -> int:
+        """Bytes one row of ``n`` elements takes on the wire."""
+        return self.code_bytes(n) + (0 if self.name == "bf16" else 4 * self.blocks(n))
+
+    def max_error(self, amax: float) -> float:
+        """The largest absolute rounding error of one element in a block whose max |x| is ``amax``."""
+        if self.name == "bf16":
+            return amax * 2.0 ** -8  # 8 significant bits, round to nearest even
+        if self.name == "fp8":
+            return amax * (2.0 ** -4 + 2.0 ** -10)  # 3 mantissa bits (nearest); the subnormal step below 2⁻⁶
+        return amax / self.levels * (1.0 if self.stochastic else 0.5)
+
+    # ------------------------------------------------------------------------------------ encode / decode
+    def encode(self, x: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """``x`` (rows × n, any float dtype) → uint8 (rows × payload(n))."""
+        rows, n = x.shape
+        if self.name == "bf16":
+            return x.to(torch.bfloat16).contiguous().view(torch.uint8).view(rows, -1)
+        nb, p = self.blocks(n), self.padded(n)
+        xf = x.float()
+        if p != n:
+            xf = torch.nn.functional.pad(xf, (0, p - n))
+        xb = xf.view(rows * nb, self.block)
+        amax = xb.abs().amax(dim=1)
+        top = _FP8_MAX if self.name == "fp8" else float(self.levels)
+        scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
+        y = xb / scale[:, None]
+        if self.name == "fp8":
+            codes = y.clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+        else:
+            if self.stochastic:
+                noise = torch.rand(y.shape, generator=generator, device=y.device, dtype=y.dtype)
+                y = torch.floor(y + noise)
+            else:
+                y = torch.round(y)
+            q = y.clamp(-self.levels, self.levels)
+            if self.code_bits == 4:  # two codes per byte: (q + 8) in 1..15, low nibble first
+                u = (q + 8).to(torch.uint8).view(rows * nb, self.block // 2, 2)
+                codes = u[..., 0] | (u[..., 1] << 4)
+            else:
+                codes = q.to(torch.int8).view(torch.uint8)
+        out = torch.empty(rows, self.payload(n), dtype=torch.uint8, device=x.device)
+        cb = self.code_bytes(n)
+        out[:, :cb] = codes.reshape(rows, cb)
+        out[:, cb:] = scale.view(rows, nb).contiguous().view(torch.uint8)
+        return out
+
+    def decode(self, payload: torch.Tensor, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """uint8 (rows × payload(n)) → ``dtype`` (rows × n)."""
+        rows = payload.shape[0]
+        if self.name == "bf16":
+            return payload.contiguous().view(torch.bfloat16).view(rows, n).to(dtype)
+        nb, cb = self.blocks(n), self.code_bytes(n)
+        codes = payload[:, :cb].contiguous()
+        scale = payload[:, cb:].contiguous().view(torch.float32).view(rows * nb, 1)
+        if self.name == "fp8":
+            vals = codes.view(torch.float8_e4m3fn).float().view(rows * nb, self.block)
+        elif self.code_bits == 4:
+            lo = (codes & 0xF).to(torch.int16) - 8
+            hi = (codes >> 4).to(torch.int16) - 8
+            vals = torch.stack((lo, hi), dim=-1).view(rows * nb, self.block).float()
+        else:
+            vals = codes.view(torch.int8).float().view(rows * nb, self.block)
+        out = (vals * scale).view(rows, nb * self.block)[:, :n]
+        return out.to(dtype)
+
+
+def codec_of(compress: Any) -> BlockCodec:
+    """The reduce-scatter's codec from a parsed ``--compress`` spec (``syncwise.layout.Compress``): int8's ``chunk``
+    and ``levels``, fp8's ``block``. Rounding is to nearest unless the spec says ``stochastic=true`` explicitly (the
+    DDP int8 compressor's default is stochastic; here nearest halves the error and keeps the step deterministic)."""
+    o = compress.options
+    if compress.name == "int8":
+        return BlockCodec("int8", block=int(o["chunk"]), levels=int(o["levels"]),
+                          stochastic=bool(compress.given.get("stochastic", False)))
+    if compress.name == "fp8":
+        return BlockCodec("fp8", block=int(o["block"]))
+    raise ValueError(f"no quantized reduce-scatter for {compress.name!r}")
+
+
+def gather_codec(name: str, block: int = 128) -> Optional[BlockCodec]:
+    """``parallel.fsdp_gather``'s codec (None for fp32: FSDP2's own all-gather). int8 / fp8 weights in blocks of
+    128 (ZeRO++'s qwZ uses groups of this order; smaller blocks follow the weights' local range more closely)."""
+    return None if name == "fp32" else BlockCodec(name, block=block)
+
+
+class _Alloc:
+    def allocate(self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+def _protocols() -> tuple[type, type]:
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    return AllGather, ReduceScatter
+
+
+class QuantizedReduceScatter(_Alloc):
+    """FSDP2's gradient reduce-scatter as quantize → all-to-all → fp32 sum in rank order (module docstring)."""
+
+    def __init__(self, codec: BlockCodec, seed: int = 0, unit: int = 0) -> None:
+        self.codec, self.seed, self.unit = codec, seed, unit
+        self._gen: Optional[torch.Generator] = None
+        self.bytes_sent = 0  # this rank's payloads, all calls (what wire_bytes reports per call)
+
+    def wire_bytes(self, input_tensor: torch.Tensor, group: Any) -> int:
+        w = group.size()
+        return w * self.codec.payload(input_tensor.numel() // w)
+
+    def _generator(self, device: torch.device, rank: int) -> Optional[torch.Generator]:
+        if not self.codec.stochastic:
+            return None
+        if self._gen is None:
+            self._gen = torch.Generator(device=device)
+            self._gen.manual_seed((self.seed * 1_000_003 + self.unit * 65_537 + rank) % (2 ** 63))
+        return self._gen
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> None:
+        w = group.size()
+        n = output_tensor.numel()
+        if input_tensor.numel() != n * w:
+            raise RuntimeError(f"reduce-scatter input of {input_tensor.numel()} elements for {w} ranks × {n}")
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            raise NotImplementedError(f"syncwise's quantized reduce-scatter sums or averages; FSDP2 asked for {op} "
+                                      "(a gradient_divide_factor is not supported with it)")
+        sent = self.codec.encode(input_tensor.view(w, n), self._generator(input_tensor.device, group.rank()))
+        self.bytes_sent += sent.numel()
+        received = torch.empty_like(sent)
+        dist.all_to_all_single(received, sent, group=group)   # row r: rank r's chunk for this rank
+        parts = self.codec.decode(received, n)                # (w, n) fp32
+        acc = parts[0].clone()
+        for r in range(1, w):                                 # rank order: the same sum on every run
+            acc.add_(parts[r])
+        if op == dist.ReduceOp.AVG:
+            acc.div_(w)
+        output_tensor.copy_(acc)
+        return None  # done: FSDP2 treats a None work as completed
+
+
+class QuantizedAllGather(_Alloc):
+    """FSDP2's parameter all-gather with blockwise-quantized shards, dequantized into FSDP2's buffer (module
+    docstring). ``world``: the shard group's size it quantizes over; a smaller group (the post-forward node-local
+    group) is gathered at full precision."""
+
+    def __init__(self, codec: BlockCodec, world: int) -> None:
+        self.codec, self.world = codec, world
+        self.bytes_sent = 0
+
+    def _quantizes(self, group: Any) -> bool:
+        return group.size() == self.world
+
+    def wire_bytes(self, input_tensor: torch.Tensor, group: Any) -> int:
+        if not self._quantizes(group):
+            return input_tensor.numel() * input_tensor.element_size()
+        return self.codec.payload(input_tensor.numel())
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                 async_op: bool = False) -> None:
+        self.bytes_sent += self.wire_bytes(input_tensor, group)
+        if not self._quantizes(group):
+            dist.all_gather_single(output_tensor, input_tensor, group=group)
+            return None
+        w, n = group.size(), input_tensor.numel()
+        mine = self.codec.encode(input_tensor.view(1, n))
+        gathered = torch.empty(w * mine.shape[1], dtype=torch.uint8, device=mine.device)
+        dist.all_gather_single(gathered, mine.view(-1), group=group)
+        # every rank's part, this rank's too: all ranks compute with the same rounded weights
+        output_tensor.view(w, n).copy_(self.codec.decode(gathered.view(w, -1), n, output_tensor.dtype))
+        return None
+
+
+def _register() -> None:
+    """Make both classes instances of torch's protocols (FSDP2 checks ``isinstance`` in places)."""
+    AllGather, ReduceScatter = _protocols()
+    ReduceScatter.register(QuantizedReduceScatter)
+    AllGather.register(QuantizedAllGather)
+
+
+_register()
