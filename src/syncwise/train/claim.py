@@ -24,7 +24,9 @@ RUN_FILES = ("metrics.jsonl", "summary.json", "preempted.json")
 
 def previous_run(run_dir: Optional[Path], checkpoint_dir: Optional[Path]) -> list[str]:
     """The files and checkpoints of an earlier run in ``run_dir`` / ``checkpoint_dir`` (empty: none)."""
-    found = [name for name in RUN_FILES if run_dir is not None and (run_dir / name).exists()]
+    # an empty metrics.jsonl is a run that ended before its first step: nothing of it to keep, nothing to continue
+    found = [name for name in RUN_FILES if run_dir is not None and (run_dir / name).exists()
+             and not (name == "metrics.jsonl" and (run_dir / name).stat().st_size == 0)]
     if checkpoint_dir is not None and checkpoint_dir.is_dir():
         found += [str(p.relative_to(run_dir)) if run_dir is not None and p.is_relative_to(run_dir) else str(p)
                   for p in published_checkpoints(checkpoint_dir)]
