@@ -284,6 +284,8 @@ class OptimizedTrainer:
                                start_step=self.step, log_interval=self.log_interval)
         if redone is not None:
             logger.note(f"resumed from step {self.step}; {redone} step(s) after it are redone")
+        elif getattr(self, "_resume_note", None) and self.rank == 0 and self.show_progress:
+            print(self._resume_note, flush=True)  # one line, unwrapped (a path can be long)
         rank_log = RankLog(self.run_dir, self.rank, self.world_size, start_step=self.step)  # every rank's own rows
         self.meter.watch(rank_log)
         # when this rank arrived at each collective (torch's flight recorder, read every few seconds): doctor's
@@ -550,6 +552,7 @@ class OptimizedTrainer:
 
     def _resume(self, resume: Optional[str], state: TrainState) -> Optional[int]:
         """Load the checkpoint ``resume`` names; returns how many logged steps will be redone (None: fresh)."""
+        self._resume_note = None
         if resume is None or self.checkpointer is None:  # train() refused resume without a checkpointer
             return None
         step = self.checkpointer.load(resume, state)
@@ -557,6 +560,9 @@ class OptimizedTrainer:
             # per-rank state is skipped when the world size changed: the strategy must then start afresh
             self.sync.resumed()
         if resume == "auto" and step == 0:
+            # said in one line at start-up (train()), in both doors: a typo'd directory must not pass unnoticed
+            self._resume_note = (f"syncwise: resume auto found no checkpoint in {self.checkpointer.directory}; "
+                                 "starting a fresh run from step 0")
             return None
         logged = read_jsonl(Path(self.run_dir) / "metrics.jsonl") if self.run_dir and self.rank == 0 else []
         return max(0, max((r.get("step", 0) for r in logged), default=step) - step)
