@@ -25,3 +25,37 @@ def test_resume_auto_on_a_missing_run_dir_says_so_on_the_command_line(tmp_path, 
     out = capsys.readouterr().out
     assert f"syncwise: resume auto found no checkpoint in {run / 'checkpoints'}; starting a fresh run from step 0" \
         in out.splitlines(), out
+
+
+def test_a_json_lines_corpus_without_a_tokenizer_is_refused(tmp_path, capsys):
+    import json
+
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i} " * 40, "id": i}) + "\n" for i in range(200)))
+    assert main(["train", "--check", "--preset", "tiny", "--data.corpus", str(corpus), "--data.seq_len=32"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "'data.tokenizer'" in err and "raw JSON/parquet bytes" in err, err
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    corpus.rename(folder / "a.jsonl")
+    assert main(["train", "--check", "--preset", "tiny", "--data.corpus", str(folder), "--data.seq_len=32"]) == 2
+    assert "'data.tokenizer'" in capsys.readouterr().err
+
+
+def test_a_seq_len_beyond_the_models_positions_names_that_cause(tmp_path, capsys):
+    import json
+
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 320, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+        "max_position_embeddings": 256}))
+    corpus = tmp_path / "notes.txt"  # room for training windows of 1024, not for a validation batch of them
+    corpus.write_text("a line of the user's own notes\n" * 2000)
+    assert main(["train", "--check", "--model", f"hf:{folder}", "--data.corpus", str(corpus),
+                 "--data.seq_len=1024"]) == 2
+    err = capsys.readouterr().err
+    assert "'data.seq_len': 1024" in err and "max_position_embeddings (256" in err, err
+    assert "val_fraction" not in err
