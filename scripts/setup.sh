@@ -17,7 +17,7 @@
 # requirements.txt pins the CPU build `torch==2.13.0` (the wheel on this project's machines). On a GPU
 # machine that would replace the user's CUDA torch, so when `import torch` already works, every requirement
 # except torch is installed (`-r` includes followed) with the installed torch held by a constraint: pip keeps
-# it, or stops with a resolution error (a torch older than pyproject's torch>=2.5) instead of swapping it.
+# it, or stops with a resolution error (a torch outside pyproject's torch>=2.5,<2.14) instead of swapping it.
 # Without an importable torch, the file is installed as it is (the pinned CPU build).
 #
 # SYNCWISE_SETUP_DRY_RUN=1 prints the decision and the pip command (and the requirements it would install) instead

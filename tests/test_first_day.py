@@ -59,3 +59,33 @@ def test_a_seq_len_beyond_the_models_positions_names_that_cause(tmp_path, capsys
     err = capsys.readouterr().err
     assert "'data.seq_len': 1024" in err and "max_position_embeddings (256" in err, err
     assert "val_fraction" not in err
+
+
+def test_the_core_install_leaves_drawing_to_the_report_extra_and_pins_the_tested_torch():
+    import pathlib
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    core = " ".join(project["dependencies"])
+    assert "matplotlib" not in core
+    assert any(d.startswith("matplotlib") for d in project["optional-dependencies"]["report"])
+    torch_req = next(d for d in project["dependencies"] if d.startswith("torch"))
+    assert torch_req == "torch>=2.5,<2.14", torch_req  # not past the tested release: requirements.txt's CPU pin
+    assert "torch==2.13.0" in (root / "requirements.txt").read_text().split()
+    assert "matplotlib" in (root / "requirements.txt").read_text().split()  # the tests draw
+
+
+def test_drawing_without_matplotlib_names_the_extra_in_one_line(monkeypatch):
+    import sys
+
+    import pytest
+
+    from syncwise.commands.report import draw
+    from syncwise.errors import SyncwiseError
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what Python does for a package that is not installed
+    with pytest.raises(SyncwiseError) as e:
+        draw([])
+    assert str(e.value) == ("syncwise report (its picture) needs matplotlib, which is not installed: "
+                            "pip install 'syncwise[report]'")

@@ -156,8 +156,8 @@ def _refuse_records(spec: str, files: list[Path]) -> None:
     rather than trained on its raw bytes."""
     if files and all(p.suffix.lower() in RECORD_SUFFIXES for p in files):
         what = files[0].name if len(files) == 1 else f"{len(files)} {files[0].suffix} files"
-        raise ConfigError("data.tokenizer", None, f"a Hugging Face tokenizer.json (or its folder) for the corpus {spec} "
-                          f"({what}: records whose text is in a column, data.text_column); without one the byte "
+        raise ConfigError("data.tokenizer", None, f"a Hugging Face tokenizer.json (or its folder) for the corpus "
+                          f"{spec} ({what}: records whose text is in a column, data.text_column); without one the byte "
                           "tokenizer would train on the raw JSON/parquet bytes, keys and quotes included. Or give "
                           "plain text files")
 
