@@ -942,6 +942,8 @@ def _check_data_and_memory(cfg: RunConfig, local: int, fewest: int, where: "Plac
             _check_model(lay, resolve_config(cfg.model.preset, **model_overrides(cfg, 256)))
         return
     d = cfg.data
+    if hf is not None and hf.max_positions is not None and d.seq_len > hf.max_positions:
+        check_hf_shape(hf, cfg.model.preset, 0, d.seq_len)  # the cause, before the corpus's windows are counted
     try:
         train_tokens, val_tokens, vocab = corpus_sizes(d.corpus, d.val_fraction, tokenizer=d.tokenizer,
                                                        text_column=d.text_column, tokenize_workers=d.tokenize_workers)

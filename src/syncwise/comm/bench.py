@@ -307,10 +307,9 @@ def write_json(rows: list[dict], path: "str | Path") -> Path:
 
 def write_plot(rows: list[dict], path: "str | Path") -> Path:
     """PNG of busbw (Gbit/s) vs message size, one line per op (log-2 size axis)."""
-    import matplotlib
+    from ..extras import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("syncwise comm-bench --plot")
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

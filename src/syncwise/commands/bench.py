@@ -516,10 +516,9 @@ def render_table(rows: list[dict[str, Any]], title: str, console: Any = None) ->
 
 def write_plot(rows: list[dict[str, Any]], path: str | Path, title: str) -> Path:
     """PNG of loss against wall-clock time (cumulative step time from each run's metrics.jsonl)."""
-    import matplotlib
+    from ..extras import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("syncwise bench --plot")
 
     from ..metrics.logger import read_jsonl
 

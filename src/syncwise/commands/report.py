@@ -93,10 +93,9 @@ def _names(runs: list[dict[str, Any]]) -> None:
 
 def draw(runs: list[dict[str, Any]]) -> bytes:
     """The report's figure as PNG bytes."""
-    import matplotlib
+    from ..extras import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("syncwise report (its picture)")
 
     fig, axes = plt.subplots(2, 3, figsize=(16, 9), dpi=100)
     (ax_step, ax_time, ax_st), (ax_split, ax_bytes, ax_tps) = axes

@@ -132,6 +132,8 @@ def _source(spec: str, val_fraction: float, max_bytes: int | None) -> tuple[str,
         if path.is_dir() and (path / "train.bin").is_file():
             return "bin", path / "train.bin", []
         if path.is_file():
+            if path.suffix != ".bin":
+                _refuse_records(spec, [path])
             return ("bin" if path.suffix == ".bin" else "text"), path, [(path.name, path)]
         if not path.is_dir():
             raise ConfigError("data.corpus", spec, f"{_ACCEPTED}; {path} is neither a regular file nor a folder")
@@ -141,7 +143,23 @@ def _source(spec: str, val_fraction: float, max_bytes: int | None) -> tuple[str,
         raise ConfigError("data.corpus", spec, f"{_ACCEPTED}; {e}") from None
     if not files:
         raise ConfigError("data.corpus", spec, f"{_ACCEPTED}; the folder {path} has no text files")
+    _refuse_records(spec, [p for _, p in files])
     return "text", path, files
+
+
+# Record formats whose bytes are not the text: read byte by byte they would train on keys, quotes and escapes.
+RECORD_SUFFIXES = (".jsonl", ".parquet")
+
+
+def _refuse_records(spec: str, files: list[Path]) -> None:
+    """A JSON-lines / parquet corpus (a file, or a folder of nothing else) needs a tokenizer: refused without one
+    rather than trained on its raw bytes."""
+    if files and all(p.suffix.lower() in RECORD_SUFFIXES for p in files):
+        what = files[0].name if len(files) == 1 else f"{len(files)} {files[0].suffix} files"
+        raise ConfigError("data.tokenizer", None, f"a Hugging Face tokenizer.json (or its folder) for the corpus "
+                          f"{spec} ({what}: records whose text is in a column, data.text_column); without one the byte "
+                          "tokenizer would train on the raw JSON/parquet bytes, keys and quotes included. Or give "
+                          "plain text files")
 
 
 def _text_tokens(files: list[tuple[str, Path]], spec: str, path: Path, val_fraction: float,

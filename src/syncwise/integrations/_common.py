@@ -17,7 +17,9 @@ def require(module: str, package: str, integration: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise SyncwiseError(f"syncwise.integrations.{integration} needs {package}: pip install {package}") from None
+        extra = {"transformers": "hf"}.get(integration, integration)  # pyproject's extras
+        raise SyncwiseError(f"syncwise.integrations.{integration} needs {package}: pip install 'syncwise[{extra}]' "
+                            f"or pip install {package}") from None
 
 
 def compressor_from(compressor: CompressorLike, min_numel: int = MIN_NUMEL, min_ndim: int = 2) -> GradientCompressor:

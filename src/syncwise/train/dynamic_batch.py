@@ -281,7 +281,8 @@ class DynamicBatcher:
 
         ``batches``: the step's loader batches, ``(inputs, targets)`` each (``grad_accum_steps`` of them; a
         list with one pair without accumulation); inputs/targets are tensors or tuples/lists/dicts of tensors
-        split along dim 0. ``run_micro(inputs, targets, weight, is_last)`` computes
+        split along dim 0 (the trainer's mapping batch is ``(dict, KWARGS)``: the dict is split, the marker
+        goes to every chunk; syncwise.train.batches). ``run_micro(inputs, targets, weight, is_last)`` computes
         ``loss = loss_fn(model(inputs), targets) * weight``, runs its backward (outside ``no_sync`` only when
         ``is_last``) and returns the loss (detached or not; its sum is returned, or None if it returns None).
         ``weight = chunk_rows / batch_rows / len(batches)``, so the accumulated gradient equals the full

@@ -34,6 +34,7 @@ from ..comm.hostread import HostCopy
 from ..comm.stats import STATS, CommStats
 from ..comm.timing import Interval, on_cuda
 from ..metrics.ranklog import StepProbe
+from .batches import tokens as batch_tokens
 
 # Collectives that are not a step's traffic (loss averaging, validation, router-load sums, the workers' agreement
 # on a resume step) are counted here, so the per-step ``comm_bytes`` is exactly the gradient traffic.
@@ -299,6 +300,7 @@ class _DataWait:
 
 
 def tokens_of(batches: list) -> int:
-    """Tokens in a step's loader batches (integer token ids: every element; float inputs: one per row)."""
-    return sum(x.numel() if not x.is_floating_point() else x.size(0) for x, _ in batches)
+    """Tokens in a step's loader batches, ``(inputs, targets)`` pairs (a mapping batch: its dict and KWARGS):
+    integer token ids count every element (a mapping's ``input_ids``), float inputs one per row."""
+    return sum(batch_tokens(x) for x, _ in batches)
 

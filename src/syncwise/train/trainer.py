@@ -46,8 +46,8 @@ from ..specs import count
 from ..metrics import MetricsLogger, detect_peak, mfu, peak_memory_mb, read_jsonl
 from ..metrics.ranklog import RankLog, plain
 from ..parallel import ParallelSpec, TorchHookSpec, describe_layout, parallelize, rebind_optimizer
-from . import arguments, options
-from .dynamic_batch import DynamicBatcher
+from . import arguments, batches as batch_shapes, options
+from .dynamic_batch import DynamicBatcher, _rows, _slice
 from .faults import FaultPlan
 from .claim import claim
 from .meter import CONTROL_STATS, PendingStep, StepMeter, StepResult
@@ -86,7 +86,11 @@ class OptimizedTrainer:
 
     Seed API: ``OptimizedTrainer(model, optimizer, loss_fn, compress_gradients=..., mixed_precision=...)``
     then ``.train(loader, epochs=... or steps=..., checkpoint_dir=..., resume=...)``. ``loader`` yields
-    ``(inputs, targets)``; ``loss_fn(model(inputs), targets)`` gives the loss.
+    ``(inputs, targets)`` (``loss_fn(model(inputs), targets)`` gives the loss; ``loss_fn`` defaults to ``lm_loss``)
+    or a mapping of the model's keyword arguments such as ``{"input_ids", "labels"}`` (``model(**batch)``; the loss
+    is ``loss_fn(outputs, batch)``, or with ``loss_fn=None`` the one the model returns: a ``ModelOutput``'s
+    ``.loss``, a dict's ``"loss"`` or a scalar tensor). Another shape is refused before the run starts
+    (``syncwise.train.batches``).
 
     Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR set) without a process group, the trainer joins the job
     itself (NCCL on CUDA, else gloo) and destroys the group at exit. A map-style ``DataLoader`` with the
@@ -110,7 +114,7 @@ class OptimizedTrainer:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 loss_fn: Callable[[Any, Any], torch.Tensor] = lm_loss, *, comm: Optional[CommOptions] = None,
+                 loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None, *, comm: Optional[CommOptions] = None,
                  step: Optional[StepOptions] = None, run: Optional[RunOptions] = None,
                  faults: Optional[FaultOptions] = None, **keywords: Any):
         # the groups' fields, flat (the seed's keywords): their names, defaults and types are the groups'
@@ -250,6 +254,11 @@ class OptimizedTrainer:
         """
         resume = arguments.resume_mode(resume)
         checkpoint_dir = arguments.as_path("checkpoint_dir", checkpoint_dir)
+        # A batch shape the trainer cannot use is refused before the run directory is claimed, where the first batch
+        # can be seen without iterating the loader (a list, a map-style DataLoader); otherwise at the first step.
+        first = batch_shapes.peek(loader)
+        if first is not None:
+            batch_shapes.as_pair(first, pipeline=self.par.pipeline is not None)
         # A user's DataLoader gets this rank's shard and a resumable position (before len() and the train
         # state see it); loaders that shard and checkpoint themselves (TokenBatchLoader) are left as they are.
         # (live recovery: one shard per rank of every configured replica group, fixed while replicas come and go)
@@ -265,6 +274,8 @@ class OptimizedTrainer:
                                start_step=self.step, log_interval=self.log_interval)
         if redone is not None:
             logger.note(f"resumed from step {self.step}; {redone} step(s) after it are redone")
+        elif getattr(self, "_resume_note", None) and self.rank == 0 and self.show_progress:
+            print(self._resume_note, flush=True)  # one line, unwrapped (a path can be long)
         rank_log = RankLog(self.run_dir, self.rank, self.world_size, start_step=self.step)  # every rank's own rows
         self.meter.watch(rank_log)
         # when this rank arrived at each collective (torch's flight recorder, read every few seconds): doctor's
@@ -273,7 +284,8 @@ class OptimizedTrainer:
         if self.step == 0:
             self.faults.skew_router(self.model)
         self.faults.attach(self.model)
-        batches = _forever(loader)
+        # every loader batch as an (inputs, targets) pair; a mapping is (its dict, KWARGS): syncwise.train.batches
+        batches = batch_shapes.pairs(_forever(loader), pipeline=self.par.pipeline is not None)
         if self.batcher is not None and not self.batcher.found:
             batches = self._find_micro_batch(batches, logger)
         layout_check = None
@@ -439,7 +451,8 @@ class OptimizedTrainer:
         first = next(batches)
         # plan sits above train (DESIGN.md §3): the CloudConfig the caller hands in runs the check itself
         check = getattr(cloud_config, "check_training_run", None)
-        verdict = check(self, first) if check else {"skipped": "cloud_config is not a syncwise.plan.CloudConfig "
+        view = first if first[1] is not batch_shapes.KWARGS else (first[0].get("input_ids"), None)  # a mapping's ids
+        verdict = check(self, view) if check else {"skipped": "cloud_config is not a syncwise.plan.CloudConfig "
                                                     "(load a TOML with syncwise.plan.load_cluster)"}
         if verdict.get("warning"):
             logger.note(verdict["warning"])
@@ -461,10 +474,11 @@ class OptimizedTrainer:
         ranks may probe different sizes); the ranks then agree on the smallest. The batch is not consumed."""
         first = next(batches)
         inputs, targets = first
+        rows = _rows(inputs)
 
         def probe(n: int) -> None:
             with self._autocast():
-                loss = self.loss_fn(self.model(inputs[:n].to(self.device)), targets[:n].to(self.device))
+                loss = self._loss(self.model, _slice(inputs, 0, n), _slice(targets, 0, n))
             self.scaler.scale(loss).backward()
 
         def agree(n: int) -> int:
@@ -475,10 +489,10 @@ class OptimizedTrainer:
             return int(t.item())
 
         self.phase = "dynamic batch probe"
-        size = self.batcher.find(probe, batch_size=len(inputs), agree=agree,
+        size = self.batcher.find(probe, batch_size=rows, agree=agree,
                                  zero_grad=lambda: self.optimizer.zero_grad(set_to_none=True))
         self.optimizer.zero_grad(set_to_none=True)
-        logger.note(f"dynamic batch: micro-batches of {size} row(s) (batch {len(inputs)}; "
+        logger.note(f"dynamic batch: micro-batches of {size} row(s) (batch {rows}; "
                     f"{self.batcher.history[-1].reason})")
         return itertools.chain([first], batches)
 
@@ -528,6 +542,7 @@ class OptimizedTrainer:
 
     def _resume(self, resume: Optional[str], state: TrainState) -> Optional[int]:
         """Load the checkpoint ``resume`` names; returns how many logged steps will be redone (None: fresh)."""
+        self._resume_note = None
         if resume is None or self.checkpointer is None:  # train() refused resume without a checkpointer
             return None
         step = self.checkpointer.load(resume, state)
@@ -535,6 +550,9 @@ class OptimizedTrainer:
             # per-rank state is skipped when the world size changed: the strategy must then start afresh
             self.sync.resumed()
         if resume == "auto" and step == 0:
+            # said in one line at start-up (train()), in both doors: a typo'd directory must not pass unnoticed
+            self._resume_note = (f"syncwise: resume auto found no checkpoint in {self.checkpointer.directory}; "
+                                 "starting a fresh run from step 0")
             return None
         logged = read_jsonl(RunDir(self.run_dir).metrics) if self.run_dir and self.rank == 0 else []
         return max(0, max((r.get("step", 0) for r in logged), default=step) - step)
@@ -575,13 +593,13 @@ class OptimizedTrainer:
         """Mean loss over ``val_loader``, averaged across ranks."""
         self.model.eval()
         total, count = torch.zeros((), device=self.device), 0
-        for inputs, targets in self.val_loader:
+        for inputs, targets in batch_shapes.pairs(self.val_loader, pipeline=self.par.pipeline is not None):
             with self._autocast():
-                inputs, targets = inputs.to(self.device), targets.to(self.device)
+                inputs, targets = self._to_device(inputs), self._to_device(targets)
                 if self.par.pipeline is not None:  # every stage runs its part; the last one's loss is broadcast
                     total += self.par.pipeline.eval_loss(inputs, targets).float()
                 else:
-                    total += self.loss_fn(self.model(inputs), targets).float()
+                    total += self._loss(self.model, inputs, targets).float()
             count += 1
         self.model.train()
         return self._mean_across_ranks(total / max(count, 1))
@@ -631,7 +649,7 @@ class OptimizedTrainer:
     def _micro_batch(self, inputs: Any, targets: Any, weight: float, syncing: bool, poison: bool) -> torch.Tensor:
         """Forward/backward one micro-batch, its loss scaled by ``weight`` (its share of the step); its backward
         syncs gradients when ``syncing``. A ``poison``ed micro-batch's loss is NaN."""
-        inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+        inputs, targets = self._to_device(inputs), self._to_device(targets)
         weight = weight * (math.nan if poison else 1.0)
         with self.par.micro_batch(syncing=syncing):
             if self.par.pipeline is not None:  # the schedule runs every microbatch's forward and backward
@@ -643,9 +661,18 @@ class OptimizedTrainer:
                 return loss
             self.phase = "forward/backward (gradient sync)"
             with self._autocast():
-                loss = self.loss_fn(self.par.module(inputs), targets) * weight
+                loss = self._loss(self.par.module, inputs, targets) * weight
             self.scaler.scale(loss).backward()
         return loss.detach()
+
+    def _to_device(self, x: Any) -> Any:
+        """A batch's tensors (a tensor, or dicts/tuples/lists of them) on the trainer's device."""
+        return x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) else \
+            batch_shapes.to_device(x, self.device)
+
+    def _loss(self, model: Any, inputs: Any, targets: Any) -> torch.Tensor:
+        """One micro-batch's forward and loss, for either batch shape (syncwise.train.batches)."""
+        return batch_shapes.forward_loss(model, self.loss_fn, inputs, targets, lm_loss)
 
     def _update(self, step: int, updates: list) -> "tuple[torch.Tensor, bool | torch.Tensor]":
         """Apply the step's updates (``_apply_update``; none, one, or Pipe-SGD's two on the last step), then the
