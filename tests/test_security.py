@@ -279,3 +279,23 @@ def test_quorum_with_a_replica_the_job_never_started_is_refused():
                                  _pg=SimpleNamespace(_global_ranks=[0, 1, 7]), _group_world_size=1)
     with pytest.raises(SyncwiseError, match=r"replica\(s\) \[7\]"):
         lr._after_quorum(6, 0.0, 5)
+
+
+# -------------------------------------------------------------------------------------- row 2: integrations
+def test_transformers_callback_refuses_a_pickled_compressor_checkpoint(tmp_path):
+    """A planted ``checkpoint-N/syncwise_compress.pt`` whose unpickling would run code: refused, nothing run."""
+    pytest.importorskip("transformers")
+    from types import SimpleNamespace
+
+    from syncwise.integrations.transformers import FILENAME, SyncwiseTrainerCallback
+
+    marker = tmp_path / "marker"
+    folder = tmp_path / "out" / "checkpoint-3"
+    folder.mkdir(parents=True)
+    torch.save({"format": "syncwise.compress/per-rank/1", "world_size": 1, "ranks": [_Payload(str(marker))]},
+               folder / FILENAME)
+    cb = SyncwiseTrainerCallback("powersgd:rank=2")
+    args = SimpleNamespace(output_dir=str(tmp_path / "out"), world_size=1, process_index=0)
+    with pytest.raises(SyncwiseError, match="refused"):
+        cb.on_train_begin(args, SimpleNamespace(global_step=3), None, model=torch.nn.Linear(2, 2))
+    assert not marker.exists()
