@@ -46,3 +46,23 @@ def test_a_writer_not_shared_still_abandons_a_save_older_than_one_published_mean
     b.close()
     assert [p.name for p in storage.published_checkpoints(tmp_path)] == ["step_00000010"]
     assert not list(tmp_path.glob("*.abandoned"))
+
+
+def test_resume_repair_keeps_every_valid_row_and_quarantines_a_damaged_line(tmp_path, capsys):
+    """Line 4 of an 8-step run's metrics.jsonl cut in half: resuming at step 8 keeps rows 1-3 and 5-8 and moves
+    the damaged line to metrics.jsonl.damaged with a warning (before: rows 4-8 were gone)."""
+    from syncwise.metrics import MetricsLogger, read_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "loss": 1.0 / s}) for s in range(1, 9)]
+    lines[3] = lines[3][:9]
+    path.write_text("\n".join(lines) + "\n")
+    logger = MetricsLogger(tmp_path, total_steps=10, start_step=8, tensorboard=False, show=False, enabled=True)
+    for s in (9, 10):
+        logger._file.write(json.dumps({"step": s, "loss": 0.1}) + "\n")  # (as log_step writes it)
+    logger.finish({"steps": 10})
+    assert [r["step"] for r in read_jsonl(path)] == [1, 2, 3, 5, 6, 7, 8, 9, 10]
+    quarantined = (tmp_path / "metrics.jsonl.damaged").read_text()
+    assert quarantined == f"4\t{lines[3]}\n"
+    err = capsys.readouterr().err
+    assert "1 damaged line(s) (line 4)" in err and "metrics.jsonl.damaged" in err
