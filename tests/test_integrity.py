@@ -66,3 +66,21 @@ def test_resume_repair_keeps_every_valid_row_and_quarantines_a_damaged_line(tmp_
     assert quarantined == f"4\t{lines[3]}\n"
     err = capsys.readouterr().err
     assert "1 damaged line(s) (line 4)" in err and "metrics.jsonl.damaged" in err
+
+
+def test_a_replica_group_that_failed_for_good_is_named_in_summary_and_exit_code(tmp_path):
+    """Replica 1 died on every restart (e.g. its port taken); replica 0 finished all steps: the run is not a
+    silent success — summary.json names it and the launcher fails with one line (before: exit 0, nothing said)."""
+    import pytest
+
+    from syncwise.errors import SyncwiseError
+    from syncwise.launch.ft import check_outcome
+
+    summary = {"steps": 10, "live_recovery": {"data_skipped_by_replica": {"replica1": ["1-10"]}}}
+    with pytest.raises(SyncwiseError, match=r"replica1 \(exit code 1") as e:
+        check_outcome(summary, [0, 1], 10, tmp_path)
+    assert len(str(e.value).splitlines()) == 1
+    assert summary["live_recovery"]["failed_replicas"] == {"replica1": 1}
+    ok = {"steps": 10, "live_recovery": {}}
+    check_outcome(ok, [0, 0], 10, tmp_path)
+    assert ok["live_recovery"]["failed_replicas"] == {}

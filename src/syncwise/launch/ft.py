@@ -233,6 +233,25 @@ def merge_metrics(run_dir: str | Path, total_steps: int) -> dict[str, Any]:
     return summary
 
 
+def check_outcome(summary: dict[str, Any], codes: Sequence[int], steps: int, run_dir: str | Path) -> None:
+    """After the replica groups ended: record every group that ended in failure (its restarts spent) in
+    ``summary['live_recovery']['failed_replicas']`` and raise one line naming it, with its exit code — also when the
+    others finished the run (they trained on without it: its shard's batches were skipped). A run that no replica
+    finished names every exit code."""
+    failed = {f"replica{r}": code for r, code in enumerate(codes) if code}
+    summary.setdefault("live_recovery", {})["failed_replicas"] = failed
+    reached = int(summary.get("steps") or 0)
+    logs = Path(run_dir) / FT_DIR
+    if reached < steps or (codes and all(codes)):
+        raise SyncwiseError(f"live recovery: the replica groups ended with exit codes {list(codes)} and the run "
+                            f"reached step {reached} of {steps}; see {logs}/replica*.log")
+    if failed:
+        names = ", ".join(f"{name} (exit code {code}, {logs / (name + '.log')})" for name, code in failed.items())
+        raise SyncwiseError(f"live recovery: the run reached step {steps}, but {names} failed for good (its restarts "
+                            "spent); the others trained on without it and its shard's batches were skipped "
+                            "(summary.json: live_recovery.failed_replicas, data_skipped_by_replica)")
+
+
 def _ranges(steps: list[int]) -> list[str]:
     out, start = [], None
     for i, s in enumerate(steps):
