@@ -34,9 +34,13 @@ TAG_BYTES = 32
 
 
 def _load_weights_only(payload: bytes) -> Any:
+    import warnings
+
     from torch.distributed._serialization import _streaming_load
 
-    return _streaming_load(io.BytesIO(payload), weights_only=True)
+    with warnings.catch_warnings():  # (torch warns that tensors over a read-only buffer are writable: each is new)
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return _streaming_load(io.BytesIO(payload), weights_only=True)
 
 
 def _save(obj: Any, f: Any) -> None:
