@@ -26,7 +26,7 @@ import os
 import socket
 import sys
 from datetime import timedelta
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 ENV_BIND = "SYNCWISE_BIND_HOST"
 LOOPBACK = "127.0.0.1"
