@@ -202,7 +202,11 @@ def test_live_recovery_manifests_lighthouse_replica_jobs_and_what_replaces_a_los
     assert env["TORCHFT_LIGHTHOUSE"]["value"] == "http://ft-run-lighthouse:30400"
     assert env["SYNCWISE_FT_REPLICAS"]["value"] == "4" and env["SYNCWISE_FT_MIN_REPLICAS"]["value"] == "2"
     (lh,) = deploy["spec"]["template"]["spec"]["containers"]
-    assert lh["command"][:2] == ["torchft_lighthouse", "--min_replicas=2"] and "--bind=[::]:30400" in lh["command"]
+    # bound by launch/bind.py's rule on the pod (its own address), never every interface (issue 42)
+    bound = lh["command"].index("--")
+    assert lh["command"][1:bound] == ["-m", "syncwise.launch.bind", "--nodes", "4", "--port", "30400"]
+    assert lh["command"][bound + 1:bound + 3] == ["torchft_lighthouse", "--min_replicas=2"]
+    assert not any("[::]" in a or "0.0.0.0" in a for a in lh["command"])
     assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"] == {"type": "Recreate"}
     assert lh_svc["spec"]["selector"] == deploy["spec"]["selector"]["matchLabels"]
     assert lh_svc["spec"]["ports"][0]["port"] == 30400

@@ -343,9 +343,26 @@ class MetricsSection:
     prometheus_port: int = option(0, "serve the per-step metrics at http://HOST:PORT/metrics (Prometheus), one "
                                   "endpoint per node, from its local rank 0; 0 = off",
                                   "0 (off) or a TCP port from 1024 to 65535", lambda v: v == 0 or 1024 <= v <= 65535)
+    prometheus_bind: str = option("127.0.0.1", "the address the Prometheus endpoint listens on: loopback (a scraper "
+                                  "on the same machine); a node's own address to be scraped from elsewhere "
+                                  "(docs/security.md: it has no authentication; never 0.0.0.0 on a shared network)",
+                                  "an IPv4/IPv6 address of this machine, or localhost", lambda v: _address_ok(v))
     wandb: bool = option(False, "log the per-step metrics and the resolved config to Weights & Biases from rank 0 "
                          "(WANDB_MODE=offline keeps the run on disk under RUN_DIR/wandb)", "true or false")
     wandb_project: str = option("syncwise", "the W&B project", "a non-empty string", lambda v: bool(v.strip()))
+
+
+def _address_ok(v: str) -> bool:
+    """An IP address literal (or localhost): what a listening socket can bind to."""
+    import ipaddress
+
+    if v == "localhost":
+        return True
+    try:
+        ipaddress.ip_address(v)
+        return True
+    except ValueError:
+        return False
 
 
 def _host_port_ok(v: str) -> bool:

@@ -141,9 +141,13 @@ class SmartCheckpointer:
 
     - the newest ``max_checkpoints`` published ``step_*`` checkpoints; older ones are deleted, only
       ever after a newer one is complete;
-    - checkpoints of steps later than the one just published (the run resumed from an older
-      checkpoint, so they belong to a discarded timeline) are renamed ``step_*.abandoned`` ('auto'
-      never resumes from them; an earlier abandoned copy of the same step is kept, as
+    - a save of step N is abandoned (not published, with a warning) when a checkpoint of a later step
+      was published while this checkpointer ran: by another writer (live recovery's replica groups share
+      the directory; a writer paused before its save must not hide their newer progress);
+    - checkpoints of steps later than the one just published that were there when this checkpointer
+      started (the run resumed from an older checkpoint, so they belong to a discarded timeline; never
+      with ``shared``, where a later step is another writer's progress) are renamed
+      ``step_*.abandoned`` ('auto' never resumes from them; an earlier abandoned copy of the same step is kept, as
       ``step_*.<n>.abandoned``). The ``max_checkpoints`` abandoned ones with the highest steps — the
       furthest progress of the discarded timelines — are kept, older ones are deleted with a warning
       naming them, so they cannot pile up forever;
@@ -180,6 +184,9 @@ class SmartCheckpointer:
         # they cannot interleave with the training's collectives on the default group (gloo
         # matches collectives by issue order per group; mixing them would mismatch or hang).
         self._save_pg = ops.new_group(backend="gloo", desc="checkpoint") if _dist_on() and self.async_save else None
+        # what was published before this run: a later step among these is a discarded timeline's (_retain); a
+        # later step published since is a newer save of this job's (another writer's): it wins (_finish)
+        self._found_at_start = {p.name for p in storage.published_checkpoints(self.directory)}  # (+ our own)
         if self.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             if not shared:  # (shared: the next save's own clean-up removes what a crashed save left)
@@ -336,6 +343,13 @@ class SmartCheckpointer:
                 "save_blocking_s": round(stats.blocking_s, 6),
                 **({"layout": self.layout} if self.layout is not None else {}),
             })
+            newer = self._published_since_start(step)
+            if newer:  # decided for step N, but someone published a later step meanwhile: never hide it
+                log.warning("abandoning the checkpoint of step %d: %s was published meanwhile (by another writer; "
+                            "this one was paused or slow), and the newest checkpoint wins", step, newer[0])
+                shutil.rmtree(partial, ignore_errors=True)
+                stats.total_s = time.perf_counter() - t0
+                return stats
             final = self.directory / storage.step_dirname(step)
             old = None
             if final.exists():  # re-saving a step: replace only once the new copy is complete
@@ -347,6 +361,7 @@ class SmartCheckpointer:
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
             stats.path = final
+            self._found_at_start.add(final.name)  # (ours: a later load of an older one discards it like the rest)
             stats.bytes = sum(f["size"] for f in manifest["files"].values())
             self._retain(step)
         else:
@@ -359,7 +374,7 @@ class SmartCheckpointer:
         self._settle_replaced()
         for p in storage.published_checkpoints(self.directory):
             s = storage.step_of(p)
-            if s is not None and s > newest_step:
+            if s is not None and s > newest_step and not self.shared and p.name in self._found_at_start:
                 # a later step than the one just published belongs to an abandoned timeline (we
                 # resumed from an older checkpoint): set it aside so 'auto' never resumes from it
                 aside = storage.abandoned_name(self.directory, p.name)
@@ -373,6 +388,12 @@ class SmartCheckpointer:
             log.warning("removing abandoned checkpoint %s (keeping the %d abandoned checkpoints with the highest "
                         "steps)", old, self.max_checkpoints)
             shutil.rmtree(old, ignore_errors=True)
+
+    def _published_since_start(self, step: int) -> list[Path]:
+        """Published checkpoints of steps after ``step`` that this checkpointer neither found when it started nor
+        published itself (with ``shared``: any), newest first."""
+        return [p for p in storage.published_checkpoints(self.directory)
+                if (storage.step_of(p) or 0) > step and (self.shared or p.name not in self._found_at_start)]
 
     def _settle_replaced(self) -> None:
         """Rank 0: resolve ``step_*.replaced`` left by a crash while re-saving a step."""

@@ -235,7 +235,7 @@ def launch_live_recovery(cfg: RunConfig) -> dict:
     """``--ft.replicas=N``: the lighthouse and N replica groups (``syncwise.launch.ft``), then the run's merged
     metrics.jsonl and summary.json. Fails when a replica group ended in failure (its restarts spent) and no
     replica finished the run."""
-    from ..launch.ft import merge_metrics, run_replicas
+    from ..launch.ft import check_outcome, merge_metrics, run_replicas
 
     ft = cfg.ft
     print(f"syncwise: live recovery: {ft.replicas} replica groups of {cfg.dist.nproc} worker(s), lighthouse "
@@ -254,11 +254,10 @@ def launch_live_recovery(cfg: RunConfig) -> dict:
                              heartbeat_timeout_s=ft.heartbeat_timeout_s)
     summary = merge_metrics(cfg.run_dir, cfg.train.steps)
     summary["live_recovery"]["exit_codes"] = codes
-    RunDir(cfg.run_dir).summary.write_text(json.dumps(summary, indent=2) + "\n")
-    if summary.get("steps", 0) < cfg.train.steps or all(codes):
-        raise SyncwiseError(f"live recovery: the replica groups ended with exit codes {codes} and the run reached "
-                            f"step {summary.get('steps', 0)} of {cfg.train.steps}; see {Path(cfg.run_dir) / 'ft'}"
-                            "/replica*.log")
+    try:  # a replica group that failed for good is named, in summary.json and the exit code
+        check_outcome(summary, codes, cfg.train.steps, cfg.run_dir)
+    finally:
+        RunDir(cfg.run_dir).summary.write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 

@@ -4,7 +4,7 @@
     comp = syncwise.integrations.ddp.register(ddp, "powersgd:rank=4")
     ...
     torch.save({"model": ..., "compress": comp.state_dict()}, path)   # per rank: residuals differ by rank
-    comp.load_state_dict(torch.load(path)["compress"])                  # before or after register
+    comp.load_state_dict(torch.load(path, weights_only=True)["compress"])  # before or after register
 
 The state is keyed by parameter name, so it resumes even when DDP rebuilds its buckets.
 """

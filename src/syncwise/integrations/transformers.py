@@ -50,7 +50,13 @@ class SyncwiseTrainerCallback(_tf.TrainerCallback):
             import torch
 
             device = next(model.parameters()).device if model is not None else None
-            self._state.load_state_dict(torch.load(path, map_location="cpu", weights_only=False), device)
+            try:  # tensors and plain data only: a checkpoint folder is data someone may hand us, never code
+                saved = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as e:
+                first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+                raise SyncwiseError(f"{path} is not a syncwise compressor checkpoint that loads as tensors and plain "
+                                    f"data (refused, nothing of it was run: {first})") from None
+            self._state.load_state_dict(saved, device)
         if self.registered:
             return
         if model is not None and hasattr(model, "register_comm_hook"):

@@ -11,6 +11,7 @@ It is also PID 1 of the Kubernetes container: a Python process that handles SIGT
 """
 from __future__ import annotations
 
+import os
 import sys
 from typing import Optional
 
@@ -31,8 +32,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    from . import bind
+    from .local import parse_nnodes
+
     argv = sys.argv[1:] if argv is None else argv
     args = get_args_parser().parse_args(argv)
+    # This node's endpoints (rendezvous store, workers' store, live recovery's manager and heal server) listen on
+    # the job's address only: loopback when the whole job is on this machine, else this node's own address
+    bind.register_rendezvous()
+    if not os.environ.get(bind.ENV_BIND):
+        bind.job_env(args.local_addr or bind.bind_host_for(parse_nnodes(args.nnodes)[1], args.rdzv_endpoint,
+                                                           os.environ.get("TORCHFT_LIGHTHOUSE", "")))
+    if not args.local_addr:  # (the workers' store: rank 0's node advertises, and listens on, this address)
+        args.local_addr = os.environ[bind.ENV_BIND]
+    if args.rdzv_backend == "c10d":  # (the same rendezvous, its store bound by the rule)
+        args.rdzv_backend = bind.RDZV_BACKEND
     run_dir = _run_dir(list(args.training_script_args))
     try:
         run(args)

@@ -26,7 +26,9 @@ from typing import Any, Optional, Sequence
 
 from ..errors import SyncwiseError
 from ..rundir import RunDir
-from .local import free_port, threads_per_worker
+from . import bind
+from .local import threads_per_worker
+from .secret import ENV_SECRET_FILE, create_secret
 
 FT_DIR = "ft"  # RUN_DIR/ft/replica{R}.{attempt}: each replica group attempt's own run directory (LiveRecovery.run_dir)
 
@@ -40,18 +42,19 @@ class Lighthouse:
     this launcher, its log in ``log_path``; ``address`` is its http://HOST:PORT."""
 
     def __init__(self, min_replicas: int, log_path: Path, heartbeat_timeout_ms: int = int(HEARTBEAT_TIMEOUT_S * 1000),
-                 join_timeout_ms: int = 60_000):
-        port = free_port()
-        self.address = f"http://{socket.gethostname()}:{port}"
+                 join_timeout_ms: int = 60_000, host: Optional[str] = None):
+        host = host or bind.bind_host(nodes=1)  # (the replica groups of syncwise train are on this machine)
+        port = bind.free_port(host)
+        self.address = f"http://{bind.hostport(host, port)}"
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(
-            [_lighthouse_program(), "--bind", f"[::]:{port}", "--min_replicas", str(min_replicas),
+            [_lighthouse_program(), "--bind", bind.hostport(host, port), "--min_replicas", str(min_replicas),
              "--join_timeout_ms", str(join_timeout_ms), "--heartbeat_timeout_ms", str(heartbeat_timeout_ms)],
             stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + 30
         while True:  # listening before any replica group asks it
             try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                socket.create_connection((host, port), timeout=1).close()
                 break
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -84,16 +87,22 @@ def _lighthouse_program() -> str:
     return found
 
 
-def replica_command(module_args: Sequence[str], nproc: int, restarts: int) -> list[str]:
-    """One replica group's torchrun command line (its own rendezvous on this host)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-            "--max-restarts", str(restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+def replica_command(module_args: Sequence[str], nproc: int, restarts: int, host: Optional[str] = None) -> list[str]:
+    """One replica group's torchrun command line: its own rendezvous and workers' store (which the other replica
+    groups reach too: torchft configures the cross-replica group through it) on ``host``, the job's address (this
+    machine's: loopback), through ``syncwise.launch.agent``, which knows the ``syncwise-c10d`` rendezvous whose
+    store listens there only (launch/bind.py)."""
+    host = host or bind.bind_host(nodes=1)
+    port = bind.free_port(bind.LOOPBACK)  # (free here; a lab node's fresh namespace has every port free)
+    return [sys.executable, "-m", "syncwise.launch.agent", "--nnodes", "1", "--nproc-per-node", str(nproc),
+            "--max-restarts", str(restarts), "--rdzv-backend", bind.RDZV_BACKEND,
+            "--rdzv-endpoint", bind.hostport(host, port), "--local-addr", host,
             "--monitor-interval", "0.5", *module_args]
 
 
 def replica_env(replica: int, replicas: int, lighthouse: str, nproc: int, min_replicas: int,
                 quorum_timeout_s: float, timeout_s: float, status_dir: str,
-                base: Optional[dict[str, str]] = None) -> dict[str, str]:
+                base: Optional[dict[str, str]] = None, host: Optional[str] = None) -> dict[str, str]:
     """The environment a replica group's workers read (``syncwise.train.live_recovery.LiveRecovery.from_env``)."""
     env = dict(os.environ if base is None else base)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
@@ -101,6 +110,8 @@ def replica_env(replica: int, replicas: int, lighthouse: str, nproc: int, min_re
     # Field notes: sharing the rendezvous TCP store makes restarts flaky on gloo; a separate store is reliable.
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     env["OMP_NUM_THREADS"] = str(threads_per_worker(nproc * replicas))
+    if base is None or host:  # this machine's launcher: loopback; the lab: the node's address (the cluster files'
+        bind.job_env(host or bind.bind_host(nodes=1), env)  # agents apply the rule on each node)
     env.update({"SYNCWISE_FT_REPLICA": str(replica), "SYNCWISE_FT_REPLICAS": str(replicas),
                 "TORCHFT_LIGHTHOUSE": lighthouse, "SYNCWISE_FT_MIN_REPLICAS": str(min_replicas),
                 "SYNCWISE_FT_QUORUM_TIMEOUT_S": str(quorum_timeout_s), "SYNCWISE_FT_TIMEOUT_S": str(timeout_s),
@@ -120,6 +131,7 @@ def run_replicas(module_args: Sequence[str], run_dir: str | Path, replicas: int,
     # the earlier status files (the start-up wait's) are not this launch's.
     first_attempt = 1 + max((a for _, a, _ in _attempts(run_dir)), default=-1)
     shutil.rmtree(run_dir / FT_DIR / "status", ignore_errors=True)
+    secret_file = str(create_secret(run_dir))  # (owner-only: the replicas sign their heal transfers with it)
     server = None
     if not lighthouse:
         # a replica dead or stopped is dropped from the next quorum once its heartbeat is this late (the survivors
@@ -136,6 +148,7 @@ def run_replicas(module_args: Sequence[str], run_dir: str | Path, replicas: int,
             env = replica_env(r, replicas, lighthouse, nproc, min_replicas, quorum_timeout_s, timeout_s,
                               str(run_dir / FT_DIR / "status"))
             env["SYNCWISE_FT_FIRST_ATTEMPT"] = str(first_attempt)
+            env[ENV_SECRET_FILE] = secret_file
             log = open(run_dir / FT_DIR / f"replica{r}.log", "ab")
             logs.append(log)
             procs.append(subprocess.Popen(replica_command(module_args, nproc, restarts), env=env, stdout=log,
@@ -219,6 +232,25 @@ def merge_metrics(run_dir: str | Path, total_steps: int) -> dict[str, Any]:
     }
     RunDir(run_dir).summary.write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def check_outcome(summary: dict[str, Any], codes: Sequence[int], steps: int, run_dir: str | Path) -> None:
+    """After the replica groups ended: record every group that ended in failure (its restarts spent) in
+    ``summary['live_recovery']['failed_replicas']`` and raise one line naming it, with its exit code — also when the
+    others finished the run (they trained on without it: its shard's batches were skipped). A run that no replica
+    finished names every exit code."""
+    failed = {f"replica{r}": code for r, code in enumerate(codes) if code}
+    summary.setdefault("live_recovery", {})["failed_replicas"] = failed
+    reached = int(summary.get("steps") or 0)
+    logs = Path(run_dir) / FT_DIR
+    if reached < steps or (codes and all(codes)):
+        raise SyncwiseError(f"live recovery: the replica groups ended with exit codes {list(codes)} and the run "
+                            f"reached step {reached} of {steps}; see {logs}/replica*.log")
+    if failed:
+        names = ", ".join(f"{name} (exit code {code}, {logs / (name + '.log')})" for name, code in failed.items())
+        raise SyncwiseError(f"live recovery: the run reached step {steps}, but {names} failed for good (its restarts "
+                            "spent); the others trained on without it and its shard's batches were skipped "
+                            "(summary.json: live_recovery.failed_replicas, data_skipped_by_replica)")
 
 
 def _ranges(steps: list[int]) -> list[str]:

@@ -30,6 +30,7 @@ from ..lab.cluster import PREFIX, LabLock, LabState, node_command, require
 from ..lab.launch import omp_threads
 from .ft import (FT_DIR, HEARTBEAT_TIMEOUT_S, _attempts, _lighthouse_program, heartbeat_ms, replica_command,
                  replica_env)
+from .secret import ENV_SECRET_FILE, create_secret
 
 #: a relaunched replica group's attempt numbers start here times the relaunch (its torchrun counts from 0 again)
 ATTEMPT_BASE_ENV = "SYNCWISE_FT_FIRST_ATTEMPT"  # LiveRecovery.run_dir adds torchrun's restart count
@@ -99,7 +100,7 @@ def _run(state: LabState, module_args: list[str], run_dir: Path, replicas: int, 
     lh_log = open(ft_dir / "lighthouse.log", "ab")
     # a replica dead or stopped is dropped once its heartbeat is this late (as run_replicas does)
     lighthouse = subprocess.Popen(
-        in_node(state, 0, [_lighthouse_program(), "--bind", f"[::]:{port}", "--min_replicas", str(min_replicas),
+        in_node(state, 0, [_lighthouse_program(), "--bind", f"{state.node(0).address}:{port}", "--min_replicas", str(min_replicas),
                            "--heartbeat_timeout_ms", str(heartbeat_ms(heartbeat_timeout_s, timeout_s))]),
         stdout=lh_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")})
@@ -113,12 +114,13 @@ def _run(state: LabState, module_args: list[str], run_dir: Path, replicas: int, 
         def start(r: int, launch: int) -> subprocess.Popen:
             n = state.node(r)
             env = replica_env(r, replicas, address, nproc, min_replicas, quorum_timeout_s, timeout_s,
-                              str(ft_dir / "status"))
+                              str(ft_dir / "status"), host=n.address)  # (its manager and heal server listen there)
+            env[ENV_SECRET_FILE] = str(create_secret(run_dir))
             env.update({"GLOO_SOCKET_IFNAME": n.ifname, "OMP_NUM_THREADS": threads, "SYNCWISE_FT_HOST": n.namespace,
                         ATTEMPT_BASE_ENV: str(first_attempt + launch * (restarts + 1))})
             log = open(ft_dir / f"replica{r}.log", "ab")
             logs.append(log)
-            return subprocess.Popen(in_node(state, r, replica_command(module_args, nproc, restarts)), env=env,
+            return subprocess.Popen(in_node(state, r, replica_command(module_args, nproc, restarts, host=n.address)), env=env,
                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
 

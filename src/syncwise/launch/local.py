@@ -5,7 +5,6 @@ import dataclasses
 import logging
 import os
 import signal
-import socket
 import threading
 import uuid
 from typing import Any, Callable
@@ -13,13 +12,12 @@ from typing import Any, Callable
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ..train.preemption import TORCHRUN_SIGNALS
+from . import bind
 
 
 def free_port() -> int:
-    """A TCP port free on this host right now (for the c10d rendezvous store)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on this job's address right now (for the c10d rendezvous store)."""
+    return bind.free_port()
 
 
 def threads_per_worker(nproc: int) -> int:
@@ -48,6 +46,10 @@ def run_local(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int 
     # Field notes: sharing the rendezvous TCP store makes restarts flaky on gloo; a separate store is reliable.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ["OMP_NUM_THREADS"] = str(threads_per_worker(nproc))
+    # Every endpoint of the job (rendezvous and workers' stores, gloo) on one address: a local run is on this
+    # machine alone (its rendezvous was always 127.0.0.1), so loopback (launch/bind.py, docs/security.md)
+    host = bind.bind_host(nodes=1)
+    bind.job_env(host)
     if not os.environ.get("SYNCWISE_DEBUG"):
         # The agent logs every worker failure with a full traceback; syncwise reports failures itself. Its
         # modules' loggers carry their own levels, so each is quietened, not just the parent.
@@ -65,7 +67,8 @@ def run_local(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int 
         min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc,
         # Field notes: with an elastic range each rendezvous otherwise waits 30 s for optional nodes.
         rdzv_configs={"last_call_timeout": 3} if max_nodes > min_nodes else {}, run_id=run_id or uuid.uuid4().hex[:8],
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
+        rdzv_backend=bind.register_rendezvous(), rdzv_endpoint=bind.hostport(host, bind.free_port(host)),
+        local_addr=host, max_restarts=max_restarts,
         monitor_interval=0.5, start_method="spawn", **({"logs_specs": _logs(log_dir)} if log_dir else {}), **signals,
     )
     # The agent installs its handlers for those signals in this process and leaves them there: put back the

@@ -15,28 +15,55 @@ from rich.table import Table
 from ..rundir import RunDir
 
 
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """All rows of a metrics.jsonl (a torn last line from a crash is ignored)."""
+def read_jsonl(path: str | Path, damaged: Optional[list[tuple[int, str]]] = None) -> list[dict[str, Any]]:
+    """Every valid row of a metrics.jsonl. A damaged line (a torn last line from a crash, a line cut or edited
+    anywhere) is skipped, never the rows after it; ``damaged`` collects them as (line number, text)."""
     rows = []
     p = Path(path)
     if not p.exists():
         return rows
-    for line in p.read_text().splitlines():
+    for number, line in enumerate(p.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        elif damaged is not None:
+            damaged.append((number, line))
     return rows
 
 
+QUARANTINE_SUFFIX = ".damaged"  # metrics.jsonl.damaged: the lines a repair could not read, kept as they were
+
+
 def truncate_jsonl(path: str | Path, last_step: int) -> int:
-    """Keep only rows with ``step <= last_step`` (a resumed run re-logs the steps it redoes); returns rows kept."""
+    """Keep only rows with ``step <= last_step`` (a resumed run re-logs the steps it redoes); returns rows kept.
+    A damaged line is moved to ``metrics.jsonl.damaged`` (appended, with its line number) with a warning; every
+    valid row around it is kept."""
     p = Path(path)
-    rows = [r for r in read_jsonl(p) if r.get("step", 0) <= last_step]
+    damaged: list[tuple[int, str]] = []
+    rows = [r for r in read_jsonl(p, damaged) if _step(r) <= last_step]
+    if damaged:
+        aside = p.with_name(p.name + QUARANTINE_SUFFIX)
+        with open(aside, "a") as f:
+            f.writelines(f"{number}\t{line}\n" for number, line in damaged)
+        where = ", ".join(str(n) for n, _ in damaged[:5]) + (" ..." if len(damaged) > 5 else "")
+        print(f"syncwise: {p}: {len(damaged)} damaged line(s) (line {where}) moved to {aside}; every valid row is "
+              "kept", file=sys.stderr, flush=True)
     tmp = p.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     os.replace(tmp, p)
     return len(rows)
+
+
+def _step(row: dict[str, Any]) -> float:
+    try:
+        return float(row.get("step", 0))
+    except (TypeError, ValueError):
+        return float("inf")  # (a row whose step is not a number: not kept as an earlier step's)
 
 
 class MetricsLogger:

@@ -69,7 +69,7 @@ class CheckpointClock:
 class PrometheusSink:
     """Serve the latest row at ``http://addr:port/metrics`` (one HTTP thread; ``close()`` stops it)."""
 
-    def __init__(self, port: int, rank: int = 0, node: int = 0, addr: str = "0.0.0.0", checkpointer: Any = None):
+    def __init__(self, port: int, rank: int = 0, node: int = 0, addr: str = "127.0.0.1", checkpointer: Any = None):
         prom = _require("prometheus_client", "prometheus_client", "metrics.prometheus_port")
         self.rank, self.node = str(rank), str(node)
         self.clock = CheckpointClock(checkpointer)
@@ -82,7 +82,8 @@ class PrometheusSink:
         try:
             served = prom.start_http_server(port, addr=addr, registry=self.registry)
         except OSError as e:
-            raise ConfigError("metrics.prometheus_port", port, f"a free TCP port on this node ({e.strerror})") from None
+            raise ConfigError("metrics.prometheus_port", port, f"a free TCP port on {addr} on this node "
+                              f"({e.strerror}; metrics.prometheus_bind chooses the address)") from None
         self._server = served[0] if isinstance(served, tuple) else None
         self.port = port
 
@@ -147,7 +148,8 @@ def open_sinks(cfg: Any, rank: int, checkpointer: Any = None) -> list[Any]:
     try:
         if metrics.prometheus_port and int(os.environ.get("LOCAL_RANK", "0")) == 0:
             node = int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")) or 0)
-            sinks.append(PrometheusSink(metrics.prometheus_port, rank=rank, node=node, checkpointer=checkpointer))
+            sinks.append(PrometheusSink(metrics.prometheus_port, rank=rank, node=node, checkpointer=checkpointer,
+                                        addr=getattr(metrics, "prometheus_bind", "127.0.0.1")))
         if metrics.wandb and rank == 0:
             name = None
             if cfg.run_dir:  # one W&B run per run directory: a resumed run (--resume auto) continues it

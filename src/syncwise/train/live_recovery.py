@@ -32,21 +32,23 @@ torchft is imported only when live recovery is on (requirements-dev.txt pins it;
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
 import os
-import socket
 import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 
 from ..comm.stats import STATS
 from ..errors import ConfigError, SyncwiseError
+from ..launch import bind
+from ..launch.secret import ENV_SECRET_FILE, read_secret
 from ..parallel.local_sgd import is_dtensor as _is_dtensor
 from .live_buckets import ReplicaBuckets, overlap_ok, wire_dtype
 
@@ -79,7 +81,8 @@ class LiveRecovery:
     to ``OptimizedTrainer(..., live_recovery=...)``."""
 
     def __init__(self, replica: int, replicas: int, lighthouse: str, min_replicas: int = 1,
-                 quorum_timeout_s: float = 60.0, timeout_s: float = 30.0, status_dir: Optional[str] = None):
+                 quorum_timeout_s: float = 60.0, timeout_s: float = 30.0, status_dir: Optional[str] = None,
+                 secret: Optional[bytes] = None):
         if replicas < 2:
             raise ConfigError("ft.replicas", replicas, "0 (off) or an integer ≥ 2")
         if not 0 <= replica < replicas:
@@ -93,6 +96,8 @@ class LiveRecovery:
         self.lighthouse = lighthouse if "://" in lighthouse else f"http://{lighthouse}"
         self.quorum_timeout_s, self.timeout_s = quorum_timeout_s, timeout_s
         self.status_dir = Path(status_dir) if status_dir else None
+        # the job's secret (launch/secret.py): heal transfers are signed with it (train/heal_transport.py)
+        self.secret = secret
         self.manager: Any = None
         self.params: list = []
         self.heals: list[dict] = []             # {"step", "seconds"}: state received from a live peer
@@ -126,7 +131,8 @@ class LiveRecovery:
         return cls(int(os.environ[ENV_REPLICA]), int(os.environ[ENV_REPLICAS]), os.environ[ENV_LIGHTHOUSE],
                    min_replicas=int(os.environ.get(ENV_MIN, "1")),
                    quorum_timeout_s=float(os.environ.get(ENV_QUORUM_TIMEOUT, "60")),
-                   timeout_s=float(os.environ.get(ENV_TIMEOUT, "30")), status_dir=os.environ.get(ENV_STATUS_DIR))
+                   timeout_s=float(os.environ.get(ENV_TIMEOUT, "30")), status_dir=os.environ.get(ENV_STATUS_DIR),
+                   secret=read_secret())
 
     def run_dir(self, base: str) -> str:
         """This replica group attempt's own run directory under ``base`` (BASE/ft/replica{R}.{attempt}), as
@@ -170,20 +176,26 @@ class LiveRecovery:
         group_size = dist.get_world_size() if dist.is_initialized() else 1
         store_addr = os.environ.get("MASTER_ADDR", "localhost")
         store_port = int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ else None
-        if store_port is None:  # one process, no torchrun: a store of its own
-            self._store = dist.TCPStore(host_name="localhost", port=0, is_master=True, wait_for_workers=False)
+        if store_port is None:  # one process, no torchrun: a store of its own (on the job's address only)
+            store_addr = _bind_host()
+            self._store = bind.tcp_store(store_addr, 0, is_master=True, wait_for_workers=False)
             store_port = self._store.port
-        self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timedelta(seconds=self.timeout_s)), min_replica_size=self.min_replicas,
-            load_state_dict=lambda sd: self._load(state, sd), state_dict=lambda: self._state(state),
-            # Every quorum member's gradient counts (a replica that heals at its quorum does so before its forward);
-            # a healthy step's quorum still runs in the background during forward/backward (_start_async_quorum).
-            use_async_quorum=False,
-            replica_id=f"replica_{self.replica}", store_addr=store_addr, store_port=store_port, rank=group_rank,
-            world_size=group_size, lighthouse_addr=self.lighthouse, hostname=_advertised_host(),
-            timeout=timedelta(seconds=self.timeout_s), quorum_timeout=timedelta(seconds=self.quorum_timeout_s),
-            connect_timeout=timedelta(seconds=self.quorum_timeout_s),
-            checkpoint_transport=_transport(timedelta(seconds=self.timeout_s)))
+        if self.secret is None and group_rank == 0:
+            print(f"syncwise: live recovery: replica {self.replica} has no job secret ({ENV_SECRET_FILE}): its heal "
+                  "transfers are not authenticated (still loaded as tensors and plain data only)", file=sys.stderr,
+                  flush=True)
+        with _manager_bound_to(_bind_host()):  # (torchft binds its manager to [::]; this job's address instead)
+            self.manager = Manager(
+                pg=ProcessGroupGloo(timeout=timedelta(seconds=self.timeout_s)), min_replica_size=self.min_replicas,
+                load_state_dict=lambda sd: self._load(state, sd), state_dict=lambda: self._state(state),
+                # Every quorum member's gradient counts (a replica that heals at its quorum does so before its forward);
+                # a healthy step's quorum still runs in the background during forward/backward (_start_async_quorum).
+                use_async_quorum=False,
+                replica_id=f"replica_{self.replica}", store_addr=store_addr, store_port=store_port, rank=group_rank,
+                world_size=group_size, lighthouse_addr=self.lighthouse, hostname=_advertised_host(),
+                timeout=timedelta(seconds=self.timeout_s), quorum_timeout=timedelta(seconds=self.quorum_timeout_s),
+                connect_timeout=timedelta(seconds=self.quorum_timeout_s),
+                checkpoint_transport=_transport(timedelta(seconds=self.timeout_s), self.secret))
         self.manager.load_state_dict({"step": self._progress(trainer.step), "batches_committed": 0})
         deadline = self._wait_for_the_others_at_start()
         self._snapshot_for_peers()
@@ -390,6 +402,11 @@ class LiveRecovery:
                                 f"{self.manager.errored()}")
         n = self.manager.num_participants()
         members = self._members()
+        strangers = [m for m in members if not 0 <= m < self.replicas]
+        if strangers:  # a member the launcher never started (its replica id is not one of replica_0 .. replica_R-1)
+            raise SyncwiseError(f"live recovery: replica {self.replica} refuses step {step}'s quorum: it holds "
+                                f"replica(s) {strangers}, which this job never started (ft.replicas = "
+                                f"{self.replicas}); something outside the job joined the lighthouse (docs/security.md)")
         if n != self.participants or members != self.members:
             lost = sorted(set(self.members) - set(members))
             joined = sorted(set(members) - set(self.members))
@@ -533,22 +550,45 @@ def _start_async_quorum(manager: Any) -> bool:
     return True
 
 
-def _transport(timeout: timedelta) -> Any:
-    """torchft's HTTP checkpoint transport (its default), advertising ``_advertised_host()`` instead of
-    ``socket.gethostname()`` (the lab's namespaces share one host name, which resolves to each one's own loopback)."""
-    from torchft.checkpointing.http_transport import HTTPTransport
+def _transport(timeout: timedelta, secret: Optional[bytes] = None) -> Any:
+    """The heal transfer (train/heal_transport.py, in place of torchft's HTTPTransport): listening on the job's
+    address only, advertised as ``_advertised_host()`` (the lab's namespaces share one host name), requests and
+    payloads signed with the job's secret, loaded with ``weights_only=True``."""
+    from .heal_transport import transport
 
-    class Transport(HTTPTransport):
-        def address(self) -> str:
-            return f"http://{_advertised_host()}:{self._server.socket.getsockname()[1]}/checkpoint/"
+    return transport(timeout, host=_bind_host(), advertise=_advertised_host(), secret=secret)
 
-    return Transport(timeout=timeout, num_chunks=0)
+
+def _bind_host() -> str:
+    """Where this replica's manager, heal server and own store listen: the job's address (launch/bind.py; a job
+    whose lighthouse is elsewhere spans machines: this node's own address)."""
+    return bind.bind_host_for(1, os.environ.get(ENV_LIGHTHOUSE, ""))
 
 
 def _advertised_host() -> str:
-    """The host name peers reach this replica's manager and checkpoint server at (SYNCWISE_FT_HOST overrides:
-    the network lab's namespaces share one host name)."""
-    return os.environ.get("SYNCWISE_FT_HOST") or socket.gethostname()
+    """The host peers reach this replica's manager and heal server at: the address they listen on
+    (SYNCWISE_FT_HOST overrides: the network lab names each node's namespace)."""
+    return os.environ.get("SYNCWISE_FT_HOST") or _bind_host()
+
+
+@contextlib.contextmanager
+def _manager_bound_to(host: str) -> Iterator[None]:
+    """torchft 0.2.0's Manager starts its ManagerServer (Rust) with ``bind='[::]:PORT'``, every interface: while a
+    Manager is built, it gets ``HOST:PORT`` instead (the same port choice)."""
+    import torchft.manager as tm
+
+    original = tm.ManagerServer
+
+    def bound(*args: Any, **kwargs: Any) -> Any:
+        if "bind" in kwargs:
+            kwargs["bind"] = bind.hostport(host, int(str(kwargs["bind"]).rsplit(":", 1)[1]))
+        return original(*args, **kwargs)
+
+    tm.ManagerServer = bound
+    try:
+        yield
+    finally:
+        tm.ManagerServer = original
 
 
 # ---------------------------------------------------------------------------------------------- HSDP: DTensors
