@@ -202,9 +202,9 @@ def test_live_recovery_manifests_lighthouse_replica_jobs_and_what_replaces_a_los
     assert env["TORCHFT_LIGHTHOUSE"]["value"] == "http://ft-run-lighthouse:30400"
     assert env["SYNCWISE_FT_REPLICAS"]["value"] == "4" and env["SYNCWISE_FT_MIN_REPLICAS"]["value"] == "2"
     (lh,) = deploy["spec"]["template"]["spec"]["containers"]
-    # bound by launch/bind.py's rule on the pod (its own address), never every interface (issue 42)
+    # bound by bind.py's rule on the pod (its own address), never every interface (issue 42)
     bound = lh["command"].index("--")
-    assert lh["command"][1:bound] == ["-m", "syncwise.launch.bind", "--nodes", "4", "--port", "30400"]
+    assert lh["command"][1:bound] == ["-m", "syncwise.bind", "--nodes", "4", "--port", "30400"]
     assert lh["command"][bound + 1:bound + 3] == ["torchft_lighthouse", "--min_replicas=2"]
     assert not any("[::]" in a or "0.0.0.0" in a for a in lh["command"])
     assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"] == {"type": "Recreate"}

@@ -128,10 +128,10 @@ def test_live_recovery_script_runs_the_lighthouse_and_one_replica_group_per_node
     assert "#SBATCH --nodes=3" in text and "#SBATCH --no-kill" in text
     lighthouse = text[text.index("srun --nodes=1 --ntasks=1 --overlap"):text.index("LIGHTHOUSE=$!")]
     assert '-w "$HEAD_NODE"' in lighthouse and "torchft_lighthouse --min_replicas=2" in lighthouse
-    # bound by launch/bind.py's rule on the head node (its own address), never every interface (issue 42)
-    assert '-m syncwise.launch.bind --nodes 3 --port "$LIGHTHOUSE_PORT" -- torchft_lighthouse' in lighthouse
+    # bound by bind.py's rule on the head node (its own address), never every interface (issue 42)
+    assert '-m syncwise.bind --nodes 3 --port "$LIGHTHOUSE_PORT" -- torchft_lighthouse' in lighthouse
     assert "[::]" not in text and "0.0.0.0" not in text
-    assert 'export SYNCWISE_SECRET_FILE="$(' in text and "-m syncwise.launch.secret \"$RUN_DIR\")\" || exit 1" in text
+    assert 'export SYNCWISE_SECRET_FILE="$(' in text and "-m syncwise.secret \"$RUN_DIR\")\" || exit 1" in text
     assert "LIGHTHOUSE_PORT=$(( RDZV_PORT + 1000 ))" in text
     assert 'export TORCHFT_LIGHTHOUSE="http://$HEAD_NODE:$LIGHTHOUSE_PORT"' in text
     assert "export SYNCWISE_FT_REPLICAS=3" in text and "export SYNCWISE_FT_MIN_REPLICAS=2" in text

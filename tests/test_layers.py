@@ -37,7 +37,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # syncwise.layout: DESIGN.md lists it between plan and train, but as a torch-free leaf (it imports only errors
     # and specs), so config, plan, parallel and compress all ask it
     ("leaves", ("syncwise", "syncwise.errors", "syncwise.specs", "syncwise.devices", "syncwise.rundir",
-                "syncwise.layout", "syncwise.tokenize_pool")),
+                "syncwise.layout", "syncwise.tokenize_pool", "syncwise.extras",
+                "syncwise.bind", "syncwise.secret")),
 ]
 
 

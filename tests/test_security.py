@@ -101,7 +101,7 @@ def test_replica_manager_store_and_heal_server_listen_on_loopback_only(tmp_path,
     pytest.importorskip("torchft")
     from torchft import Manager, ProcessGroupGloo
 
-    from syncwise.launch import bind
+    from syncwise import bind
     from syncwise.launch.ft import Lighthouse
     from syncwise.train.live_recovery import _bind_host, _manager_bound_to, _transport
 
@@ -132,7 +132,7 @@ def test_replica_manager_store_and_heal_server_listen_on_loopback_only(tmp_path,
 def test_prometheus_listens_on_loopback_by_default():
     pytest.importorskip("prometheus_client")
     from syncwise.config import RunConfig
-    from syncwise.launch.bind import free_port
+    from syncwise.bind import free_port
     from syncwise.metrics.sinks import PrometheusSink
 
     assert RunConfig().metrics.prometheus_bind == "127.0.0.1"
@@ -155,7 +155,7 @@ def test_prometheus_bind_is_validated(tmp_path, capsys):
 
 
 def test_cluster_files_bind_the_lighthouse_by_the_rule():
-    """The Slurm and Kubernetes files ask launch/bind.py on the node, never [::] or 0.0.0.0."""
+    """The Slurm and Kubernetes files ask bind.py on the node, never [::] or 0.0.0.0."""
     import inspect
 
     from syncwise.launch import kubernetes, slurm
@@ -163,13 +163,13 @@ def test_cluster_files_bind_the_lighthouse_by_the_rule():
     for module in (slurm, kubernetes):
         text = inspect.getsource(module)
         assert "[::]" not in text and "0.0.0.0" not in text
-        assert "syncwise.launch.bind" in text
+        assert "syncwise.bind" in text
 
 
 # -------------------------------------------------------------------------------------- row 2: the job's secret
 def test_launcher_secret_is_owner_only(tmp_path):
     from syncwise.errors import ConfigError
-    from syncwise.launch.secret import create_secret, read_secret
+    from syncwise.secret import create_secret, read_secret
 
     path = create_secret(tmp_path)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600

@@ -40,6 +40,7 @@ class RunDir:
         heartbeats/      each rank's last phase, for the hang report
         ft/              live recovery: each replica group attempt's own run directory and log
         logs/            the workers' own output (torch-elastic's per-rank logs)
+        job.secret       the per-job secret (mode 0600) that signs live recovery's heal transfers (secret.py)
     """
 
     def __init__(self, root: "str | os.PathLike"):
@@ -60,6 +61,7 @@ class RunDir:
     heartbeats = property(lambda self: self.root / "heartbeats")
     ft = property(lambda self: self.root / "ft")
     logs = property(lambda self: self.root / "logs")
+    secret = property(lambda self: self.root / "job.secret")
     lock = property(lambda self: self.root / LOCK_FILE)
 
     def rank_log(self, rank: int) -> Path:

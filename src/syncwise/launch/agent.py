@@ -32,7 +32,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    from . import bind
+    from .. import bind
     from .local import parse_nnodes
 
     argv = sys.argv[1:] if argv is None else argv

@@ -26,9 +26,9 @@ from typing import Any, Optional, Sequence
 
 from ..errors import SyncwiseError
 from ..rundir import RunDir
-from . import bind
+from .. import bind
 from .local import threads_per_worker
-from .secret import ENV_SECRET_FILE, create_secret
+from ..secret import ENV_SECRET_FILE, create_secret
 
 FT_DIR = "ft"  # RUN_DIR/ft/replica{R}.{attempt}: each replica group attempt's own run directory (LiveRecovery.run_dir)
 
@@ -91,7 +91,7 @@ def replica_command(module_args: Sequence[str], nproc: int, restarts: int, host:
     """One replica group's torchrun command line: its own rendezvous and workers' store (which the other replica
     groups reach too: torchft configures the cross-replica group through it) on ``host``, the job's address (this
     machine's: loopback), through ``syncwise.launch.agent``, which knows the ``syncwise-c10d`` rendezvous whose
-    store listens there only (launch/bind.py)."""
+    store listens there only (bind.py)."""
     host = host or bind.bind_host(nodes=1)
     port = bind.free_port(bind.LOOPBACK)  # (free here; a lab node's fresh namespace has every port free)
     return [sys.executable, "-m", "syncwise.launch.agent", "--nnodes", "1", "--nproc-per-node", str(nproc),

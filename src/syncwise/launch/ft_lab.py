@@ -30,7 +30,7 @@ from ..lab.cluster import PREFIX, LabLock, LabState, node_command, require
 from ..lab.launch import omp_threads
 from .ft import (FT_DIR, HEARTBEAT_TIMEOUT_S, _attempts, _lighthouse_program, heartbeat_ms, replica_command,
                  replica_env)
-from .secret import ENV_SECRET_FILE, create_secret
+from ..secret import ENV_SECRET_FILE, create_secret
 
 #: a relaunched replica group's attempt numbers start here times the relaunch (its torchrun counts from 0 again)
 ATTEMPT_BASE_ENV = "SYNCWISE_FT_FIRST_ATTEMPT"  # LiveRecovery.run_dir adds torchrun's restart count

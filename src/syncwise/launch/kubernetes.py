@@ -141,8 +141,8 @@ def manifests(cluster: ClusterLaunch, job: JobSpec) -> list[dict[str, Any]]:
                   "spec": {"selector": dict(lh_labels), "ports": [{"name": "lighthouse", "port": lighthouse_port,
                                                                    "targetPort": lighthouse_port, "protocol": "TCP"}]}}
     lh_container = {"name": "lighthouse", "image": k.image,
-                    # listens on the pod's own address (launch/bind.py's rule, on the pod), not every interface
-                    "command": [la.python, "-m", "syncwise.launch.bind", "--nodes", str(ft.replicas), "--port",
+                    # listens on the pod's own address (bind.py's rule, on the pod), not every interface
+                    "command": [la.python, "-m", "syncwise.bind", "--nodes", str(ft.replicas), "--port",
                                 str(lighthouse_port), "--", *ft.lighthouse_args],
                     "env": [{"name": "RUST_LOG", "value": "warn"}],
                     "ports": [{"name": "lighthouse", "containerPort": lighthouse_port, "protocol": "TCP"}],

@@ -12,7 +12,7 @@ from typing import Any, Callable
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ..train.preemption import TORCHRUN_SIGNALS
-from . import bind
+from .. import bind
 
 
 def free_port() -> int:
@@ -47,7 +47,7 @@ def run_local(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int 
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ["OMP_NUM_THREADS"] = str(threads_per_worker(nproc))
     # Every endpoint of the job (rendezvous and workers' stores, gloo) on one address: a local run is on this
-    # machine alone (its rendezvous was always 127.0.0.1), so loopback (launch/bind.py, docs/security.md)
+    # machine alone (its rendezvous was always 127.0.0.1), so loopback (bind.py, docs/security.md)
     host = bind.bind_host(nodes=1)
     bind.job_env(host)
     if not os.environ.get("SYNCWISE_DEBUG"):

@@ -39,7 +39,7 @@ import shlex
 
 from .. import __version__
 from ..train.preemption import EXIT_GRACE_EXPIRED, EXIT_PREEMPTED, MARKER
-from .secret import ENV_SECRET_FILE
+from ..secret import ENV_SECRET_FILE
 from .spec import LIGHTHOUSE_PORT_OFFSET, ClusterLaunch, JobSpec, agent_argv, worker_argv
 
 _HEREDOC = "SYNCWISE_RUN_TOML"
@@ -144,7 +144,7 @@ def _live_recovery_lines(cluster: ClusterLaunch, job: JobSpec, agent: list[str],
         f"LIGHTHOUSE_PORT=$(( RDZV_PORT + {LIGHTHOUSE_PORT_OFFSET} ))",
         *exports,
         "# The job's secret (owner-only, in the shared run directory): the replicas sign their heal transfers with it",
-        f'export {ENV_SECRET_FILE}="$({q(la.python)} -m syncwise.launch.secret "$RUN_DIR")" || exit 1',
+        f'export {ENV_SECRET_FILE}="$({q(la.python)} -m syncwise.secret "$RUN_DIR")" || exit 1',
         'mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
         "# A requeued job's attempts are numbered after the earlier ones (RUN_DIR/ft/replicaR.A), as syncwise train's.",
         'LAST=$(ls -d "$RUN_DIR"/ft/replica*.* 2>/dev/null | sed "s/.*\\.//" | grep -E "^[0-9]+$" | sort -n | tail -n 1)',
@@ -152,8 +152,8 @@ def _live_recovery_lines(cluster: ClusterLaunch, job: JobSpec, agent: list[str],
         "# The quorum server: a step of its own on the first node, beside replica 0 (it keeps only soft state: the",
         "# replicas' heartbeats; if it dies the replicas cannot form a quorum until it is back).",
         'srun --nodes=1 --ntasks=1 --overlap -w "$HEAD_NODE" --kill-on-bad-exit=0 \\',
-        # (it listens on the head node's own address, launch/bind.py's rule applied there; not every interface)
-        f"    {q(la.python)} -m syncwise.launch.bind --nodes {ft.replicas} --port \"$LIGHTHOUSE_PORT\" -- "
+        # (it listens on the head node's own address, bind.py's rule applied there; not every interface)
+        f"    {q(la.python)} -m syncwise.bind --nodes {ft.replicas} --port \"$LIGHTHOUSE_PORT\" -- "
         + " ".join(q(a) for a in ft.lighthouse_args) + " &",
         "LIGHTHOUSE=$!",
         "replica() {  # replica group $1 on its node: a job step; relaunched when the step itself fails",

@@ -6,8 +6,8 @@ receives with ``torch.load(weights_only=False)`` — a peer (or anyone who can a
 healing replica. This transport keeps torchft's protocol (the Manager asks ``metadata()``, ``send_checkpoint``,
 ``recv_checkpoint``, ``disallow_checkpoint``) and changes what it must:
 
-- it listens on the job's address only (launch/bind.py: loopback for a job on one machine);
-- with the job's secret (launch/secret.py) a request carries ``X-Syncwise-Auth: HMAC(secret, step)``, refused
+- it listens on the job's address only (bind.py: loopback for a job on one machine);
+- with the job's secret (secret.py) a request carries ``X-Syncwise-Auth: HMAC(secret, step)``, refused
   (403) without it, and the response ends with ``HMAC(secret, step, payload)``: the receiver checks it before it
   reads a byte of the payload, so a server that does not hold the secret cannot hand it anything;
 - the payload is loaded with ``weights_only=True`` (tensors and plain data only: the train state's components are
@@ -26,8 +26,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
 
 from ..errors import SyncwiseError
-from ..launch.bind import hostport
-from ..launch.secret import sign
+from ..bind import hostport
+from ..secret import sign
 
 AUTH_HEADER = "X-Syncwise-Auth"
 TAG_BYTES = 32

@@ -47,8 +47,8 @@ import torch
 
 from ..comm.stats import STATS
 from ..errors import ConfigError, SyncwiseError
-from ..launch import bind
-from ..launch.secret import ENV_SECRET_FILE, read_secret
+from .. import bind
+from ..secret import ENV_SECRET_FILE, read_secret
 from ..parallel.local_sgd import is_dtensor as _is_dtensor
 from .live_buckets import ReplicaBuckets, overlap_ok, wire_dtype
 
@@ -96,7 +96,7 @@ class LiveRecovery:
         self.lighthouse = lighthouse if "://" in lighthouse else f"http://{lighthouse}"
         self.quorum_timeout_s, self.timeout_s = quorum_timeout_s, timeout_s
         self.status_dir = Path(status_dir) if status_dir else None
-        # the job's secret (launch/secret.py): heal transfers are signed with it (train/heal_transport.py)
+        # the job's secret (secret.py): heal transfers are signed with it (train/heal_transport.py)
         self.secret = secret
         self.manager: Any = None
         self.params: list = []
@@ -560,7 +560,7 @@ def _transport(timeout: timedelta, secret: Optional[bytes] = None) -> Any:
 
 
 def _bind_host() -> str:
-    """Where this replica's manager, heal server and own store listen: the job's address (launch/bind.py; a job
+    """Where this replica's manager, heal server and own store listen: the job's address (bind.py; a job
     whose lighthouse is elsewhere spans machines: this node's own address)."""
     return bind.bind_host_for(1, os.environ.get(ENV_LIGHTHOUSE, ""))
 

@@ -12,7 +12,7 @@ does not need to be reached:
 
 ``SYNCWISE_BIND_HOST`` overrides the rule (an address of this machine); the launchers put the chosen address
 there, so the workers, the agent and the live-recovery code read one value. The Slurm and Kubernetes files ask
-this module on each node (``python -m syncwise.launch.bind``), so their lighthouse and agents follow the same rule.
+this module on each node (``python -m syncwise.bind``), so their lighthouse and agents follow the same rule.
 
 torch's TCPStore has no bind option (its server listens on every interface); it accepts a socket already bound
 and listening (``master_listen_fd``): :func:`tcp_store` passes one bound to the chosen address, and the
@@ -232,12 +232,12 @@ def register_rendezvous() -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """``python -m syncwise.launch.bind [--nodes N]``: print the address this node's endpoints bind to.
-    ``python -m syncwise.launch.bind --nodes N --port P -- PROGRAM ARGS``: run PROGRAM with ``--bind=ADDR:P``
+    """``python -m syncwise.bind [--nodes N]``: print the address this node's endpoints bind to.
+    ``python -m syncwise.bind --nodes N --port P -- PROGRAM ARGS``: run PROGRAM with ``--bind=ADDR:P``
     appended (torchft's lighthouse in the Slurm and Kubernetes files)."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m syncwise.launch.bind", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m syncwise.bind", description=main.__doc__)
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("program", nargs=argparse.REMAINDER)

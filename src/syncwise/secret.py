@@ -17,16 +17,16 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from ..errors import ConfigError
+from .errors import ConfigError
+from .rundir import RunDir
 
-SECRET_FILE = "job.secret"
 ENV_SECRET_FILE = "SYNCWISE_SECRET_FILE"
 
 
 def create_secret(run_dir: str | Path) -> Path:
     """``RUN_DIR/job.secret``: made now (mode 0600, never readable by group or others) unless it exists; an
     existing one must be this user's and owner-only, else one line says so."""
-    path = Path(run_dir) / SECRET_FILE
+    path = RunDir(run_dir).secret
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -72,10 +72,10 @@ def sign(secret: Optional[bytes], *parts: bytes) -> bytes:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """``python -m syncwise.launch.secret RUN_DIR``: make the run directory's secret (if missing); print its path."""
+    """``python -m syncwise.secret RUN_DIR``: make the run directory's secret (if missing); print its path."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m syncwise.launch.secret RUN_DIR", file=sys.stderr)
+        print("usage: python -m syncwise.secret RUN_DIR", file=sys.stderr)
         return 2
     print(create_secret(argv[0]))
     return 0
