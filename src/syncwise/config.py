@@ -28,6 +28,7 @@ from .errors import ConfigError, SyncwiseError
 from .layout import (BUCKET_CAP_MB, CLI_STEP_FIELDS, DISPATCH, FSDP_GATHER, FSDP_RESHARD, HIERARCHICAL, MIN_NUMEL,
                      SCHEDULES, check_step)
 from .specs import parse_bool
+from .profiling import EVERY_ACCEPTED, STEPS_ACCEPTED, check_every, check_pair, parse_steps
 from .rundir import RunDir
 
 if TYPE_CHECKING:
@@ -352,6 +353,28 @@ class MetricsSection:
     wandb_project: str = option("syncwise", "the W&B project", "a non-empty string", lambda v: bool(v.strip()))
 
 
+def _profile_ok(check: Callable[[Any], Any]) -> Callable[[Any], bool]:
+    """A [profile] field's check by the profiling grammar's own parser (syncwise.profiling)."""
+    def ok(v: Any) -> bool:
+        try:
+            check(v)
+        except ConfigError:
+            return False
+        return True
+    return ok
+
+
+@dataclass
+class ProfileSection:
+    """[profile] torch profiler traces of chosen steps on every rank, into RUN_DIR/traces (docs/doctor.md); off by
+    default."""
+
+    steps: str = option("", "record steps A to B ('A:B', or 'A' for one step) with torch.profiler; '' = off",
+                        STEPS_ACCEPTED, _profile_ok(parse_steps))
+    every: int = option(0, "record one step in N (steps N, 2N, ...) over a long run; 0 = off",
+                        EVERY_ACCEPTED, _profile_ok(check_every))
+
+
 def _address_ok(v: str) -> bool:
     """An IP address literal (or localhost): what a listening socket can bind to."""
     import ipaddress
@@ -424,6 +447,7 @@ class RunConfig:
     ckpt: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
     ft: FaultToleranceSection = field(default_factory=FaultToleranceSection)
+    profile: ProfileSection = field(default_factory=ProfileSection)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -783,6 +807,7 @@ def check_references(cfg: RunConfig, here: bool = True) -> None:
     elif cfg.model.preset not in PRESETS:
         raise ConfigError("model.preset", cfg.model.preset, _preset_names())
     specs = cfg.specs()  # each spec by its owner's parser
+    check_pair(cfg.profile.steps, cfg.profile.every, ("profile.steps", "profile.every"))
     if cfg.train.lr * cfg.train.weight_decay >= 1:
         key = _blame(cfg, "train.weight_decay", "train.lr")
         raise ConfigError(key, _get(cfg, key), f"lr × weight_decay < 1 (AdamW scales the weights by 1 − lr × "

@@ -40,6 +40,8 @@ class RunDir:
         heartbeats/      each rank's last phase, for the hang report
         ft/              live recovery: each replica group attempt's own run directory and log
         logs/            the workers' own output (torch-elastic's per-rank logs)
+        traces/          profiler traces of the steps --profile.* chose (rank{R}.step{A}-{B}.json, Chrome/Kineto)
+        flight/          each rank's flight-recorder dump, written when a collective hung (rank{R}.json)
         job.secret       the per-job secret (mode 0600) that signs live recovery's heal transfers (secret.py)
     """
 
@@ -61,6 +63,8 @@ class RunDir:
     heartbeats = property(lambda self: self.root / "heartbeats")
     ft = property(lambda self: self.root / "ft")
     logs = property(lambda self: self.root / "logs")
+    traces = property(lambda self: self.root / "traces")
+    flight = property(lambda self: self.root / "flight")
     secret = property(lambda self: self.root / "job.secret")
     lock = property(lambda self: self.root / LOCK_FILE)
 
@@ -69,6 +73,9 @@ class RunDir:
 
     def arrivals(self, rank: int) -> Path:
         return self.ranks / f"arrivals{rank}.jsonl"
+
+    def flight_dump(self, rank: int) -> Path:
+        return self.flight / f"rank{rank}.json"
 
     def run_files(self) -> tuple[Path, ...]:
         """What the trainer writes: finding one of these means a run was there."""

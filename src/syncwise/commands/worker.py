@@ -224,7 +224,7 @@ def train_worker(cfg: RunConfig) -> dict[str, Any]:
             flops_per_token=model_flops_per_token(model), checkpointer=checkpointer,
             inject_faults=faults, collective_timeout_s=cfg.dist.timeout_s, live_recovery=live,
             sync=specs.sync, parallel=parallel, preempt_grace_s=cfg.ckpt.preempt_grace_s, tp_plan=_tp_plan(model, parallel),
-            log_interval=cfg.train.log_interval,
+            log_interval=cfg.train.log_interval, profile_steps=cfg.profile.steps, profile_every=cfg.profile.every,
             dynamic_batch=DynamicBatcher(1, cfg.data.batch_size, memory_threshold=cfg.train.memory_threshold,
                                          device=device) if cfg.train.dynamic_batch else None)
         if live is not None:  # a kill fires once per run, not once per replica-group attempt

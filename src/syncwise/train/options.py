@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterable, Optional
 
 from ..errors import ConfigError
+from ..profiling import check_pair
 from ..specs import count
 from . import arguments
 from .dynamic_batch import DynamicBatcher
@@ -77,12 +78,15 @@ class RunOptions:
     flops_per_token: Optional[float] = None  # for MFU
     checkpointer: Any = None         # a SmartCheckpointer (or train(checkpoint_dir=...))
     data_seed: int = 0               # shuffle order of a sharded loader
+    profile_steps: Any = None        # 'A:B': a torch profiler trace of steps A..B into run_dir/traces (docs/doctor.md)
+    profile_every: int = 0           # N ≥ 2: a trace of one step in N; 0: off
 
     def __post_init__(self) -> None:
         self.val_interval = count("val_interval", self.val_interval, minimum=0)
         self.log_interval = count("log_interval", self.log_interval)
         self.data_seed = count("data_seed", self.data_seed, minimum=0)
         self.run_dir = arguments.as_path("run_dir", self.run_dir)
+        check_pair(self.profile_steps, self.profile_every)
 
 
 @dataclass

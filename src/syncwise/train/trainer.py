@@ -53,7 +53,9 @@ from .claim import claim
 from .meter import CONTROL_STATS, PendingStep, StepMeter, StepResult
 from .options import CommOptions, FaultOptions, RunOptions, StepOptions
 from .preemption import PreemptionGuard
+from .profile import StepProfiler
 from ..rundir import RunDir
+from ..profiling import parse_steps
 
 __all__ = ["OptimizedTrainer", "CommOptions", "StepOptions", "RunOptions", "FaultOptions", "PendingStep",
            "StepResult", "CONTROL_STATS", "lm_loss", "warmup_steps", "warmup_figures"]
@@ -294,6 +296,10 @@ class OptimizedTrainer:
         if self.world_size > 1 and self.collective_timeout_s:
             self.watchdog = Watchdog(self.collective_timeout_s, self.rank, self.world_size,
                                      RunDir(self.run_dir).heartbeats if self.run_dir else None)
+        # torch profiler traces of the steps profile_steps / profile_every chose (train/profile.py); off: no profiler
+        r = self.options.run
+        self._profiler = StepProfiler(self.run_dir, self.rank, self.world_size, self.device.type,
+                                      parse_steps(r.profile_steps), r.profile_every, start_step=self.step)
         history: list[StepResult] = []
         unlogged: collections.deque = collections.deque()  # (PendingStep, checkpoint save in flight during it)
         self._changes_seen = len(self.batcher.history) if self.batcher is not None else 0
@@ -324,6 +330,7 @@ class OptimizedTrainer:
                 self.step += 1
                 if arrivals is not None:
                     arrivals.end(self.step)
+                self._profiler.step_done(self.step)
                 self.tokens_seen += unlogged[-1][0].tokens
                 self._note_batch_changes(logger)
                 validate = self.val_loader is not None and (self.step == total or (
@@ -358,7 +365,7 @@ class OptimizedTrainer:
         (a full disk under a log's last flush) is printed, never raised over it: the user must see what ended the
         run. Without one, the first cleanup error is raised after the rest have run."""
         watchdog, self.watchdog = self.watchdog, None
-        parts = [arrivals.finish if arrivals is not None else None, self.preemption.uninstall,
+        parts = [arrivals.finish if arrivals is not None else None, self._profiler.close, self.preemption.uninstall,
                  watchdog.close if watchdog is not None else None, self.par.close,
                  self.live.close if self.live is not None else None]
         ending = sys.exc_info()[1]
