@@ -1,0 +1,313 @@
+"""Reading the profiler traces of a run (``RUN_DIR/traces/rank{R}.step{A}-{B}.json``, ``--profile.*``): where each
+profiled step went, per rank, by interval arithmetic on the trace's own events.
+
+Per step (the host's ``ProfilerStep#k`` window, trainer step ``first_step + k``):
+
+- **communication**: the *union* of the intervals of every communication event in the window, on any thread or
+  stream — never their summed durations (two collectives in flight at once count once);
+- **compute**: the union of the compute intervals: on a GPU trace the device's kernels that are not
+  communication; on a CPU trace (gloo) the main thread's innermost operators that are not communication (what the
+  CPU computed; Python between them is not compute);
+- **exposed communication** = |communication \\ compute|: communication nothing computed beside;
+- **overlap** = |communication ∩ compute|; **overlap achieved** = overlap / communication;
+- **idle** (host-bound gaps) = the step − |compute ∪ communication|: the device (or the CPU's compute) waited on
+  the host — Python, the data loader, launches.
+
+So compute + exposed + idle is the step, exactly. Communication is recognised by what the trace says about an
+event, in this order: a ``Collective name`` argument (torch's ``record_param_comms`` and NCCL kernels carry it), the
+backend's own annotation (``gloo:all_reduce``, ``nccl:all_reduce``, ``ucc:``, ``mpi:``), c10d's operators
+(``c10d::allreduce_``: the host side that issues it), and NCCL's kernels under both names they have had
+(``ncclKernel_*``, ``ncclDevKernel_*``) — the last only where nothing else marks a device event.
+Pure Python over JSON (no torch); HolisticTraceAnalysis's critical-path and overlap analyses follow the same rule
+(interval unions of the kernels of the communication and compute streams).
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from ..rundir import RunDir
+
+_FILE = re.compile(r"^rank(\d+)\.step(\d+)-(\d+)\.json$")
+_BACKENDS = ("gloo:", "nccl:", "ucc:", "mpi:", "xccl:")
+_NCCL_KERNEL = re.compile(r"^nccl(?:Dev)?Kernel_([A-Za-z]+)")
+_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+_DTYPE_BYTES = {"float": 4, "float32": 4, "double": 8, "float64": 8, "c10::half": 2, "half": 2, "float16": 2,
+                "c10::bfloat16": 2, "bfloat16": 2, "long int": 8, "int64": 8, "int": 4, "int32": 4, "short int": 2,
+                "signed char": 1, "unsigned char": 1, "bool": 1, "c10::float8_e4m3fn": 1, "c10::float8_e5m2": 1,
+                "uint8": 1, "int8": 1}
+
+
+# ---- interval arithmetic (half-open [a, b), microseconds) ------------------------------------------------------
+def union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The disjoint, sorted union of ``intervals`` (empty ones dropped)."""
+    out: list[list[float]] = []
+    for a, b in sorted(i for i in intervals if i[1] > i[0]):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def length(intervals: Iterable[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def intersect(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The intersection of two disjoint sorted unions."""
+    out, i, j = [], 0, 0
+    while i < len(x) and j < len(y):
+        a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        if a < b:
+            out.append((a, b))
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def clip(intervals: Iterable[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
+    return [(max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi]
+
+
+# ---- recognising events ------------------------------------------------------------------------------------------
+def comm_kind(event: dict) -> Optional[str]:
+    """The collective an event is part of ('allreduce', 'allgather', ...), or None when it is not communication."""
+    args = event.get("args") or {}
+    name = str(event.get("name", ""))
+    named = args.get("Collective name")
+    if named:
+        return _norm(str(named))
+    if name.startswith(_BACKENDS):
+        return _norm(name.split(":", 1)[1])
+    if name.startswith("c10d::"):
+        return _norm(name[len("c10d::"):])
+    m = _NCCL_KERNEL.match(name)
+    if m and event.get("cat") in _DEVICE_CATS:
+        return _norm(m.group(1))
+    return None
+
+
+def _norm(kind: str) -> str:
+    k = kind.lower().strip().rstrip("_")
+    for suffix in ("_coalesced", "_tensor", "_base", "_into_tensor", "_base_"):
+        k = k.replace(suffix, "")
+    return k.replace("_", "")
+
+
+def _is_issue(event: dict) -> bool:
+    """The host side of a collective (c10d's operator), not its execution (the backend's work, a kernel)."""
+    return str(event.get("name", "")).startswith("c10d::")
+
+
+def event_bytes(event: dict) -> Optional[int]:
+    """Bytes of a collective's input, from the trace's recorded shapes (``record_shapes``) or message size."""
+    args = event.get("args") or {}
+    dtype = str(args.get("dtype", "")).lower()
+    if "In msg nelems" in args and dtype in _DTYPE_BYTES:
+        return int(args["In msg nelems"]) * _DTYPE_BYTES[dtype]
+    dims, types = args.get("Input Dims"), args.get("Input type")
+    if not isinstance(dims, list) or not isinstance(types, list):
+        return None
+    total, seen = 0, False
+    for shape, t in zip(dims, types):
+        size = _DTYPE_BYTES.get(str(t).lower())
+        if size is None or not isinstance(shape, list):
+            continue
+        shapes = shape if shape and all(isinstance(s, list) for s in shape) else [shape]  # a tensor list
+        for s in shapes:
+            n = 1
+            for d in s:
+                n *= int(d)
+            total += n * size
+            seen = True
+    return total if seen else None
+
+
+# ---- one trace -------------------------------------------------------------------------------------------------
+@dataclass
+class StepSplit:
+    """One profiled step on one rank (milliseconds)."""
+
+    step: int
+    step_ms: float
+    compute_ms: float
+    comm_ms: float          # |union of communication|
+    exposed_ms: float       # |communication \ compute|
+    overlap_ms: float       # |communication ∩ compute|
+    idle_ms: float          # step − |compute ∪ communication|
+    kinds: dict[str, dict[str, float]] = field(default_factory=dict)  # kind -> count, bytes, ms (union of its events)
+
+
+@dataclass
+class RankTrace:
+    rank: int
+    path: Path
+    device: str                      # 'gpu' (device kernels) or 'cpu' (the main thread's operators)
+    steps: list[StepSplit]
+
+    def mean(self, key: str) -> float:
+        return sum(getattr(s, key) for s in self.steps) / len(self.steps) if self.steps else 0.0
+
+
+def _leaves(events: list[dict]) -> list[tuple[float, float]]:
+    """Intervals of the innermost events of one thread (an event nothing else on the thread starts inside)."""
+    spans = sorted(((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events),
+                   key=lambda x: (x[0], -x[1]))
+    out = []
+    for i, (a, b) in enumerate(spans):
+        if i + 1 == len(spans) or spans[i + 1][0] >= b:
+            out.append((a, b))
+    return out
+
+
+def split_trace(data: dict, rank: int = 0, path: Path = Path("-")) -> RankTrace:
+    """Every profiled step of one rank's trace, split as the module's docstring says."""
+    meta = data.get("syncwise") or {}
+    first = int(meta.get("first_step", 0))
+    events = [e for e in data.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e]
+    steps = sorted((e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")), key=lambda e: e["ts"])
+    main = {(e.get("pid"), e.get("tid")) for e in steps}
+    device = [e for e in events if e.get("cat") in _DEVICE_CATS]
+    comm = [(e, comm_kind(e)) for e in events]
+    comm = [(e, k) for e, k in comm if k is not None]
+    comm_ids = {id(e) for e, _ in comm}
+    if device:
+        compute_src = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
+                       for e in device if id(e) not in comm_ids]
+    else:
+        ours = [e for e in events if (e.get("pid"), e.get("tid")) in main and id(e) not in comm_ids
+                and not str(e.get("name", "")).startswith("ProfilerStep#") and e.get("cat") == "cpu_op"]
+        compute_src = _leaves(ours)
+    comm_src = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e, _ in comm]
+    out = []
+    for s in steps:
+        lo, hi = float(s["ts"]), float(s["ts"]) + float(s.get("dur", 0.0))
+        number = first + int(str(s["name"]).split("#", 1)[1])
+        compute = union(clip(compute_src, lo, hi))
+        comms = union(clip(comm_src, lo, hi))
+        both = intersect(compute, comms)
+        busy = length(union(compute + comms))
+        kinds: dict[str, dict[str, float]] = {}
+        executed = {k for e, k in comm if not _is_issue(e) and e["ts"] < hi and e["ts"] + e.get("dur", 0) > lo}
+        for kind in sorted({k for e, k in comm if e["ts"] < hi and e["ts"] + e.get("dur", 0) > lo}):
+            mine = [e for e, k in comm if k == kind and e["ts"] < hi and e["ts"] + e.get("dur", 0) > lo
+                    and (_is_issue(e) != (kind in executed))]  # its execution where recorded, else its issue
+            sizes = [event_bytes(e) for e in mine]
+            kinds[kind] = {"count": len(mine), "bytes": sum(sizes) if sizes and None not in sizes else None,
+                           "ms": length(union(clip(((e["ts"], e["ts"] + e.get("dur", 0.0)) for e in mine),
+                                                   lo, hi))) / 1e3}
+        out.append(StepSplit(number, (hi - lo) / 1e3, length(compute) / 1e3, length(comms) / 1e3,
+                             (length(comms) - length(both)) / 1e3, length(both) / 1e3, (hi - lo - busy) / 1e3,
+                             kinds))
+    return RankTrace(int(meta.get("rank", rank)), path, "gpu" if device else "cpu", out)
+
+
+def load_traces(run_dir: "str | Path") -> dict[int, list[RankTrace]]:
+    """Every rank's traces under ``RUN_DIR/traces`` (rank -> its files in step order); {} when there are none.
+    A file that cannot be read is skipped (a run killed while writing one)."""
+    where = RunDir(run_dir).traces
+    out: dict[int, list[RankTrace]] = {}
+    if not where.is_dir():
+        return out
+    found = sorted(((int(m.group(1)), int(m.group(2)), p) for p in where.iterdir()
+                    if (m := _FILE.match(p.name))), key=lambda x: (x[0], x[1]))
+    for rank, _, p in found:
+        try:
+            data = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        out.setdefault(rank, []).append(split_trace(data, rank, p))
+    return out
+
+
+# ---- the run ---------------------------------------------------------------------------------------------------
+PHASES = {"compute_ms": "compute", "exposed_ms": "exposed communication", "idle_ms": "idle (host-bound)"}
+
+
+def summarize(run_dir: "str | Path") -> Optional[dict[str, Any]]:
+    """What the traces say about the run, or None without traces: per rank (mean over its profiled steps), per
+    collective kind (per step, the mean rank), overlap achieved, and the slowest rank by phase."""
+    traces = load_traces(run_dir)
+    ranks: dict[int, dict[str, Any]] = {}
+    kinds: dict[str, dict[str, list]] = {}
+    for rank, files in sorted(traces.items()):
+        steps = [s for t in files for s in t.steps]
+        if not steps:
+            continue
+        n = len(steps)
+        mean = {k: sum(getattr(s, k) for s in steps) / n
+                for k in ("step_ms", "compute_ms", "comm_ms", "exposed_ms", "overlap_ms", "idle_ms")}
+        mean["overlap_share"] = mean["overlap_ms"] / mean["comm_ms"] if mean["comm_ms"] > 0 else None
+        ranks[rank] = {"device": files[0].device, "steps": [s.step for s in steps], **mean,
+                       "files": [str(t.path) for t in files]}
+        for s in steps:
+            for kind, v in s.kinds.items():
+                k = kinds.setdefault(kind, {"count": [], "bytes": [], "ms": []})
+                for key in ("count", "bytes", "ms"):
+                    k[key].append(v[key])
+    if not ranks:
+        return None
+    samples = sum(len(r["steps"]) for r in ranks.values())
+    per_kind = {kind: {"count_per_step": sum(v["count"]) / samples,
+                       "bytes_per_step": sum(v["bytes"]) / samples if None not in v["bytes"] else None,
+                       "ms_per_step": sum(v["ms"]) / samples} for kind, v in sorted(kinds.items())}
+    comm = sum(r["comm_ms"] for r in ranks.values())
+    slowest = {PHASES[k]: max(ranks, key=lambda r: ranks[r][k]) for k in PHASES} if len(ranks) > 1 else {}
+    return {"ranks": ranks, "collectives": per_kind, "slowest_rank": slowest,
+            "overlap_share": sum(r["overlap_ms"] for r in ranks.values()) / comm if comm > 0 else None,
+            "exposed_share": (sum(r["exposed_ms"] for r in ranks.values())
+                              / max(sum(r["step_ms"] for r in ranks.values()), 1e-9))}
+
+
+def sentences(t: dict[str, Any]) -> list[str]:
+    """The trace's findings in words (the evidence doctor cites)."""
+    ranks = t["ranks"]
+    worst = max(ranks, key=lambda r: ranks[r]["exposed_ms"])
+    w = ranks[worst]
+    out = [f"rank {worst}: {w['exposed_ms']:,.1f} ms of its {w['step_ms']:,.1f} ms step is communication nothing "
+           f"computed beside (exposed; {w['comm_ms']:,.1f} ms of communication in all, "
+           + (f"{100 * w['overlap_share']:.0f} % overlapped with compute)" if w["overlap_share"] is not None
+              else "none overlapped)")]
+    if t["collectives"]:
+        top = max(t["collectives"].items(), key=lambda kv: kv[1]["ms_per_step"])
+        mb = (f", {top[1]['bytes_per_step'] / 1e6:,.2f} MB" if top[1]["bytes_per_step"] is not None else "")
+        out.append(f"the longest collective kind is {top[0]}: {top[1]['count_per_step']:.0f} per step{mb}, "
+                   f"{top[1]['ms_per_step']:,.1f} ms per step")
+    if t["slowest_rank"]:
+        out.append("slowest rank by phase: " + ", ".join(f"{p} rank {r}" for p, r in t["slowest_rank"].items()))
+    return out
+
+
+def print_traces(t: Optional[dict[str, Any]], console: Any) -> None:
+    """The trace's section of ``syncwise doctor``'s output (nothing without traces)."""
+    if not t:
+        return
+    from rich.table import Table
+
+    steps = sorted({s for r in t["ranks"].values() for s in r["steps"]})
+    table = Table(title=f"inside the profiled step(s) {', '.join(map(str, steps[:8]))}"
+                  + (" ..." if len(steps) > 8 else "") + " (torch profiler traces, ms, mean per step)",
+                  show_edge=False)
+    for col in ("rank", "step", "compute", "exposed comm", "idle (host)", "comm (union)", "overlapped"):
+        table.add_column(col, justify="right")
+    for r, v in sorted(t["ranks"].items()):
+        table.add_row(str(r), *(f"{v[k]:,.1f}" for k in ("step_ms", "compute_ms", "exposed_ms", "idle_ms",
+                                                           "comm_ms")),
+                      f"{100 * v['overlap_share']:.0f} %" if v["overlap_share"] is not None else "-")
+    console.print(table)
+    if t["collectives"]:
+        kinds = Table(title="collectives in the trace (per step, the mean rank)", show_edge=False)
+        for col in ("collective", "count", "MB", "ms (union)"):
+            kinds.add_column(col, justify="left" if col == "collective" else "right")
+        for kind, v in t["collectives"].items():
+            kinds.add_row(kind, f"{v['count_per_step']:.1f}", f"{v['bytes_per_step'] / 1e6:,.3f}"
+                          if v["bytes_per_step"] is not None else "-", f"{v['ms_per_step']:,.1f}")
+        console.print(kinds)
+    for line in sentences(t):
+        console.print(f"trace: {line}.")
