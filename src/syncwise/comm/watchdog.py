@@ -9,6 +9,10 @@ A collective that never completes must be *reported*, never waited out. Two mech
   still in flight ``grace_s`` after the timeout is reported from the watchdog, which then ends the
   process (exit code :data:`HANG_EXIT_CODE`) so torchrun's agent stops or restarts the job.
 
+Before leaving, the rank that reports writes its flight recorder (``comm/flight.py``: the last collectives of
+every group, their sequence numbers and issuing frames) with the report into the run directory's ``flight/``,
+where ``syncwise doctor`` aligns the ranks' dumps (``doctor/flight.py``).
+
 Which ranks did not arrive: each rank's watchdog writes a heartbeat (step, phase, time) every
 ``interval_s`` into ``heartbeat_dir`` (the run directory, which checkpoints already require to be shared
 by all ranks). A report reads them: a rank whose heartbeat is stale is stopped or dead; a rank at an
@@ -25,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from . import ops
+from . import flight, ops
 
 HANG_EXIT_CODE = 75  # distinctive in the agent's logs: this rank reported a hang and left
 
@@ -34,8 +38,9 @@ class Watchdog:
     """Per-rank heartbeat and hang detector; the trainer calls :meth:`at` whenever its step or phase changes."""
 
     def __init__(self, timeout_s: float, rank: int, world_size: int, heartbeat_dir: "str | os.PathLike | None",
-                 *, interval_s: float = 1.0, grace_s: float = 2.0):
+                 *, interval_s: float = 1.0, grace_s: float = 2.0, flight_dump: "str | os.PathLike | None" = None):
         self.timeout_s, self.rank, self.world_size = timeout_s, rank, world_size
+        self.flight_dump = flight_dump  # where this rank's flight recorder goes when it reports a hang (comm/flight.py)
         self.interval_s, self.grace_s = interval_s, grace_s
         self.step, self.phase = 0, "start"
         self.dir = Path(heartbeat_dir) if heartbeat_dir is not None else None
@@ -60,7 +65,9 @@ class Watchdog:
             self._beat()
             stuck = ops.oldest_in_flight()
             if stuck is not None and time.monotonic() - stuck.started > self.timeout_s + self.grace_s:
-                print(f"syncwise: rank {self.rank}: {self.report(stuck)}", file=sys.stderr, flush=True)
+                report = self.report(stuck)
+                print(f"syncwise: rank {self.rank}: {report}", file=sys.stderr, flush=True)
+                flight.dump(self.flight_dump, self.rank, self.world_size, report)
                 os._exit(HANG_EXIT_CODE)
 
     def _beat(self) -> None:

@@ -54,7 +54,23 @@ def run(args: argparse.Namespace) -> int:
             if out is not None:
                 out.close()
         return 0
-    a = diagnose(load_run(args.run_dir), predict=not args.no_predict)
+    from ..doctor import flight
+
+    hang = flight.summarize(args.run_dir)  # RUN_DIR/flight: the ranks' flight recorders, dumped on a hang
+    try:
+        run_read = load_run(args.run_dir)
+    except SyncwiseError:
+        if hang is None or args.other_run_dir is not None:
+            raise
+        if args.json_path:  # a run that hung before it wrote its summary: the hang alone
+            text = json.dumps({"flight": hang}, indent=2, default=str) + "\n"
+            print(text, end="") if args.json_path == "-" else Path(args.json_path).write_text(text)
+        else:
+            from rich.console import Console as _Console
+
+            flight.print_flight(hang, _Console())
+        return 0
+    a = diagnose(run_read, predict=not args.no_predict)
     result = a
     if args.other_run_dir is not None:
         b = diagnose(load_run(args.other_run_dir), predict=not args.no_predict)
@@ -81,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
             out["by_dimension"] = by_dimension(result.run.ranks, result.steady_steps)
             from ..doctor.trace import summarize
             out["trace"] = summarize(result.run.path)  # None without --profile.* traces
+            out["flight"] = hang  # None without a hang's dumps
         text = json.dumps(out, indent=2, default=str) + "\n"
         if to_stdout:
             print(text, end="")

@@ -62,6 +62,8 @@ def print_diagnosis(d: Diagnosis, console: Console) -> None:
         console.print(ranks)
     from .trace import print_traces, summarize  # RUN_DIR/traces, when --profile.* recorded some
     print_traces(summarize(d.run.path), console)
+    from .flight import print_flight, summarize as hang  # RUN_DIR/flight, when a hang dumped the flight recorders
+    print_flight(hang(d.run.path), console)
     if d.findings:
         causes = Table(title="causes of lost efficiency, by time lost", show_edge=False)
         causes.add_column("#", justify="right")

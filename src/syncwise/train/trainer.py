@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint import ModelOptimizerState, RNGState, SmartCheckpointer, TrainState
-from ..comm import hostread, ops
+from ..comm import flight, hostread, ops
 from ..comm.hostread import HostCopy
 from ..comm.arrivals import ArrivalLog
 from ..comm.watchdog import Watchdog
@@ -295,7 +295,8 @@ class OptimizedTrainer:
             batches, layout_check = self._check_layout(cloud_config, batches, logger)
         if self.world_size > 1 and self.collective_timeout_s:
             self.watchdog = Watchdog(self.collective_timeout_s, self.rank, self.world_size,
-                                     RunDir(self.run_dir).heartbeats if self.run_dir else None)
+                                     RunDir(self.run_dir).heartbeats if self.run_dir else None,
+                                     flight_dump=RunDir(self.run_dir).flight_dump(self.rank) if self.run_dir else None)
         # torch profiler traces of the steps profile_steps / profile_every chose (train/profile.py); off: no profiler
         r = self.options.run
         self._profiler = StepProfiler(self.run_dir, self.rank, self.world_size, self.device.type,
@@ -589,11 +590,16 @@ class OptimizedTrainer:
         what = failed.describe() if failed is not None else (
             "DDP's gradient all-reduce on process group 'default'" if "gradient sync" in self.phase else None)
         if self.watchdog is not None:
-            return SyncwiseError(self.watchdog.report(failed, what))
-        return SyncwiseError(
-            f"{what or 'a collective'} during {self.phase} of step {self.step + 1} did not "
-            f"complete within the {self.collective_timeout_s or 'configured'} s timeout — another rank probably "
-            "died or hangs. Check the other workers' logs; raise --dist.timeout_s if steps are legitimately slow.")
+            error = SyncwiseError(self.watchdog.report(failed, what))
+        else:
+            error = SyncwiseError(
+                f"{what or 'a collective'} during {self.phase} of step {self.step + 1} did not "
+                f"complete within the {self.collective_timeout_s or 'configured'} s timeout — another rank probably "
+                "died or hangs. Check the other workers' logs; raise --dist.timeout_s if steps are legitimately slow.")
+        # this rank's flight recorder, with the report, for `syncwise doctor` to align the ranks' (comm/flight.py)
+        flight.dump(RunDir(self.run_dir).flight_dump(self.rank) if self.run_dir else None, self.rank,
+                    self.world_size, str(error))
+        return error
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -1,0 +1,140 @@
+"""Seeing inside the step: profiler traces (--profile.*) and flight-recorder dumps, read by `syncwise doctor`.
+
+Real gloo processes (no mocks of torch.distributed): a 2-rank `syncwise train` of a tiny model whose profiled steps
+doctor splits, and two ranks whose flight recorders disagree on a collective. The interval arithmetic is also
+checked on a synthetic trace with known overlapping intervals.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from syncwise.cli import main
+from syncwise.config import build_config
+from syncwise.doctor import flight as doctor_flight
+from syncwise.doctor.trace import load_traces, split_trace, summarize
+from syncwise.errors import ConfigError
+from syncwise.rundir import RunDir
+from syncwise.train import OptimizedTrainer
+
+
+def _x(name, ts, dur, tid=1, cat="cpu_op", **args):
+    return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+
+def test_a_synthetic_trace_splits_by_interval_unions_never_summed_durations():
+    # step [0, 100) µs on the main thread: compute [0, 40) and [60, 80) (nested operators count once), two
+    # collectives in flight at once on two other threads: [30, 70) and [35, 50) -> communication is [30, 70)
+    events = [_x("ProfilerStep#0", 0, 100, cat="user_annotation"),
+              _x("aten::linear", 0, 40), _x("aten::addmm", 5, 30), _x("aten::mul", 60, 20),
+              _x("c10d::allreduce_", 30, 2),                                     # the issue, on the main thread
+              _x("gloo:all_reduce", 30, 40, tid=2, cat="user_annotation", **{"Input Dims": [[1000]],
+                                                                             "Input type": ["float"]}),
+              _x("gloo:all_reduce", 35, 15, tid=3, cat="user_annotation", **{"Input Dims": [[10]],
+                                                                             "Input type": ["c10::BFloat16"]})]
+    t = split_trace({"traceEvents": events, "syncwise": {"rank": 0, "first_step": 7}})
+    [s] = t.steps
+    assert s.step == 7 and s.step_ms == pytest.approx(0.1)
+    assert s.comm_ms == pytest.approx(0.040)          # the union, not 40 + 15 + 2
+    # compute: the main thread's innermost operators (addmm inside linear, mul; the issue is communication):
+    # [5, 35) ∪ [60, 80) = 50 µs
+    assert s.compute_ms == pytest.approx(0.050)
+    assert s.overlap_ms == pytest.approx(0.015)       # [30, 35) ∪ [60, 70)
+    assert s.exposed_ms == pytest.approx(0.025)       # [35, 60)
+    assert s.idle_ms == pytest.approx(0.1 - 0.075)    # [0, 5) ∪ [80, 100)
+    assert s.compute_ms + s.exposed_ms + s.idle_ms == pytest.approx(s.step_ms)
+    # per kind: its execution (the gloo events) where recorded, not the issue as well
+    assert s.kinds["allreduce"]["count"] == 2 and s.kinds["allreduce"]["bytes"] == 4000 + 20
+    # an NCCL kernel under either name it has had, and a device trace's compute is its other kernels
+    gpu = [_x("ProfilerStep#0", 0, 100, cat="user_annotation"),
+           _x("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 50, 30, tid=7, cat="kernel"),
+           _x("ncclKernel_AllGather_RING_LL_Sum_int8_t", 90, 20, tid=8, cat="kernel"),
+           _x("ampere_sgemm_128x64_nn", 0, 60, tid=7, cat="kernel")]
+    [g] = split_trace({"traceEvents": gpu}).steps
+    assert set(g.kinds) == {"allreduce", "allgather"}
+    assert g.compute_ms == pytest.approx(0.060) and g.comm_ms == pytest.approx(0.040)
+    assert g.exposed_ms == pytest.approx(0.030) and g.idle_ms == pytest.approx(0.010)
+
+
+def test_profile_steps_traces_every_rank_and_doctor_splits_the_real_step(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["train", "--nproc", "2", "--preset", "tiny", "--steps", "4", "--run-dir", str(run_dir),
+                 "--data.seq_len=32", "--train.val_interval=0", "--train.val_batches=1", "--ckpt.interval=0",
+                 "--profile.steps=2:3"]) == 0
+    assert sorted(p.name for p in RunDir(run_dir).traces.iterdir()) == ["rank0.step2-3.json", "rank1.step2-3.json"]
+    traces = load_traces(run_dir)
+    for rank in (0, 1):
+        [t] = traces[rank]
+        assert t.device == "cpu" and [s.step for s in t.steps] == [2, 3]
+        for s in t.steps:
+            assert 0 < s.comm_ms and 0 <= s.exposed_ms <= s.comm_ms + 1e-9 and s.compute_ms > 0
+            # parts sum to the step within the trace's resolution (1 ns)
+            assert abs(s.compute_ms + s.exposed_ms + s.idle_ms - s.step_ms) < 1e-6
+            assert s.kinds["allreduce"]["count"] >= 1 and s.kinds["allreduce"]["bytes"] > 0
+    capsys.readouterr()
+    assert main(["doctor", str(run_dir), "--json", "-", "--no-predict"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["trace"]["ranks"]) == {"0", "1"} and "allreduce" in out["trace"]["collectives"]
+    assert out["flight"] is None
+    assert summarize(run_dir)["slowest_rank"]
+
+
+def test_bad_profile_values_are_refused_by_both_doors_and_off_is_the_default():
+    for key, value in (("profile.steps", "3:2"), ("profile.steps", "two"), ("profile.every", "1")):
+        with pytest.raises(ConfigError) as e:
+            build_config(None, {key: value})
+        assert e.value.field == key and "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="one schedule at a time") as e:
+        build_config(None, {"profile.steps": "2:3", "profile.every": "5"})
+    assert e.value.field == "profile.every"
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for kw, field in (({"profile_steps": "0:3"}, "profile_steps"), ({"profile_every": -2}, "profile_every"),
+                      ({"profile_steps": "1:2", "profile_every": 4}, "profile_every")):
+        with pytest.raises(ConfigError) as e:
+            OptimizedTrainer(model, opt, nn.functional.mse_loss, mixed_precision=False, **kw)
+        assert e.value.field == field
+    assert build_config(None, {}).profile.steps == "" and build_config(None, {}).profile.every == 0
+
+
+def _skip_one_collective(rank, world, where):
+    """Rank 1 skips the third all-reduce on a group with a short timeout; both dump their flight recorders."""
+    import torch.distributed as dist
+
+    from syncwise.comm import flight
+
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3))
+    x = torch.ones(4)
+    for _ in range(2):
+        dist.all_reduce(x, group=group)
+    report = ""
+    if rank == 0:
+        try:
+            dist.all_reduce(torch.ones(8), group=group)
+        except RuntimeError as e:
+            report = f"rank 0 timed out: {type(e).__name__}"
+    path = flight.dump(RunDir(where).flight_dump(rank), rank, world, report)
+    dist.barrier()
+    return str(path)
+
+
+def test_flight_dumps_name_the_first_collective_a_rank_did_not_enter(tmp_path):
+    from distributed import run_workers
+
+    paths = run_workers(_skip_one_collective, 2, str(tmp_path))
+    if paths[0] == "None":
+        pytest.skip("this torch has no flight recorder")
+    hang = doctor_flight.summarize(tmp_path)
+    m = hang["first_mismatch"]
+    assert m["op"].endswith("all_reduce") and m["entered"] == [0] and m["missing"] == [1]
+    assert m["sizes"] == [[8]] and m["frame"] and "test_trace.py" in m["frame"]
+    assert hang["reports"] == ["rank 0 timed out: RuntimeError"] or hang["reports"][0].startswith("rank 0")
+    # rank 1 stopped or killed: no dump of its own; the last collective rank 0 entered, rank 1 named as silent
+    RunDir(tmp_path).flight_dump(1).unlink()
+    m = doctor_flight.summarize(tmp_path)["first_mismatch"]
+    assert m["op"].endswith("all_reduce") and m["sizes"] == [[8]] and m["no_dump"] == [1]
+    assert "no dump from rank(s) [1]" in doctor_flight.sentence(doctor_flight.summarize(tmp_path))
