@@ -117,6 +117,8 @@ def test_sigstopped_rank_is_reported_within_the_timeout(tmp_path, stopped, compr
     assert re.search(r"^syncwise: rank \d: \w+ on process group '(compress|default|preemption) \[0, 1\]' during "
                      r".* of step \d+", text), text
     assert f"Did not arrive: rank {stopped} (silent for" in text
+    # the reporting rank's flight recorder, written before the report (doctor aligns it: tests/test_trace.py)
+    assert (tmp_path / "run" / "flight" / f"rank{other}.json").exists()
 
 
 @pytest.mark.slow

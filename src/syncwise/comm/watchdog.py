@@ -66,8 +66,8 @@ class Watchdog:
             stuck = ops.oldest_in_flight()
             if stuck is not None and time.monotonic() - stuck.started > self.timeout_s + self.grace_s:
                 report = self.report(stuck)
+                flight.dump(self.flight_dump, self.rank, self.world_size, report)  # before the words that end the job
                 print(f"syncwise: rank {self.rank}: {report}", file=sys.stderr, flush=True)
-                flight.dump(self.flight_dump, self.rank, self.world_size, report)
                 os._exit(HANG_EXIT_CODE)
 
     def _beat(self) -> None:
