@@ -12,7 +12,7 @@ from .errors import ConfigError
 
 STEPS_ACCEPTED = "'' (off), 'A:B' (steps A to B, 1 ≤ A ≤ B) or 'A' (step A alone)"
 EVERY_ACCEPTED = "0 (off) or an integer ≥ 2 (one step in N: steps N, 2N, ...)"
-_STEPS_RE = re.compile(r"^\s*([0-9]+)\s*(?::\s*([0-9]+)\s*)?$")
+_STEPS_RE = re.compile(r"^\s*([0-9]{1,10})\s*(?::\s*([0-9]{1,10})\s*)?$")
 _MAX_WINDOW = 1000       # steps in one trace file: beyond this a trace is too large to read back
 
 
