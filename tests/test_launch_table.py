@@ -132,7 +132,8 @@ def test_only_the_table_and_its_mechanisms_start_processes():
     for module, path, tree in _trees():
         if module in STARTS_PROCESSES:
             continue
-        found += [f"{path.relative_to(SRC.parent)}:{line}: {name}" for line, name in _calls(tree) if _is_primitive(name)]
+        found += [f"{path.relative_to(SRC.parent)}:{line}: {name}" for line, name in _calls(tree)
+                  if _is_primitive(name)]
     assert not found, ("a process started outside the launch table (ask syncwise.launch.run, or list the module "
                        "in STARTS_PROCESSES with why):\n" + "\n".join(found))
 

@@ -95,8 +95,9 @@ def _run_local(args: argparse.Namespace, ops: list[str], sizes: list[int]) -> li
 
     nproc = args.nproc or DEFAULT_LOCAL_NPROC
     try:
-        results = start(Job(nproc=nproc), Worker(fn=sweep_worker, args=(ops, sizes, args.iters, args.warmup, args.dtype,
-                                                                         args.procs_per_node, args.timeout, True))).results
+        sweep = Worker(fn=sweep_worker, args=(ops, sizes, args.iters, args.warmup, args.dtype, args.procs_per_node,
+                                              args.timeout, True))
+        results = start(Job(nproc=nproc), sweep).results
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         raise SyncwiseError(f"comm-bench worker {rank} failed (exit code {failure.exitcode}): "
