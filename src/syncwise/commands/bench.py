@@ -220,16 +220,16 @@ def round_order(runs: list[BenchRun], round_index: int) -> list[BenchRun]:
 
 
 def _launch_lab(cfg: RunConfig, prefix: Optional[str]) -> dict[str, Any]:
-    from ..lab.launch import lab_torchrun
+    from ..launch.run import Job, Worker, start
+    from .train import worker_argv
 
     run_dir = Path(cfg.run_dir)
     logs = RunDir(run_dir).logs
     logs.mkdir(parents=True, exist_ok=True)
     # Node 0's output goes to a file too: the bench prints its own progress and table.
     with open(logs / "node0.console.log", "wb") as console:
-        code = lab_torchrun(["-m", "syncwise.commands.worker", "--config", str(RunDir(run_dir).config)],
-                            nproc_per_node=cfg.dist.nproc, log_dir=str(logs), console=console,
-                            **({"prefix": prefix} if prefix else {}))
+        code = start(Job(nproc=cfg.dist.nproc, lab=True, lab_prefix=prefix, log_dir=str(logs), console=console),
+                     Worker(argv=worker_argv(cfg))).codes[0]
     if code != 0:
         raise SyncwiseError(f"the lab job failed (exit code {code}); logs under {logs}")
     return json.loads(RunDir(run_dir).summary.read_text())
@@ -257,23 +257,19 @@ def _run_compute_only(cfg: RunConfig, threads: int) -> dict[str, Any]:
 def _run_compute_shared(run: BenchRun, threads: int) -> dict[str, Any]:
     """Start ``run.copies`` independent 1-worker runs at once (no process group: no communication)."""
     import copy
-    import subprocess
-    import sys
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = str(threads)
-    procs, dirs = [], []
+    from ..launch.run import Job, Worker, start
+    from .train import worker_argv
+
+    workers, dirs = [], []
     for i in range(run.copies):
         cfg = copy.deepcopy(run.cfg)
         cfg.run_dir = str(run.run_dir / f"worker{i}")
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
         cfg.save(RunDir(cfg.run_dir).config)
         dirs.append(Path(cfg.run_dir))
-        with open(Path(cfg.run_dir) / "console.log", "wb") as log:
-            procs.append(subprocess.Popen([sys.executable, "-m", "syncwise.commands.worker", "--config",
-                                           str(RunDir(cfg.run_dir).config)], env=env, stdout=log,
-                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
-    codes = [p.wait() for p in procs]
+        workers.append(Worker(argv=worker_argv(cfg), log=Path(cfg.run_dir) / "console.log"))
+    codes = start(Job(copies=True, threads=threads), *workers).codes
     if any(codes):
         raise SyncwiseError(f"a compute-only worker failed (exit codes {codes}); see {run.run_dir}/worker*/console.log")
     summaries = [json.loads(RunDir(d).summary.read_text()) for d in dirs]

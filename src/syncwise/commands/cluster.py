@@ -126,14 +126,14 @@ def _exec(args: argparse.Namespace) -> int:
 
 
 def _run_job(args: argparse.Namespace) -> int:
-    from ..lab.launch import lab_torchrun
+    from ..launch.run import Job, Worker, start
 
     cmd = _strip_dashdash(args.cmd)
     if not cmd:
         raise ConfigError("cmd", "", "-m MODULE ARGS... or SCRIPT.py ARGS... after --")
-    script = cmd[0] != "-m"
-    return lab_torchrun(cmd, nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts,
-                        script=script, log_dir=args.log_dir, timeout=args.timeout, prefix=args.prefix)
+    job = Job(nproc=args.nproc_per_node, lab=True, lab_prefix=args.prefix, max_restarts=args.max_restarts,
+              script=cmd[0] != "-m", log_dir=args.log_dir, timeout_s=args.timeout)
+    return start(job, Worker(argv=cmd)).codes[0]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -73,7 +73,7 @@ def _worker_argv(args: argparse.Namespace, json_path: str) -> list[str]:
 
 def _run_lab(args: argparse.Namespace) -> list[dict]:
     try:
-        from ..lab.launch import lab_torchrun
+        from ..launch.run import Job, Worker, start
     except ImportError as exc:
         raise SyncwiseError(f"the network lab launcher is not available in this installation ({exc})") from exc
     # Rank 0 runs in a lab namespace but shares this filesystem: it writes the rows where we read them.
@@ -81,8 +81,8 @@ def _run_lab(args: argparse.Namespace) -> list[dict]:
         json_path = args.json or str(Path(tmp) / "rows.json")
         if args.json:
             Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        extra = {"prefix": args.lab_prefix} if args.lab_prefix else {}
-        code = lab_torchrun(_worker_argv(args, str(Path(json_path).resolve())), nproc_per_node=args.nproc, **extra)
+        code = start(Job(nproc=args.nproc, lab=True, lab_prefix=args.lab_prefix),
+                     Worker(argv=_worker_argv(args, str(Path(json_path).resolve())))).codes[0]
         if code != 0 and not Path(json_path).exists():
             raise SyncwiseError(f"the lab comm-bench job failed (exit code {code}); see the worker output above")
         return json.loads(Path(json_path).read_text())
@@ -91,12 +91,13 @@ def _run_lab(args: argparse.Namespace) -> list[dict]:
 def _run_local(args: argparse.Namespace, ops: list[str], sizes: list[int]) -> list[dict]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from ..launch import run_local
+    from ..launch.run import Job, Worker, start
 
     nproc = args.nproc or DEFAULT_LOCAL_NPROC
     try:
-        results = run_local(sweep_worker, nproc, ops, sizes, args.iters, args.warmup, args.dtype,
-                            args.procs_per_node, args.timeout, True)
+        sweep = Worker(fn=sweep_worker, args=(ops, sizes, args.iters, args.warmup, args.dtype, args.procs_per_node,
+                                              args.timeout, True))
+        results = start(Job(nproc=nproc), sweep).results
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         raise SyncwiseError(f"comm-bench worker {rank} failed (exit code {failure.exitcode}): "

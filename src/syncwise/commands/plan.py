@@ -84,10 +84,10 @@ def _calibrate(args: argparse.Namespace) -> int:
         raise ConfigError("--nproc", args.nproc, "an integer ≥ 1")
     if args.iters < 1:
         raise ConfigError("--iters", args.iters, "an integer ≥ 1")
-    from ..launch import run_local
+    from ..launch.run import launch
 
     result = calibrate(lab=args.lab, prefix=args.lab_prefix, nproc=args.nproc,
-                       reference=(parts[0], int(parts[1]), int(parts[2])), iters=args.iters, launcher=run_local)
+                       reference=(parts[0], int(parts[1]), int(parts[2])), iters=args.iters, launcher=launch)
     command = "syncwise plan --calibrate" + (" --lab" if args.lab else "") + \
         (f" --lab-prefix {args.lab_prefix}" if args.lab_prefix else "") + (f" --nproc {args.nproc}" if args.nproc else "")
     text = cloud_toml(result, command)

@@ -30,14 +30,6 @@ class RunFinished(SyncwiseError):
     """``--resume auto`` on a run that already reached its ``--steps``: nothing to do (not a failure)."""
 
 
-class RunPreempted(Exception):
-    """The workers stopped for SIGTERM/SIGUSR1 and said so in ``RUN_DIR/preempted.json`` (``record``)."""
-
-    def __init__(self, record: dict):
-        super().__init__(record)
-        self.record = record
-
-
 def prepare_run_dir(cfg: RunConfig) -> RunDirLock:
     """Choose the run directory, take its lock (held until released or this process exits), refuse to
     overwrite anything in it unless resuming, and write ``config.json``. Returns the held lock."""
@@ -183,82 +175,25 @@ def interrupted_message(cfg: RunConfig, signal_name: str = "SIGINT") -> str:
 
 
 def launch(cfg: RunConfig) -> dict:
-    """Start the workers for ``cfg`` and return rank 0's summary."""
-    from ..train.preemption import read_marker, signals_raise
+    """Start the workers for ``cfg`` by the launch table (``syncwise.launch.run``) and return rank 0's summary."""
+    from ..launch.run import Job, Live, Worker, run_training
     from .worker import run_worker, train_worker
 
-    grace = cfg.ckpt.preempt_grace_s
-    if cfg.ft.replicas:
-        return launch_live_recovery(cfg)
-    if cfg.dist.lab:
-        from ..lab.launch import lab_torchrun
-
-        # SIGTERM/SIGUSR1 here stop the lab's agents with SIGTERM; each forwards it to its workers, which save
-        # within the grace (the agents wait that long, and so does the lab launcher before it kills anything).
-        with signals_raise():
-            code = lab_torchrun(["-m", "syncwise.commands.worker", "--config", str(RunDir(cfg.run_dir).config)],
-                                nproc_per_node=cfg.dist.nproc, max_restarts=cfg.dist.max_restarts,
-                                env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(int(grace) + 5)}, stop_grace=grace + 10)
-        if code != 0:
-            if read_marker(cfg.run_dir):
-                raise RunPreempted(read_marker(cfg.run_dir))
-            raise SyncwiseError(f"the lab job failed (exit code {code}); see the worker output above")
-        return json.loads(RunDir(cfg.run_dir).summary.read_text())
-    if cfg.dist.nproc == 1 and cfg.dist.max_restarts == 0 and cfg.dist.nnodes == "1":
-        return train_worker(cfg)
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    from ..launch import run_local
-
-    try:
-        results = run_local(run_worker, cfg.dist.nproc, cfg, max_restarts=cfg.dist.max_restarts,
-                            log_dir=str(RunDir(cfg.run_dir).logs), nnodes=cfg.dist.nnodes,
-                            shutdown_grace_s=grace + 5 if grace else None)
-    except ChildFailedError as e:
-        if read_marker(cfg.run_dir):  # a worker was signalled (not this launcher): the workers stopped and saved
-            raise RunPreempted(read_marker(cfg.run_dir)) from None
-        rank, failure = e.get_first_failure()
-        message = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
-        raise SyncwiseError(f"worker rank {rank} failed: {message or 'exit code ' + str(failure.exitcode)}"
-                            f" (worker logs: {Path(cfg.run_dir) / 'logs'}; SYNCWISE_DEBUG=1 shows the agent's "
-                            "tracebacks)") from None
-    except ValueError as e:  # e.g. JSONDecodeError: torch-elastic could not read a worker's error file
-        from ..checkpoint.storage import disk_full_hint
-
-        raise SyncwiseError(f"the workers failed and torch-elastic could not read their error reports "
-                            f"({type(e).__name__}: {e}){disk_full_hint(cfg.run_dir)}; each worker's own "
-                            "message is printed above") from None
-    return results[0]
-
-
-def launch_live_recovery(cfg: RunConfig) -> dict:
-    """``--ft.replicas=N``: the lighthouse and N replica groups (``syncwise.launch.ft``), then the run's merged
-    metrics.jsonl and summary.json. Fails when a replica group ended in failure (its restarts spent) and no
-    replica finished the run."""
-    from ..launch.ft import check_outcome, merge_metrics, run_replicas
-
     ft = cfg.ft
-    print(f"syncwise: live recovery: {ft.replicas} replica groups of {cfg.dist.nproc} worker(s), lighthouse "
-          f"{ft.lighthouse or 'started here'}; replica logs in {Path(cfg.run_dir) / 'ft'}", flush=True)
-    worker = ["-m", "syncwise.commands.worker", "--config", str(RunDir(cfg.run_dir).config)]
-    if cfg.dist.lab:  # one replica group per lab node, the lighthouse on node 0 (syncwise.launch.ft_lab)
-        from ..launch.ft_lab import run_replicas_lab
+    live = Live(ft.replicas, ft.replica_restarts, min_replicas=ft.min_replicas, quorum_timeout_s=ft.quorum_timeout_s,
+                timeout_s=ft.timeout_s, heartbeat_timeout_s=ft.heartbeat_timeout_s,
+                lighthouse=ft.lighthouse) if ft.replicas else None
+    job = Job(nproc=cfg.dist.nproc, lab=cfg.dist.lab, live=live, in_process=True, max_restarts=cfg.dist.max_restarts,
+              nnodes=cfg.dist.nnodes, run_dir=cfg.run_dir, preempt_grace_s=cfg.ckpt.preempt_grace_s,
+              # the elastic agent's worker logs (the lab's nodes print to this console)
+              log_dir=None if cfg.dist.lab else str(RunDir(cfg.run_dir).logs))
+    worker = Worker(argv=worker_argv(cfg), fn=run_worker, args=(cfg,), here=train_worker)
+    return run_training(job, worker, cfg.train.steps)
 
-        codes = run_replicas_lab(worker, cfg.run_dir, ft.replicas, cfg.dist.nproc, ft.replica_restarts,
-                                 min_replicas=ft.min_replicas, quorum_timeout_s=ft.quorum_timeout_s,
-                                 timeout_s=ft.timeout_s, heartbeat_timeout_s=ft.heartbeat_timeout_s)
-    else:
-        codes = run_replicas(worker, cfg.run_dir, ft.replicas, cfg.dist.nproc, ft.replica_restarts,
-                             lighthouse=ft.lighthouse, min_replicas=ft.min_replicas,
-                             quorum_timeout_s=ft.quorum_timeout_s, timeout_s=ft.timeout_s,
-                             heartbeat_timeout_s=ft.heartbeat_timeout_s)
-    summary = merge_metrics(cfg.run_dir, cfg.train.steps)
-    summary["live_recovery"]["exit_codes"] = codes
-    try:  # a replica group that failed for good is named, in summary.json and the exit code
-        check_outcome(summary, codes, cfg.train.steps, cfg.run_dir)
-    finally:
-        RunDir(cfg.run_dir).summary.write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+
+def worker_argv(cfg: RunConfig) -> list[str]:
+    """The worker's command line for ``cfg`` (its saved config.json), in torchrun's form."""
+    return ["-m", "syncwise.commands.worker", "--config", str(RunDir(cfg.run_dir).config)]
 
 
 def _stopped(cfg: RunConfig, signal_name: str) -> int:
@@ -279,6 +214,7 @@ def _stopped(cfg: RunConfig, signal_name: str) -> int:
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    from ..launch.run import RunPreempted
     from ..train.preemption import Preempted, StopSignal, describe
 
     cfg = resolve_config(load_file(args.config) if args.config else None, overrides_from_args(args, extra))

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import devices
+from .. import devices, live_env
 from ..checkpoint import SmartCheckpointer
 from ..comm import ops
 from ..config import RunConfig, config_from_argv, model_overrides
@@ -140,7 +140,7 @@ def _live_recovery(cfg: RunConfig, rank: int, world: int, faults: list) -> tuple
     live = LiveRecovery.from_env()
     if live is None:
         raise SyncwiseError("ft.replicas is set but this worker was not started by syncwise's live-recovery "
-                            "launcher (SYNCWISE_FT_REPLICA is missing): use `syncwise train --ft.replicas=N`, or "
+                            f"launcher ({live_env.REPLICA} is missing): use `syncwise train --ft.replicas=N`, or "
                             "syncwise.launch.ft on each replica group")
     run_dir = live.run_dir(cfg.run_dir) if cfg.run_dir else None
     first = live.replica * world

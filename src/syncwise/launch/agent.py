@@ -32,7 +32,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    from .. import bind
+    from .. import bind, live_env
     from .local import parse_nnodes
 
     argv = sys.argv[1:] if argv is None else argv
@@ -42,7 +42,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     bind.register_rendezvous()
     if not os.environ.get(bind.ENV_BIND):
         bind.job_env(args.local_addr or bind.bind_host_for(parse_nnodes(args.nnodes)[1], args.rdzv_endpoint,
-                                                           os.environ.get("TORCHFT_LIGHTHOUSE", "")))
+                                                           os.environ.get(live_env.LIGHTHOUSE, "")))
     if not args.local_addr:  # (the workers' store: rank 0's node advertises, and listens on, this address)
         args.local_addr = os.environ[bind.ENV_BIND]
     if args.rdzv_backend == "c10d":  # (the same rendezvous, its store bound by the rule)

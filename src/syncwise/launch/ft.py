@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence
 
 from ..errors import SyncwiseError
 from ..rundir import RunDir
-from .. import bind
+from .. import bind, live_env
 from .local import threads_per_worker
 from ..secret import ENV_SECRET_FILE, create_secret
 
@@ -112,10 +112,8 @@ def replica_env(replica: int, replicas: int, lighthouse: str, nproc: int, min_re
     env["OMP_NUM_THREADS"] = str(threads_per_worker(nproc * replicas))
     if base is None or host:  # this machine's launcher: loopback; the lab: the node's address (the cluster files'
         bind.job_env(host or bind.bind_host(nodes=1), env)  # agents apply the rule on each node)
-    env.update({"SYNCWISE_FT_REPLICA": str(replica), "SYNCWISE_FT_REPLICAS": str(replicas),
-                "TORCHFT_LIGHTHOUSE": lighthouse, "SYNCWISE_FT_MIN_REPLICAS": str(min_replicas),
-                "SYNCWISE_FT_QUORUM_TIMEOUT_S": str(quorum_timeout_s), "SYNCWISE_FT_TIMEOUT_S": str(timeout_s),
-                "SYNCWISE_FT_STATUS_DIR": status_dir})
+    env.update(live_env.replica_vars(replica, replicas, lighthouse, min_replicas, quorum_timeout_s, timeout_s,
+                                     status_dir))
     return env
 
 
@@ -147,7 +145,7 @@ def run_replicas(module_args: Sequence[str], run_dir: str | Path, replicas: int,
         for r in range(replicas):
             env = replica_env(r, replicas, lighthouse, nproc, min_replicas, quorum_timeout_s, timeout_s,
                               str(run_dir / FT_DIR / "status"))
-            env["SYNCWISE_FT_FIRST_ATTEMPT"] = str(first_attempt)
+            env[live_env.FIRST_ATTEMPT] = str(first_attempt)
             env[ENV_SECRET_FILE] = secret_file
             log = open(run_dir / FT_DIR / f"replica{r}.log", "ab")
             logs.append(log)

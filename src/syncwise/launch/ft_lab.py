@@ -31,9 +31,10 @@ from ..lab.launch import omp_threads
 from .ft import (FT_DIR, HEARTBEAT_TIMEOUT_S, _attempts, _lighthouse_program, heartbeat_ms, replica_command,
                  replica_env)
 from ..secret import ENV_SECRET_FILE, create_secret
+from .. import live_env
 
 #: a relaunched replica group's attempt numbers start here times the relaunch (its torchrun counts from 0 again)
-ATTEMPT_BASE_ENV = "SYNCWISE_FT_FIRST_ATTEMPT"  # LiveRecovery.run_dir adds torchrun's restart count
+ATTEMPT_BASE_ENV = live_env.FIRST_ATTEMPT  # LiveRecovery.run_dir adds torchrun's restart count
 
 
 def in_node(state: LabState, node: int, argv: Sequence[str]) -> list[str]:
@@ -116,7 +117,7 @@ def _run(state: LabState, module_args: list[str], run_dir: Path, replicas: int, 
             env = replica_env(r, replicas, address, nproc, min_replicas, quorum_timeout_s, timeout_s,
                               str(ft_dir / "status"), host=n.address)  # (its manager and heal server listen there)
             env[ENV_SECRET_FILE] = str(create_secret(run_dir))
-            env.update({"GLOO_SOCKET_IFNAME": n.ifname, "OMP_NUM_THREADS": threads, "SYNCWISE_FT_HOST": n.namespace,
+            env.update({"GLOO_SOCKET_IFNAME": n.ifname, "OMP_NUM_THREADS": threads, live_env.HOST: n.namespace,
                         ATTEMPT_BASE_ENV: str(first_attempt + launch * (restarts + 1))})
             log = open(ft_dir / f"replica{r}.log", "ab")
             logs.append(log)

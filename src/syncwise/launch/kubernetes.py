@@ -30,7 +30,7 @@ import json
 import re
 from typing import Any
 
-from .. import __version__
+from .. import __version__, live_env
 from ..train.preemption import EXIT_GRACE_EXPIRED, EXIT_PREEMPTED
 from .spec import LIGHTHOUSE_PORT_OFFSET, ClusterLaunch, JobSpec, agent_argv, worker_argv
 
@@ -68,16 +68,16 @@ def manifests(cluster: ClusterLaunch, job: JobSpec) -> list[dict[str, Any]]:
     ft = job.ft
     rjob = REPLICA_JOB if ft else REPLICATED_JOB
     if ft:  # each replica group's rendezvous on its own pod ($(VAR): Kubernetes expands the container's env)
-        head = f"{name}-{rjob}-$(SYNCWISE_FT_REPLICA)-0.{service}"
+        head = f"{name}-{rjob}-$({live_env.REPLICA})-0.{service}"
     command = agent_argv(la, job.nproc_per_node, f"{head}:{la.rdzv_port}",
-                         f"{name}-r$(SYNCWISE_FT_REPLICA)" if ft else name, ft) + worker_argv(run_dir)
+                         f"{name}-r$({live_env.REPLICA})" if ft else name, ft) + worker_argv(run_dir)
     command[command.index("--config") + 1] = f"{CONFIG_MOUNT}/run.toml"  # the ConfigMap, not the shared path
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}
     lighthouse = f"{name}-lighthouse"
     lighthouse_port = la.rdzv_port + LIGHTHOUSE_PORT_OFFSET
     if ft:
         ft_env = ft.replica_env("", f"http://{lighthouse}:{lighthouse_port}", f"{run_dir}/ft/status")
-        ft_env.pop("SYNCWISE_FT_REPLICA")  # from the pod's job-index annotation (below)
+        ft_env.pop(live_env.REPLICA)  # from the pod's job-index annotation (below)
         env.update(ft_env)
     if la.nccl_socket_ifname:
         env["NCCL_SOCKET_IFNAME"] = la.nccl_socket_ifname
@@ -93,7 +93,7 @@ def manifests(cluster: ClusterLaunch, job: JobSpec) -> list[dict[str, Any]]:
             resources["limits"][key] = resources["requests"][key] = getattr(k, key)
     container = {
         "name": CONTAINER, "image": k.image, "command": command,
-        "env": ([{"name": "SYNCWISE_FT_REPLICA", "valueFrom": {"fieldRef": {
+        "env": ([{"name": live_env.REPLICA, "valueFrom": {"fieldRef": {
                     "fieldPath": f"metadata.annotations['{JOB_INDEX}']"}}}] if ft else [])
         + [{"name": n, "value": v} for n, v in env.items()],
         "ports": [{"name": "c10d", "containerPort": la.rdzv_port, "protocol": "TCP"}],

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import shlex
 
-from .. import __version__
+from .. import __version__, live_env
 from ..train.preemption import EXIT_GRACE_EXPIRED, EXIT_PREEMPTED, MARKER
 from ..secret import ENV_SECRET_FILE
 from .spec import LIGHTHOUSE_PORT_OFFSET, ClusterLaunch, JobSpec, agent_argv, worker_argv
@@ -135,7 +135,7 @@ def _live_recovery_lines(cluster: ClusterLaunch, job: JobSpec, agent: list[str],
     la, ft = cluster.launch, job.ft
     q = shlex.quote
     env = ft.replica_env("$r", "http://$HEAD_NODE:$LIGHTHOUSE_PORT", "$RUN_DIR/ft/status")
-    env.pop("SYNCWISE_FT_REPLICA")  # per replica group, on its srun line
+    env.pop(live_env.REPLICA)  # per replica group, on its srun line
     exports = [f'export {k}="{v}"' if "$" in v else f"export {k}={q(v)}" for k, v in env.items()]
     merge = ("import sys; from syncwise.launch.ft import merge_metrics; s = merge_metrics(sys.argv[1], "
              "int(sys.argv[2])); sys.exit(0 if s.get('steps', 0) >= int(sys.argv[2]) else 1)")
@@ -160,7 +160,7 @@ def _live_recovery_lines(cluster: ClusterLaunch, job: JobSpec, agent: list[str],
         '    local r=$1 attempt=0 rc NODE="${NODES[$1]}"',
         "    while :; do",
         # each relaunch's attempts get run directories of their own (its torchrun counts restarts from 0 again)
-        f'        SYNCWISE_FT_REPLICA=$r SYNCWISE_FT_FIRST_ATTEMPT=$(( FIRST + attempt * {ft.replica_restarts + 1} )) \\',
+        f'        {live_env.REPLICA}=$r {live_env.FIRST_ATTEMPT}=$(( FIRST + attempt * {ft.replica_restarts + 1} )) \\',
         '            srun --nodes=1 --ntasks=1 -w "$NODE" --kill-on-bad-exit=0 \\',
         "            " + " ".join(agent) + " \\",
         "            " + " ".join(worker),

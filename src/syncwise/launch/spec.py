@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from .. import live_env
 from ..errors import ConfigError
 from ..plan.cloud import CloudConfig, cloud_from_dict, read_cluster_toml
 
@@ -304,8 +305,8 @@ class LiveRecoveryJob:
 
         env = replica_env(0, self.replicas, lighthouse, 1, self.min_replicas, self.quorum_timeout_s, self.timeout_s,
                           status_dir, base={})
-        env = {k: v for k, v in env.items() if k.startswith(("SYNCWISE_FT_", "TORCHFT_"))}
-        env["SYNCWISE_FT_REPLICA"] = replica
+        env = {k: v for k, v in env.items() if k.startswith(live_env.PREFIXES)}
+        env[live_env.REPLICA] = replica
         return env
 
 

@@ -444,15 +444,17 @@ def _pow2_at_most(x: float) -> int:
 
 def calibrate(lab: bool = False, prefix: Optional[str] = None, nproc: Optional[int] = None,
               reference: tuple[str, int, int] = (REFERENCE_PRESET, REFERENCE_BATCH, REFERENCE_SEQ),
-              iters: int = 5, launcher: Optional[Callable[..., dict]] = None) -> dict:
+              iters: int = 5, launcher: Optional[Callable[..., Any]] = None) -> dict:
     """Run the measurements (local workers, or a torchrun job across the lab's nodes) and return the raw result
-    plus the derived cluster (``result["cluster"]``, the TOML tables as a dict). Locally the workers start
-    through ``launcher`` (``syncwise.launch.run_local``, which the command passes in: launch sits above plan)."""
+    plus the derived cluster (``result["cluster"]``, the TOML tables as a dict). The workers start through
+    ``launcher``: the launch table's ``syncwise.launch.run.launch``, which the command passes in (launch sits
+    above plan)."""
+    if launcher is None:
+        raise ValueError("calibrate() needs launcher=syncwise.launch.run.launch")
     options: dict[str, Any] = {"reference": list(reference), "iters": iters}
     started = time.time()
     if lab:
         from ..lab.cluster import PREFIX, require
-        from ..lab.launch import lab_torchrun
 
         state = require(prefix or PREFIX)
         per_node = nproc or state.procs_per_node
@@ -462,8 +464,8 @@ def calibrate(lab: bool = False, prefix: Optional[str] = None, nproc: Optional[i
         options["procs_per_node"] = per_node
         with tempfile.TemporaryDirectory(prefix="syncwise-calibrate-") as tmp:
             out = Path(tmp) / "result.json"
-            code = lab_torchrun(["syncwise.plan.calibrate", "--options", json.dumps(options), "--json", str(out)],
-                                nproc_per_node=per_node, prefix=state.prefix)
+            code = launcher(argv=["syncwise.plan.calibrate", "--options", json.dumps(options), "--json", str(out)],
+                            nproc=per_node, lab=True, lab_prefix=state.prefix).codes[0]
             if code != 0 or not out.exists():
                 raise SyncwiseError(f"the lab calibration job failed (exit code {code}); see the worker output")
             result = json.loads(out.read_text())
@@ -471,11 +473,9 @@ def calibrate(lab: bool = False, prefix: Optional[str] = None, nproc: Optional[i
                          "inter_node_bps": state.inter_node_bps, "intra_node": state.intra_node,
                          "burst_bytes": state.burst}
     else:
-        if launcher is None:
-            raise ValueError("calibrate(lab=False) needs launcher=syncwise.launch.run_local")
         per_node = nproc or 2
         options["procs_per_node"] = per_node
-        result = launcher(_local_worker, per_node, options)[0]
+        result = launcher(fn=_local_worker, args=(options,), nproc=per_node).results[0]
         result["lab"] = None
     result["measured_at"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     result["host"] = platform.node()

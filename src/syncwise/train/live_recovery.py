@@ -47,7 +47,7 @@ import torch
 
 from ..comm.stats import STATS
 from ..errors import ConfigError, SyncwiseError
-from .. import bind
+from .. import bind, live_env
 from ..secret import ENV_SECRET_FILE, read_secret
 from ..parallel.local_sgd import is_dtensor as _is_dtensor
 from .live_buckets import ReplicaBuckets, overlap_ok, wire_dtype
@@ -55,13 +55,10 @@ from .live_buckets import ReplicaBuckets, overlap_ok, wire_dtype
 if TYPE_CHECKING:
     from .live_outer import LiveOuterSync
 
-ENV_REPLICA = "SYNCWISE_FT_REPLICA"          # this replica group's index, 0 .. replicas-1
-ENV_REPLICAS = "SYNCWISE_FT_REPLICAS"        # the configured replica groups
-ENV_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"        # torchft's own variable: the lighthouse's http://HOST:PORT
-ENV_MIN = "SYNCWISE_FT_MIN_REPLICAS"
-ENV_QUORUM_TIMEOUT = "SYNCWISE_FT_QUORUM_TIMEOUT_S"
-ENV_TIMEOUT = "SYNCWISE_FT_TIMEOUT_S"
-ENV_STATUS_DIR = "SYNCWISE_FT_STATUS_DIR"     # where each replica group records its last step (lost-replica names)
+# the environment protocol's names (syncwise.live_env owns them; these aliases are what this module reads)
+ENV_REPLICA, ENV_REPLICAS, ENV_LIGHTHOUSE = live_env.REPLICA, live_env.REPLICAS, live_env.LIGHTHOUSE
+ENV_MIN, ENV_QUORUM_TIMEOUT, ENV_TIMEOUT = live_env.MIN_REPLICAS, live_env.QUORUM_TIMEOUT_S, live_env.TIMEOUT_S
+ENV_STATUS_DIR = live_env.STATUS_DIR
 
 
 def require_torchft() -> None:
@@ -138,7 +135,7 @@ class LiveRecovery:
         """This replica group attempt's own run directory under ``base`` (BASE/ft/replica{R}.{attempt}), as
         ``syncwise train`` uses: a restarted group never writes over its earlier attempt's files."""
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) + \
-            int(os.environ.get("SYNCWISE_FT_FIRST_ATTEMPT", "0") or 0)  # (a relaunch numbers on after the last)
+            int(os.environ.get(live_env.FIRST_ATTEMPT, "0") or 0)  # (a relaunch numbers on after the last)
         return str(Path(base) / "ft" / f"replica{self.replica}.{attempt}")
 
     # ------------------------------------------------------------------------ what the trainer asks (its seam)
@@ -568,7 +565,7 @@ def _bind_host() -> str:
 def _advertised_host() -> str:
     """The host peers reach this replica's manager and heal server at: the address they listen on
     (SYNCWISE_FT_HOST overrides: the network lab names each node's namespace)."""
-    return os.environ.get("SYNCWISE_FT_HOST") or _bind_host()
+    return os.environ.get(live_env.HOST) or _bind_host()
 
 
 @contextlib.contextmanager
