@@ -34,6 +34,17 @@ resume falls back to the previous checkpoint, bit-exact). ``--smoke`` shortens e
     python benchmarks/reliability.py --hostile --layouts all --trials 1
     python benchmarks/reliability.py --hostile --layouts pp2-1f1b --trials 1 --smoke
     python benchmarks/reliability.py --hostile --lab --layouts ddp,hsdp --trials 1   # each layout over 2 lab nodes
+
+Security (``--hostile --security``; issue 42): the attacks of its rows 1-3, 5 and 11, each a count whose goal is 0 —
+endpoints of a live-recovery run (`syncwise train --ft.replicas=2`: lighthouse, managers, stores, heal servers,
+Prometheus) that listen on a non-loopback address or accept a connection from this host's external address;
+planted pickle payloads executed (a heal transfer unsigned and signed, the transformers integration's
+``syncwise_compress.pt``, a nanoGPT ``meta.pkl``); rows lost when a damaged ``metrics.jsonl`` is repaired on
+resume; tracebacks, nonsense accepted and silent acceptances on bad input (the config values of row 11 through
+``syncwise train --check``, wrong-typed ``OptimizedTrainer`` keywords, ``report``/``doctor`` on damaged run
+directories). ``--smoke`` replaces the live-recovery run by the lighthouse alone (seconds):
+    python benchmarks/reliability.py --hostile --security
+    python benchmarks/reliability.py --hostile --security --smoke --out /tmp/security.json
 """
 from __future__ import annotations
 
@@ -235,7 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layouts", default=None, help="--hostile: 'all' or a comma list of layouts (" +
                     ", ".join(LAYOUTS) + ") instead of the compressor configurations; adds preemption and a "
                     "corrupted newest checkpoint")
-    ap.add_argument("--smoke", action="store_true", help="--hostile --layouts: short runs, to prove the harness")
+    ap.add_argument("--smoke", action="store_true", help="--hostile --layouts: short runs, to prove the harness; "
+                    "--hostile --security: the lighthouse alone instead of a live-recovery run")
+    ap.add_argument("--security", action="store_true", help="--hostile: the security and bad-input counts of issue 42 "
+                    "(network, pickle, lost rows, tracebacks; goal 0 each) instead of the fault suite")
     ap.add_argument("--out", default=None, help="JSON results (default benchmarks/results/reliability-<mode>.json)")
     args = ap.parse_args(argv)
     if args.hostile:
@@ -632,6 +646,8 @@ def hostile_layouts_main(args: argparse.Namespace) -> int:
 
 
 def hostile_main(args: argparse.Namespace) -> int:
+    if args.security:
+        return security_main(args)
     if args.layouts:
         return hostile_layouts_main(args)
     work = Path(args.work_dir)
@@ -672,6 +688,298 @@ def hostile_main(args: argparse.Namespace) -> int:
               f"{t['names_stopped_rank']} |")
     print(f"results: {out}")
     return 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Security counts (issue 42)
+
+class _Payload:
+    """Unpickling this runs code: it writes the marker file."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.marker), "pwned"))
+
+
+def _external_address() -> str | None:
+    import ipaddress
+    import socket
+
+    import psutil
+
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback:
+                return a.address
+    return None
+
+
+def _exposed(pids: set[int]) -> dict[str, Any]:
+    """The listening sockets of ``pids``: how many, how many bound to a non-loopback address, and how many of those
+    accept a connection from this host's external address."""
+    import ipaddress
+    import socket
+
+    import psutil
+
+    listening = [(c.pid, c.laddr.ip, c.laddr.port) for c in psutil.net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN and c.pid in pids]
+    outside = [x for x in listening if not ipaddress.ip_address(x[1].split("%")[0]).is_loopback]
+    host, reached = _external_address(), []
+    for _, _, port in outside:
+        try:
+            socket.create_connection((host, port), timeout=1).close()
+            reached.append(port)
+        except (OSError, TypeError):
+            pass
+    return {"listening": len(listening), "non_loopback": len(outside), "reachable_from_outside": len(reached),
+            "external_address": host, "sockets": [f"{ip}:{port}" for _, ip, port in listening]}
+
+
+def security_network(work: Path, smoke: bool) -> dict[str, Any]:
+    import psutil
+
+    if smoke:  # the lighthouse alone, as the launcher starts it
+        from syncwise.launch.ft import Lighthouse
+
+        lh = Lighthouse(1, work / "lighthouse.log")
+        try:
+            return {"what": "lighthouse alone (--smoke)", **_exposed({lh.proc.pid})}
+        finally:
+            lh.shutdown()
+    run = work / "ft-run"
+    job = subprocess.Popen([sys.executable, "-m", "syncwise.cli", "train", "--preset", "tiny", "--nproc", "1",
+                            "--ft.replicas=2", "--steps", "200", "--inject-fault", "slowdata:ms=150",
+                            "--metrics.prometheus_bind=127.0.0.1", "--run-dir", str(run)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and job.poll() is None:  # both groups training: every endpoint is up
+            status = list((run / "ft" / "status").glob("replica*.json")) if (run / "ft" / "status").is_dir() else []
+            if len(status) >= 2:
+                time.sleep(3)
+                break
+            time.sleep(1)
+        pids = {job.pid} | {c.pid for c in psutil.Process(job.pid).children(recursive=True)}
+        return {"what": "syncwise train --ft.replicas=2 (lighthouse, managers, stores, heal servers)", **_exposed(pids)}
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGTERM)
+            try:
+                job.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(job.pid, signal.SIGKILL)
+                job.wait()
+
+
+def security_pickle(work: Path) -> dict[str, Any]:
+    """Planted payloads at every load site that used to unpickle; counts the ones that ran."""
+    import io
+    import pickle
+    import threading
+    from datetime import timedelta
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from types import SimpleNamespace
+
+    import torch
+
+    tried, executed, sites = 0, 0, {}
+
+    def site(name: str, attempt) -> None:
+        nonlocal tried, executed
+        marker = work / f"marker-{name}"
+        tried += 1
+        how = "loaded without running it"
+        try:
+            attempt(str(marker))
+        except Exception as e:  # noqa: BLE001 — a refusal is the goal; only the marker counts
+            how = f"refused: {type(e).__name__}: {str(e)[:160]}"
+        ran = marker.exists()
+        executed += ran
+        sites[name] = "EXECUTED" if ran else how
+
+    def heal(signed: bool):
+        def attempt(marker: str) -> None:
+            from torch.distributed._serialization import _streaming_save
+
+            from syncwise.train.heal_transport import fetch, payload_tag
+
+            buf = io.BytesIO()
+            _streaming_save({"model": _Payload(marker)}, buf)
+            payload, secret = buf.getvalue(), b"a" * 64
+            body = payload + (payload_tag(secret, 3, payload) if signed else b"\0" * 32)
+
+            class Handler(BaseHTTPRequestHandler):
+                def log_message(self, *a):
+                    pass
+
+                def do_GET(self):
+                    self.send_response(200)
+                    self.end_headers()
+                    self.wfile.write(body)
+
+            server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            try:
+                fetch(f"http://127.0.0.1:{server.server_address[1]}/checkpoint/3/full", 3, secret,
+                      timedelta(seconds=5))
+            finally:
+                server.shutdown()
+        return attempt
+
+    def integration(marker: str) -> None:
+        from syncwise.integrations.transformers import FILENAME, SyncwiseTrainerCallback
+
+        folder = work / "hf-out" / "checkpoint-3"
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save({"format": "syncwise.compress/per-rank/1", "world_size": 1, "ranks": [_Payload(marker)]},
+                   folder / FILENAME)
+        SyncwiseTrainerCallback("powersgd:rank=2").on_train_begin(
+            SimpleNamespace(output_dir=str(work / "hf-out"), world_size=1, process_index=0),
+            SimpleNamespace(global_step=3), None, model=torch.nn.Linear(2, 2))
+
+    def meta_pkl(marker: str) -> None:
+        from syncwise.data import load_corpus
+
+        folder = work / "nano"
+        folder.mkdir(exist_ok=True)
+        (torch.arange(1000) % 50).to(torch.int16).numpy().tofile(folder / "train.bin")
+        (folder / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 50, "x": _Payload(marker)}))
+        load_corpus(str(folder), cache_dir=work / "cache")
+
+    site("heal transfer, unsigned", heal(False))
+    site("heal transfer, signed by an insider", heal(True))
+    site("transformers syncwise_compress.pt", integration)
+    site("nanoGPT meta.pkl", meta_pkl)
+    return {"tried": tried, "payloads_executed": executed, "sites": sites}
+
+
+def security_rows(work: Path) -> dict[str, Any]:
+    """Row 5: line 4 of an 8-step metrics.jsonl cut, the run resumed at step 8: every other row must stay."""
+    from syncwise.metrics import MetricsLogger
+    from syncwise.metrics.logger import read_jsonl
+
+    run = work / "rows"
+    run.mkdir(parents=True, exist_ok=True)
+    rows = [{"step": i, "loss": 5.0, "step_time_s": 0.1} for i in range(1, 9)]
+    lines = [json.dumps(r) for r in rows]
+    lines[3] = lines[3][:10]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    logger = MetricsLogger(run, 10, start_step=8, show=False, tensorboard=False)
+    logger.finish({"steps": 8})
+    kept = {r["step"] for r in read_jsonl(run / "metrics.jsonl")}
+    return {"valid_rows": 7, "rows_lost": len({1, 2, 3, 5, 6, 7, 8} - kept)}
+
+
+def security_bad_input(work: Path) -> dict[str, Any]:
+    """Row 11: tracebacks and accepted nonsense through the CLI, the Python API and report/doctor."""
+    import contextlib
+    import io
+
+    import torch
+    from torch import nn
+
+    from syncwise.cli import main
+    from syncwise.errors import ConfigError
+
+    counts = {"cli_tried": 0, "cli_tracebacks": 0, "cli_nonsense_accepted": 0, "api_tried": 0,
+              "api_tracebacks": 0, "api_silently_accepted": 0, "rundir_tried": 0, "rundir_tracebacks": 0,
+              "long_echoes": 0}
+
+    def quiet(argv: list[str]) -> tuple[Any, str]:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            try:
+                return main(argv), err.getvalue()
+            except SystemExit as e:
+                return e.code, err.getvalue()
+            except Exception as e:  # noqa: BLE001 — what is counted
+                return e, err.getvalue()
+
+    nonsense = [["--train.lr=4.9e-324"], ["--train.warmup_steps=1000000000", "--steps", "1"],
+                ["--train.clip_grad=5e-324"], ["--run-dir", str(work / "r\u202eun")],
+                ["--run-dir", str(work / "a\x07b")], ["--ft.replicas=2", "--metrics.prometheus_port=9400"],
+                ["--run-dir", "x" * 1_000_000]]
+    for args in nonsense:
+        counts["cli_tried"] += 1
+        code, err = quiet(["train", "--check", "--preset", "tiny", *args])
+        counts["cli_tracebacks"] += isinstance(code, BaseException) or "Traceback" in err
+        counts["cli_nonsense_accepted"] += code == 0
+        counts["long_echoes"] += len(err) > 1000
+    wrong = {"show_progress": "no", "compile": "yes", "tf32": 1, "device": 3.5, "grad_accum_steps": "2",
+             "clip_grad_norm": "1", "bucket_cap_mb": [1], "min_numel": "x", "val_loader": "abc", "run_dir": 5,
+             "val_interval": 1.5, "log_interval": None, "flops_per_token": "1e9", "checkpointer": "dir",
+             "lr_scheduler": 3, "dynamic_batch": True, "collective_timeout_s": "60", "preempt_grace_s": [],
+             "inject_faults": 5, "live_recovery": "yes", "compress_gradients": 4, "sync": 2, "parallel": "ddp",
+             "tp_plan": [1], "pipeline_split": 5, "mixed_precision": torch.zeros(2), "activation_checkpointing": 0,
+             "data_seed": "0"}
+    for name, value in wrong.items():
+        counts["api_tried"] += 1
+        model = nn.Linear(4, 2)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                from syncwise.train import OptimizedTrainer
+
+                OptimizedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.mse_loss,
+                                 **{name: value})
+            counts["api_silently_accepted"] += 1
+        except ConfigError:
+            pass
+        except Exception:  # noqa: BLE001
+            counts["api_tracebacks"] += 1
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    try:
+        from test_damaged_rundir import DAMAGES, _good
+    except ImportError:
+        DAMAGES = {}
+    from syncwise.commands import report
+
+    draw, report.draw = report.draw, (lambda runs: b"png")
+    try:
+        for i, (name, damage) in enumerate(sorted(DAMAGES.items())):
+            run = work / "damaged" / f"{i}"
+            _good(run)
+            damage(run)
+            for argv in (["report", str(run)], ["doctor", str(run)]):
+                counts["rundir_tried"] += 1
+                code, err = quiet(argv)
+                counts["rundir_tracebacks"] += isinstance(code, BaseException) or "Traceback" in err
+    finally:
+        report.draw = draw
+    return counts
+
+
+def security_main(args: argparse.Namespace) -> int:
+    work = Path(args.work_dir) / "security"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    result = {"network": security_network(work, args.smoke), "pickle": security_pickle(work),
+              "rows": security_rows(work), "bad_input": security_bad_input(work)}
+    b = result["bad_input"]
+    counts = {
+        "endpoints reachable from a non-loopback address": result["network"]["reachable_from_outside"],
+        "endpoints bound to a non-loopback address": result["network"]["non_loopback"],
+        "payloads executed": result["pickle"]["payloads_executed"],
+        "rows lost on resume (damaged metrics.jsonl)": result["rows"]["rows_lost"],
+        "tracebacks on bad input": b["cli_tracebacks"] + b["api_tracebacks"] + b["rundir_tracebacks"],
+        "nonsense or wrong types accepted": b["cli_nonsense_accepted"] + b["api_silently_accepted"],
+        "echoes over 1,000 characters": b["long_echoes"],
+    }
+    result["counts"] = counts
+    out = Path(args.out) if args.out else RESULTS / "reliability-security.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print("| attack (issue 42) | count (goal 0) |")
+    print("|---|---|")
+    for name, n in counts.items():
+        print(f"| {name} | {n} |")
+    print(f"tried: {result['network']['listening']} listening sockets ({result['network']['what']}), "
+          f"{result['pickle']['tried']} payloads, {b['cli_tried']} config values, {b['api_tried']} API keywords, "
+          f"{b['rundir_tried']} report/doctor runs on damaged directories")
+    print(f"results: {out}")
+    return 0 if not any(counts.values()) else 1
 
 
 if __name__ == "__main__":

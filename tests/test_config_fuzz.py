@@ -341,4 +341,4 @@ def test_help_lists_each_fields_bounds(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = capsys.readouterr().out
-    assert "--check" in text and "4,294,967,295" in text and "(0, 10]" in text
+    assert "--check" in text and "4,294,967,295" in text and "from 1e-9 to 10" in text

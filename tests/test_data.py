@@ -119,8 +119,12 @@ def test_nanogpt_bin_corpora(tmp_path):
 
     # nanoGPT's meta.pkl (plain data) is read; a pickle that names any global is refused.
     (folder / "meta.json").unlink()
-    (folder / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 65, "itos": {0: "a"}, "stoi": {"a": 0}}))
-    assert load_corpus(str(folder)).vocab_size == 65
+    (folder / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 5000, "itos": {0: "a"}, "stoi": {"a": 0}}))
+    assert load_corpus(str(folder)).vocab_size == 5000
+    # ids beyond the vocabulary its meta names: one line naming the file, not an IndexError in the embedding
+    (folder / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 65}))
+    with pytest.raises(ConfigError, match="train.bin holds id 4999"):
+        load_corpus(str(folder))
     (folder / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 65, "f": print}))
     with pytest.raises(ConfigError, match="print"):
         load_corpus(str(folder))

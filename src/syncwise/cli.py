@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args) or 0
     except SyncwiseError as e:
         print(f"syncwise: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_code", 2)  # 2, or a failure's own (launch.ft.LighthouseDied: 3)
     except KeyboardInterrupt:
         print("syncwise: interrupted", file=sys.stderr)
         return 130

@@ -19,6 +19,7 @@ import os
 import re
 import sys
 import types
+import unicodedata
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,6 +114,8 @@ def _run_dir_ok(v: str) -> bool:
         p = Path(v)  # as the run uses it: no '~' expansion (a shell does that)
         if "\0" in v or any(len(os.fsencode(part)) > 255 for part in p.parts):
             return False
+        if any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in v):
+            return False  # control characters, bidi overrides (U+202E), zero-width characters: a name that lies
         if p.exists():
             return p.is_dir() and os.access(p, os.W_OK | os.X_OK)
         for parent in p.absolute().parents:  # the nearest existing ancestor is where it would be made
@@ -171,8 +174,8 @@ class TrainSection:
 
     steps: int = option(200, "optimizer steps to run", f"an integer from 1 to {_MAX_STEPS:,}", _in(1, _MAX_STEPS))
     lr: float = option(2e-3, "peak learning rate (AdamW)",
-                       "a number in (0, 10] (AdamW moves every weight by about lr per step: more always diverges)",
-                       lambda v: 0 < v <= 10)
+                       "a number from 1e-9 to 10 (AdamW moves every weight by about lr per step: more always "
+                       "diverges, less moves nothing a float32 weight can hold)", _in(1e-9, 10))
     min_lr_ratio: float = option(0.1, "final LR of the cosine decay, as a fraction of the peak", "a number in [0, 1]",
                                  _in(0, 1))
     warmup_steps: int = option(20, "linear LR warm-up steps", f"an integer from 0 to {_MAX_STEPS:,}",
@@ -182,8 +185,9 @@ class TrainSection:
                                  "1 − lr × weight_decay every step)", _in(0, 10))
     grad_accum: int = option(1, "micro-batches per optimizer step (only the last one communicates)",
                              "an integer from 1 to 65,536", _in(1, 65536))
-    clip_grad: float = option(1.0, "gradient-norm clipping threshold (0 = off)", "a number in [0, 1e6] (0 = off)",
-                              _in(0, 1e6))
+    clip_grad: float = option(1.0, "gradient-norm clipping threshold (0 = off)",
+                              "0 (off) or a number from 1e-6 to 1e6 (a smaller threshold scales every gradient to "
+                              "nothing)", lambda v: v == 0 or 1e-6 <= v <= 1e6)
     mixed_precision: str = option("auto", "autocast dtype: auto (bf16 on a GPU that has it, else none), none, bf16, "
                                   "fp16 (GPU, with GradScaler)",
                                   *_one_of("none", "bf16", "fp16", "auto"))
@@ -429,7 +433,8 @@ class RunConfig:
     """Everything one `syncwise train` run needs."""
 
     run_dir: str = option("", "directory for metrics.jsonl, summary.json, checkpoints (default: a new runs/DATE-TIME)",
-                          "'' (a new runs/DATE-TIME) or a writable directory, existing or creatable (not a file)",
+                          "'' (a new runs/DATE-TIME) or a writable directory, existing or creatable (not a file), "
+                          "whose name has no control, bidi-override or zero-width characters",
                           _run_dir_ok)
     resume: str = option("none", "'auto' (newest valid checkpoint in run_dir, if any), a checkpoint path, or 'none'",
                          "'auto', 'none', or a published checkpoint directory (RUN_DIR/checkpoints/step_N)")
@@ -808,6 +813,12 @@ def check_references(cfg: RunConfig, here: bool = True) -> None:
         raise ConfigError("model.preset", cfg.model.preset, _preset_names())
     specs = cfg.specs()  # each spec by its owner's parser
     check_pair(cfg.profile.steps, cfg.profile.every, ("profile.steps", "profile.every"))
+    if cfg.train.warmup_steps > cfg.train.steps and cfg.train.warmup_steps != TrainSection().warmup_steps:
+        # (the default warm-up, 20, is kept for short runs, as it always was: only a warm-up someone set is held
+        # to the run's length)
+        raise ConfigError("train.warmup_steps", cfg.train.warmup_steps, f"an integer ≤ train.steps (warmup_steps="
+                          f"{cfg.train.warmup_steps:,}, steps={cfg.train.steps:,}: the learning rate would never "
+                          "reach its peak)")
     if cfg.train.lr * cfg.train.weight_decay >= 1:
         key = _blame(cfg, "train.weight_decay", "train.lr")
         raise ConfigError(key, _get(cfg, key), f"lr × weight_decay < 1 (AdamW scales the weights by 1 − lr × "
@@ -868,6 +879,10 @@ def _check_live_recovery(cfg: RunConfig, specs: Any, group_world: int) -> None:
         raise ConfigError("ft.min_replicas", ft.min_replicas, f"an integer from 1 to ft.replicas ({ft.replicas})")
     from .layout import check_live_compress, check_live_layout, check_live_sync
 
+    if cfg.metrics.prometheus_port and not cfg.dist.lab:
+        raise ConfigError("metrics.prometheus_port", cfg.metrics.prometheus_port, f"0 (off) with ft.replicas="
+                          f"{ft.replicas} on one machine: every replica group's local rank 0 would serve the same "
+                          "port, and all but one would die on 'Address already in use'")
     check_live_layout(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep)
     check_live_sync(specs.sync, cfg.parallel.sync, group_world, cfg.parallel.dp_shard)
     check_live_compress(cfg.compress.method, group_world)

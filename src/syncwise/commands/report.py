@@ -42,12 +42,22 @@ def load_run(path: Path) -> dict[str, Any]:
     if not metrics.exists():
         raise ConfigError("RUN", str(path), "a run directory with a metrics.jsonl (it has none yet: the run has not "
                                             "finished a step, or this is not a run directory)")
-    rows = sorted(read_jsonl(metrics), key=lambda r: r.get("step", 0))
+    damaged: list[tuple[int, str]] = []
+    try:
+        raw = read_jsonl(metrics, damaged)
+    except OSError as e:
+        raise ConfigError("RUN", str(path), f"a run directory whose metrics.jsonl can be read ({metrics}: "
+                                            f"{e.strerror or e})") from None
+    rows = [r for _, r in sorted((_clean(r) for r in raw if _is_step_row(r)), key=lambda t: t[0])]
+    skipped = len(damaged) + len(raw) - len(rows)
     if not rows:
-        raise ConfigError("RUN", str(path), "a run with at least one step in its metrics.jsonl (it is empty)")
+        raise ConfigError("RUN", str(path), "a run with at least one step in its metrics.jsonl (it has none"
+                          + (f": {skipped} line(s) there are not step rows)" if skipped else ": it is empty)"))
     try:
         summary = json.loads(RunDir(path).summary.read_text())
     except (OSError, ValueError):
+        summary = None
+    if not isinstance(summary, dict):  # a damaged summary: the run reads as unfinished
         summary = None
     elapsed, t = [], 0.0
     for r in rows:
@@ -78,7 +88,28 @@ def load_run(path: Path) -> dict[str, Any]:
         "final_val_loss": val[-1][2] if val else None,
         "train_time_s": elapsed[-1],
         "summary": summary,
+        "skipped_rows": skipped,
     }
+
+
+NUMBERS = ("loss", "val_loss", "step_time_s", "comm_bytes", "tokens_per_s", *(key for key, _ in SPLIT))
+
+
+def _is_step_row(row: Any) -> bool:
+    return isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row.get("step"), bool)
+
+
+def _clean(row: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """(step, the row with every figure the report draws a finite number or None): an edited or damaged value is
+    a gap in its curve, not a TypeError."""
+    import math
+
+    out = dict(row)
+    for key in NUMBERS:
+        v = out.get(key)
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)):
+            out[key] = None
+    return row["step"], out
 
 
 def _names(runs: list[dict[str, Any]]) -> None:
@@ -182,15 +213,23 @@ def run(args: argparse.Namespace) -> int:
     _names(runs)
     out = _out_dir(args)
     html_path, png_path = out / "report.html", out / "report.png"
-    if (html_path.exists() and MARKER not in html_path.read_text(errors="replace")) or (
-            png_path.exists() and not html_path.exists()):
+    if (html_path.is_file() and MARKER not in html_path.read_text(errors="replace")) or (
+            html_path.exists() and not html_path.is_file()) or (png_path.exists() and not html_path.exists()):
         raise ConfigError("--out", str(out), "a directory without a report.html / report.png of someone else's "
                                              "(those there were not written by syncwise report): choose another --out")
     comparison = text(runs)
     png = draw(runs)
-    out.mkdir(parents=True, exist_ok=True)
-    png_path.write_bytes(png)
-    html_path.write_text(page(runs, png, comparison))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        png_path.write_bytes(png)
+        html_path.write_text(page(runs, png, comparison))
+    except OSError as e:
+        raise ConfigError("--out", str(out), f"a directory the report can be written to ({e.filename}: "
+                                             f"{e.strerror or e})") from None
+    for r in runs:
+        if r["skipped_rows"]:
+            print(f"note: {r['name']}: {r['skipped_rows']} line(s) of its metrics.jsonl are not step rows (damaged "
+                  "or edited): skipped")
     print(comparison)
     print(f"picture: {png_path}\npage: {html_path}  (open it in a browser)")
     return 0

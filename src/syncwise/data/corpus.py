@@ -76,7 +76,7 @@ def load_corpus(spec: str = "stdlib", val_fraction: float = 0.05,
     """
     if tokenizer:
         folder = _tokenized(spec, val_fraction, cache_dir, tokenizer, text_column, tokenize_workers)
-        corpus = _load_bin(folder / "train.bin", str(spec), val_fraction)
+        corpus = _load_bin(folder / "train.bin", str(spec), val_fraction, cache_dir)
         corpus.name = Path(str(spec)).expanduser().name or str(spec)
         corpus.description = f"{spec} tokenized by {tokenizer} ({corpus.description})"
         return corpus
@@ -84,7 +84,7 @@ def load_corpus(spec: str = "stdlib", val_fraction: float = 0.05,
     if kind == "stdlib":
         return _load_stdlib(val_fraction, max_bytes, cache_dir)
     if kind == "bin":
-        return _load_bin(path, str(spec), val_fraction)
+        return _load_bin(path, str(spec), val_fraction, cache_dir)
     train, val, counts = _text_tokens(files, str(spec), path, val_fraction, max_bytes)
     capped = f", capped at {max_bytes:,} bytes" if max_bytes is not None and train.size + val.size >= max_bytes else ""
     return Corpus(torch.from_numpy(train), torch.from_numpy(val), 256, path.name or str(spec),
@@ -102,13 +102,13 @@ def corpus_sizes(spec: str = "stdlib", val_fraction: float = 0.05, max_bytes: in
     is tokenized into its cache here (once; the workers then map it)."""
     if tokenizer:
         folder = _tokenized(spec, val_fraction, cache_dir, tokenizer, text_column, tokenize_workers)
-        train, val, _ = _bin_split(folder / "train.bin", str(spec), val_fraction)
+        train, val, _ = _bin_split(folder / "train.bin", str(spec), val_fraction, cache_dir)
         return train.size, val.size, _read_vocab_size(folder)
     kind, path, files = _source(spec, val_fraction, max_bytes)
     if kind == "stdlib":
         return (*_stdlib_sizes(val_fraction, max_bytes, cache_dir), 256)
     if kind == "bin":
-        train, val, _ = _bin_split(path, str(spec), val_fraction)
+        train, val, _ = _bin_split(path, str(spec), val_fraction, cache_dir)
         return train.size, val.size, _read_vocab_size(path.parent)
     train, val, _ = _text_tokens(files, str(spec), path, val_fraction, max_bytes)
     return train.size, val.size, 256
@@ -334,22 +334,33 @@ def _tokenized(spec: str, val_fraction: float, cache_dir: str | os.PathLike | No
                    cache_dir if cache_dir is not None else default_cache_dir(), workers)
 
 
-def _token_dtype(path: Path) -> np.dtype:
-    """uint16 (nanoGPT), or the ``dtype`` a meta.json next to the file names (uint32 for vocabularies > 65,536)."""
+def _token_meta(path: Path, spec: str) -> dict:
+    """The meta.json next to a token file ({} when there is none); an unreadable one is refused, naming it."""
     meta = path.parent / "meta.json"
-    if meta.is_file():
-        try:
-            name = json.loads(meta.read_text()).get("dtype", "uint16")
-        except (ValueError, OSError, AttributeError):
-            name = "uint16"
-        if name in ("uint16", "uint32"):
-            return np.dtype(name)
-    return np.dtype(np.uint16)
+    if not meta.is_file():
+        return {}
+    try:
+        data = json.loads(meta.read_text())
+    except (ValueError, OSError) as e:
+        raise ConfigError("data.corpus", spec, f"{_ACCEPTED}; {meta} is not readable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError("data.corpus", spec, f"{_ACCEPTED}; {meta} is not a JSON object")
+    return data
+
+
+def _token_dtype(path: Path, spec: str) -> np.dtype:
+    """uint16 (nanoGPT), or the ``dtype`` a meta.json next to the file names (uint32 for vocabularies > 65,536);
+    any other dtype there is refused (read as uint16 it would train on garbage)."""
+    name = _token_meta(path, spec).get("dtype", "uint16")
+    if name not in ("uint16", "uint32"):
+        raise ConfigError("data.corpus", spec, f"{_ACCEPTED}; {path.parent / 'meta.json'} names dtype {name!r}, "
+                          "not uint16 or uint32")
+    return np.dtype(name)
 
 
 def _memmap_tokens(path: Path, spec: str) -> np.ndarray:
     size = path.stat().st_size
-    dtype = _token_dtype(path)
+    dtype = _token_dtype(path, spec)
     if size == 0 or size % dtype.itemsize:
         raise ConfigError("data.corpus", spec, f"{_ACCEPTED}; {path} is {size} bytes, not a non-empty "
                           f"array of {dtype.name} tokens")
@@ -358,13 +369,72 @@ def _memmap_tokens(path: Path, spec: str) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="c")
 
 
-def _bin_split(path: Path, spec: str, val_fraction: float) -> tuple[np.ndarray, np.ndarray, str]:
-    """Train and val tokens of a token file (memory-mapped, nothing read) and where val comes from."""
+SCAN_TOKENS = 1 << 24
+"""Token files are checked in pieces of this many ids (bounded memory, whatever their size)."""
+
+
+def _check_tokens(path: Path, tokens: np.ndarray, spec: str, cache_dir: str | os.PathLike | None) -> None:
+    """A token file checked on open: its length against the count its meta.json records (a syncwise cache
+    records it), its bytes against the recorded blake2b digest, every id below the vocabulary size. Each
+    failure is one line naming the file. The scan reads the file once; its success is remembered (under the
+    cache folder, keyed by the file's identity, size, mtime *and* ctime, which no copy tool can set back), so
+    later opens of the same unchanged file cost a stat."""
+    meta = _token_meta(path, spec)
+    where = path.parent / "meta.json"
+    fix = " (a syncwise cache: delete its folder to tokenize again)" if meta.get("format") else ""
+    want = (meta.get("splits") or {}).get(path.stem) if isinstance(meta.get("splits"), dict) else None
+    if isinstance(want, int) and want != tokens.size:
+        raise ConfigError("data.corpus", spec, f"token files of the length their meta.json records; {path} holds "
+                          f"{tokens.size:,} tokens, {where} says {want:,} (truncated or replaced){fix}")
+    vocab = _read_vocab_size(path.parent)
+    digests = meta.get("blake2b") if isinstance(meta.get("blake2b"), dict) else {}
+    digest = digests.get(path.name)
+    if vocab is None and digest is None:
+        return  # nothing to check against: the vocabulary is max id + 1
+    st = path.stat()
+    memo = _cache_root(cache_dir) / "verified" / hashlib.sha256(json.dumps(
+        [str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, vocab,
+         digest]).encode()).hexdigest()[:32]
+    if memo.is_file():
+        return
+    h = hashlib.blake2b(digest_size=16)
+    for at in range(0, tokens.size, SCAN_TOKENS):
+        piece = np.asarray(tokens[at:at + SCAN_TOKENS])
+        if digest is not None:
+            h.update(piece.tobytes())
+        if vocab is not None and piece.size:
+            top = int(piece.max())
+            if top >= vocab:
+                pos = at + int(np.argmax(piece >= vocab))
+                raise ConfigError("data.corpus", spec, f"token ids below the vocabulary size; {path} holds id "
+                                  f"{top} (first out-of-vocabulary id at token {pos:,}) but its meta says "
+                                  f"vocab_size {vocab}{fix}")
+    if digest is not None and h.hexdigest() != digest:
+        raise ConfigError("data.corpus", spec, f"token files whose bytes match their meta.json; {path} does not "
+                          f"match the blake2b digest {where} records (changed or damaged since it was written){fix}")
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        memo.touch()
+    except OSError:
+        pass  # an unwritable cache folder only means checking again next time
+
+
+def _cache_root(cache_dir: str | os.PathLike | None) -> Path:
+    return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+
+
+def _bin_split(path: Path, spec: str, val_fraction: float,
+               cache_dir: str | os.PathLike | None = None) -> tuple[np.ndarray, np.ndarray, str]:
+    """Train and val tokens of a token file (memory-mapped, checked once: :func:`_check_tokens`) and where val
+    comes from."""
     try:
         train = _memmap_tokens(path, spec)
+        _check_tokens(path, train, spec, cache_dir)
         val_path = path.with_name("val.bin")
         if path.name == "train.bin" and val_path.is_file():
-            return train, _memmap_tokens(val_path, spec), "val.bin"
+            val = _memmap_tokens(val_path, spec)
+            _check_tokens(val_path, val, spec, cache_dir)
+            return train, val, "val.bin"
     except OSError as e:
         raise ConfigError("data.corpus", spec, f"{_ACCEPTED}; cannot read {e.filename}: {e.strerror}") from None
     # A lone token file: hold out its tail, contiguous, so windows never straddle the cut.
@@ -375,13 +445,13 @@ def _bin_split(path: Path, spec: str, val_fraction: float) -> tuple[np.ndarray, 
     return train, val, f"last {val_fraction:.0%} of the file"
 
 
-def _load_bin(path: Path, spec: str, val_fraction: float) -> Corpus:
-    train, val, split = _bin_split(path, spec, val_fraction)
+def _load_bin(path: Path, spec: str, val_fraction: float, cache_dir: str | os.PathLike | None = None) -> Corpus:
+    train, val, split = _bin_split(path, spec, val_fraction, cache_dir)
     vocab = _read_vocab_size(path.parent)
     # Without meta, the largest id seen bounds the vocab (numpy: torch has no max for uint16).
     vocab_size = vocab if vocab is not None else int(max(train.max(), val.max() if val.size else 0)) + 1
     return Corpus(torch.from_numpy(train), torch.from_numpy(val), vocab_size,
                   path.parent.name if path.name == "train.bin" else path.stem,
-                  f"uint16 token file {path} (memory-mapped; val: {split}; vocab_size "
+                  f"{train.dtype.name} token file {path} (memory-mapped; val: {split}; vocab_size "
                   f"{vocab_size} from {'meta' if vocab is not None else 'max token + 1'})", False,
                   {"train": 1, "val": 1})

@@ -3,9 +3,13 @@ once by a Hugging Face tokenizer (``--data.tokenizer PATH``) into memory-mapped 
 
 The shards use the nanoGPT layout that :mod:`.corpus` already reads: ``train.bin``, ``val.bin`` and ``meta.json``
 (``vocab_size``, ``dtype``: uint16 up to 65,536 ids, uint32 above). The existing batch loader then shards them
-across ranks and resumes from its checkpointed position. The cache key covers the source files (path, size and
-mtime), the tokenizer file, the text column and the validation split. A second run, or every other rank, maps the
-same files without tokenizing again. Writes are atomic: the shards are written to a temporary folder that is then
+across ranks and resumes from its checkpointed position. The cache key covers the source's *content* (a blake2b
+digest of every byte of every source file, with its size and relative name), its path, the tokenizer file, the
+text column and the validation split: a corpus edited with its size and mtime kept (``cp -p``, ``rsync -t``) gets a
+new cache. A file's digest is remembered under the cache folder keyed by its identity, size, mtime and ctime (which
+no copy tool can set back), so an unchanged source is hashed once. The shards' token counts and digests go into
+meta.json, and every open checks them and that every id is below the vocabulary (:func:`.corpus._check_tokens`).
+A second run, or every other rank, maps the same files without tokenizing again. Writes are atomic: the shards are written to a temporary folder that is then
 renamed, so ranks racing to build the same cache are harmless.
 
 Documents go to validation by a hash of their index (the same rule for the same data). Every document ends with
@@ -30,7 +34,7 @@ import numpy as np
 from .. import tokenize_pool
 from ..errors import ConfigError, SyncwiseError
 
-FORMAT = 1
+FORMAT = 2  # 2: keyed by content; meta.json records splits and blake2b digests
 SOURCES = "a .jsonl/.json-lines file, a .parquet file, a text file, or a `datasets` folder (save_to_disk)"
 _EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 
@@ -172,9 +176,49 @@ def _text(value: Any, spec: str, column: str) -> str:
     return value
 
 
-def _fingerprint(path: Path) -> list:
+HASH_PIECE = 1 << 16
+
+
+def _hash_file(p: Path) -> str:
+    """blake2b (16 bytes) of every byte of ``p``, read into one small reused buffer (bounded memory)."""
+    h = hashlib.blake2b(digest_size=16)
+    buf = bytearray(HASH_PIECE)
+    view = memoryview(buf)
+    with open(p, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def _file_digest(p: Path, memo_dir: Path) -> str:
+    """blake2b of every byte of ``p``; remembered in ``memo_dir`` under its identity, size, mtime and ctime (ctime
+    changes with every write and no user-level tool can set it back, so an edit always misses the memo)."""
+    st = p.stat()
+    memo = memo_dir / hashlib.sha256(json.dumps([str(p.resolve()), st.st_dev, st.st_ino, st.st_size,
+                                                 st.st_mtime_ns, st.st_ctime_ns]).encode()).hexdigest()[:32]
+    try:
+        known = memo.read_text().strip()
+        if len(known) == 32:
+            return known
+    except OSError:
+        pass
+    digest = _hash_file(p)
+    try:
+        memo_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=memo_dir, prefix=".tmp-")
+        with os.fdopen(fd, "w") as f:
+            f.write(digest)
+        os.replace(tmp, memo)
+    except OSError:
+        pass  # an unwritable cache only costs hashing again
+    return digest
+
+
+def _fingerprint(path: Path, memo_dir: Path) -> list:
+    """What the source is, by content: (relative name, size, blake2b) of each of its files."""
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    return [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    return [(p.relative_to(path).as_posix() if path.is_dir() else p.name, p.stat().st_size,
+             _file_digest(p, memo_dir)) for p in files]
 
 
 def _cache_root(cache_dir: str | os.PathLike | None) -> Path:
@@ -232,9 +276,11 @@ def prepare(spec: str, tokenizer: str, val_fraction: float = 0.05, column: str =
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
         raise ConfigError("data.tokenize_workers", workers, "an integer ≥ 0 (0: one per CPU core)")
     tok_file = _tokenizer_file(tokenizer)
-    key = hashlib.sha256(json.dumps([FORMAT, str(path.resolve()), _fingerprint(path), column, val_fraction,
-                                     hashlib.sha256(tok_file.read_bytes()).hexdigest()]).encode()).hexdigest()[:20]
-    out = _cache_root(cache_dir) / "tokenized" / key
+    root = _cache_root(cache_dir)
+    key = hashlib.sha256(json.dumps([FORMAT, str(path.resolve()), _fingerprint(path, root / "digests"), column,
+                                     val_fraction, hashlib.sha256(tok_file.read_bytes()).hexdigest()]
+                                    ).encode()).hexdigest()[:20]
+    out = root / "tokenized" / key
     if (out / "meta.json").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -265,7 +311,12 @@ def _build(out: Path, path: Path, spec: str, tok_file: Path, tokenizer: str, col
             raise ConfigError("data.corpus", spec, f"{SOURCES} with text in it; {docs} document(s) gave no tokens")
         if counts["train"] == 0 or counts["val"] == 0:  # too few documents for the hash split: the stream's tail
             _split_tail(tmp, dtype, val_fraction)
+        splits, digests = {}, {}
+        for split in ("train", "val"):
+            splits[split] = (tmp / f"{split}.bin").stat().st_size // dtype.itemsize
+            digests[f"{split}.bin"] = _hash_file(tmp / f"{split}.bin")
         (tmp / "meta.json").write_text(json.dumps({
+            "format": FORMAT, "splits": splits, "blake2b": digests,
             "vocab_size": vocab, "dtype": dtype.name, "tokenizer": str(tok_file), "source": str(path),
             "documents": docs, "tokens": tokens, "eos_id": eos, "column": column, "workers": n_workers,
             "tokenize_seconds": round(seconds, 3)}, indent=2) + "\n")

@@ -37,6 +37,36 @@ class Run:
         return value.get(key, default) if isinstance(value, dict) else default
 
 
+# Fields doctor computes with: a row's timings, sizes and counts, and the summary's counts. A damaged or edited file
+# that holds something else there is refused in one line (not a TypeError deep inside the analysis).
+_NUMERIC_SUFFIXES = ("_s", "_ns", "_bytes", "_per_s", "_ms")
+_NUMERIC_ROW_KEYS = frozenset({"step", "loss", "val_loss", "lr", "grad_norm", "micro_batch", "expert_imbalance",
+                               "pp_bubble", "mfu", "tokens", "c"})
+_NUMERIC_SUMMARY_KEYS = ("steps", "world_size", "params")
+
+
+def _is_number(v: Any) -> bool:
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+def _numbers_ok(row: dict[str, Any]) -> str | None:
+    """The first key of ``row`` that should hold a number and does not (None when all do)."""
+    for key, value in row.items():
+        if (key in _NUMERIC_ROW_KEYS or key.endswith(_NUMERIC_SUFFIXES)) and not _is_number(value):
+            return key
+    return None
+
+
+def _saves_ok(saves: Any) -> bool:
+    return saves is None or (isinstance(saves, list) and all(
+        isinstance(x, dict) and _is_number(x.get("step")) and _is_number(x.get("blocking_s")) for x in saves))
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:50] + "…"
+
+
 def _json(path: Path, what: str) -> Any:
     try:
         return json.loads(path.read_text())
@@ -48,7 +78,7 @@ def _json(path: Path, what: str) -> Any:
 
 def _jsonl(path: Path, what: str) -> list[dict[str, Any]]:
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(errors="replace").splitlines()  # binary junk: lines that are not JSON, below
     except OSError as e:
         raise SyncwiseError(f"doctor: cannot read {path} ({e.strerror or e}); expected {what}") from None
     rows = []
@@ -65,6 +95,10 @@ def _jsonl(path: Path, what: str) -> list[dict[str, Any]]:
                 or not isinstance(row.get("step_time_s"), (int, float)):
             raise SyncwiseError(f"doctor: {path} line {i} has no integer 'step' and numeric 'step_time_s'; "
                                 f"expected {what}")
+        bad = _numbers_ok(row)
+        if bad is not None:
+            raise SyncwiseError(f"doctor: {path} line {i}: {bad!r} is {_short(row[bad])}, not a number; expected "
+                                f"{what}")
         rows.append(row)
     return rows
 
@@ -95,6 +129,13 @@ def load_run(path: "str | Path", live: bool = False) -> Run:
         summary = _json(summary_path, "the run's final summary (a JSON object)")
     if not isinstance(summary, dict):
         raise SyncwiseError(f"doctor: {summary_path} is not a JSON object; expected the run's final summary")
+    for key in _NUMERIC_SUMMARY_KEYS:
+        if not _is_number(summary.get(key)):
+            raise SyncwiseError(f"doctor: {summary_path}: {key!r} is {_short(summary[key])}, not a number; expected "
+                                "the run's final summary")
+    if not _saves_ok(summary.get("checkpoint_saves")):
+        raise SyncwiseError(f"doctor: {summary_path}: 'checkpoint_saves' is not a list of saves (objects with a "
+                            "numeric 'step' and 'blocking_s'); expected the run's final summary")
     config: dict[str, Any] = {}
     if RunDir(p).config.exists():
         config = _json(p / "config.json", "the run's resolved configuration (a JSON object)")
@@ -105,6 +146,8 @@ def load_run(path: "str | Path", live: bool = False) -> Run:
     rank_dir = RunDir(p).ranks
     if rank_dir.is_dir():
         for f in sorted(rank_dir.iterdir()):
+            if not f.is_file():
+                continue
             m = re.fullmatch(r"rank(\d+)\.(jsonl|json)", f.name)
             if not m:
                 continue
@@ -112,7 +155,7 @@ def load_run(path: "str | Path", live: bool = False) -> Run:
                 run.ranks[int(m.group(1))] = _jsonl(f, what)
             else:
                 data = _json(f, "a rank's totals (syncwise.metrics.RankLog)")
-                if isinstance(data, dict):
+                if isinstance(data, dict) and _saves_ok(data.get("checkpoint_saves")):
                     run.totals[int(m.group(1))] = data
     run.ranks = {r: rows for r, rows in run.ranks.items() if rows}
     if not run.ranks:  # a run from before per-rank logs: rank 0's rows are all there is

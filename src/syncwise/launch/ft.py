@@ -33,6 +33,13 @@ from ..secret import ENV_SECRET_FILE, create_secret
 FT_DIR = "ft"  # RUN_DIR/ft/replica{R}.{attempt}: each replica group attempt's own run directory (LiveRecovery.run_dir)
 
 
+class LighthouseDied(SyncwiseError):
+    """The lighthouse this launcher started exited while replica groups ran: no quorum can form without it, so the
+    groups are stopped at once (not left to time out one by one). ``exit_code``: the CLI's exit status."""
+
+    exit_code = 3
+
+
 #: the launchers' default for ft.heartbeat_timeout_s (config.FaultToleranceSection's default, which users set)
 HEARTBEAT_TIMEOUT_S = 1.0
 
@@ -152,6 +159,10 @@ def run_replicas(module_args: Sequence[str], run_dir: str | Path, replicas: int,
             procs.append(subprocess.Popen(replica_command(module_args, nproc, restarts), env=env, stdout=log,
                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                           start_new_session=True))
+        while any(p.poll() is None for p in procs):
+            if server is not None and server.proc.poll() is not None:
+                raise _lighthouse_died(server, run_dir)
+            time.sleep(0.2)
         return [p.wait() for p in procs]
     finally:
         for p in procs:
@@ -168,6 +179,18 @@ def run_replicas(module_args: Sequence[str], run_dir: str | Path, replicas: int,
             log.close()
         if server is not None:
             server.shutdown()
+
+
+def _lighthouse_died(server: "Lighthouse", run_dir: Path) -> LighthouseDied:
+    """Say at once (one line on stderr, before the groups are stopped, which takes up to their grace period) that
+    the lighthouse died, and make the error the launcher ends with."""
+    code = server.proc.returncode
+    how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+    line = (f"live recovery: torchft's lighthouse (pid {server.proc.pid}, {server.address}) {how}; no quorum can "
+            f"form without it, so every replica group is stopped (its log: {run_dir / FT_DIR / 'lighthouse.log'}). "
+            f"Each group's rows and the checkpoints are kept: relaunch with --resume auto")
+    print(f"syncwise: {line}", file=sys.stderr, flush=True)
+    return LighthouseDied(line)
 
 
 def _read_rows(path: Path) -> list[dict]:

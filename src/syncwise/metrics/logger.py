@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from ..errors import SyncwiseError
 from ..rundir import RunDir
 
 
@@ -100,7 +101,34 @@ class MetricsLogger:
         self._progress.start()
         self._plain = not self.console.is_terminal
 
+    def _write_failed(self, what: str, e: OSError) -> SyncwiseError:
+        """One paragraph for a run-directory write that failed (a full disk, a quota, a lost mount): the files are
+        closed quietly first, so nothing else raises over it (TensorBoard's writer thread included)."""
+        from ..checkpoint.storage import disk_full_hint
+
+        tb, self._tb = self._tb, None
+        file, self._file = self._file, None
+        for closing in (getattr(file, "close", None), getattr(tb, "close", None)):
+            try:
+                if closing is not None:
+                    closing()
+            except Exception:  # noqa: BLE001 — the same disk: its error is the one reported below
+                pass
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        return SyncwiseError(
+            f"writing {what} under the run directory {self.run_dir} failed: {e.strerror or e}"
+            f"{disk_full_hint(self.run_dir)}. The rows and checkpoints written before are kept; free space under "
+            f"{self.run_dir} (or point --run-dir elsewhere) and continue with --resume auto.")
+
     def _open_files(self, start_step: int, tensorboard: bool) -> None:
+        try:
+            self._open(start_step, tensorboard)
+        except OSError as e:
+            raise self._write_failed("metrics.jsonl", e) from None
+
+    def _open(self, start_step: int, tensorboard: bool) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = RunDir(self.run_dir).metrics
         if start_step == 0 and self.path.exists():
@@ -113,6 +141,9 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self._tb = SummaryWriter(str(self.run_dir / "tb"))
+                _quiet_writer_thread()
+            except OSError:
+                raise
             except Exception:  # tensorboard not installed: JSONL is the record
                 self._tb = None
 
@@ -121,12 +152,17 @@ class MetricsLogger:
         row has none, so a run's timeline (a failure's stall, a recovery) can be read from the file."""
         if not self.enabled:
             return
-        if self._file is not None:
-            self._file.write(json.dumps(row if "time" in row else {**row, "time": round(time.time(), 4)}) + "\n")
-        if self._tb is not None:
-            for k, v in row.items():
-                if isinstance(v, (int, float)) and k != "step" and v is not None:
-                    self._tb.add_scalar(k, v, row["step"])
+        what = "metrics.jsonl"
+        try:
+            if self._file is not None:
+                self._file.write(json.dumps(row if "time" in row else {**row, "time": round(time.time(), 4)}) + "\n")
+            what = "TensorBoard's events (tb/)"
+            if self._tb is not None:
+                for k, v in row.items():
+                    if isinstance(v, (int, float)) and k != "step" and v is not None:
+                        self._tb.add_scalar(k, v, row["step"])
+        except OSError as e:
+            raise self._write_failed(what, e) from None
         # A non-finite loss whose step was not skipped: Pipe-SGD applies a step's gradient one step later, so the
         # update that carries it is skipped then (issue 23: this line raised a TypeError and ended the run).
         loss = ("skipped (non-finite)" if row.get("skipped") else "non-finite" if row.get("loss") is None
@@ -153,11 +189,19 @@ class MetricsLogger:
             return
         if self._progress is not None:
             self._progress.stop()
-        if self._file is not None:
-            self._file.close()
-            RunDir(self.run_dir).summary.write_text(json.dumps(summary, indent=2) + "\n")
-        if self._tb is not None:
-            self._tb.close()
+        what = "metrics.jsonl"
+        try:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+                what = "summary.json"
+                RunDir(self.run_dir).summary.write_text(json.dumps(summary, indent=2) + "\n")
+            what = "TensorBoard's events (tb/)"
+            if self._tb is not None:
+                self._tb.close()
+                self._tb = None
+        except OSError as e:
+            raise self._write_failed(what, e) from None
         if not self.show:
             return
         table = Table(title="syncwise train — summary", show_header=False)
@@ -170,6 +214,26 @@ class MetricsLogger:
         self.console.print(table)
         if self.path is not None:
             self.console.print(f"metrics: {self.path}")
+
+
+def _quiet_writer_thread() -> None:
+    """TensorBoard writes from a thread of its own; an OSError there (a full disk) is re-raised by its next write
+    or close, where MetricsLogger turns it into one paragraph, but the thread also hands it to
+    ``threading.excepthook``, which would print a raw traceback first. That one report is left out (once per
+    process; every other thread's exceptions are printed as before)."""
+    import threading
+
+    previous = threading.excepthook
+    if getattr(previous, "_syncwise_tb", False):
+        return
+
+    def hook(args: Any) -> None:
+        if isinstance(args.exc_value, OSError) and type(args.thread).__name__ == "_AsyncWriterThread":
+            return
+        previous(args)
+
+    hook._syncwise_tb = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 def comm_line(row: dict[str, Any]) -> str:

@@ -30,11 +30,11 @@ def mixed_precision_mode(value: Any) -> str:
         return "none"
     if value is True:
         return "auto"
-    if value == torch.bfloat16:
+    if isinstance(value, torch.dtype) and value == torch.bfloat16:
         return "bf16"
-    if value == torch.float16:
+    if isinstance(value, torch.dtype) and value == torch.float16:
         return "fp16"
-    if value == torch.float32:
+    if isinstance(value, torch.dtype) and value == torch.float32:
         return "none"
     if isinstance(value, str):
         low = value.strip().lower()

@@ -28,6 +28,93 @@ from .preemption import DEFAULT_GRACE_S
 from ..layout import BUCKET_CAP_MB, MIN_NUMEL
 
 
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _compressor_like(v: Any) -> bool:
+    from ..compress.api import GradientCompressor
+    from ..compress.base import Compressor
+    from ..parallel import TorchHookSpec
+
+    return isinstance(v, (Compressor, GradientCompressor, TorchHookSpec))
+
+
+def _sync_like(v: Any) -> bool:
+    from ..layout import SyncSpec
+
+    return isinstance(v, SyncSpec)
+
+
+def _layout_like(v: Any) -> bool:
+    from ..layout import Layout
+
+    return isinstance(v, Layout)
+
+
+def _iterable_not_text(v: Any) -> bool:
+    return hasattr(v, "__iter__") and not isinstance(v, (str, bytes, bytearray, dict))
+
+
+def _fault_list(v: Any) -> bool:
+    return isinstance(v, (list, tuple)) and all(isinstance(x, (str, Fault)) for x in v)
+
+
+# Each keyword's accepted *types* (its values are checked by the group or the trainer): a wrong type is refused
+# here, in one line naming the keyword, before anything is built (not a traceback deep inside, nor a silent
+# truthiness test: show_progress='no' is not True).
+TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "compress_gradients": (lambda v: v is None or isinstance(v, (bool, str)) or _compressor_like(v),
+                           "None/False/'none', True, a spec string ('powersgd:rank=4', 'torch-fp16') or a "
+                           "syncwise Compressor"),
+    "sync": (lambda v: v is None or isinstance(v, str) or _sync_like(v),
+             "None (every step), a spec string ('localsgd:period=8', 'diloco:...') or a syncwise SyncSpec"),
+    "parallel": (lambda v: v is None or isinstance(v, dict) or _layout_like(v),
+                 "None (DDP replicas), a dict of ParallelSpec fields or a syncwise.parallel.ParallelSpec"),
+    "tp_plan": (lambda v: v is None or isinstance(v, dict), "None or a dict (parallelize_module's plan)"),
+    "pipeline_split": (lambda v: v is None or callable(v), "None or a function split_fn(model, stage, n_stages)"),
+    "bucket_cap_mb": (_num, "a finite number > 0"),
+    "min_numel": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer ≥ 0"),
+    "mixed_precision": (lambda v: True, ""),  # every spelling is checked by arguments.mixed_precision_mode
+    "grad_accum_steps": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer ≥ 1"),
+    "clip_grad_norm": (_num, "a finite number ≥ 0 (0: measure the norm only)"),
+    "lr_scheduler": (lambda v: v is None or callable(getattr(v, "step", None)),
+                     "None or a learning-rate scheduler (an object with .step())"),
+    "dynamic_batch": (lambda v: True, ""),  # checked by StepOptions
+    "compile": (lambda v: isinstance(v, bool), "True or False"),
+    "activation_checkpointing": (lambda v: isinstance(v, bool), "True or False"),
+    "tf32": (lambda v: isinstance(v, bool), "True or False"),
+    "device": (lambda v: v is None or isinstance(v, (str, __import__("torch").device)) or (
+        isinstance(v, int) and not isinstance(v, bool)), "None (the model's), a torch.device, 'cpu', 'cuda' or "
+               "'cuda:N'"),
+    "run_dir": (lambda v: True, ""),  # arguments.as_path
+    "val_loader": (lambda v: v is None or _iterable_not_text(v), "None or an iterable of batches (a DataLoader)"),
+    "val_interval": (lambda v: True, ""),  # count()
+    "log_interval": (lambda v: True, ""),
+    "show_progress": (lambda v: isinstance(v, bool), "True or False"),
+    "flops_per_token": (lambda v: v is None or _num(v), "None or a finite number > 0"),
+    "checkpointer": (lambda v: v is None or (hasattr(v, "save") and hasattr(v, "load") and hasattr(v, "directory")),
+                     "None or a syncwise SmartCheckpointer (or train(checkpoint_dir=...))"),
+    "data_seed": (lambda v: True, ""),
+    "profile_steps": (lambda v: True, ""),  # its grammar: syncwise.profiling.check_pair
+    "profile_every": (lambda v: True, ""),
+    "collective_timeout_s": (lambda v: v is None or _num(v), "None or a finite number of seconds > 0"),
+    "preempt_grace_s": (lambda v: v is None or _num(v), "None/0 (signals alone) or a finite number of seconds ≥ 0"),
+    "inject_faults": (lambda v: v is None or isinstance(v, str) or _fault_list(v),
+                      "None or a list of fault specs ('kill:rank=R,step=S', 'nan:step=S', ...)"),
+    "live_recovery": (lambda v: v is None or (hasattr(v, "attach") and hasattr(v, "join")),
+                      "None or a syncwise.train.live_recovery.LiveRecovery"),
+}
+
+
+def _check_types(group: Any) -> None:
+    for f in fields(group):
+        ok, accepted = TYPES[f.name]
+        value = getattr(group, f.name)
+        if not ok(value):
+            raise ConfigError(f.name, value, accepted)
+
+
 @dataclass
 class CommOptions:
     """How the ranks communicate: the layout, gradient compression, reduced sync and DDP's buckets."""
@@ -41,6 +128,7 @@ class CommOptions:
     min_numel: int = MIN_NUMEL           # tensors smaller than this are sent uncompressed
 
     def __post_init__(self) -> None:
+        _check_types(self)
         arguments.finite("bucket_cap_mb", self.bucket_cap_mb, inclusive=False)
 
 
@@ -58,6 +146,7 @@ class StepOptions:
     tf32: bool = True                # fp32 matmuls on tensor cores (CUDA)
 
     def __post_init__(self) -> None:
+        _check_types(self)
         arguments.mixed_precision_mode(self.mixed_precision)  # the trainer keeps the spelling for its errors
         self.grad_accum_steps = count("grad_accum_steps", self.grad_accum_steps)
         self.clip_grad_norm = arguments.finite("clip_grad_norm", self.clip_grad_norm)
@@ -82,11 +171,18 @@ class RunOptions:
     profile_every: int = 0           # N ≥ 2: a trace of one step in N; 0: off
 
     def __post_init__(self) -> None:
+        _check_types(self)
         self.val_interval = count("val_interval", self.val_interval, minimum=0)
         self.log_interval = count("log_interval", self.log_interval)
         self.data_seed = count("data_seed", self.data_seed, minimum=0)
         self.run_dir = arguments.as_path("run_dir", self.run_dir)
         check_pair(self.profile_steps, self.profile_every)
+        if self.flops_per_token is not None:
+            arguments.finite("flops_per_token", self.flops_per_token, inclusive=False)
+        if self.device is not None:  # a torch.device from here on (the trainer reads .type)
+            from ..devices import resolve
+
+            self.device = resolve(self.device, "device")
 
 
 @dataclass
@@ -99,6 +195,9 @@ class FaultOptions:
     live_recovery: Any = None                     # a train.live_recovery.LiveRecovery: this replica group's torchft side
 
     def __post_init__(self) -> None:
+        _check_types(self)
+        if isinstance(self.inject_faults, str):  # one spec
+            self.inject_faults = [self.inject_faults]
         if self.collective_timeout_s is not None:
             arguments.finite("collective_timeout_s", self.collective_timeout_s, inclusive=False)
         arguments.finite("preempt_grace_s", self.preempt_grace_s or 0.0)
