@@ -20,12 +20,19 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser; with ``only`` (the subcommand about to run) only that subcommand's module is
+    imported and given its options: the others are listed by name and help alone. Some commands' modules load torch
+    at import (comm-bench's sweep, bench), and a mistyped flag of another command must not wait for it (issue 43
+    row 7: an error in well under a second)."""
     # allow_abbrev=False: a prefix of an option is not that option (--compres fp8 is refused, not taken as --compress)
     parser = argparse.ArgumentParser(prog="syncwise", description="Communication-efficient distributed training.",
                                      allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in COMMANDS.items():
+        if only is not None and name != only:
+            sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
+            continue
         try:
             mod = importlib.import_module(f"syncwise.commands.{module}")
         except ModuleNotFoundError as e:
@@ -40,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
+    # the subcommand is the first word that is not an option (the top-level parser has no option taking a value)
+    first = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(first if first in COMMANDS else None)
     args, extra = parser.parse_known_args(argv)
     try:
         if args.command == "train":

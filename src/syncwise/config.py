@@ -465,10 +465,10 @@ class RunConfig:
         """The run's spec strings parsed by their owners' parsers (``syncwise.specs`` syntax), typed: what
         workers hand to the trainer. Each call builds fresh objects (a compressor carries per-run state); a
         bad spec raises its owner's ConfigError under this config's key, with the value as given."""
-        from .parallel.data_parallel import compressor_of
+        lay = run_layout(self)  # compress.method and parallel.sync parsed here, once (syncwise.layout; no torch yet:
+        from .parallel.data_parallel import compressor_of  # a misspelt compressor is refused in well under a second)
         from .train.faults import Fault
 
-        lay = run_layout(self)  # compress.method and parallel.sync parsed here, once (syncwise.layout)
         with _as_field("compress.method", self.compress.method):  # the instance: the compressor's own bounds
             compress = compressor_of(lay.compress)
         faults = []

@@ -18,7 +18,7 @@ from pathlib import Path
 from ..errors import ConfigError, SyncwiseError
 from ..plan import (MEGATRON, SYNCWISE, explain, load_cluster, load_model, parse_layout, predict, search,
                     train_config_toml, not_a_preset)
-from ..plan.search import DEFAULT_COMPRESS, LABELS
+from ..plan.search import DEFAULT_COMPRESS, LABELS, human_time, wrap_layout
 
 _EPILOG = ("Predictions come from an analytical cost model (docs/plan.md lists every assumption); the catalog's "
            "efficiencies are assumptions to calibrate. By default only layouts syncwise can run are searched "
@@ -106,7 +106,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def _strategy(args: argparse.Namespace, cloud, model, training) -> int:
     from ..layout import Layout as Owner
-    from ..plan.strategy import choose, explain, load_table, rank, render
+    from ..plan.strategy import choose, explain, load_table, priced_fit, rank, render
 
     if args.compress or args.sync:
         raise ConfigError("--compress" if args.compress else "--sync", args.compress or args.sync,
@@ -117,12 +117,18 @@ def _strategy(args: argparse.Namespace, cloud, model, training) -> int:
     table = load_table()
     ranked = rank(cloud, model, owner, args.global_batch, args.seq_len, table, training,
                   micro_batch=lay.micro_batch if lay else 0, microbatches=lay.microbatches if lay else 0)
+    unfit = priced_fit(cloud, model, owner, args.global_batch, args.seq_len, training,
+                       micro_batch=lay.micro_batch if lay else 0, microbatches=lay.microbatches if lay else 0)
+    if unfit:
+        print(f"note: {unfit}" + ("" if lay else "; pass the layout you will run with --layout (`syncwise plan` "
+                                  "without --strategy lists layouts that fit)"))
     render(ranked, cloud, table, f"{model.describe()}\non {cloud.describe()}, global batch {args.global_batch} × "
            f"{args.seq_len} tokens: time to fp32 DDP's loss, best first")
     print(explain(ranked, cloud, table) if any(not r.why_not for r in ranked) else "no candidate can run here")
     if args.json:
         Path(args.json).write_text(json.dumps({"cluster": cloud.describe(), "model": model.describe(),
                                                "convergence_table": table.source, "chosen": choose(ranked).spec,
+                                               "does_not_fit": unfit or None,
                                                "rows": [{"spec": r.spec, "step_time_s": r.step_time_s,
                                                          "steps_ratio": r.steps_ratio, "time_ratio": r.time_ratio,
                                                          "not_a_candidate": r.why_not} for r in ranked]},
@@ -205,20 +211,20 @@ def _print(cloud, model, preds, args) -> None:
     console = Console(file=sys.stdout, width=max(120, Console().width))
     title = (f"{model.describe()}\non {cloud.describe()}, global batch {args.global_batch} × {args.seq_len} tokens")
     table = Table(title=title, title_justify="left")
-    for col in ("#", "layout", "step s", "tokens/s", "TFLOP/s/GPU", "MFU", "GiB/GPU", "dominant cost", "syncwise"):
+    for col in ("#", "layout", "step", "tokens/s", "TFLOP/s/GPU", "MFU", "GiB/GPU", "dominant cost", "syncwise"):
         table.add_column(col, justify="left" if col in ("layout", "dominant cost", "syncwise") else "right",
                          overflow="fold")
     for i, p in enumerate(preds, 1):
         fits = f"{p.memory_gb_per_gpu:.1f}/{p.memory_limit_gb:.0f}" + ("" if p.fits else " ✗")
         share = p.breakdown[p.dominant] / p.step_time_s
         runs = "yes" if p.runnable else "no" if p.runnable is False else "-"
-        table.add_row(str(i), p.layout.describe(), f"{p.step_time_s:.4g}", f"{p.tokens_per_s:,.0f}",
+        table.add_row(str(i), wrap_layout(p.layout.describe()), human_time(p.step_time_s), f"{p.tokens_per_s:,.0f}",
                       f"{p.tflops_per_gpu:.4g}", f"{p.mfu:.1%}", fits, f"{LABELS[p.dominant]} {share:.0%}", runs)
     console.print(table)
     if len(preds) == 1:
         p = preds[0]
-        parts = ", ".join(f"{LABELS[k]} {v:.4g}" for k, v in p.breakdown.items() if v > 0)
-        console.print(f"step (s): {parts}")
+        parts = ", ".join(f"{LABELS[k]} {human_time(v)}" for k, v in p.breakdown.items() if v > 0)
+        console.print(f"step: {parts}")
         console.print("memory (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in p.memory.items() if v > 0))
         if not p.fits:
             console.print(f"does not fit: {p.memory_gb_per_gpu:.1f} GiB > {p.memory_limit_gb:.1f} GiB usable")

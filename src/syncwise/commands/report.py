@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..metrics import read_jsonl
+from ..metrics import figures, read_jsonl
 from ..metrics.units import human_bytes, human_seconds, loss
 from ..rundir import RunDir
 
@@ -63,8 +63,13 @@ def load_run(path: Path) -> dict[str, Any]:
     for r in rows:
         t += r.get("step_time_s") or 0.0
         elapsed.append(t)
-    steady = rows[max(1, len(rows) // 10):] or rows  # the first tenth holds one-off start-up costs
+    # the steady steps, tokens/s and train time by the summary's own rule (metrics.figures): the same figures
+    # for the same run; a running run has no summary yet, so no warm-up steps are known to leave out
+    warm = int((summary or {}).get("warmup_steps") or 0)
+    kept, _, _ = figures.steady_steps(len(rows), int(rows[0].get("step", 1)), warm)
+    steady = [rows[i] for i in kept] or rows
     n = len(steady)
+    step_times = [r.get("step_time_s") or 0.0 for r in steady]
     split = {key: sum(r.get(key) or 0.0 for r in steady) / n for key, _ in SPLIT}
     step_s = sum(r.get("step_time_s") or 0.0 for r in steady) / n
     counted = [r["comm_bytes"] for r in steady if r.get("comm_bytes") is not None]
@@ -83,10 +88,11 @@ def load_run(path: Path) -> dict[str, Any]:
         "mean_step_time_s": step_s,
         "split_s": {**split, "other_s": max(0.0, step_s - sum(split.values()))},
         "comm_bytes_per_step": sum(counted) / len(counted) if counted and len(counted) == n else None,
-        "tokens_per_s": sum(r.get("tokens_per_s") or 0.0 for r in steady) / n,
+        "tokens_per_s": figures.tokens_per_s([(r.get("tokens_per_s") or 0.0) * t for r, t in zip(steady, step_times)],
+                                             step_times),
         "final_loss": next((r["loss"] for r in reversed(rows) if r.get("loss") is not None), None),
         "final_val_loss": val[-1][2] if val else None,
-        "train_time_s": elapsed[-1],
+        "train_time_s": figures.train_time_s([r.get("step_time_s") or 0.0 for r in rows]),
         "summary": summary,
         "skipped_rows": skipped,
     }

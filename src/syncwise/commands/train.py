@@ -14,9 +14,23 @@ from ..errors import ConfigError, SyncwiseError
 from ..rundir import RunDir, RunDirLock
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..compress import describe_compressors
+def describe_compressors() -> str:
+    """The help's list of syncwise's compressors, their options, defaults and docs, from the torch-free table
+    (``syncwise.layout.COMPRESSORS``; ``compress.registry.describe_compressors`` gives the same text but loads torch,
+    and building the parser must not: a mistyped flag is answered in well under a second, issue 43 row 7)."""
+    from ..layout import COMPRESSORS
 
+    lines = []
+    for info in COMPRESSORS.values():
+        if info.torch_hook:
+            continue
+        lines.append(f"{info.name:9s} {info.summary}")
+        for key, (typ, default, doc) in info.options.items():
+            lines.append(f"    {key}={default!s:<8} ({typ}) {doc}")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_train_arguments(parser)
     parser.add_argument("--check", action="store_true", help="validate everything checked before workers "
                         "start and print the resolved configuration (TOML); start nothing, write nothing")
@@ -212,12 +226,13 @@ def _stopped(cfg: RunConfig, signal_name: str) -> int:
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
+    # the configuration is validated before torch is imported: a mistake is one line in well under a second
+    cfg = resolve_config(load_file(args.config) if args.config else None, overrides_from_args(args, extra))
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from ..launch.run import RunPreempted
     from ..train.preemption import Preempted, StopSignal, describe
 
-    cfg = resolve_config(load_file(args.config) if args.config else None, overrides_from_args(args, extra))
     if args.check:  # the run directory's checks are read-only; it is neither created nor locked
         note = ""
         try:

@@ -105,6 +105,57 @@ class CompressionHookState:
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._worker: Optional[threading.Thread] = None
         self._lock = threading.Lock()
+        # The gradient sync's own clock (issue 43 row 3), host buckets only: each bucket's interval from DDP's
+        # hand-off to the hook to its average written (codec, collectives, the wait in the worker's queue). Per
+        # syncing backward: the union of those intervals beyond the collectives' own seconds, and the part after
+        # the last bucket's hand-off (what the backward waited for). ``take_sync`` hands them to the step meter.
+        self._window: Optional[dict] = None
+        self._synced: list[tuple[float, float]] = []
+
+    # ---- the sync's clock (host buckets) -----------------------------------------------------------------
+    def _handed(self, buffer: torch.Tensor, is_last: bool) -> Optional[float]:
+        """A bucket reaches the hook: open the step's window on its first; the hand-off time (None on a device:
+        there the step meter's CUDA events time the sync)."""
+        if buffer.device.type != "cpu":
+            return None
+        now = time.perf_counter()
+        with self._lock:
+            if self._window is None:
+                self._window = {"comm_mark": ops.STATS.total_time_s, "intervals": [], "open": 0, "last": None}
+            self._window["open"] += 1
+            if is_last:
+                self._window["last"] = now
+        return now
+
+    def _finished(self, handed: Optional[float]) -> None:
+        """A bucket's average is written: close the step's window once its last bucket is done."""
+        if handed is None:
+            return
+        now = time.perf_counter()
+        with self._lock:
+            w = self._window
+            if w is None:
+                return
+            w["intervals"].append((handed, now))
+            w["open"] -= 1
+            if w["open"] or w["last"] is None:
+                return
+            self._window = None
+            span, end, last_end = 0.0, float("-inf"), 0.0
+            for a, b in sorted(w["intervals"]):
+                span += max(0.0, b - max(a, end))
+                end = max(end, b)
+            collectives = ops.STATS.total_time_s - w["comm_mark"]
+            self._synced.append((max(0.0, span - collectives), max(0.0, end - w["last"])))
+
+    def take_sync(self) -> Optional[tuple[float, float]]:
+        """The syncing backwards closed since the last call: (seconds the sync took beyond its collectives' own,
+        seconds from the last bucket's hand-off to the last average written), or None when none was timed."""
+        with self._lock:
+            done, self._synced = self._synced, []
+        if not done:
+            return None
+        return sum(d[0] for d in done), sum(d[1] for d in done)
 
     # ---- naming ------------------------------------------------------------------------------
     def name_of(self, p: torch.Tensor) -> str:
@@ -140,7 +191,7 @@ class CompressionHookState:
 
     # ---- worker ------------------------------------------------------------------------------
     def submit(self, tensors: list[torch.Tensor], keys: list[str], flags: list[bool], result: torch.Tensor,
-               is_last: bool) -> "torch.futures.Future[torch.Tensor]":
+               is_last: bool, handed: Optional[float] = None) -> "torch.futures.Future[torch.Tensor]":
         """Queue one bucket; the future completes with ``result`` once it holds the average."""
         # CUDA (comm.streams): the worker runs the bucket on a side stream that waits for this event (the
         # gradients are ready on the backward's stream), and completes a CUDA-aware future there, so the
@@ -151,7 +202,7 @@ class CompressionHookState:
             if self._worker is None or not self._worker.is_alive():
                 self._worker = threading.Thread(target=self._run, name="syncwise-compress", daemon=True)
                 self._worker.start()
-        self._queue.put((tensors, keys, flags, result, is_last, fut, ready))
+        self._queue.put((tensors, keys, flags, result, is_last, fut, ready, handed))
         return fut
 
     def _run(self) -> None:
@@ -164,7 +215,7 @@ class CompressionHookState:
                 continue
             self._process(*job)
 
-    def _process(self, tensors, keys, flags, result, is_last, fut, ready) -> None:
+    def _process(self, tensors, keys, flags, result, is_last, fut, ready, handed=None) -> None:
         """Average one bucket (on the worker, or inline) and complete ``fut``; on CUDA on the side stream."""
         side = streams.side_stream(result.device, "compress") if ready is not None else None
         try:
@@ -177,6 +228,7 @@ class CompressionHookState:
                 self.compute_s += max(0.0, time.perf_counter() - start - (ops.STATS.total_time_s - waited))
                 if is_last:
                     self.steps += 1
+                self._finished(handed)
                 fut.set_result(result)  # on the side stream: a CUDA-aware future records its events here
         except BaseException as exc:  # surface on the training thread instead of hanging it
             if not fut.done():
@@ -187,10 +239,10 @@ class CompressionHookState:
         self.compressor.average(tensors, keys, self.comm_group, flags)
 
     def run_inline(self, tensors: list[torch.Tensor], keys: list[str], flags: list[bool], result: torch.Tensor,
-                   is_last: bool) -> "torch.futures.Future[torch.Tensor]":
+                   is_last: bool, handed: Optional[float] = None) -> "torch.futures.Future[torch.Tensor]":
         """Average one bucket now, on the calling (backward's) thread: :attr:`inline` mode."""
         fut = streams.device_future(result.device)
-        self._process(tensors, keys, flags, result, is_last, fut, streams.ready_event(result.device))
+        self._process(tensors, keys, flags, result, is_last, fut, streams.ready_event(result.device), handed)
         return fut
 
     def wait_idle(self) -> None:
@@ -217,6 +269,7 @@ def _direct_single_collective(state: CompressionHookState, bucket: dist.GradBuck
     cheap as DDP's built-in one.
     """
     comp, group, buffer = state.compressor, state.comm_group, bucket.buffer()
+    handed = state._handed(buffer, bucket.is_last())
     world = dist.get_world_size(group)
     cast = comp.wire_dtype != buffer.dtype
     start = time.perf_counter()
@@ -235,10 +288,13 @@ def _direct_single_collective(state: CompressionHookState, bucket: dist.GradBuck
         # torch runs this callback on a pool stream: `wire` was allocated on the backward's (comm.streams rule 4)
         streams.keep_for_current_stream((wire, buffer))
         if not cast:
-            return buffer.div_(world)
+            buffer.div_(world)
+            state._finished(handed)
+            return buffer
         start = time.perf_counter()
         buffer.copy_(wire)
         state.compute_s += time.perf_counter() - start
+        state._finished(handed)
         return buffer
 
     return work.get_future().then(finish)
@@ -250,6 +306,7 @@ def _direct_gather(state: CompressionHookState, bucket: dist.GradBucket):
     same order on every rank, and skipping the worker thread keeps the encode off the queue. The
     payload's non-finite flag makes every rank skip a bucket that any rank could not send."""
     comp, group, buffer = state.compressor, state.comm_group, bucket.buffer()
+    handed = state._handed(buffer, bucket.is_last())
     world = dist.get_world_size(group)
     grads = bucket.gradients()
     tensors, keys, raw = split_by_policy(grads, [state.name_of(p) for p in bucket.parameters()],
@@ -271,6 +328,7 @@ def _direct_gather(state: CompressionHookState, bucket: dist.GradBucket):
         start = time.perf_counter()
         comp.book(comp.unpack_sum(gathered, packed, tensors, raw, world), buffer.numel(), keys)
         state.compute_s += time.perf_counter() - start
+        state._finished(handed)
         return buffer
 
     return work.get_future().then(finish)
@@ -288,14 +346,15 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
         return _direct_single_collective(state, bucket)
     if state.direct and isinstance(comp, GatherCompressor) and comp.direct:
         return _direct_gather(state, bucket)
+    handed = state._handed(bucket.buffer(), bucket.is_last())
     params = bucket.parameters()
     grads = bucket.gradients()
     keys = [state.name_of(p) for p in params]
     flags = [state.policy.compress(g) for g in grads]
     # the compressor writes the averages into the gradient views, i.e. into the bucket buffer itself
     if state.inline:
-        return state.run_inline(list(grads), keys, flags, bucket.buffer(), bucket.is_last())
-    return state.submit(list(grads), keys, flags, bucket.buffer(), bucket.is_last())
+        return state.run_inline(list(grads), keys, flags, bucket.buffer(), bucket.is_last(), handed)
+    return state.submit(list(grads), keys, flags, bucket.buffer(), bucket.is_last(), handed)
 
 
 def torch_reference_hook(name: str, process_group: Any = None, **powersgd_options: Any) -> tuple[Any, Any]:

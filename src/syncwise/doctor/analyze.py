@@ -38,6 +38,7 @@ from typing import Any, Optional
 from . import arrivals as arrival_log
 from .dimensions import DIMENSIONS, WORDS, by_dimension
 from .rundir import Run
+from ..errors import SyncwiseError
 from ..layout import BUCKET_CAP_MB
 
 PARTS = ("compute", "straggler_wait", "data_wait", "compress", "comm_dp", "comm_ep", "expert_wait", "pp_bubble",
@@ -579,7 +580,7 @@ def _compression_finding(d: Diagnosis, model: "Optional[_Model]", removed) -> Fi
     if best is not None:
         spec, step = best
         finding.flag, finding.predicted_step_s, finding.predicted_by = f"--compress {spec}", step, "cost model"
-        finding.recommendation = f"compress with {spec} instead of {f['compressor']}"
+        finding.recommendation = f"compress with {spec} instead of {f['compressor']}" + model.to_loss_words(spec, step)
     else:
         finding.predicted_step_s, finding.predicted_by = removed(p["compress"])[0], "measured loss removed"
     finding.predicted_efficiency = p["compute"] / finding.predicted_step_s
@@ -656,7 +657,12 @@ def _buckets_too_large(d: Diagnosis, model: "Optional[_Model]", target: float, g
                 f"{'s' if buckets > 1 else ''}: the all-reduce starts only when the backward has ended, so none of "
                 f"its {_ms(wire)} hides behind the ~{_ms(backward)} backward; overlap on this machine: "
                 f"{ov.get('why') or 'unknown'}")
-    finding = Finding("buckets_too_large", "gradient buckets too large", lost, evidence,
+    # the title names what the recommendation acts on: the buckets where smaller ones are predicted to help, else the
+    # exposed all-reduce itself (issue 43 row 4: "buckets too large" then "smaller buckets are predicted slower")
+    title = ("gradient buckets too large" if verdict == "faster" else
+             "gradient all-reduce exposed after the backward (one or two buckets; smaller ones would not hide it here)"
+             if verdict == "slower" else "gradient all-reduce exposed after the backward (one or two buckets)")
+    finding = Finding("buckets_too_large", title, lost, evidence,
                       details={"buckets": buckets, "overlap_credit": ov.get("credit"), "verdict": verdict,
                                "smaller_buckets_range_s": list(span) if span else None})
     if verdict == "faster":
@@ -673,7 +679,8 @@ def _buckets_too_large(d: Diagnosis, model: "Optional[_Model]", target: float, g
         best = model.best_compressor(exclude=f["compressor"]) if model is not None else None
         if best is not None:
             spec, step = best
-            finding.recommendation = f"{why}; fewer bytes shorten the exposed all-reduce: --compress {spec}"
+            finding.recommendation = (f"{why}; fewer bytes shorten the exposed all-reduce: --compress {spec}"
+                                      + model.to_loss_words(spec, step))
             finding.flag, finding.predicted_step_s, finding.predicted_by = f"--compress {spec}", step, "cost model"
         else:
             finding.recommendation = why + "; no change is predicted to help"
@@ -728,8 +735,12 @@ def _link_finding(d: Diagnosis, model: "Optional[_Model]", link_lost: float) -> 
     if best is not None:
         spec, step = best
         finding.flag, finding.predicted_step_s, finding.predicted_by = f"--compress {spec}", step, "cost model"
-        finding.recommendation = f"compress the gradients: --compress {spec}"
+        finding.recommendation = f"compress the gradients: --compress {spec}" + model.to_loss_words(spec, step)
     else:
+        if model is not None and model.measured is not None and top == "dp":
+            finding.recommendation = (f"no compressor is predicted ≥ 3 % sooner to fp32 DDP's loss than "
+                                      f"{f['compressor']} here (--compress auto's terms: step × steps needed); "
+                                      "a faster or less shared link")
         finding.predicted_step_s, finding.predicted_by = max(1e-9, wall - link_lost), "measured loss removed"
     finding.predicted_efficiency = p["compute"] / finding.predicted_step_s
     return finding
@@ -843,19 +854,69 @@ class _Model:
         return max(ws, key=lambda w: w.step_after_s) if ws else None
 
     def best_compressor(self, exclude: str, also: tuple[str, ...] = ()) -> Optional[tuple[str, float]]:
-        """The compressor predicted fastest, when it is predicted at least 3 % faster than the run (the rule
-        ``--compress auto`` keeps fp32 DDP by, ``plan.strategy.MIN_GAIN``: closer is inside the model's error; a
-        2 % predicted gain from bf16 on loopback measured 5 % slower, benchmarks/RESULTS.md §11)."""
+        """The compressor predicted soonest to fp32 DDP's loss — ``--compress auto``'s terms (``plan.strategy``):
+        the predicted step × the steps it needs (the convergence table's measured ratio to fp32 DDP's steps), so a
+        faster step that needs 1.6× the steps (PowerSGD on the table's run) loses to one that needs 1.0× (issue 43
+        row 4). Candidates: ``also`` and the table's compressors that reached the loss; recommended only when at
+        least 3 % sooner than the run's own compressor by the same terms (``plan.strategy.MIN_GAIN``: closer is
+        inside the model's error). ``(spec, predicted step)``; its steps ratio: :meth:`steps_ratio`."""
         from ..plan.strategy import MIN_GAIN
 
+        ratio = self.steps_ratio
+        current = ratio(exclude)
+        current = 1.0 if current is None else current  # not in the table: priced as fp32's (said in the text)
         best = None
-        for spec in (*also, *COMPRESSORS):
-            if spec.split(":")[0] == exclude.split(":")[0]:
+        for spec in (*also, *self._table_compressors()):
+            if spec.split(":")[0] == exclude.split(":")[0] or ratio(spec) is None:
                 continue
             step = self.whatif(compress=spec)
-            if step is not None and (best is None or step < best[1]):
+            if step is not None and (best is None or step * ratio(spec) < best[1] * ratio(best[0])):
                 best = (spec, step)
-        return best if best is not None and best[1] <= MIN_GAIN * self.d.wall_s else None
+        if best is None or best[1] * ratio(best[0]) > MIN_GAIN * self.d.wall_s * current:
+            return None
+        return best
+
+    def _table(self):
+        if not hasattr(self, "_convergence"):
+            from ..plan.strategy import load_table
+            try:
+                self._convergence = load_table()
+            except SyncwiseError:
+                self._convergence = None
+        return self._convergence
+
+    def _table_compressors(self) -> tuple[str, ...]:
+        """The convergence table's compressors syncwise's hook runs (not its sync strategies, nor torch's hooks)."""
+        from ..layout import METHODS
+        from ..plan.cost import CODEC_COST
+
+        table = self._table()
+        if table is None:
+            return COMPRESSORS
+        return tuple(spec for spec in table.costs if spec.partition(":")[0] not in METHODS
+                     and spec.partition(":")[0] in CODEC_COST and not spec.startswith(("torch-", "torchft-")))
+
+    def steps_ratio(self, spec: str) -> Optional[float]:
+        """Steps to fp32 DDP's loss relative to fp32 DDP's (the convergence table; ``none``: 1); None when the
+        table did not reach the loss with it or does not list it (a spec with other options: its name's entry)."""
+        if spec.split(":")[0] == "none":
+            return 1.0
+        table = self._table()
+        if table is None:
+            return 1.0 if spec in COMPRESSORS else None
+        cost = table.costs.get(spec) or next((c for k, c in table.costs.items()
+                                              if k.split(":")[0] == spec.split(":")[0]), None)
+        return cost.steps_ratio if cost is not None and cost.reached else None
+
+    def to_loss_words(self, spec: str, step: float) -> str:
+        """'(predicted 0.80× the run's time to fp32 DDP's loss: 412 ms per step × 1.00× the steps; convergence
+        table: tiny preset)' — the terms the recommendation was chosen by."""
+        mine = self.steps_ratio(self.d.facts["compressor"]) or 1.0
+        r = self.steps_ratio(spec) or 1.0
+        table = self._table()
+        where = f"; convergence: {table.reference}" if table is not None else ""
+        return (f" (predicted {step * r / (self.d.wall_s * mine):.2f}× the run's time to fp32 DDP's loss: "
+                f"{_ms(step)} per step × {r:.2f}× the steps{where}; the rule of --compress auto)")
 
 
 def _measured(d: Diagnosis):

@@ -212,6 +212,7 @@ class MetricsLogger:
             if shown is not None:
                 table.add_row(k, shown)
         self.console.print(table)
+        self.console.print(SUMMARY_LEGEND, highlight=False, markup=False)
         if self.path is not None:
             self.console.print(f"metrics: {self.path}")
 
@@ -237,9 +238,10 @@ def _quiet_writer_thread() -> None:
 
 
 def comm_line(row: dict[str, Any]) -> str:
-    """The progress line's communication: exposed ms of the step (every dimension's), then per parallel dimension
-    its exposed ms of its total ms and its bytes — ``comm 12 ms (tp 9/9 ms 41 MB · dp 3/20 ms 20 MB)``; a time that
-    is not measured (an exposed share on a GPU, DDP's built-in all-reduce's total) shows as ``?``."""
+    """The progress line's communication, in words that explain themselves (issue 43): the step's exposed ms (every
+    dimension's), then per parallel dimension its exposed ms of its total ms and the bytes this rank sent —
+    ``comm 12 ms exposed (tp 9 of 9 ms, 41 MB sent · dp 3 of 20 ms, 20 MB sent)``; a time that is not measured
+    (an exposed share on a GPU, DDP's built-in all-reduce's total) shows as ``–``."""
     from .units import human_bytes
 
     parts = []
@@ -248,13 +250,28 @@ def comm_line(row: dict[str, Any]) -> str:
         if not sent and not took:  # absent, or a dimension of one rank (nothing sent)
             continue
         exposed = row.get(f"comm_exposed_s_{dim}")
-        shown = "?" if exposed is None else f"{exposed * 1e3:.0f}"
-        parts.append(f"{dim} {shown}/{'?' if took is None else f'{took * 1e3:.0f}'} ms" + (f" {human_bytes(sent)}" if sent is not None
-                                                                        else ""))
+        shown = "–" if exposed is None else f"{exposed * 1e3:.0f}"
+        total = "–" if took is None else f"{took * 1e3:.0f}"
+        parts.append(f"{dim} {shown} of {total} ms" + (f", {human_bytes(sent)} sent" if sent is not None else ""))
     measured = [row.get(f"comm_exposed_s_{d}") for d in ("dp", "fsdp", "tp", "pp", "ep")]
     total = sum(e for e in measured if e is not None) if parts else row["comm_exposed_s"]
-    text = f"comm {total * 1e3:.0f} ms"
+    text = f"comm {total * 1e3:.0f} ms exposed"
     return text + (f" ({' · '.join(parts)})" if parts else "")
+
+
+#: the summary table's legend (issue 43): each figure's unit and scope, named once; docs/usage.md repeats it
+SUMMARY_LEGEND = (
+    "per rank = rank 0's own figure; per job = every rank's together. Rates and means are over the steady steps "
+    "(the first tenth and a compressor's warm-up left out: metrics.figures).\n"
+    "  tokens_per_s: the job's tokens per second (Σ tokens / Σ step time); mean_step_time_s: per step; "
+    "train_time_s: the sum of the step times; wall_time_s: this invocation's wall clock (start-up, validation and "
+    "checkpoints included).\n"
+    "  *_share: of the mean step (per rank); comm_bytes_per_step[_<dim>]: bytes rank 0 sent per step; "
+    "job_comm_bytes_per_step[_<dim>]: bytes every rank sent per step, summed (per job); comm_s_per_step_<dim>: "
+    "seconds rank 0's collectives of that dimension took per step (dp: the whole gradient sync, codec included); "
+    "peak_mem_mb: rank 0's peak memory.\n"
+    "  progress line: `comm 12 ms exposed (dp 3 of 20 ms, 20 MB sent)` = the step waited 12 ms on the network; "
+    "of dp's 20 ms, 3 were exposed; rank 0 sent 20 MB; – = not measured.")
 
 
 def summary_value(key: str, v: Any) -> Optional[str]:

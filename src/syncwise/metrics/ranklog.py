@@ -62,6 +62,9 @@ class StepProbe:
         if self.state is not None:
             total = self._compress_total()
             out["compress_s"], self._compress_mark = total - self._compress_mark, total
+            synced = self.state.take_sync() if hasattr(self.state, "take_sync") else None
+            if synced is not None:  # the hook's own clock of the gradient sync; the step meter takes it out
+                out["grad_sync"] = synced
         if self.ep_stats is not None:
             total = self.ep_stats.total_time_s
             out["ep_comm_s"], self._ep_mark = total - self._ep_mark, total

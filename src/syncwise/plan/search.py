@@ -186,3 +186,19 @@ def explain(best: Prediction, runner_up: Optional[Prediction]) -> str:
 def _s(seconds: float) -> str:
     return f"{seconds:.3g} s" if seconds >= 0.1 else f"{seconds * 1e3:.3g} ms"
 
+
+def human_time(seconds: float) -> str:
+    """A predicted time as people read it, four significant digits and never an exponent (issue 43 row 9):
+    '912.4 ms', '6.818 s', '10,320 s'."""
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.3g} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.4g} ms"
+    return f"{seconds:.4g} s" if seconds < 1000 else f"{seconds:,.0f} s"
+
+
+def wrap_layout(text: str) -> str:
+    """A layout for a table cell: a space after each comma, so a narrow column wraps between its keys, never inside
+    one (``parse_layout`` reads it back with the spaces)."""
+    return ", ".join(part.strip() for part in text.split(","))
+

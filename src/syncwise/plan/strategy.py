@@ -36,6 +36,7 @@ from .cloud import CloudConfig
 from .cost import CODEC_COST, predict
 from .layout import SYNCWISE, Layout, Training
 from .model import ModelSpec
+from .search import human_time
 
 TABLE_PATH = Path(__file__).with_name("convergence.json")
 #: peers that run outside syncwise (their rows are measured, but syncwise cannot run them as a strategy)
@@ -204,8 +205,25 @@ def rank(cloud: CloudConfig, model: ModelSpec, lay: owner.Layout, global_batch: 
         t = step(c, s)
         ratio = (t * cost.steps_ratio / t_none) if cost.reached else None
         out.append(Ranked(name, c, s, t, cost.steps_ratio, ratio, cost.cap_ratio, why))
-    out.sort(key=lambda r: (bool(r.why_not), r.time_ratio if r.time_ratio is not None else float("inf")))
+    # ties broken by a stated rule (issue 43 row 9): the exact predicted time to the loss, then the shorter step,
+    # then the name; `render` marks rows that tie at the precision it shows
+    out.sort(key=lambda r: (bool(r.why_not), r.time_ratio if r.time_ratio is not None else float("inf"),
+                            r.step_time_s, r.spec))
     return out
+
+
+def priced_fit(cloud: CloudConfig, model: ModelSpec, lay: owner.Layout, global_batch: int,
+               seq_len: Optional[int] = None, training: Training = SYNCWISE, micro_batch: int = 0,
+               microbatches: int = 0) -> str:
+    """'' when the layout the strategies are priced on fits in memory; else what does not fit, e.g. 'the priced
+    layout dp=32 does not fit: 727 GiB > 77 GiB usable per GPU' (its step times are then not reachable)."""
+    planned = Layout.of_owner(dataclasses.replace(lay, compress=owner.NO_COMPRESS, sync=None).resolve(
+        cloud.world_size), micro_batch=micro_batch, microbatches=microbatches)
+    pred = predict(cloud, model, planned, global_batch, seq_len, training=training, syncwise_rules=False)
+    if pred.fits:
+        return ""
+    return (f"the priced layout {planned.describe()} does not fit: {pred.memory_gb_per_gpu:,.0f} GiB > "
+            f"{pred.memory_limit_gb:,.0f} GiB usable per GPU; its step times below are not reachable as they are")
 
 
 def link_words(cloud: CloudConfig) -> str:
@@ -283,19 +301,37 @@ def resolve_auto(lay: owner.Layout, cloud: CloudConfig, model: ModelSpec, global
     return dataclasses.replace(lay, compress=best.compress, sync=best.sync), explain(ranked, cloud, table), ranked
 
 
+def places(ranked: Sequence[Ranked]) -> list[str]:
+    """The '#' column: 1, 2, ... for candidates, with '=' on every row of a tie (the same time to fp32's loss at
+    the two decimals shown: '1=', '1=', '3'), '-' for the others."""
+    out, shown = [], [f"{r.time_ratio:.2f}" if not r.why_not and r.time_ratio else None for r in ranked]
+    for i, r in enumerate(ranked):
+        if shown[i] is None:
+            out.append("-")
+            continue
+        first = i
+        while first > 0 and shown[first - 1] == shown[i]:
+            first -= 1
+        tied = shown.count(shown[i]) > 1
+        out.append(f"{first + 1}=" if tied else str(i + 1))
+    return out
+
+
 def render(ranked: Sequence[Ranked], cloud: CloudConfig, table: ConvergenceTable, title: str) -> None:
     """``syncwise plan --strategy``'s table."""
     from rich.console import Console
     from rich.table import Table
 
     t = Table(title=title, title_justify="left", caption=f"steps: measured by benchmarks/time_to_loss.py "
-              f"({table.source}); step time: the planner's cost model on {link_words(cloud)}")
-    for col in ("#", "strategy", "step ms (predicted)", "steps to fp32's loss (measured)", "time to fp32's loss",
+              f"({table.source}); step time: the planner's cost model on {link_words(cloud)}; "
+              "'=': a tie at the precision shown (time to fp32's loss), ordered by the exact prediction, then the "
+              "shorter step")
+    for col in ("#", "strategy", "step (predicted)", "steps to fp32's loss (measured)", "time to fp32's loss",
                 "sooner than none", "not a candidate"):
         t.add_column(col, justify="left" if col in ("strategy", "not a candidate") else "right", overflow="fold")
-    for i, r in enumerate(ranked, 1):
+    for r, place in zip(ranked, places(ranked)):
         steps = f"{r.steps_ratio:.2f}×" if r.steps_ratio else f"> {r.cap_ratio:.1f}×"
-        t.add_row(str(i) if not r.why_not else "-", r.spec, f"{r.step_time_s * 1e3:.4g}", steps,
+        t.add_row(place, r.spec, human_time(r.step_time_s), steps,
                   f"{r.time_ratio:.2f}×" if r.time_ratio else "-", f"{r.sooner:.2f}×" if r.sooner else "-",
                   r.why_not)
     Console(file=sys.stdout, width=160).print(t)

@@ -116,8 +116,14 @@ class PendingStep:
                     self.parallel_metrics[k[3:]] = v
             times = self.comm_times()
             dp_time, dp_exposed = times.get("dp", (0.0, None))
+            # the compression hook's clock (host buckets): what its sync took beyond its collectives (codec, queue)
+            # joins the dp total, and its exposed part replaces the bucket timer's, so exposed <= total (issue 43)
+            synced = self.parallel_metrics.pop("grad_sync", None)
             if not times.pop("dp_unmeasured", False):
-                times["dp"] = (dp_time, self.comm_waited_s + self.exposed_comm() + (dp_exposed or 0.0))
+                exposed = self.exposed_comm() if synced is None else synced[1]
+                if synced is not None and dp_time is not None:
+                    dp_time += synced[0]
+                times["dp"] = (dp_time, self.comm_waited_s + exposed + (dp_exposed or 0.0))
             comm = sum(times[d][1] or 0.0 for d in ("dp", "fsdp", "tp") if d in times)
             dims = [d for d in self.comm_bytes if d in times or self.comm_bytes[d] is not None]
             self._settled = StepResult(

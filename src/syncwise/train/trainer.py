@@ -45,6 +45,7 @@ from ..models import lm_loss
 from ..specs import count
 from ..metrics import MetricsLogger, detect_peak, mfu, peak_memory_mb, read_jsonl
 from ..metrics.ranklog import RankLog, plain
+from ..metrics import figures
 from ..parallel import ParallelSpec, TorchHookSpec, describe_layout, parallelize, rebind_optimizer
 from . import arguments, batches as batch_shapes, options
 from .dynamic_batch import DynamicBatcher, _rows, _slice
@@ -835,21 +836,20 @@ class OptimizedTrainer:
         # The first steps include one-off costs (allocator warm-up, DDP bucket rebuild): leave them out of rates.
         # So are the compressor's / sync strategy's warm-up steps (PowerSGD's start_iter: full gradients): their
         # figures are reported apart, and a run that never left its warm-up says so.
+        # the steady steps, tokens/s and train time by the one rule `syncwise report` uses too (metrics.figures)
         first_step = self.step - len(history) + 1
         warm = warmup_steps(self.compressor, self.sync)
-        cut = min(len(history) - 1, max(1, len(history) // 10)) if history else 0
-        steady = [r for i, r in enumerate(history[cut:], first_step + cut) if i > warm]
-        in_warmup = [r for i, r in enumerate(history, first_step) if i <= warm]
-        never_left = bool(warm) and bool(history) and not steady
-        if never_left:
-            steady = history[cut:]
+        kept, warm_idx, never_left = figures.steady_steps(len(history), first_step, warm)
+        steady, in_warmup = [history[i] for i in kept], [history[i] for i in warm_idx]
         n = max(len(steady), 1)
         step_time = sum(r.step_time_s for r in steady) / n
         parts = {k: sum(getattr(r, k) for r in steady) / n for k in ("compute_s", "comm_exposed_s", "data_wait_s")}
         return {
             "steps": self.step, "world_size": self.world_size,
             "final_loss": history[-1].loss if history else None, "final_val_loss": val_loss,
-            "mean_step_time_s": step_time, "tokens_per_s": (sum(r.tokens for r in steady) / n) / max(step_time, 1e-9),
+            "mean_step_time_s": step_time,
+            "tokens_per_s": figures.tokens_per_s([r.tokens for r in steady], [r.step_time_s for r in steady]),
+            "train_time_s": figures.train_time_s([r.step_time_s for r in history]),
             "compute_share": parts["compute_s"] / max(step_time, 1e-9),
             "comm_exposed_share": parts["comm_exposed_s"] / max(step_time, 1e-9),
             "data_wait_share": parts["data_wait_s"] / max(step_time, 1e-9),
