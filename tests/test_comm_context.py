@@ -5,13 +5,12 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_workers
-from syncwise.comm import STATS, CommContext, Topology
+from syncwise.comm import CommContext, Topology
 from syncwise.errors import ConfigError, SyncwiseError
 from syncwise.launch import run_local
 
 
 def _context_ops(rank, world):
-    STATS.reset()
     out = {}
     ctx = CommContext("gloo")
     out["ids"] = (ctx.get_rank(), ctx.get_world_size(), ctx.local_rank, ctx.local_world_size, ctx.node_rank,
@@ -31,7 +30,7 @@ def _context_ops(rank, world):
             out.setdefault("errors", []).append(None)
         except SyncwiseError as e:
             out.setdefault("errors", []).append(type(e).__name__)
-    out["bytes"] = STATS.snapshot()["all_reduce"]
+    out["bytes"] = ctx.stats.snapshot()["all_reduce"]  # the context's own counter
     ctx.barrier()
     with CommContext() as ctx2:  # a second context reuses the existing group
         out["ctx2_backend"] = ctx2.backend

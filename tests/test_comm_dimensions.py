@@ -88,10 +88,10 @@ def test_summary_bytes_per_dimension_equal_the_ranks_recorded_collectives(run):
 
 
 def test_bytes_match_the_collective_totals_each_rank_kept(run):
-    """Independent of the meter's marks: the run's per-op totals (syncwise.comm.STATS, the expert all-to-alls'
-    counter) over all steps equal the sum of the rows' dp / ep bytes where those counters are their only source."""
+    """Independent of the meter's marks: the run's per-op totals (its ledger's dp and ep counters, in the rank's
+    totals) over all steps equal the sum of the rows' dp / ep bytes where those counters are their only source."""
     if run["name"] not in ("ddp", "ep", "pp_x_ep"):
-        pytest.skip("dp / ep bytes are the process-wide counters' only in DDP and expert-parallel layouts")
+        pytest.skip("dp / ep bytes are the ledger's counters' only in DDP and expert-parallel layouts")
     for rank, rows in run["ranks"].items():
         totals = run["totals"][rank]
         ep_total = sum(op["bytes"] for op in (totals.get("ep") or {}).values())

@@ -1,19 +1,20 @@
 import torch
 
 from distributed import run_workers
-from syncwise.comm import STATS, all_gather, all_reduce, reduce_scatter
+from syncwise.comm import CommStats, all_gather, all_reduce, reduce_scatter
 
 
 def _ops(rank, world):
-    STATS.reset()
+    stats = CommStats()
     t = torch.full((5,), float(rank + 1))
-    all_reduce(t, "sum")
+    all_reduce(t, "sum", stats=stats)
+    all_reduce(torch.ones(7), "sum")  # no stats given: counted nowhere
     out = torch.empty(world * 3)
-    all_gather(out, torch.full((3,), float(rank)))
+    all_gather(out, torch.full((3,), float(rank)), stats=stats)
     rs = torch.empty(2)
-    work = reduce_scatter(rs, torch.arange(2 * world, dtype=torch.float32), "sum", async_op=True)
+    work = reduce_scatter(rs, torch.arange(2 * world, dtype=torch.float32), "sum", async_op=True, stats=stats)
     work.wait()
-    return t.tolist(), out.tolist(), rs.tolist(), STATS.snapshot()
+    return t.tolist(), out.tolist(), rs.tolist(), stats.snapshot()
 
 
 def test_instrumented_collectives_are_correct_and_count_payload_bytes():

@@ -6,7 +6,6 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_workers
-from syncwise.comm import STATS
 from syncwise.compress import (COMPRESSORS, GradientCompressor, Int8Compressor, PowerSGDCompressor,
                                TopKCompressor, describe_compressors, parse_compress_spec)
 from syncwise.errors import ConfigError
@@ -24,9 +23,9 @@ def _run(comp, rank, step, flags=None):
     """One averaging step over SHAPES; returns (inputs, outputs, bytes this rank sent)."""
     inp = _grads(rank, step)
     ts = [v.clone() for v in inp.values()]
-    before = STATS.total_bytes
+    before = comp.stats.total_bytes  # each compressor counts its own collectives
     comp.average(ts, list(inp), None, flags)
-    return inp, dict(zip(inp, ts)), STATS.total_bytes - before
+    return inp, dict(zip(inp, ts)), comp.stats.total_bytes - before
 
 
 def _exact_avg(inp):
@@ -70,11 +69,11 @@ def _checks(rank, world):
 
     # PowerSGD: per rank, output + new residual == gradient + old residual; batched shapes; 2 all-reduces
     comp = PowerSGDCompressor(rank=2, start_iter=1, min_compression_rate=1.0)
-    c0 = STATS.snapshot().get("all_reduce", {}).get("calls", 0)
+    c0 = comp.stats.snapshot().get("all_reduce", {}).get("calls", 0)
     _run(comp, rank, 0)  # warm-up step: uncompressed
-    c1 = STATS.snapshot()["all_reduce"]["calls"]
+    c1 = comp.stats.snapshot()["all_reduce"]["calls"]
     _run(comp, rank, 1)  # first compressed step: leaves a residual
-    c2 = STATS.snapshot()["all_reduce"]["calls"]
+    c2 = comp.stats.snapshot()["all_reduce"]["calls"]
     old = _residuals(comp, keys)
     inp, out, nbytes = _run(comp, rank, 2)
     new = _residuals(comp, keys)

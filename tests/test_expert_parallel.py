@@ -48,7 +48,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # --------------------------------------------------------------------------------- the layer, one launch
 def _layer_run(rank: int, world: int) -> dict:
     import torch.distributed as dist
-    from syncwise.parallel.expert_parallel import EP_STATS, apply_expert_parallel
+    from syncwise.comm import CommStats
+    from syncwise.parallel.expert_parallel import apply_expert_parallel
 
     torch.manual_seed(0)                                    # the same weights on every rank
     base = MoE(ModelConfig(**MODEL)).train()
@@ -67,16 +68,17 @@ def _layer_run(rank: int, world: int) -> dict:
             ref, epm = copy.deepcopy(base), copy.deepcopy(base)
             ref.expert_bias.copy_(bias)
             epm.expert_bias.copy_(bias)
-            apply_expert_parallel(epm, dist.group.WORLD, dispatch)   # bytes into EP_STATS
+            stats = CommStats()
+            apply_expert_parallel(epm, dist.group.WORLD, dispatch, stats=stats)   # bytes into stats
             xr, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
             yr = ref(xr)
             (yr * gout).sum().backward()
-            EP_STATS.reset()
+            stats.reset()
             ye = epm(xe)
-            fwd = EP_STATS.snapshot()["all_to_all"]
-            EP_STATS.reset()
+            fwd = stats.snapshot()["all_to_all"]
+            stats.reset()
             (ye * gout).sum().backward()
-            bwd = EP_STATS.snapshot()["all_to_all"]
+            bwd = stats.snapshot()["all_to_all"]
             # Routing and load statistics are the MoE's own code, on this rank's tokens: identical.
             assert torch.equal(epm.tokens_per_expert, ref.tokens_per_expert)
             total = ref.tokens_per_expert.clone()

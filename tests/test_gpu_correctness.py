@@ -134,7 +134,8 @@ def _tp_clip(rank, world, norm_type):
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from syncwise.parallel.tensor_parallel import NORM_STATS, apply_tensor_parallel, clip_grad_norm
+    from syncwise.comm import CommStats
+    from syncwise.parallel.tensor_parallel import apply_tensor_parallel, clip_grad_norm
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8), nn.Linear(8, 24), nn.LayerNorm(24))
@@ -143,9 +144,9 @@ def _tp_clip(rank, world, norm_type):
     model(torch.randn(4, 8, generator=torch.Generator().manual_seed(1))).pow(2).sum().backward()
     full = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()]
     want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in full]), norm_type)
-    NORM_STATS.reset()
-    got = clip_grad_norm(model.parameters(), 1e9, norm_type=norm_type)
-    return float(got), float(want), NORM_STATS.total_calls
+    stats = CommStats()
+    got = clip_grad_norm(model.parameters(), 1e9, norm_type=norm_type, stats=stats)
+    return float(got), float(want), stats.total_calls
 
 
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")])
@@ -214,7 +215,6 @@ def test_async_saves_reuse_one_stager_and_publish_each_saves_values(tmp_path):
 
 def _pipeline_p2p(rank, world):
     from syncwise.models import build_model
-    from syncwise.parallel import pipeline
     from syncwise.parallel.pipeline import AsyncPipeline, build_stage_modules, stage_ids_for_rank
 
     torch.manual_seed(0)
@@ -223,9 +223,8 @@ def _pipeline_p2p(rank, world):
     pipe = AsyncPipeline(build_stage_modules(model, world, ids), microbatches=2, overlap_communication=False,
                          schedule="1f1b")
     x = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1))
-    pipeline._P2P_STATS.reset()
     loss = pipe.step(x, x)
-    batched = pipeline._P2P_STATS.by_op["send"].bytes
+    batched = pipe.p2p_stats.by_op["send"].bytes
     return batched, pipe.last_p2p_bytes, float(loss)
 
 

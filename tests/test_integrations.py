@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distributed import run_workers
-from syncwise.comm import STATS
+from syncwise.integrations import bytes_on_wire
 
 SPEC = "powersgd:rank=2,start_iter=1"  # compressed (warm start + error feedback) from the first step
 MIN_NUMEL = 256
@@ -67,7 +67,7 @@ def _ddp_run(rank, spec, steps, start=0, ckpt=None, save_at=None):
         opt.load_state_dict(saved["opt"])
         comp.load_state_dict(saved["compress"])
         loaded = saved["compress"]
-    losses, before, saved_path = [], STATS.total_bytes, None
+    losses, before, saved_path = [], bytes_on_wire(comp), None
     for step in range(start, steps):
         x, y = _batch(step, rank)
         loss = nn.functional.mse_loss(model(x), y)
@@ -79,7 +79,7 @@ def _ddp_run(rank, spec, steps, start=0, ckpt=None, save_at=None):
             saved_path = f"{save_at}.rank{rank}.pt"
             torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(),
                         "compress": comp.state_dict()}, os.path.join(os.environ["SW_TMP"], saved_path))
-    sent = STATS.total_bytes - before
+    sent = bytes_on_wire(comp) - before
     state = comp.state_dict()
     return {"losses": losses, "params": _flat(model), "bytes_per_step": sent / (steps - start),
             "fp32": _fp32_bytes(model), "state": state, "restored": loaded is not None and loaded["steps"] > 0}
@@ -177,11 +177,11 @@ def _lightning_worker(rank, world, tmp):
             return nn.functional.mse_loss(self.net(x), y)
 
         def on_train_batch_start(self, batch, i):
-            self.bytes.append(STATS.total_bytes)
+            self.bytes.append(bytes_on_wire(self.cb))
 
         def on_train_batch_end(self, outputs, batch, i):
             self.losses.append(outputs["loss"].item())
-            self.bytes[-1] = STATS.total_bytes - self.bytes[-1]
+            self.bytes[-1] = bytes_on_wire(self.cb) - self.bytes[-1]
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.05)
@@ -194,6 +194,7 @@ def _lightning_worker(rank, world, tmp):
     def fit(spec, steps, ckpt=None, save=None):
         torch.manual_seed(0)
         module, cb = Module(), SyncwiseCallback(spec, min_numel=MIN_NUMEL)
+        module.cb = cb  # (a plain attribute: the callback is not a submodule)
         trainer = L.Trainer(accelerator="cpu", devices=world, strategy=DDPStrategy(process_group_backend="gloo"),
                             max_steps=steps, callbacks=[cb], logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp)
@@ -342,12 +343,12 @@ def _accelerate_worker(rank, world, tmp):
         losses, per_step = [], []
         for step in range(start, steps):
             x, y = _batch(step, rank)
-            before = STATS.total_bytes
+            before = bytes_on_wire(comp)
             loss = nn.functional.mse_loss(model(x), y)
             opt.zero_grad()
             acc.backward(loss)
             opt.step()
-            per_step.append(STATS.total_bytes - before)
+            per_step.append(bytes_on_wire(comp) - before)
             losses.append(loss.item())
             if save_at == step + 1:
                 acc.save_state(os.path.join(tmp, "acc"))
@@ -401,11 +402,11 @@ def _hf_worker(rank, world, tmp):
                                  ddp_find_unused_parameters=False)
         trainer = Trainer(model=model, args=args, train_dataset=data)
         cb = attach(trainer, SPEC, min_numel=MIN_NUMEL)
-        before = STATS.total_bytes
+        before = bytes_on_wire(cb)
         trainer.train(resume_from_checkpoint=resume)
         # a resumed run's log_history starts with the checkpoint's: keep the steps this run took
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h and h["step"] > (3 if resume else 0)]
-        return {"losses": losses, "bytes_per_step": (STATS.total_bytes - before) / max(1, len(losses)),
+        return {"losses": losses, "bytes_per_step": (bytes_on_wire(cb) - before) / max(1, len(losses)),
                 "fp32": _fp32_bytes(model), "params": _flat(model), "state": cb.compressor.state_dict(),
                 "registered": cb.registered}
 

@@ -3,7 +3,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distributed import run_workers
-from syncwise.comm import STATS, CommContext, Topology, TopoAwareCollective, all_reduce, topo_allreduce_hook
+from syncwise.comm import CommContext, Topology, TopoAwareCollective, all_reduce, topo_allreduce_hook
 from syncwise.errors import ConfigError
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32]
@@ -57,12 +57,12 @@ def _hier_vs_flat(rank, world):
     out["piped"] = piped
 
     # Bytes: 1001 float32 -> padded to 1002 for 2 shards of 501 (reduce-scatter input, then shard sizes).
-    STATS.reset()
+    ctx.stats.reset()
     hier.all_reduce(torch.ones(1001))
-    out["bytes"] = {k: (v["calls"], v["bytes"]) for k, v in STATS.snapshot().items()}
-    STATS.reset()
+    out["bytes"] = {k: (v["calls"], v["bytes"]) for k, v in ctx.stats.snapshot().items()}
+    ctx.stats.reset()
     hier_ar.all_reduce(torch.ones(1001))
-    out["bytes_ar"] = {k: (v["calls"], v["bytes"]) for k, v in STATS.snapshot().items()}
+    out["bytes_ar"] = {k: (v["calls"], v["bytes"]) for k, v in ctx.stats.snapshot().items()}
 
     # Automatic choice: small -> flat; large -> hierarchical without a model; identical on all ranks.
     auto = TopoAwareCollective(ctx, threshold_bytes=4096)
@@ -174,9 +174,9 @@ def _list_all_reduce(rank, world):
             refs = [t.clone() for t in grads]
             for r in refs:
                 all_reduce(r, op)
-            STATS.reset()
+            ctx.stats.reset()
             returned = coll.all_reduce(grads, op=op, bucket_bytes=80)
-            snap = STATS.snapshot()
+            snap = ctx.stats.snapshot()
             out[(algorithm, op)] = {
                 "same_object": returned is grads, "shapes": [tuple(t.shape) for t in grads],
                 "max_diff": max((t - r).abs().max().item() for t, r in zip(grads, refs)),

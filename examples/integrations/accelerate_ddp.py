@@ -34,5 +34,5 @@ for step in range(a.steps):
     acc.backward(loss)
     opt.step()
     if step % 5 == 0:
-        acc.print(f"step {step} loss {loss.item():.4f} sent {bytes_on_wire() / 1e6:.2f} MB")
+        acc.print(f"step {step} loss {loss.item():.4f} sent {bytes_on_wire(comp) / 1e6:.2f} MB")
 acc.save_state(a.dir)

@@ -38,7 +38,7 @@ for step in range(start, start + a.steps):
     loss = nn.functional.mse_loss(model(x), x.flip(1))
     opt.zero_grad(), loss.backward(), opt.step()
     if rank == 0 and step % 5 == 0:
-        print(f"step {step} loss {loss.item():.4f} sent {bytes_on_wire() / 1e6:.2f} MB")
+        print(f"step {step} loss {loss.item():.4f} sent {bytes_on_wire(comp) / 1e6:.2f} MB")
 os.makedirs(a.ckpt, exist_ok=True)
 torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "compress": comp.state_dict(),
             "step": start + a.steps}, path)

@@ -20,7 +20,7 @@ from syncwise import devices
 from syncwise.errors import ConfigError, SyncwiseError
 
 from . import ops
-from .stats import STATS, CommStats
+from .stats import CommStats
 
 BACKENDS = devices.BACKENDS
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
@@ -105,14 +105,16 @@ class CommContext:
     ``device`` ('auto', 'cpu', 'cuda') and ``backend`` follow ``syncwise.devices``: local rank r computes on
     ``cuda:(r mod GPUs)``; 'auto' picks NCCL only when every local worker has a GPU of its own (ranks sharing
     a GPU use gloo, which NCCL refuses). ``.device`` is this rank's device (set as the current CUDA device).
+
+    ``stats``: where its collectives are counted (``.stats``; default: a :class:`CommStats` of its own).
     """
 
     def __init__(self, backend: str = "auto", timeout_s: float = 300.0, topology: Optional[Topology] = None,
-                 stats: CommStats = STATS, device: str = "auto") -> None:
+                 stats: Optional[CommStats] = None, device: str = "auto") -> None:
         if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
             raise ConfigError("timeout_s", timeout_s, "a positive number of seconds")
         self.timeout_s = float(timeout_s)
-        self.stats = stats
+        self.stats = stats if stats is not None else CommStats()  # the context's own counts unless given a run's
         self._owns_default = False
         self._closed = False
         local_rank, local_world = devices.local_env()

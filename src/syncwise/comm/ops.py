@@ -1,7 +1,8 @@
 """The one instrumented layer every syncwise collective goes through.
 
-Thin wrappers over ``torch.distributed``: same semantics, plus a record in ``STATS`` of the op,
-the payload bytes this rank contributes (the input tensor's size) and the duration. Asynchronous
+Thin wrappers over ``torch.distributed``: same semantics, plus a record in the ``stats`` given (a
+:class:`~.stats.CommStats`, usually one kind of a run's :class:`~.stats.CommLedger`; None: counted nowhere) of the
+op, the payload bytes this rank contributes (the input tensor's size) and the duration. Asynchronous
 calls return the usual work handle; their duration is recorded when their future completes.
 
 Durations (issue 24): NCCL collectives return at *enqueue*, so a host clock measures the launch. For CUDA
@@ -32,7 +33,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .stats import STATS, CommStats
+from .stats import CommStats
 from .timing import Interval
 
 ReduceOpName = str
@@ -347,8 +348,28 @@ def _nccl_timed(tensor: Optional[torch.Tensor], group) -> bool:
         return False
 
 
-def _issue(name: str, nbytes: int, fn, async_op: bool, stats: CommStats, group=None,
+class _Uncounted:
+    """Where a collective given no ``stats`` records: nowhere (a sink that keeps nothing, shared by all)."""
+
+    __slots__ = ()
+
+    def record(self, op: str, nbytes: int, seconds: float = 0.0) -> None:
+        pass
+
+    def add_time(self, op: str, seconds: float) -> None:
+        pass
+
+    def add_interval(self, op: str, interval: object) -> None:
+        pass
+
+
+_NOWHERE = _Uncounted()
+
+
+def _issue(name: str, nbytes: int, fn, async_op: bool, stats: Optional[CommStats], group=None,
            tensors: "tuple[torch.Tensor, ...]" = ()):
+    if stats is None:
+        stats = _NOWHERE
     if tensors and strict():
         check_devices(name, list(tensors), group)
     if tensors and _nccl_timed(tensors[0], group):
@@ -444,7 +465,7 @@ class _TimedWork:
 
 
 def all_reduce(tensor: torch.Tensor, op: "ReduceOpName | dist.ReduceOp" = "sum", group=None,
-               async_op: bool = False, stats: CommStats = STATS):
+               async_op: bool = False, stats: Optional[CommStats] = None):
     """In-place all-reduce of ``tensor``."""
     rop = reduce_op(op)
     return _issue("all_reduce", tensor.numel() * tensor.element_size(),
@@ -453,7 +474,7 @@ def all_reduce(tensor: torch.Tensor, op: "ReduceOpName | dist.ReduceOp" = "sum",
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False,
-               stats: CommStats = STATS):
+               stats: Optional[CommStats] = None):
     """Gather equal-size ``input`` from every rank into the flat ``output`` (rank-major)."""
     return _issue("all_gather", input.numel() * input.element_size(),
                   lambda: _all_gather_flat(output, input, group=group, async_op=async_op), async_op, stats, group,
@@ -461,7 +482,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: "ReduceOpName | dist.ReduceOp" = "sum",
-                   group=None, async_op: bool = False, stats: CommStats = STATS):
+                   group=None, async_op: bool = False, stats: Optional[CommStats] = None):
     """Reduce the flat ``input`` across ranks; each rank keeps its contiguous shard in ``output``."""
     rop = reduce_op(op)
     return _issue("reduce_scatter", input.numel() * input.element_size(),
@@ -471,7 +492,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: "ReduceOpName 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Optional[list[int]] = None,
                input_split_sizes: Optional[list[int]] = None, group=None, async_op: bool = False,
-               stats: CommStats = STATS):
+               stats: Optional[CommStats] = None):
     """``all_to_all_single`` with optional uneven splits."""
     return _issue("all_to_all", input.numel() * input.element_size(),
                   lambda: dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
@@ -479,7 +500,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Op
                   (input, output))
 
 
-def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False, stats: CommStats = STATS):
+def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False, stats: Optional[CommStats] = None):
     """Broadcast ``tensor`` from global rank ``src``."""
     return _issue("broadcast", tensor.numel() * tensor.element_size(),
                   lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), async_op, stats, group,
@@ -493,7 +514,7 @@ def all_gather_object(obj: object, group=None) -> list:
     return out
 
 
-def broadcast_from(tensor: torch.Tensor, group_src: int, group=None, stats: CommStats = STATS) -> None:
+def broadcast_from(tensor: torch.Tensor, group_src: int, group=None, stats: Optional[CommStats] = None) -> None:
     """Broadcast ``tensor`` from rank ``group_src`` of ``group`` (a group-local rank)."""
     _issue("broadcast", tensor.numel() * tensor.element_size(),
            lambda: dist.broadcast(tensor, group=group, group_src=group_src), False, stats, group, (tensor,))
@@ -513,7 +534,7 @@ def barrier(group=None) -> None:
         _in_flight.pop(token, None)
 
 
-def batch_isend_irecv(p2p_ops: "list[dist.P2POp]", group=None, stats: CommStats = STATS) -> list:
+def batch_isend_irecv(p2p_ops: "list[dist.P2POp]", group=None, stats: Optional[CommStats] = None) -> list:
     """``dist.batch_isend_irecv``: every send and receive of ``p2p_ops`` in one group call (one NCCL group
     launch, so a send/recv pair between two ranks cannot deadlock on launch order). Returns the works; the
     bytes sent are counted as 'send'."""
@@ -521,6 +542,6 @@ def batch_isend_irecv(p2p_ops: "list[dist.P2POp]", group=None, stats: CommStats 
     if strict():
         check_devices("batch_isend_irecv", list(tensors), group if group is not None else p2p_ops[0].group)
     sent = sum(op.tensor.numel() * op.tensor.element_size() for op in p2p_ops if op.op in (dist.isend,))
-    if sent:
+    if sent and stats is not None:
         stats.record("send", sent)
     return dist.batch_isend_irecv(p2p_ops)

@@ -1,9 +1,15 @@
-"""Process-wide counters for every collective syncwise issues.
+"""Counters of the collectives syncwise issues: :class:`CommStats` (one kind of traffic) and :class:`CommLedger`
+(a run's, one CommStats per kind).
+
+No counter is process-wide: a run's ledger is made by ``syncwise.parallel.parallelize`` (``Parallelized.ledger``)
+and handed to everything it builds; each ``syncwise.comm.ops`` collective records into the ``stats=`` it is given
+(none given: counted nowhere); objects usable on their own (``CommContext``, a compressor, a sync strategy) own a
+CommStats of their own until a run hands them its ledger's. Two runs in one process never share a count.
 
 Cheap by design: a record is a few dict updates. On the CPU synchronous collectives are timed by wall clock
 and asynchronous ones from issue to completion through a future callback; on CUDA by events
 (:mod:`.timing`), whose durations are added when they are read and complete (``settle``), so nothing adds a
-synchronisation point. The trainer reads bytes and counts per step from here.
+synchronisation point. The trainer's step meter reads bytes and seconds per step from its run's ledger.
 """
 from __future__ import annotations
 
@@ -96,7 +102,45 @@ class CommStats:
             self._pending.clear()
 
 
-STATS = CommStats()
+class CommLedger:
+    """A run's communication counters: one :class:`CommStats` per kind of traffic, each fed where it is issued.
+
+    * ``dp`` — the gradient sync syncwise issues itself: DDP's comm hook (or the bytes of DDP's built-in all-reduce),
+      the compressors, the reduced-sync strategies, a pipeline stage's replicas, the expert gradients' sum over
+      their copies, live recovery's cross-replica average. The step's ``comm_bytes_dp`` / ``comm_s_dp``;
+    * ``ep`` — the expert-parallel all-to-alls (``comm_bytes_ep``);
+    * ``control`` — collectives that are not a step's traffic: the logged loss's mean, validation, router loads;
+    * ``norm`` — the gradient norm's combination across tensor-parallel / pipeline ranks;
+    * ``pp`` — the pipeline's batched sends (the step's ``comm_bytes_pp`` is the pipeline's own count of them);
+    * ``signals`` — the preemption flag's agreement.
+
+    ``ledger.dp`` (or ``ledger["dp"]``) is the CommStats of one kind.
+    """
+
+    KINDS = ("dp", "ep", "control", "norm", "pp", "signals")
+
+    def __init__(self) -> None:
+        self._by_kind: dict[str, CommStats] = {k: CommStats() for k in self.KINDS}
+
+    def __getitem__(self, kind: str) -> CommStats:
+        return self._by_kind[kind]
+
+    def __getattr__(self, kind: str) -> CommStats:
+        try:
+            return self.__dict__["_by_kind"][kind]
+        except KeyError:
+            raise AttributeError(f"CommLedger has no kind {kind!r} (kinds: {', '.join(self.KINDS)})") from None
+
+    def snapshot(self) -> dict[str, dict[str, dict[str, float]]]:
+        """Every kind's :meth:`CommStats.snapshot` (kinds with nothing counted left out)."""
+        return {k: snap for k, s in self._by_kind.items() if (snap := s.snapshot())}
+
+    def reset(self) -> None:
+        for s in self._by_kind.values():
+            s.reset()
+
+    def __repr__(self) -> str:
+        return "CommLedger(" + ", ".join(f"{k}={s.total_bytes}B" for k, s in self._by_kind.items()) + ")"
 
 
 class Stopwatch:

@@ -27,7 +27,7 @@ from syncwise.errors import ConfigError
 
 from . import ops, streams, timing
 from .context import REDUCE_OPS, CommContext, Topology
-from .stats import STATS, CommStats
+from .stats import CommStats
 
 __all__ = ["Topology", "TopoAwareCollective", "topo_allreduce_hook", "ALGORITHMS"]
 
@@ -74,12 +74,13 @@ class TopoAwareCollective:
     the node sum and keeps its shard; faster on gloo, whose reduce-scatter is slow); "auto" chooses
     "all_reduce" on gloo and "reduce_scatter" otherwise. ``pipeline_chunk_bytes``: messages above it are
     cut into chunks whose node-local phases overlap the previous chunk's inter-node all-reduce (0: off).
+    ``stats``: where its collectives are counted (a run's ``ledger.dp``; default: the context's own ``stats``).
     """
 
     def __init__(self, backend: Union[str, CommContext] = "auto", topology: Optional[Topology] = None,
                  threshold_bytes: int = 256 * 1024, link_speeds: Optional[Mapping[str, float]] = None,
                  algorithm: str = "auto", intra_reduce: str = "auto", timeout_s: float = 300.0,
-                 stats: CommStats = STATS, pipeline_chunk_bytes: int = 4 * 1024 * 1024) -> None:
+                 stats: Optional[CommStats] = None, pipeline_chunk_bytes: int = 4 * 1024 * 1024) -> None:
         if not isinstance(threshold_bytes, int) or threshold_bytes < 0:
             raise ConfigError("threshold_bytes", threshold_bytes, "an integer >= 0")
         if algorithm not in ALGORITHMS:
@@ -104,7 +105,7 @@ class TopoAwareCollective:
         if intra_reduce == "auto":
             intra_reduce = "all_reduce" if "gloo" in str(self.ctx.backend) else "reduce_scatter"
         self.intra_reduce = intra_reduce
-        self.stats = stats
+        self.stats = stats if stats is not None else self.ctx.stats  # (the context's own, unless given)
         self.last_algorithm: Optional[str] = None
         self._model: Optional[dict[str, float]] = None
         if link_speeds is not None:

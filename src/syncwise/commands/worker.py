@@ -36,7 +36,7 @@ from ..train.arguments import join_torchrun
 from ..train.dynamic_batch import DynamicBatcher
 from ..train.preemption import Preempted
 from ..train.schedule import adamw, warmup_cosine
-from ..train.trainer import CONTROL_STATS, OptimizedTrainer
+from ..train.trainer import OptimizedTrainer
 
 
 def init_distributed(cfg: RunConfig) -> torch.device:
@@ -118,7 +118,7 @@ def resume_target(cfg: RunConfig, rank: int) -> str:
         # A CPU tensor: an NCCL job's group is devices.NCCL_PROCESS_GROUP ('cuda:nccl,cpu:gloo', made by
         # join_torchrun), whose gloo half takes it (issue 24: on a plain 'nccl' group this failed before step 1).
         agreed = torch.tensor([restarts], dtype=torch.int64)
-        ops.all_reduce(agreed, "max", stats=CONTROL_STATS)
+        ops.all_reduce(agreed, "max", stats=None)  # before any run: no run's ledger counts it
         restarts = int(agreed.item())
     if restarts > 0 and cfg.resume == "none":
         if rank == 0:

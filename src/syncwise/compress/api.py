@@ -64,6 +64,11 @@ class GradientCompressor:
         self.policy = policy
         return self
 
+    @property
+    def stats(self) -> Any:
+        """The :class:`~syncwise.comm.CommStats` counting this compressor's collectives (bytes on the wire)."""
+        return self.compressor.stats
+
     def register(self, ddp_model: nn.Module, param_names: Union[dict[nn.Parameter, str], None] = None,
                  policy: Optional[CompressionPolicy] = None) -> CompressionHookState:
         """Register the compression hook on ``ddp_model`` (a DistributedDataParallel); returns its state."""

@@ -1,10 +1,10 @@
 """The compressor protocol: pure tensor code, explicit per-tensor state, collectives via comm.ops.
 
 A compressor averages a *bucket* (a list of gradient tensors) across a process group, in place.
-Every collective goes through :mod:`syncwise.comm.ops`, so ``STATS`` counts the compressed payload
-that really crossed the wire. State (error-feedback residuals, PowerSGD Q matrices, per-tensor
-step counters) is keyed by a stable tensor name, so a checkpoint taken on one run resumes on the
-next even if DDP rebuilds its buckets.
+Every collective goes through :mod:`syncwise.comm.ops` into the compressor's ``stats`` (its own CommStats, or a
+run's ``ledger.dp``), which counts the compressed payload that really crossed the wire. State (error-feedback
+residuals, PowerSGD Q matrices, per-tensor step counters) is keyed by a stable tensor name, so a checkpoint taken
+on one run resumes on the next even if DDP rebuilds its buckets.
 
 A bucket that holds NaN/Inf on ANY rank is skipped on EVERY rank: each compressor carries a
 "non-finite" flag inside the payload it already sends (4 bytes; no extra round trip), every rank
@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import ops
+from ..comm.stats import CommStats
 from ..comm.hostread import HostCopy
 from ..errors import ConfigError, SyncwiseError
 from ..layout import COMPRESSORS
@@ -126,6 +127,8 @@ class Compressor:
         self._state: dict[str, dict[str, Any]] = {}
         # running totals: elements averaged and payload bytes this rank sent (read them via .counters)
         self._counters: dict[str, int] = {"elements": 0, "bytes_sent": 0, "collectives": 0}
+        # where its collectives are counted: its own, until a run hands it its ledger's 'dp' (parallelize)
+        self.stats = CommStats()
         self._transient()
 
     def _transient(self) -> None:
@@ -183,7 +186,7 @@ class Compressor:
     @property
     def counters(self) -> dict[str, int]:
         """Running totals: ``elements`` averaged (buckets skipped as non-finite not counted), ``bytes_sent``
-        and ``collectives`` this rank issued (also in comm.STATS). Reading it folds every booked verdict,
+        and ``collectives`` this rank issued (also in :attr:`stats`). Reading it folds every booked verdict,
         i.e. waits until the device has computed them."""
         self.settle()
         return self._counters
@@ -287,11 +290,11 @@ class Compressor:
         self.settle(key)
         return self._slot(key)["count"]
 
-    # collectives, counted here as well as in comm.STATS
+    # collectives, counted here as well as in ``self.stats``
     def _all_reduce_sum(self, t: torch.Tensor, group: Any) -> None:
         self._counters["bytes_sent"] += t.numel() * t.element_size()
         self._counters["collectives"] += 1
-        ops.all_reduce(t, "sum", group=group)
+        ops.all_reduce(t, "sum", group=group, stats=self.stats)
 
     def _all_gather(self, payload: torch.Tensor, group: Any, world: int, async_op: bool = False
                     ) -> "tuple[Any, torch.Tensor]":
@@ -299,7 +302,7 @@ class Compressor:
         out = torch.empty(world * payload.numel(), dtype=payload.dtype, device=payload.device)
         self._counters["bytes_sent"] += payload.numel() * payload.element_size()
         self._counters["collectives"] += 1
-        work = ops.all_gather(out, payload, group=group, async_op=async_op)
+        work = ops.all_gather(out, payload, group=group, async_op=async_op, stats=self.stats)
         return work, out.view(world, payload.numel())
 
     def _average_raw_checked(self, raw: list[torch.Tensor], group: Any, world: int) -> "Union[bool, torch.Tensor]":

@@ -39,7 +39,8 @@ class HierarchicalHookState(CompressionHookState):
     ``ctx``: the job's :class:`~syncwise.comm.CommContext` (its topology and node-local / cross-node groups;
     build it on every rank at the same point, it creates groups). ``hop_bytes`` counts what this rank sent
     per hop: ``intra`` (the fp32 reduce-scatter input and all-gather shard) and ``inter`` (the compressor's
-    payloads), by the same rule as ``syncwise.comm.STATS``.
+    payloads), by the same rule as ``syncwise.comm.CommStats``; the collectives themselves are counted in the
+    compressor's ``stats`` (a run's ``ledger.dp``).
     """
 
     def __init__(self, compressor: Compressor, ctx: CommContext,
@@ -105,7 +106,7 @@ class HierarchicalHookState(CompressionHookState):
             buf.view(p, seg)[:, -1].copy_(torch.where(bad, float("nan"), 0.0).to(dtype).expand(p))
             if self.intra_group is not None:
                 shard = torch.empty(seg, dtype=dtype, device=ref.device)
-                ops.reduce_scatter(shard, buf, "sum", group=self.intra_group)
+                ops.reduce_scatter(shard, buf, "sum", group=self.intra_group, stats=self.compressor.stats)
                 shard.div_(p)
                 self.hop_bytes["intra"] += (buf.numel() + seg) * buf.element_size()
             else:
@@ -121,7 +122,7 @@ class HierarchicalHookState(CompressionHookState):
                     self.compressor.average(views, [keys[i] for i in mine], self.comm_group, [flags[i] for i in mine])
                     self.hop_bytes["inter"] += self.compressor._counters["bytes_sent"] - before
             if self.intra_group is not None:
-                ops.all_gather(buf, shard, group=self.intra_group)
+                ops.all_gather(buf, shard, group=self.intra_group, stats=self.compressor.stats)
             for i, t in enumerate(tensors):
                 start, n = places[i]
                 t.copy_(buf[start:start + n].view(t.shape))

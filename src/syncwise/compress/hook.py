@@ -223,9 +223,10 @@ class CompressionHookState:
                 if side is not None:
                     side.wait_event(ready)
                     streams.keep_for_stream([*tensors, result], side)  # made on the backward's stream
-                start, waited = time.perf_counter(), ops.STATS.total_time_s
+                stats = self.compressor.stats  # the compressor's collectives (a run's ledger.dp)
+                start, waited = time.perf_counter(), stats.total_time_s
                 self._average_bucket(tensors, keys, flags)
-                self.compute_s += max(0.0, time.perf_counter() - start - (ops.STATS.total_time_s - waited))
+                self.compute_s += max(0.0, time.perf_counter() - start - (stats.total_time_s - waited))
                 if is_last:
                     self.steps += 1
                 self._finished(handed)
@@ -281,7 +282,7 @@ def _direct_single_collective(state: CompressionHookState, bucket: dist.GradBuck
     comp._counters["collectives"] += 1
     if bucket.is_last():
         state.steps += 1
-    work = ops.all_reduce(wire, "sum", group=group, async_op=True)
+    work = ops.all_reduce(wire, "sum", group=group, async_op=True, stats=comp.stats)
 
     def finish(fut: torch.futures.Future) -> torch.Tensor:
         fut.value()  # re-raises a failed (timed-out) collective: DDP must not apply a half-received bucket
@@ -361,7 +362,7 @@ def torch_reference_hook(name: str, process_group: Any = None, **powersgd_option
     """PyTorch's own DDP hook ``(state, hook)`` for side-by-side benchmarks: 'allreduce', 'fp16', 'bf16'
     (the generic cast path, since torch's ``bf16_compress_hook`` refuses gloo) or 'powersgd'.
 
-    These issue torch's collectives directly, so ``syncwise.comm.STATS`` does not count their bytes.
+    These issue torch's collectives directly, so no syncwise ``CommStats`` counts their bytes.
     """
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import importlib
 from typing import Any, Union
 
-from ..comm import STATS
 from ..compress import CompressionPolicy, Compressor, GradientCompressor
 from ..errors import ConfigError, SyncwiseError
 from ..layout import MIN_NUMEL
@@ -42,10 +41,18 @@ def compressor_from(compressor: CompressorLike, min_numel: int = MIN_NUMEL, min_
                       "a spec such as 'powersgd:rank=4', a syncwise Compressor or a GradientCompressor")
 
 
-def bytes_on_wire() -> int:
-    """Bytes this process has sent in syncwise collectives so far (``syncwise.comm.STATS``): compressed
-    gradients, plus the fp32 tensors the policy left uncompressed."""
-    return STATS.total_bytes
+def bytes_on_wire(compressor: Any) -> int:
+    """Bytes ``compressor`` has sent so far (its ``stats``: each compressor counts its own collectives, no counter is
+    process-wide): compressed gradients, plus the fp32 tensors the policy left uncompressed. ``compressor``: what an
+    integration returned (``ddp.register``, ``accelerate.register``: a GradientCompressor; Lightning's or
+    transformers' callback), or a Compressor."""
+    stats = getattr(compressor, "stats", None)
+    if stats is None:  # a callback: its GradientCompressor's
+        stats = getattr(getattr(compressor, "compressor", None), "stats", None)
+    if stats is None:
+        raise ConfigError("compressor", compressor, "what a syncwise integration returned (a GradientCompressor or "
+                          "its callback), or a Compressor")
+    return stats.total_bytes
 
 
 def _to(obj: Any, device: Any) -> Any:

@@ -11,8 +11,8 @@ collective is added to the step) keeps
   ``expert_imbalance`` (max / mean routed-token load of the most unbalanced MoE layer, summed over the ranks
   that share the layers), ``pp_bubble``, ``ckpt_in_flight``, ``time`` (Unix seconds when the row was written);
 * ``RUN_DIR/ranks/rank{R}.json`` — at the end of the run: the collectives this rank issued during it per op
-  (``calls``, ``bytes``, ``time_s``: ``syncwise.comm.STATS``, gradient sync; ``control``: loss averaging,
-  validation, router loads; ``ep``: expert all-to-alls), its checkpoint saves (``blocking_s``), its totals.
+  (``calls``, ``bytes``, ``time_s``: ``comm``, the gradient sync — the run's ``ledger.dp``; ``control``: loss
+  averaging, validation, router loads; ``ep``: expert all-to-alls), its checkpoint saves (``blocking_s``), its totals.
 
 :class:`StepProbe` gathers the per-step extras at the end of a step without a host sync: the imbalance stays a
 device tensor until the row is read (one step late on a GPU).
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from ..comm.stats import STATS, CommStats
+from ..comm.stats import CommStats
 from ..rundir import RunDir
 from .logger import read_jsonl
 
@@ -49,8 +49,7 @@ class StepProbe:
         self._compress_mark = self._compress_total()
         self.ep_stats: Optional[CommStats] = None
         if par is not None and getattr(getattr(par, "spec", None), "ep", 1) > 1:
-            from ..parallel.expert_parallel import EP_STATS
-            self.ep_stats = EP_STATS
+            self.ep_stats = par.ledger.ep  # the run's expert all-to-alls
         self._ep_mark = self.ep_stats.total_time_s if self.ep_stats is not None else 0.0
         self.moes = [m for m in model.modules() if hasattr(m, "expert_bias") and hasattr(m, "tokens_per_expert")]
 
@@ -101,8 +100,7 @@ class RankLog:
         self.rank, self.world_size = rank, world_size
         self.dir = RunDir(run_dir).ranks if run_dir else None
         self._file = None
-        self._stats_mark = STATS.snapshot()
-        self._control: Optional[dict] = None
+        self._watched: dict[str, tuple[CommStats, dict]] = {}
         if self.dir is None:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -114,11 +112,12 @@ class RankLog:
             os.replace(tmp, path)
         self._file = open(path, "a", buffering=1)
 
-    def watch(self, control: CommStats, ep: Optional[CommStats] = None) -> None:
-        """Also report these counters' collectives of this run (the trainer's control traffic, expert all-to-alls)."""
-        self._control = {"control": (control, control.snapshot())}
+    def watch(self, comm: CommStats, control: CommStats, ep: Optional[CommStats] = None) -> None:
+        """Report these counters' collectives from now on (the run's ledger: its gradient sync as ``comm``, its
+        control traffic, its expert all-to-alls)."""
+        self._watched = {"comm": (comm, comm.snapshot()), "control": (control, control.snapshot())}
         if ep is not None:
-            self._control["ep"] = (ep, ep.snapshot())
+            self._watched["ep"] = (ep, ep.snapshot())
 
     def log_step(self, row: dict[str, Any]) -> None:
         """Record this rank's numbers of one step (a trainer row)."""
@@ -140,10 +139,10 @@ class RankLog:
             return self._give_up(e)
         self._file = None
         out = {"rank": self.rank, "world_size": self.world_size, "steps": summary.get("steps"),
-               "mean_step_time_s": summary.get("mean_step_time_s"), "comm": STATS.since(self._stats_mark),
+               "mean_step_time_s": summary.get("mean_step_time_s"), "comm": {},
                "checkpoint_saves": summary.get("checkpoint_saves", []),
                "skipped_steps": summary.get("skipped_steps", [])}  # this rank's record (local SGD: after the averages)
-        for name, (stats, mark) in (self._control or {}).items():
+        for name, (stats, mark) in self._watched.items():
             out[name] = stats.since(mark)
         path = self.dir / f"rank{self.rank}.json"
         tmp = path.with_suffix(".json.tmp")

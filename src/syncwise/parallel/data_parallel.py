@@ -3,7 +3,7 @@
 With compression on, every bucket goes through ``syncwise.compress.compression_hook``, so the compressed
 bytes are counted by ``syncwise.comm``. With compression off, DDP keeps its built-in C++ all-reduce: any
 Python comm hook (PyTorch's own ``allreduce_hook`` included) costs ~10 % of a step here, measured; the
-bytes of that all-reduce are known exactly (every bucket, once per sync) and recorded in ``STATS``.
+bytes of that all-reduce are known exactly (every bucket, once per sync) and recorded in the run's ``ledger.dp``.
 Either way the trainer learns when the last gradient became ready, so it can tell how long the step then
 waited on the network.
 """
@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..comm import ops, timing
 from ..comm.context import CommContext
 from ..comm.topology import TopoAwareCollective, topo_allreduce_hook
-from ..comm.stats import STATS
+from ..comm.stats import CommStats
 from ..compress import CompressionHookState, CompressionPolicy, Compressor, compression_hook, torch_reference_hook
 from ..compress.hierarchical import HierarchicalHookState
 from ..compress.registry import build_compressor
@@ -173,14 +173,15 @@ class DataParallel:
     bytes_counted: bool = True  # False for torch's PowerSGD hook, whose collectives bypass syncwise.comm
     builtin_sync_bytes: int = 0  # DDP's built-in all-reduce: bytes this rank sends per gradient sync
     hierarchical: Any = None  # the comm.Topology of the hierarchical gradient sync; None: flat
-    # syncwise.comm.STATS times the sync's collectives: not DDP's built-in all-reduce nor torch's comm hooks (they
+    # the run's ledger.dp times the sync's collectives: not DDP's built-in all-reduce nor torch's comm hooks (they
     # bypass syncwise.comm; their exposed part is still measured, by DDP's bucket timer)
     sync_timed: bool = True
+    stats: Optional[CommStats] = None  # where the gradient sync is counted (the run's ledger.dp; None: nowhere)
 
     def record_sync(self) -> None:
         """Count one gradient sync of DDP's built-in all-reduce (its collective bypasses syncwise.comm)."""
-        if self.builtin_sync_bytes:
-            STATS.record("all_reduce", self.builtin_sync_bytes)
+        if self.builtin_sync_bytes and self.stats is not None:
+            self.stats.record("all_reduce", self.builtin_sync_bytes)
 
     @property
     def distributed(self) -> bool:
@@ -194,11 +195,13 @@ def _no_forward_buffer_sync() -> dict[str, bool]:
     return {"broadcast_buffers": False}
 
 
-def _counted(bytes_per_element: int, hook):
+def _counted(bytes_per_element: int, hook, stats: Optional[CommStats]):
     """Count the bytes of a torch hook that sends the whole bucket in one dtype (it bypasses syncwise.comm)."""
+    if stats is None:
+        return hook
 
     def counted(state, bucket):
-        STATS.record("all_reduce", bucket.buffer().numel() * bytes_per_element)
+        stats.record("all_reduce", bucket.buffer().numel() * bytes_per_element)
         return hook(state, bucket)
 
     return counted
@@ -209,7 +212,7 @@ def apply_data_parallel(model: nn.Module, compressor: "Optional[Compressor | Tor
                         device: Optional[torch.device] = None,
                         find_unused_parameters: Optional[bool] = None, process_group: Any = None,
                         ignore: "Optional[list[str]]" = None, inline_compress: bool = False,
-                        hierarchical: bool = False) -> DataParallel:
+                        hierarchical: bool = False, stats: Optional[CommStats] = None) -> DataParallel:
     """Wrap ``model`` in DDP when a multi-rank process group exists; else return it as is.
 
     ``find_unused_parameters`` defaults to the model's ``has_sparse_params`` (MoE experts that received
@@ -218,9 +221,12 @@ def apply_data_parallel(model: nn.Module, compressor: "Optional[Compressor | Tor
     experts, whose gradients are summed over their own group). ``hierarchical``: average each bucket inside the
     node at full precision and run the compressor only across nodes (``compress.hierarchical``; with no compressor
     an fp32 hierarchical all-reduce, ``comm.topology``); the caller decides (``layout.hierarchical_applies``).
+    ``stats``: where the gradient sync syncwise does not issue itself is counted (DDP's built-in all-reduce, torch's
+    cast hooks, the hierarchical fp32 all-reduce: the run's ``ledger.dp``; a compressor counts into its own
+    ``stats``, which ``parallelize`` makes the same one).
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) == 1:
-        return DataParallel(module=model)
+        return DataParallel(module=model, stats=stats)
     if ignore:
         DDP._set_params_and_buffers_to_ignore_for_model(model, list(ignore))
     if find_unused_parameters is None:
@@ -232,19 +238,20 @@ def apply_data_parallel(model: nn.Module, compressor: "Optional[Compressor | Tor
               # every forward.
               **_no_forward_buffer_sync())
     if hierarchical:
-        return _hierarchical(ddp, model, compressor, min_numel, device, inline_compress)
+        return _hierarchical(ddp, model, compressor, min_numel, device, inline_compress, stats)
     if isinstance(compressor, TorchHookSpec):
         state, hook = compressor.state_and_hook(process_group)
         per_element = TORCH_HOOKS[compressor.name]
-        timer = GradSyncTimer(state, _counted(per_element, hook) if per_element else hook, device)
+        timer = GradSyncTimer(state, _counted(per_element, hook, stats) if per_element else hook, device)
         ddp.register_comm_hook(timer, _timed_hook)
-        return DataParallel(module=ddp, timer=timer, bytes_counted=per_element is not None, sync_timed=False)
+        return DataParallel(module=ddp, timer=timer, bytes_counted=per_element is not None, sync_timed=False,
+                            stats=stats)
     if compressor is None or (getattr(compressor, "name", None) == "none"):
         # Every bucket, unused parameters' zeros included, is all-reduced once per sync.
         nbytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                      if p.requires_grad and n not in (ignore or ()))
         return DataParallel(module=ddp, timer=GradReadyClock(model, device), builtin_sync_bytes=nbytes,
-                            sync_timed=False)
+                            sync_timed=False, stats=stats)
     names = {p: n for n, p in model.named_parameters()}
     # A dedicated communicator is made by new_group, which every rank of the world must call alike: only when the
     # data-parallel ranks are the whole world (a pipeline stage's replicas compress on their own group).
@@ -254,26 +261,26 @@ def apply_data_parallel(model: nn.Module, compressor: "Optional[Compressor | Tor
     state.inline = inline_compress  # ep > 1: one thread issues every collective (CompressionHookState.inline)
     timer = GradSyncTimer(state, compression_hook, device)
     ddp.register_comm_hook(timer, _timed_hook)
-    return DataParallel(module=ddp, timer=timer, hook_state=state)
+    return DataParallel(module=ddp, timer=timer, hook_state=state, stats=stats)
 
 
 def _hierarchical(ddp: DDP, model: nn.Module, compressor: Any, min_numel: int, device: Optional[torch.device],
-                  inline_compress: bool) -> DataParallel:
+                  inline_compress: bool, stats: Optional[CommStats] = None) -> DataParallel:
     """DDP over every rank with the hierarchical hook: the node-local and cross-node groups of a CommContext
     (made here, on every rank alike; the topology from torchrun's LOCAL_WORLD_SIZE / GROUP_RANK)."""
     ctx = CommContext(timeout_s=ops.collective_timeout_s() or 300.0,
-                      device=device.type if device is not None else "auto")
+                      device=device.type if device is not None else "auto", stats=stats)
     if compressor is None or getattr(compressor, "name", None) == "none":
         coll = TopoAwareCollective(ctx, algorithm="hierarchical")
         timer = GradSyncTimer(coll, topo_allreduce_hook, device)
         ddp.register_comm_hook(timer, _timed_hook)
-        return DataParallel(module=ddp, timer=timer, hierarchical=ctx.topology)
+        return DataParallel(module=ddp, timer=timer, hierarchical=ctx.topology, stats=stats)
     state = HierarchicalHookState(compressor, ctx, {p: n for n, p in model.named_parameters()},
                                   CompressionPolicy(min_numel=min_numel))
     state.inline = inline_compress
     timer = GradSyncTimer(state, compression_hook, device)
     ddp.register_comm_hook(timer, _timed_hook)
-    return DataParallel(module=ddp, timer=timer, hook_state=state, hierarchical=ctx.topology)
+    return DataParallel(module=ddp, timer=timer, hook_state=state, hierarchical=ctx.topology, stats=stats)
 
 
 class StageGradientSync:
@@ -284,23 +291,28 @@ class StageGradientSync:
     parameter once per backward (torch 2.13: "rebuilt parameter indices size is not same as original model
     parameters size"). The sync does not overlap the backward; it overlaps nothing, and the step records it as
     exposed communication. Parameters start identical on the group (broadcast from its first rank, as DDP does).
-    ``ignore``: names left alone (expert-parallel experts, summed over their own group).
+    ``ignore``: names left alone (expert-parallel experts, summed over their own group). ``stats``: where the
+    sync is counted without a compressor (the run's ``ledger.dp``; a compressor counts into its own ``stats``).
     """
 
     def __init__(self, module: nn.Module, compressor: Optional[Compressor], group: Any,
                  bucket_cap_mb: float = BUCKET_CAP_MB, min_numel: int = MIN_NUMEL,
-                 ignore: "Optional[list[str]]" = None) -> None:
+                 ignore: "Optional[list[str]]" = None, stats: Optional[CommStats] = None) -> None:
         from ..compress import NoneCompressor
 
         self.group = group
         self.params = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in (ignore or ())]
-        self.hook_state = CompressionHookState(compressor or NoneCompressor(), process_group=group,
+        if compressor is None:
+            compressor = NoneCompressor()
+            if stats is not None:
+                compressor.stats = stats
+        self.hook_state = CompressionHookState(compressor, process_group=group,
                                                param_names={p: n for n, p in self.params},
                                                policy=CompressionPolicy(min_numel=min_numel), dedicated_group=False)
         self.bucket_cap_mb = bucket_cap_mb
         with torch.no_grad():
             for _, p in self.params:
-                ops.broadcast_from(p.data, 0, group=group, stats=ops.CommStats())  # setup, not step traffic
+                ops.broadcast_from(p.data, 0, group=group, stats=None)  # setup, not step traffic: not counted
 
     def sync(self) -> "Callable[[], float]":
         """Average every gradient over the group (missing ones as zeros); returns the reader of the seconds it

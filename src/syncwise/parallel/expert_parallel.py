@@ -22,7 +22,8 @@ The routed expert weights become DTensors ``Shard(0)`` on a 1-D ep mesh with the
 unchanged names, so DCP checkpoints reshard between ep sizes (ep2 → ep1 and back) and ``count_params`` /
 FLOPs counts still see the whole model; the forward reads the local shard through ``to_local()`` (as
 ``models/moe.py``'s ``_local`` already does for tensor parallel). Every all-to-all goes through
-``syncwise.comm.ops.all_to_all`` into :data:`EP_STATS` (or the ``stats`` given): ``comm_bytes_ep``.
+``syncwise.comm.ops.all_to_all`` into the ``stats`` given (a run's ``ledger.ep``: ``comm_bytes_ep``; else one CommStats
+of its own shared by the model's layers, each layer's ``experts.stats``).
 
 Gradient rule (see docs/expert_parallel.md): an expert's gradient already sums the contributions of every
 ep-group rank's tokens, so where dense gradients are averaged over all ``dp`` data-parallel ranks, expert
@@ -40,17 +41,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm import hostread, ops
-from ..comm.stats import STATS, CommStats
+from ..comm.stats import CommStats
 from ..errors import ConfigError
 from ..layout import DISPATCH, check_expert_count
 from ..models.moe import GroupedExperts, MoE, _local
 
-__all__ = ["apply_expert_parallel", "ExpertParallelExperts", "Wires", "EP_STATS", "DISPATCH_DTYPES", "COMBINE_DTYPES",
+__all__ = ["apply_expert_parallel", "ExpertParallelExperts", "Wires", "DISPATCH_DTYPES", "COMBINE_DTYPES",
            "check_expert_parallel", "check_dispatch", "expert_parameters", "reduce_expert_gradients",
            "encode_fp8_rows", "decode_fp8_rows", "wire_row_bytes"]
-
-#: bytes of every expert-parallel all-to-all (counts, dispatch, combine, and their backward) of this process
-EP_STATS = CommStats()
 
 #: accepted ``dispatch`` values; the wire dtypes of the four exchanges follow from it (docs/expert_parallel.md):
 #: forward dispatch = ``dispatch``; forward combine = ``combine`` (default: bf16 under fp8, else ``dispatch``);
@@ -294,7 +292,8 @@ def apply_expert_parallel(model: nn.Module, ep_group: Any, dispatch: str = "fp32
     ``ep_group``: a ProcessGroup or a 1-D DeviceMesh (``mesh['ep']``) of the ranks that share experts; each
     must feed its own tokens (EP ranks are data-parallel ranks). ``dispatch``: ``fp8`` | ``bf16`` | ``fp32``
     wire precision of the token rows; ``combine``: ``bf16`` | ``fp32`` (default: bf16 under fp8, else the
-    dispatch's). ``stats``: where the all-to-all bytes go (default :data:`EP_STATS`). ``block``: elements per
+    dispatch's). ``stats``: where the bytes of every all-to-all (counts, dispatch, combine, and their backward) go (a
+    run's ``ledger.ep``; default: one CommStats of their own, every layer's ``experts.stats``). ``block``: elements per
     fp8 scale. Shared experts and the router stay as they are (replicated). Call it with identical weights on
     every rank (same seed), after tensor parallel and before data parallel / FSDP2 and the optimizer."""
     if ep_group is None:
@@ -308,13 +307,14 @@ def apply_expert_parallel(model: nn.Module, ep_group: Any, dispatch: str = "fp32
         return model
     if not moes:
         raise ConfigError("parallel.ep", ep, "1 for a model without MoE layers")
+    stats = stats if stats is not None else CommStats()
     for moe in moes:
         check_expert_parallel(moe.n_experts, ep)
         experts = moe.experts
         if isinstance(experts, ExpertParallelExperts) or any(hasattr(p, "to_local") for p in experts.parameters()):
             raise ConfigError("parallel.ep", ep, "ep = 1 with tensor parallel or a model already expert-parallel: "
                               "routed experts that are DTensors already cannot be split again")
-        moe.experts = ExpertParallelExperts(experts, mesh, wires, stats if stats is not None else EP_STATS, block)
+        moe.experts = ExpertParallelExperts(experts, mesh, wires, stats, block)
     model._syncwise_ep = {"size": ep, "dispatch": wires.dispatch, "combine": wires.combine}
     return model
 
@@ -332,7 +332,7 @@ def expert_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
 
 @torch.no_grad()
 def reduce_expert_gradients(model: nn.Module, dp_size: int, replica_group: Any = None,
-                            stats: CommStats = STATS, compressed: Any = None) -> None:
+                            stats: Optional[CommStats] = None, compressed: Any = None) -> None:
     """Make expert gradients what the job's loss (the mean over all ``dp_size`` data-parallel ranks) asks.
 
     After backward each expert's gradient already sums every ep-group rank's tokens (the dispatch brought them
@@ -341,7 +341,8 @@ def reduce_expert_gradients(model: nn.Module, dp_size: int, replica_group: Any =
     dense gradients are averaged by. Call once per optimizer step, after the last micro-batch's backward.
 
     ``compressed``: a ``CompressionHookState`` whose compressor carries the sum instead of an fp32 all-reduce: its
-    average over the R copies, divided by dp / R (the compressor's state is keyed by the experts' names)."""
+    average over the R copies, divided by dp / R (the compressor's state is keyed by the experts' names).
+    ``stats``: where the fp32 sum is counted (a run's ``ledger.dp``; None: nowhere)."""
     named = [(n, p.grad) for n, p in expert_parameters(model).items() if p.grad is not None]
     if not named:
         return

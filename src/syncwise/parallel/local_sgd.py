@@ -31,7 +31,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..comm import ops, timing
-from ..comm.stats import STATS, CommStats
+from ..comm.stats import CommStats
 from .sync_spec import DTYPES, SyncSpec, SyncStrategy
 
 
@@ -50,9 +50,9 @@ class LocalSGD(SyncStrategy):
     parameters on one CPU core).
     """
 
-    def __init__(self, model: nn.Module, spec: SyncSpec, group: Any = None, stats: CommStats = STATS):
+    def __init__(self, model: nn.Module, spec: SyncSpec, group: Any = None, stats: Optional[CommStats] = None):
         super().__init__()
-        self.spec, self.group, self.stats = spec, group, stats
+        self.spec, self.group, self.stats = spec, group, stats if stats is not None else CommStats()
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.tensors = self.params + [b for b in model.buffers() if b.is_floating_point()]
         # FSDP2 / HSDP: the parameters are DTensors; the replica state is this rank's shards (averaged with the same
@@ -326,11 +326,11 @@ class TorchPeriodicAveraging(SyncStrategy):
     syncwise.comm, so their bytes are recorded here.
     """
 
-    def __init__(self, model: nn.Module, spec: SyncSpec, group: Any = None, stats: CommStats = STATS):
+    def __init__(self, model: nn.Module, spec: SyncSpec, group: Any = None, stats: Optional[CommStats] = None):
         from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
         super().__init__()
-        self.spec, self.stats = spec, stats
+        self.spec, self.stats = spec, stats if stats is not None else CommStats()
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buffers = [b for b in model.buffers() if b.is_floating_point()]
         self.averager = PeriodicModelAverager(period=spec.period, warmup_steps=spec.warmup, process_group=group)

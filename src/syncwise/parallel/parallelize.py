@@ -18,7 +18,9 @@ The order (torchtitan's ``parallelize_llama``, for the same reasons):
 The trainer talks only to the returned :class:`Parallelized`: ``module`` to run, ``micro_batch(syncing)``
 around each micro-batch's forward/backward (DDP's ``no_sync`` and FSDP2's ``set_requires_gradient_sync``
 behind one name, with the exposed-communication timer), ``take_exposed()`` / ``counted_bytes()`` per parallel
-dimension, ``state_components()`` for checkpoints, ``clip_grad_norm`` that works on sharded gradients.
+dimension, ``state_components()`` for checkpoints, ``clip_grad_norm`` that works on sharded gradients, and
+``ledger``: the run's :class:`~syncwise.comm.CommLedger`, made here (or given) and handed to every wrapper, hook,
+compressor and strategy built here, so each counts its collectives into this run's counters and no one else's.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from torch import nn
 
 from ..comm.context import Topology
 from ..comm.counting import CollectiveCounter, DimensionTimes, mesh_groups
+from ..comm.stats import CommLedger
 from ..errors import ConfigError, SyncwiseError
 from ..layout import NO_COMPRESS, Compress, Layout, hierarchical_applies, node_reshard, parse_compress, parse_sync
 from .activation_checkpoint import apply_activation_checkpointing
@@ -62,6 +65,7 @@ class Parallelized:
     expert_replicas: Any = None      # ranks holding the same routed experts (expert parallel; None: no copies)
     pipeline: Any = None             # AsyncPipeline (pp > 1): runs this rank's stages; the step calls its step()
     stage_sync: Any = None           # StageGradientSync: a pipeline stage's data parallel (pp > 1, dp > 1)
+    ledger: CommLedger = field(default_factory=CommLedger)  # the run's counters of syncwise's own collectives
     _exposed: Callable[[], float] = lambda: 0.0
     _counter: Optional[CollectiveCounter] = None  # FSDP2's and DTensor's collectives (they bypass syncwise.comm)
     _times: DimensionTimes = field(default_factory=DimensionTimes)  # FSDP2's (timed comms) and DTensor's clocks
@@ -130,7 +134,7 @@ class Parallelized:
             return
         from .expert_parallel import reduce_expert_gradients
         state = self.compression_state
-        reduce_expert_gradients(self.model, self.spec.dp, self.expert_replicas,
+        reduce_expert_gradients(self.model, self.spec.dp, self.expert_replicas, stats=self.ledger.dp,
                                 compressed=state if state is not None and state.compressor.name != "none" else None)
 
     def take_exposed(self) -> Callable[[], float]:
@@ -219,7 +223,7 @@ class Parallelized:
         if self.spec.tp > 1 or self.spec.ep > 1 or self.pipeline is not None:
             from .tensor_parallel import clip_grad_norm
             across = self.mesh["pp"].get_group() if self.pipeline is not None else None
-            return clip_grad_norm(params, max_norm, across=across)
+            return clip_grad_norm(params, max_norm, across=across, stats=self.ledger.norm)
         from .fsdp import full_grad_norm
         return full_grad_norm(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
@@ -259,7 +263,7 @@ def parallelize(model: nn.Module, spec: "Layout | dict | None" = None, device: O
                 sync: Any = None,
                 activation_checkpointing: bool = False, compile: bool = False,
                 tp_plan: Optional[dict] = None, loss_fn: Any = None, split_fn: Any = None,
-                param_dtype: Optional[torch.dtype] = None) -> Parallelized:
+                param_dtype: Optional[torch.dtype] = None, ledger: Optional[CommLedger] = None) -> Parallelized:
     """Apply ``spec`` (a ``syncwise.layout.Layout`` — ``ParallelSpec`` is its name here —, a dict of its fields, or
     None: every rank a DDP replica) to ``model``.
 
@@ -271,6 +275,8 @@ def parallelize(model: nn.Module, spec: "Layout | dict | None" = None, device: O
     a user model's pipeline split (syncwise's model and ``nn.Sequential`` need none).
     ``tp_plan``: a user model's tensor-parallel plan (``parallelize_module``'s dict); syncwise's own model has one.
     ``param_dtype``: FSDP2's parameter dtype (``torch.bfloat16`` under bf16 autocast; None: fp32).
+    ``ledger``: the run's communication counters (``Parallelized.ledger``; default: a new one). The compressor counts
+    into its ``dp`` from here on.
     """
     spec = spec if isinstance(spec, Layout) else Layout(**(spec or {}))
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -278,6 +284,8 @@ def parallelize(model: nn.Module, spec: "Layout | dict | None" = None, device: O
         compressor = compressor_of(spec.compress)
     sync = parse_sync(sync) if sync is not None else spec.sync
     spec = check_layout(spec, compressor, sync, world, getattr(model, "config", None))
+    ledger = ledger if ledger is not None else CommLedger()
+    _count_compressor_in(compressor, ledger)
     device = device or next(model.parameters()).device
     # Replicas alone need no mesh: DDP runs on the default group, as before the seam (a mesh would add a gloo group
     # per dimension to every plain DDP job, each one more set of threads to tear down at exit).
@@ -286,7 +294,7 @@ def parallelize(model: nn.Module, spec: "Layout | dict | None" = None, device: O
     # 1. activation checkpointing
     if activation_checkpointing:
         apply_activation_checkpointing(model)
-    par = Parallelized(model=model, module=model, spec=spec, mesh=mesh)
+    par = Parallelized(model=model, module=model, spec=spec, mesh=mesh, ledger=ledger)
     # 2. pipeline: this rank's stages; the other layers are dropped before anything below shards or copies them
     if spec.pp > 1:
         _split_pipeline(par, model, mesh, device, loss_fn, split_fn)
@@ -302,7 +310,7 @@ def parallelize(model: nn.Module, spec: "Layout | dict | None" = None, device: O
         from .mesh import build_expert_mesh
         expert_mesh = build_expert_mesh(spec, device.type)  # (collective: every rank builds it)
         if any(True for _ in getattr(par.model, "moe_layers", lambda: ())()):  # a stage may hold dense layers only
-            apply_expert_parallel(par.model, expert_mesh["ep"], dispatch=spec.ep_dispatch)
+            apply_expert_parallel(par.model, expert_mesh["ep"], dispatch=spec.ep_dispatch, stats=ledger.ep)
         par.expert_replicas = expert_mesh["ep_replicate"].get_group() if spec.dp > spec.ep else None
     # 5. data parallel
     dp_dims = tuple(n for n in ("dp_replicate", "dp_shard") if getattr(spec, n) > 1)
@@ -329,7 +337,7 @@ def parallelize(model: nn.Module, spec: "Layout | dict | None" = None, device: O
             for root in roots:
                 apply_fsdp(root, mesh, ("dp_shard",), param_dtype=param_dtype,
                            reduce_dtype=reduce_dtype or torch.float32, **quant)
-            par.sync = build_sync(sync, model, group=mesh["dp_replicate"].get_group())
+            par.sync = build_sync(sync, model, group=mesh["dp_replicate"].get_group(), stats=ledger.dp)
             if par.sync is not None and sync.warmup:
                 _attach_warmup_all_reduce(roots, par, mesh["dp_replicate"].get_group())
         elif compress_replicas:
@@ -348,15 +356,15 @@ def parallelize(model: nn.Module, spec: "Layout | dict | None" = None, device: O
         par.fsdp = True
     elif dp_dims and par.pipeline is not None:  # this rank's stages' gradients averaged over their replicas
         par.stage_sync = StageGradientSync(par.model, compressor, par.dp_group, bucket_cap_mb, min_numel,
-                                           ignore=_expert_names(par.model) if spec.ep > 1 else None)
+                                           ignore=_expert_names(par.model) if spec.ep > 1 else None, stats=ledger.dp)
     elif dp_dims:  # dp_replicate alone: DDP (the experts of expert parallel excluded: summed in their own group)
         ignore = _expert_names(model) if spec.ep > 1 else None
         par.dp = apply_data_parallel(model, compressor, bucket_cap_mb, min_numel, device, process_group=par.dp_group,
                                      ignore=ignore, inline_compress=spec.ep > 1,
-                                     hierarchical=_hierarchical_here(spec, world))
+                                     hierarchical=_hierarchical_here(spec, world), stats=ledger.dp)
         par.module = par.dp.module
         # 6. reduced-sync strategy, over the same ranks (whole replicas only: Layout.check)
-        par.sync = build_sync(sync, model)
+        par.sync = build_sync(sync, model, stats=ledger.dp)
     if spec.fsdp and mesh is not None and not compile:  # (a dispatch mode would recompile a compiled module)
         labels = {"dp_replicate": "dp", "dp_shard": "fsdp", "tp": "tp"}
         if par.dp.hook_state is not None or par.sync is not None:
@@ -373,18 +381,26 @@ def parallelize(model: nn.Module, spec: "Layout | dict | None" = None, device: O
     return par
 
 
+def _count_compressor_in(compressor: Any, ledger: CommLedger) -> None:
+    """A syncwise compressor counts its collectives into the run's ``ledger.dp`` (torch's hooks have no counter)."""
+    from ..compress.base import Compressor
+
+    if isinstance(compressor, Compressor):
+        compressor.stats = ledger.dp
+
+
 def _attach_warmup_all_reduce(roots: list, par: Parallelized, group: Any) -> None:
     """The warm-up of local steps over HSDP's replica groups (``warmup=W``): during its steps each FSDP2 unit's
     reduce-scatter output (this rank's gradient shard, averaged inside its group) is averaged across the groups too
     (FSDP2's all-reduce hook; what HSDP's own all-reduce would do), so every group takes the same steps until the
-    outer loop starts from identical replicas. Counted by syncwise.comm as 'dp'."""
+    outer loop starts from identical replicas. Counted in the run's ``ledger.dp``."""
     from torch.distributed.fsdp import FSDPModule
 
     from ..comm import ops
 
     def hook(flat: torch.Tensor) -> None:
         if par._warmup_sync:
-            ops.all_reduce(flat, "avg", group=group)
+            ops.all_reduce(flat, "avg", group=group, stats=par.ledger.dp)
 
     for root in roots:
         for unit in [m for m in root.modules() if isinstance(m, FSDPModule)]:
@@ -448,7 +464,7 @@ def _split_pipeline(par: Parallelized, model: nn.Module, mesh: Any, device: torc
 
     spec = par.spec
     pipe = AsyncPipeline(spec.pp * spec.stages_per_rank, schedule=spec.pp_schedule, microbatches=spec.microbatches,
-                         loss_fn=loss_fn, group=mesh["pp"].get_group(), device=device)
+                         loss_fn=loss_fn, group=mesh["pp"].get_group(), device=device, stats=par.ledger.pp)
     pipe.partition_model(model, split_fn)
     par.pipeline, par.model, par.module = pipe, pipe.module, pipe.module
     # The stage's data-parallel ranks (replicas × shards): its gradient sync and the MoE load counts' sum (layers

@@ -17,7 +17,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..comm import ops, timing
-from ..comm.stats import STATS, CommStats
+from ..comm.stats import CommStats
 from .sync_spec import DTYPES, SyncSpec, SyncStrategy
 
 
@@ -26,9 +26,9 @@ class PipeSGD(SyncStrategy):
 
     replicas_diverge = False  # every rank applies the same averaged gradient
 
-    def __init__(self, model: nn.Module, spec: SyncSpec, group: Any = None, stats: CommStats = STATS):
+    def __init__(self, model: nn.Module, spec: SyncSpec, group: Any = None, stats: Optional[CommStats] = None):
         super().__init__()
-        self.spec, self.group, self.stats = spec, group, stats
+        self.spec, self.group, self.stats = spec, group, stats if stats is not None else CommStats()
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._pending: Optional[dict[str, Any]] = None
         self.syncs = 0

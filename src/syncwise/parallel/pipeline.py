@@ -275,14 +275,13 @@ def build_stage_modules(model: nn.Module, n_stages: int, stage_ids: Sequence[int
 
 
 # ------------------------------------------------------------------------------------------------ measuring
-_P2P_STATS = comm_ops.CommStats()  # the meter counts the activations' bytes itself (pp, not the step's dp bytes)
-
-
 class _StepMeter:
-    """What this rank's stages did in one step: compute seconds, bytes sent, sends still in flight."""
+    """What this rank's stages did in one step: compute seconds, bytes sent, sends still in flight. ``stats``: where
+    the batched sends are counted as well (the pipeline's ``p2p_stats``: the step's ``pp`` bytes are ``bytes``)."""
 
-    def __init__(self, overlap: bool) -> None:
+    def __init__(self, overlap: bool, stats: Any = None) -> None:
         self.overlap = overlap
+        self.stats = stats
         self.compute_s = 0.0
         self.bytes = 0
         self.pending: list[Any] = []
@@ -320,7 +319,7 @@ class _StepMeter:
         if self.overlap or not ops:
             return ops
         batch, self.unsent = self.unsent + ops, []
-        for work in comm_ops.batch_isend_irecv(batch, stats=_P2P_STATS):
+        for work in comm_ops.batch_isend_irecv(batch, stats=self.stats):
             work.wait()
         return []
 
@@ -329,7 +328,7 @@ class _StepMeter:
         the end of the step)."""
         if self.unsent:
             batch, self.unsent = self.unsent, []
-            self.pending += comm_ops.batch_isend_irecv(batch, stats=_P2P_STATS)
+            self.pending += comm_ops.batch_isend_irecv(batch, stats=self.stats)
         while self.pending:
             self.pending.pop(0).wait()
 
@@ -462,14 +461,16 @@ class AsyncPipeline:
     and shape inference). ``last_p2p_bytes`` — bytes this rank's stages sent to other ranks: the activations
     (forward) and input gradients (backward) of every send op, counted from the tensors themselves (stages of a
     V on one rank hand tensors over without sending; the shape-inference messages and the loss broadcast, a few
-    bytes, are not counted).
+    bytes, are not counted). ``stats``: where the batched sends are counted too (``p2p_stats``; a run's
+    ``ledger.pp``).
     """
 
     def __init__(self, stages: "Sequence[nn.Module] | int", microbatch_size: Optional[int] = None,
                  overlap_communication: bool = True, *, schedule: str = "1f1b",
                  loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None, group: Any = None,
                  microbatches: Optional[int] = None, stage_ids: Optional[Sequence[int]] = None,
-                 device: Optional[torch.device] = None, broadcast_loss: bool = True) -> None:
+                 device: Optional[torch.device] = None, broadcast_loss: bool = True,
+                 stats: Optional[comm_ops.CommStats] = None) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise SyncwiseError("AsyncPipeline needs an initialised process group (torch.distributed), one rank "
                                 "per pipeline stage group member")
@@ -490,7 +491,9 @@ class AsyncPipeline:
         self.overlap_communication = bool(overlap_communication)
         self.broadcast_loss = broadcast_loss
         self.device = device
-        self._meter = _StepMeter(self.overlap_communication)
+        # the sends batched without overlap (a run's ledger.pp; default: the pipeline's own)
+        self.p2p_stats = stats if stats is not None else comm_ops.CommStats()
+        self._meter = _StepMeter(self.overlap_communication, self.p2p_stats)
         self._loss = PipelineLoss(loss_fn or _default_loss(), self._meter)
         self._schedule: Any = None
         self._key: Any = None
@@ -637,7 +640,7 @@ class AsyncPipeline:
         if not self.broadcast_loss:
             return loss
         buf = loss.reshape(1).clone() if loss is not None else torch.full((1,), math.nan, device=self._device)
-        comm_ops.broadcast_from(buf, self.last_rank, group=self.group, stats=comm_ops.CommStats())  # control: not counted
+        comm_ops.broadcast_from(buf, self.last_rank, group=self.group, stats=None)  # control: not counted
         return buf[0]
 
     def step(self, inputs: Any, targets: Optional[torch.Tensor] = None, *, weight: float = 1.0

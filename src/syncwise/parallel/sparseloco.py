@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..comm import hostread, ops, timing
-from ..comm.stats import STATS, CommStats
+from ..comm.stats import CommStats
 from .local_sgd import LocalSGD
 from .sync_spec import SyncSpec
 
@@ -38,7 +38,7 @@ _FLAG = 4  # bytes: the int32 non-finite flag at the end of every payload
 class SparseLoCo(LocalSGD):
     """Local SGD whose outer step averages 2-bit chunked top-k pseudo-gradients with error feedback (module doc)."""
 
-    def __init__(self, model: nn.Module, spec: SyncSpec, group: Any = None, stats: CommStats = STATS):
+    def __init__(self, model: nn.Module, spec: SyncSpec, group: Any = None, stats: Optional[CommStats] = None):
         super().__init__(model, spec, group=group, stats=stats)
         n = self.flat.numel()
         self.chunks = -(-n // spec.chunk)

@@ -14,12 +14,12 @@ fragment takes the global value plus the local progress made during the overlap)
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from ..comm.stats import STATS, CommStats
+from ..comm.stats import CommStats
 from .local_sgd import LocalSGD
 from .sync_spec import SyncSpec, SyncStrategy
 
@@ -53,12 +53,13 @@ def split_fragments(model: nn.Module, fragments: int) -> list[_Fragment]:
 class StreamingDiLoCo(SyncStrategy):
     """F staggered DiLoCo outer loops over the model's parameter fragments (module doc)."""
 
-    def __init__(self, model: nn.Module, spec: SyncSpec, group: Any = None, stats: CommStats = STATS):
+    def __init__(self, model: nn.Module, spec: SyncSpec, group: Any = None, stats: Optional[CommStats] = None):
         super().__init__()
         self.spec = spec
         self.params = [p for p in model.parameters() if p.requires_grad]
         inner = dataclasses.replace(spec, method="diloco", warmup=0)
-        self.fragments = [LocalSGD(f, inner, group=group, stats=stats)
+        self.stats = stats if stats is not None else CommStats()  # every fragment's outer steps
+        self.fragments = [LocalSGD(f, inner, group=group, stats=self.stats)
                           for f in split_fragments(model, spec.fragments)]
         n = len(self.fragments)
         # fragment i syncs at the steps s where (s - warmup + shift_i) % period == 0: staggered by period / n

@@ -117,9 +117,6 @@ class ReplicateParallel(_parallel_style_base()):
         return distribute_module(module, device_mesh, self._replicate_params, self._input_fn, self._output_fn)
 
 
-_TAIL_STATS = CommStats()
-
-
 class _AllReduceTailGrad(torch.autograd.Function):
     """Identity whose backward sums the last ``n`` channels of the gradient over the tp group."""
 
@@ -132,7 +129,7 @@ class _AllReduceTailGrad(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # noqa: D102
         grad = grad.clone()
         tail = grad[..., grad.shape[-1] - ctx.n:].contiguous()
-        ops.all_reduce(tail, "sum", group=ctx.group, stats=_TAIL_STATS)  # counted by the step's dispatch counter
+        ops.all_reduce(tail, "sum", group=ctx.group, stats=None)  # counted by the step's dispatch counter
         grad[..., grad.shape[-1] - ctx.n:] = tail
         return grad, None, None
 
@@ -293,17 +290,14 @@ def _sequence_check(tp: int):
     return hook
 
 
-NORM_STATS = CommStats()  # the norm's combination across stages: control traffic, not a step's gradient bytes
-
-
-def _combine_norms(local: torch.Tensor, norm_type: float, group: Any) -> torch.Tensor:
+def _combine_norms(local: torch.Tensor, norm_type: float, group: Any, stats: Optional[CommStats]) -> torch.Tensor:
     """The norm over ``group``'s ranks of their local norms (the max for inf; sums of powers in fp64)."""
     if math.isinf(norm_type):
         out = local.reshape(1).clone()
-        ops.all_reduce(out, "max", group=group, stats=NORM_STATS)
+        ops.all_reduce(out, "max", group=group, stats=stats)
         return out[0]
     out = local.double().pow(norm_type).reshape(1)
-    ops.all_reduce(out, "sum", group=group, stats=NORM_STATS)
+    ops.all_reduce(out, "sum", group=group, stats=stats)
     return (out.sqrt() if norm_type == 2 else out.pow(1.0 / norm_type))[0].float()
 
 
@@ -316,7 +310,8 @@ def loss_parallel():
 # ----------------------------------------------------------------------------------------- clipping
 @torch.no_grad()
 def clip_grad_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
-                   norm_type: float = 2.0, foreach: Optional[bool] = None, across: Any = None) -> torch.Tensor:
+                   norm_type: float = 2.0, foreach: Optional[bool] = None, across: Any = None,
+                   stats: Optional[CommStats] = None) -> torch.Tensor:
     """``clip_grad_norm_`` for parameters that mix DTensors (any placements, one or several meshes)
     and plain tensors. Returns the total norm as a plain tensor, identical on every rank.
 
@@ -324,7 +319,8 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: 
     across its mesh; a replicated one counts once); plain tensors count as they are (replicated
     parameters, or parameters the caller already reduced). ``across``: a process group whose ranks hold
     the model's other parameters (pipeline stages): their norms combine into the model's (every rank of
-    it must call, with or without gradients)."""
+    it must call, with or without gradients). ``stats``: where the norms' combination is counted (a run's
+    ``ledger.norm``: not a step's gradient bytes; None: nowhere)."""
     DTensor, *_ = _tp_imports()
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
@@ -362,7 +358,7 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: 
         combined = torch.stack(values).max() if inf else torch.stack(values).sum()
         combined = combined.reshape(1)
         for group in groups:
-            ops.all_reduce(combined, "max" if inf else "sum", group=group, stats=NORM_STATS)
+            ops.all_reduce(combined, "max" if inf else "sum", group=group, stats=stats)
         parts.append(combined[0])
     if parts:
         stacked = torch.stack(parts)
@@ -370,7 +366,7 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: 
     else:  # this rank holds no gradient but must join `across`: a zero on the group's device, not the CPU's
         total = torch.zeros((), device=ops.group_device(across))
     if across is not None:
-        total = _combine_norms(total, norm_type, across)
+        total = _combine_norms(total, norm_type, across, stats)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coef.to(g.dtype))

@@ -36,7 +36,8 @@ class LiveOuterSync:
         from ..parallel.local_sgd import LocalSGD
 
         self.live, self.spec = live, spec
-        self.inner = LocalSGD(model, spec, group=None)  # its state and outer optimizer; the all-reduce is torchft's
+        # its state and outer optimizer; the all-reduce is torchft's (counted by live in the run's ledger.dp)
+        self.inner = LocalSGD(model, spec, group=None, stats=getattr(live, "stats", None))
         self.params = self.inner.params
         self.quorum_due = True           # the next step starts a round (after join: its quorum serves)
         self.discarded_rounds = 0        # outer steps that did not commit (parameters back to the anchor)

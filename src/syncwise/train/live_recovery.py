@@ -45,7 +45,6 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 
-from ..comm.stats import STATS
 from ..errors import ConfigError, SyncwiseError
 from .. import bind, live_env
 from ..secret import ENV_SECRET_FILE, read_secret
@@ -109,6 +108,7 @@ class LiveRecovery:
         self._quorum_s = self._discarded_s = 0.0     # this step's quorum time, its discarded attempts' time
         self._attempt_started = 0.0
         self._trainer: Any = None
+        self.stats: Any = None  # where the cross-replica average is counted (the run's ledger.dp, set by the trainer)
         self.outer: Optional["LiveOuterSync"] = None  # local SGD / DiLoCo workers as replicas (see attach)
         self._state_obj: Any = None
         self._for_peers: dict[str, Any] = {}       # the small components as they were at this step's start (_state)
@@ -430,7 +430,8 @@ class LiveRecovery:
             return None
         if self._behind:
             flat.zero_()
-        STATS.record("all_reduce", flat.numel() * flat.element_size())  # (the bytes this rank puts on the wire)
+        if self.stats is not None:  # (the bytes this rank puts on the wire; torchft's all-reduce bypasses comm.ops)
+            self.stats.record("all_reduce", flat.numel() * flat.element_size())
         return self.manager.allreduce(flat)
 
     def _snapshot_for_peers(self) -> None:

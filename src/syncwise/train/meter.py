@@ -15,7 +15,7 @@ CUDA events of DDP's bucket timer on a GPU), read only when the row is settled; 
 
 Bytes and seconds per parallel dimension (:class:`StepBytes`) are attributed here, in one place: which counter and
 which clock feed which dimension (``dp``, ``fsdp``, ``tp``, ``pp``, ``ep``), and which collectives are not a step's
-traffic (:data:`CONTROL_STATS`). Per dimension a step has its bytes, its seconds (issue to completion of its
+traffic (the run's ``ledger.control``). Per dimension a step has its bytes, its seconds (issue to completion of its
 collectives) and its exposed seconds (the part the step waited for); ``comm_exposed_s`` is the exposed time of
 ``dp``, ``fsdp`` and ``tp``, which ``compute_s`` excludes. The expert all-to-alls' and the pipeline's waits stay in
 ``compute_s`` as before (``ep_comm_s`` and ``pp_bubble`` are how doctor takes them apart) and are reported by
@@ -31,15 +31,10 @@ import torch
 from ..comm import ops
 from ..comm import hostread
 from ..comm.hostread import HostCopy
-from ..comm.stats import STATS, CommStats
+from ..comm.stats import CommLedger, CommStats
 from ..comm.timing import Interval, on_cuda
 from ..metrics.ranklog import StepProbe
 from .batches import tokens as batch_tokens
-
-# Collectives that are not a step's traffic (loss averaging, validation, router-load sums, the workers' agreement
-# on a resume step) are counted here, so the per-step ``comm_bytes`` is exactly the gradient traffic.
-CONTROL_STATS = CommStats()
-
 
 @dataclass
 class StepResult:
@@ -141,31 +136,31 @@ class StepBytes:
     """Bytes this rank sent in one step, per parallel dimension: the one place that knows which counter feeds which
     dimension.
 
-    * ``dp``: syncwise's own collectives (``syncwise.comm.STATS``: DDP's hook, compressors, sync strategies, a
+    * ``dp``: syncwise's own collectives (the run's ``ledger.dp``: DDP's hook, compressors, sync strategies, a
       pipeline stage's replicas) plus FSDP2's over the replicas (HSDP's all-reduce: the layout's dispatch counter;
       FSDP2 sharded over replicas: its timed comms); None when the gradient traffic is not seen at all (torch's
-      own comm hooks). Seconds: ``STATS``' clock; exposed: DDP's bucket timer (or the stage sync's), the sync
+      own comm hooks). Seconds: ``ledger.dp``'s clock; exposed: DDP's bucket timer (or the stage sync's), the sync
       strategy's host-timed waits, FSDP2's blocking calls;
     * ``fsdp``: FSDP2's all-gathers and reduce-scatters inside a replica group (``dp_shard``): counted and timed
       by its custom comms (``parallel.fsdp.attach_timing``);
     * ``tp``: DTensor's collectives (the layout's dispatch counter, which also times them);
     * ``pp``: the activations and their gradients sent to the neighbouring stages; seconds: the step's time its
       stages did not compute (transfers and bubble);
-    * ``ep``: the expert all-to-alls, counted and timed where they are issued (``parallel.expert_parallel.EP_STATS``;
-      synchronous on the CPU: exposed = their time; on a GPU exposed is not measured).
+    * ``ep``: the expert all-to-alls, counted and timed where they are issued (``ledger.ep``; synchronous on the
+      CPU: exposed = their time; on a GPU exposed is not measured).
 
-    Not a step's traffic, and so in none of them: :data:`CONTROL_STATS` (the loss's mean, validation, router loads),
-    the gradient norm's combination across stages (``tensor_parallel.NORM_STATS``), the preemption flag. The
-    counters stay process-wide because they are fed deep below the trainer (DDP's comm hook on its worker thread,
-    the expert dispatch's autograd functions, ``comm.ops`` defaults); the meter reads them as marks and differences.
+    Not a step's traffic, and so in none of them: ``ledger.control`` (the loss's mean, validation, router loads),
+    ``ledger.norm`` (the gradient norm's combination across stages), ``ledger.signals`` (the preemption flag). The
+    counters are the run's own (``par.ledger``, made by ``parallelize`` and fed deep below the trainer: DDP's comm
+    hook on its worker thread, the expert dispatch's autograd functions); the meter reads them as marks and
+    differences, so collectives between steps are not a step's.
     """
 
     def __init__(self, par: Any):
         self.par = par
-        self.ep_stats: Optional[CommStats] = None
-        if par.spec.ep > 1:
-            from ..parallel.expert_parallel import EP_STATS
-            self.ep_stats = EP_STATS
+        self.ledger: CommLedger = par.ledger
+        self.dp_stats: CommStats = self.ledger.dp
+        self.ep_stats: Optional[CommStats] = self.ledger.ep if par.spec.ep > 1 else None
         self._marks = (0, 0)
         self._time_marks = (0.0, 0.0)
         params = next(iter(par.model.parameters()), None) if hasattr(par, "model") else None
@@ -173,15 +168,17 @@ class StepBytes:
 
     def begin(self) -> None:
         """Mark the counters: collectives between steps (checkpoint agreement, resume) are not the step's."""
-        self._marks = (STATS.total_bytes, self.ep_stats.total_bytes if self.ep_stats is not None else 0)
-        self._time_marks = (STATS.total_time_s, self.ep_stats.total_time_s if self.ep_stats is not None else 0.0)
+        dp = self.dp_stats
+        self._marks = (dp.total_bytes, self.ep_stats.total_bytes if self.ep_stats is not None else 0)
+        self._time_marks = (dp.total_time_s, self.ep_stats.total_time_s if self.ep_stats is not None else 0.0)
         self.par.begin_step()  # arms the layout's dispatch counter (FSDP2 / DTensor) for this step
 
     def end(self) -> dict[str, Optional[int]]:
         """The step's bytes per dimension since :meth:`begin` (None: not counted)."""
         counted = self.par.counted_bytes()
         out: dict[str, Optional[int]] = {
-            "dp": STATS.total_bytes - self._marks[0] + counted.get("dp", 0) if self.par.dp.bytes_counted else None}
+            "dp": self.dp_stats.total_bytes - self._marks[0] + counted.get("dp", 0) if self.par.dp.bytes_counted
+            else None}
         out.update({dim: n for dim, n in counted.items() if dim != "dp"})
         if self.ep_stats is not None:
             out["ep"] = self.ep_stats.total_bytes - self._marks[1]
@@ -189,12 +186,12 @@ class StepBytes:
 
     def times(self) -> Callable[[], dict]:
         """A reader of the step's seconds per dimension since :meth:`begin`: ``{dim: (seconds, exposed seconds or
-        None)}``; the layout's clocks (FSDP2, DTensor, the pipeline) plus ``STATS``' ('dp', its exposed part comes
+        None)}``; the layout's clocks (FSDP2, DTensor, the pipeline) plus ``ledger.dp``'s ('dp', its exposed part comes
         from the layout's DDP timer: see ``PendingStep.settle``) and the expert all-to-alls'. Read when the row is
         settled: CUDA events then have long completed."""
         layout = self.par.take_times()
-        # the process-wide clocks are read now, at the step's end (later they would hold the next step's)
-        dp_s = STATS.total_time_s - self._time_marks[0]
+        # the run's clocks are read now, at the step's end (later they would hold the next step's)
+        dp_s = self.dp_stats.total_time_s - self._time_marks[0]
         ep_s = self.ep_stats.total_time_s - self._time_marks[1] if self.ep_stats is not None else None
         cuda, untimed = self.cuda, not self.par.dp.sync_timed  # DDP's built-in all-reduce, torch's hooks
         unmeasured = not self.par.replicas_timed  # HSDP's all-reduce: neither its time nor its exposed part
@@ -241,7 +238,7 @@ class StepMeter:
 
     def watch(self, rank_log: Any) -> None:
         """Have this rank's log report the run's control traffic and expert all-to-alls next to its gradient sync."""
-        rank_log.watch(CONTROL_STATS, self.bytes.ep_stats)
+        rank_log.watch(self.par.ledger.dp, self.par.ledger.control, self.bytes.ep_stats)
 
     # ---- the fixed points of a step ----------------------------------------------------------------------
     def begin(self, step: int) -> "StepMeter":
@@ -264,7 +261,7 @@ class StepMeter:
         collective would hold them together). The optimizer step follows."""
         self._exposed = self.par.take_exposed()
         if self.lockstep:
-            self._loss_work = ops.all_reduce(loss, "avg", async_op=True, stats=CONTROL_STATS)
+            self._loss_work = ops.all_reduce(loss, "avg", async_op=True, stats=self.par.ledger.control)
         self.phase = "optimizer step"
 
     def waited(self, seconds: float) -> None:

@@ -170,8 +170,9 @@ class PreemptionGuard:
     ``grace_s`` None or 0 turns the guard off (the signals keep their default effect).
     """
 
-    def __init__(self, grace_s: Optional[float], rank: int = 0, world_size: int = 1):
+    def __init__(self, grace_s: Optional[float], rank: int = 0, world_size: int = 1, stats: Any = None):
         self.grace_s = float(grace_s) if grace_s else 0.0
+        self.stats = stats  # where the flag's all-reduce is counted (the run's ledger.signals: not gradient traffic)
         self.rank, self.world_size = rank, world_size
         self.signal_name: Optional[str] = None  # the first signal this process got
         self.signalled_at: Optional[float] = None
@@ -306,7 +307,7 @@ class PreemptionGuard:
                 self._handle(seen, None)
             if not stop:
                 self._flag.fill_(int(getattr(signal, self.signal_name)) if self.requested else 0)
-                self._work = ops.all_reduce(self._flag, "max", group=self._group, async_op=True, stats=_CONTROL)
+                self._work = ops.all_reduce(self._flag, "max", group=self._group, async_op=True, stats=self.stats)
         if stop:
             self.stopping_step = step
         return stop
@@ -339,7 +340,3 @@ class PreemptionGuard:
         record = summary.get("preempted") or {}
         raise Preempted(self.signal_name or "a signal", self.stopping_step, record.get("checkpoint"))
 
-
-from ..comm.stats import CommStats  # noqa: E402  (the flag's bytes are not gradient traffic)
-
-_CONTROL = CommStats()

@@ -51,7 +51,7 @@ from . import arguments, batches as batch_shapes, options
 from .dynamic_batch import DynamicBatcher, _rows, _slice
 from .faults import FaultPlan
 from .claim import claim
-from .meter import CONTROL_STATS, PendingStep, StepMeter, StepResult
+from .meter import PendingStep, StepMeter, StepResult
 from .options import CommOptions, FaultOptions, RunOptions, StepOptions
 from .preemption import PreemptionGuard
 from .profile import StepProfiler
@@ -59,7 +59,7 @@ from ..rundir import RunDir
 from ..profiling import parse_steps
 
 __all__ = ["OptimizedTrainer", "CommOptions", "StepOptions", "RunOptions", "FaultOptions", "PendingStep",
-           "StepResult", "CONTROL_STATS", "lm_loss", "warmup_steps", "warmup_figures"]
+           "StepResult", "lm_loss", "warmup_steps", "warmup_figures"]
 
 
 def _world() -> tuple[int, int]:
@@ -151,7 +151,8 @@ class OptimizedTrainer:
         self.faults = FaultPlan(f.inject_faults or [], self.run_dir)
         # SIGTERM / SIGUSR1 during train(): stop after a step every rank agrees on, save, raise Preempted
         # (train/preemption.py); None or 0 leaves the signals alone.
-        self.preemption = PreemptionGuard(f.preempt_grace_s or 0.0, self.rank, self.world_size)
+        self.preemption = PreemptionGuard(f.preempt_grace_s or 0.0, self.rank, self.world_size,
+                                          stats=self.par.ledger.signals)
         self.batcher = s.dynamic_batch  # micro-batches that fit; None: each loader batch is one micro-batch
         self.step = 0
         self.total_steps = 0
@@ -239,6 +240,7 @@ class OptimizedTrainer:
             self.sync_spec = spec.sync.spec
         check_live_sync(spec.sync, self.sync_spec, self.world_size, spec.dp_shard)
         check_live_compress(self.compress_spec, self.world_size, "compress_gradients")
+        live.stats = self.par.ledger.dp  # its cross-replica average is this run's gradient traffic
         self.sync = live.attach(self.model, spec.sync)
         if self.sync is not live:  # local SGD / DiLoCo: its state is checkpointed and healed as the 'sync' component
             self.par.sync = self.sync
@@ -494,7 +496,7 @@ class OptimizedTrainer:
             if self.world_size == 1:
                 return n
             t = torch.tensor([n], device=self.device)
-            ops.all_reduce(t, "min", stats=CONTROL_STATS)
+            ops.all_reduce(t, "min", stats=self.par.ledger.control)
             return int(t.item())
 
         self.phase = "dynamic batch probe"
@@ -877,7 +879,7 @@ class OptimizedTrainer:
         # absent: this rank sent nothing in that dimension (0); present but None: not counted (NaN sums to NaN)
         values = torch.tensor([0.0 if k not in summary else math.nan if summary[k] is None else float(summary[k])
                                for k in keys], dtype=torch.float64, device=self.device)
-        ops.all_reduce(values, "sum", stats=CONTROL_STATS)
+        ops.all_reduce(values, "sum", stats=self.par.ledger.control)
         out: dict[str, Any] = {}
         for k, v in zip(keys, values.tolist()):
             if k == keys[0] or v != 0.0:
@@ -914,13 +916,13 @@ class OptimizedTrainer:
     def _mean_across_ranks(self, value: torch.Tensor) -> float:
         if self.world_size > 1:
             value = value.detach().float().clone()
-            ops.all_reduce(value, "avg", stats=CONTROL_STATS)
+            ops.all_reduce(value, "avg", stats=self.par.ledger.control)
         return float(value)
 
     def _sum_across_ranks(self, tensor: torch.Tensor) -> None:
         """Sum over the ranks that hold the same layers (a pipeline stage's data-parallel ranks; every rank
         otherwise): the MoE load counts, whose layers differ between stages."""
-        ops.all_reduce(tensor, "sum", group=self.par.dp_group, stats=CONTROL_STATS)
+        ops.all_reduce(tensor, "sum", group=self.par.dp_group, stats=self.par.ledger.control)
 
 
 DIMENSIONS = ("dp", "fsdp", "tp", "pp", "ep")

@@ -1,0 +1,99 @@
+"""One ledger per run: no module-level communication counter, and two runs in one process count apart."""
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from distributed import run_workers
+from syncwise.comm import CommLedger, CommStats
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "syncwise"
+COUNTERS = {"CommStats", "CommLedger"}
+
+
+def _module_level_counters(text: str, name: str) -> list[str]:
+    """'name:line Class' of each module-level statement that makes a CommStats / CommLedger (``X = CommStats()``,
+    ``X: T = ops.CommStats()``, inside a module-level if / try / with as well)."""
+    found = []
+
+    def visit(body: list) -> None:
+        for node in body:
+            if isinstance(node, (ast.If, ast.Try, ast.With)):
+                for part in (node.body, getattr(node, "orelse", []), getattr(node, "finalbody", []),
+                             *[h.body for h in getattr(node, "handlers", [])]):
+                    visit(part)
+                continue
+            if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+                continue
+            for call in ast.walk(node.value):
+                if isinstance(call, ast.Call):
+                    f = call.func
+                    called = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+                    if called in COUNTERS:
+                        found.append(f"{name}:{node.lineno} {called}")
+
+    visit(ast.parse(text, name).body)
+    return found
+
+
+def test_no_module_level_communication_counters():
+    found = [hit for path in sorted(SRC.rglob("*.py"))
+             for hit in _module_level_counters(path.read_text(), str(path.relative_to(SRC.parent)))]
+    assert found == [], "module-level counters (a run's ledger comes from parallelize): " + ", ".join(found)
+
+
+def test_the_check_sees_the_forms_it_forbids():
+    text = ("from .comm import ops\nfrom .comm.stats import CommStats\nSTATS = CommStats()\n"
+            "X: object = ops.CommStats()\nif True:\n    Y = {'a': CommStats()}\n"
+            "def f():\n    local = CommStats()\n")
+    assert _module_level_counters(text, "m.py") == ["m.py:3 CommStats", "m.py:4 CommStats", "m.py:6 CommStats"]
+
+
+def test_a_ledger_holds_one_counter_per_kind():
+    ledger = CommLedger()
+    assert set(ledger.KINDS) >= {"dp", "ep", "control", "norm", "pp", "signals"}
+    assert ledger.dp is ledger["dp"] and isinstance(ledger.dp, CommStats)
+    assert ledger.dp is not CommLedger().dp
+    ledger.dp.record("all_reduce", 8)
+    ledger.control.record("all_reduce", 4)
+    assert ledger.snapshot() == {"dp": {"all_reduce": {"calls": 1, "bytes": 8, "time_s": 0.0}},
+                                 "control": {"all_reduce": {"calls": 1, "bytes": 4, "time_s": 0.0}}}
+    with pytest.raises(AttributeError):
+        ledger.nope
+    ledger.reset()
+    assert ledger.snapshot() == {}
+
+
+# ---------------------------------------------------------------- two trainers in one process, 2 gloo ranks
+def _two_trainers(rank, world):
+    from syncwise.train import OptimizedTrainer
+
+    def trainer(seed, **options):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(8, 64), nn.GELU(), nn.Linear(64, 4))
+        return OptimizedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy,
+                                show_progress=False, **options), sum(p.numel() * 4 for p in model.parameters())
+
+    g = torch.Generator().manual_seed(rank)
+    batches = [(torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(4)]
+    a, param_bytes = trainer(0)                               # DDP's built-in all-reduce: fp32 gradients
+    b, _ = trainer(1, compress_gradients="fp16")               # syncwise's hook: half the bytes
+    assert a.par.ledger is not b.par.ledger
+    sa = a.train(batches, steps=2)
+    after_a = a.par.ledger.dp.total_bytes
+    sb = b.train(batches, steps=3)
+    return {"param_bytes": param_bytes, "a": sa["comm_bytes_per_step"], "b": sb["comm_bytes_per_step"],
+            "a_total": after_a, "a_total_after_b": a.par.ledger.dp.total_bytes,
+            "b_total": b.par.ledger.dp.total_bytes, "b_compressor": b.compressor.stats is b.par.ledger.dp,
+            "a_control": a.par.ledger.control.total_calls, "b_control": b.par.ledger.control.total_calls}
+
+
+def test_two_trainers_in_one_process_keep_separate_byte_counts():
+    for r in run_workers(_two_trainers, 2):
+        assert r["a"] == r["param_bytes"] and r["a_total"] == 2 * r["param_bytes"]
+        assert r["a_total_after_b"] == r["a_total"]             # b's steps are not counted in a's ledger
+        assert r["b"] == r["param_bytes"] // 2 and r["b_total"] == 3 * r["param_bytes"] // 2
+        assert r["b_compressor"]                                  # parallelize handed b's compressor its ledger
+        assert r["a_control"] > 0 and r["b_control"] > 0          # each run's loss mean in its own control
