@@ -17,4 +17,7 @@ if [ "${SYNCWISE_TEST_SLURM:-1}" = 1 ]; then
         echo "test.sh: no local Slurm (see above); the real-Slurm test will skip" >&2
     fi
 fi
-"$SYNCWISE_PYTHON" -m pytest -q "$@"
+# Two pytest workers (pytest-xdist): many tests wait (on a timeout, a slow link, a subprocess's start) or run one
+# single-threaded process, so a second worker fills the other core. Tests that share a machine-wide resource (the
+# network lab, the local Slurm) take turns (tests/conftest.py: a file lock). SYNCWISE_TEST_WORKERS=0: serial.
+"$SYNCWISE_PYTHON" -m pytest -q -n "${SYNCWISE_TEST_WORKERS:-2}" "$@"

@@ -17,3 +17,32 @@ def _forget_declared_backends():
     from syncwise.comm import ops
 
     ops.declare_backend(None)
+
+
+
+# Under pytest-xdist (scripts/test.sh: -n 2) tests that use a machine-wide resource take turns: the network lab (one
+# set of namespaces, `swlab`) and the local Slurm controller. A file lock held for the test's length, not xdist's
+# groups (--dist loadgroup did not keep groups on one worker with pytest 9.2 / xdist 3.8 here); a worker waiting on
+# it leaves its core to the test that holds it.
+_SHARED = {"lab": ("test_lab.py", "test_ft_lab.py"), "slurm": ("test_launch_slurm.py",)}
+
+
+def _shared_resource(item) -> "str | None":
+    for name, files in _SHARED.items():
+        if item.path.name in files:
+            return name
+    return "lab" if item.get_closest_marker("lab") else None
+
+
+@pytest.fixture(autouse=True)
+def _take_turns_on_shared_resources(request):
+    name = _shared_resource(request.node)
+    if name is None:
+        yield
+        return
+    import fcntl
+    import tempfile
+
+    with open(os.path.join(tempfile.gettempdir(), f"syncwise-tests-{name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
