@@ -22,8 +22,9 @@ from ..rundir import RunDir, RunDirLock, held_by_launcher
 def previous_run(run_dir: Optional[Path], checkpoint_dir: Optional[Path]) -> list[str]:
     """The files and checkpoints of an earlier run in ``run_dir`` / ``checkpoint_dir`` (empty: none)."""
     # an empty metrics.jsonl is a run that ended before its first step: nothing of it to keep, nothing to continue
-    files = RunDir(run_dir).run_files() if run_dir is not None else ()
-    found = [p.name for p in files if p.exists() and not (p.name == "metrics.jsonl" and p.stat().st_size == 0)]
+    run = RunDir(run_dir) if run_dir is not None else None
+    found = [p.name for p in (run.run_files() if run else ()) if p.exists()
+             and not (p == run.metrics and p.stat().st_size == 0)]
     if checkpoint_dir is not None and checkpoint_dir.is_dir():
         found += [str(p.relative_to(run_dir)) if run_dir is not None and p.is_relative_to(run_dir) else str(p)
                   for p in published_checkpoints(checkpoint_dir)]
