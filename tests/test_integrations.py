@@ -4,6 +4,8 @@ Each test checks the three things a user needs: the replicas stay identical, the
 counters) are cut by the compressor, and a resume restores the compressor state so the loss curve continues
 exactly as an uninterrupted run's.
 """
+import contextlib
+import io
 import os
 
 import pytest
@@ -403,12 +405,14 @@ def _hf_worker(rank, world, tmp):
         trainer = Trainer(model=model, args=args, train_dataset=data)
         cb = attach(trainer, SPEC, min_numel=MIN_NUMEL)
         before = bytes_on_wire(cb)
-        trainer.train(resume_from_checkpoint=resume)
+        said = io.StringIO()
+        with contextlib.redirect_stdout(said):
+            trainer.train(resume_from_checkpoint=resume)
         # a resumed run's log_history starts with the checkpoint's: keep the steps this run took
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h and h["step"] > (3 if resume else 0)]
         return {"losses": losses, "bytes_per_step": (bytes_on_wire(cb) - before) / max(1, len(losses)),
                 "fp32": _fp32_bytes(model), "params": _flat(model), "state": cb.compressor.state_dict(),
-                "registered": cb.registered}
+                "registered": cb.registered, "said": said.getvalue()}
 
     full = run(os.path.join(tmp, "full"), 6)
     resumed = run(os.path.join(tmp, "full"), 6, resume=os.path.join(tmp, "full", "checkpoint-3"))
@@ -420,6 +424,9 @@ def test_transformers_trainer_callback(tmp_path):
     pytest.importorskip("transformers")
     r0, r1 = run_workers(_hf_worker, 2, str(tmp_path))
     assert r0["full"]["registered"] and r0["file"]
+    # the first process says that syncwise compresses, and with what (nothing else in the Trainer's output does)
+    assert "syncwise: compressing the Trainer's DDP gradient sync with powersgd across 2 processes" in r0["full"]["said"]
+    assert "syncwise:" not in r1["full"]["said"]
     for name in ("full", "resumed"):
         assert torch.equal(r0[name]["params"], r1[name]["params"]), name
     assert r0["full"]["bytes_per_step"] < 0.5 * r0["full"]["fp32"]

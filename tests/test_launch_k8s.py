@@ -176,14 +176,19 @@ def test_live_recovery_manifests_lighthouse_replica_jobs_and_what_replaces_a_los
     docs = _generate(tmp_path, cluster, name="ft-run", extra="[ft]\nreplicas = 4\nmin_replicas = 2\n"
                                                              "replica_restarts = 5\n")
     every = [d for d in yaml.safe_load_all((tmp_path / "out" / "ft-run.yaml").read_text()) if d]
-    assert [d["kind"] for d in every] == ["ConfigMap", "PersistentVolumeClaim", "Service", "Service", "Deployment",
-                                          "JobSet"]
+    assert [d["kind"] for d in every] == ["ConfigMap", "Secret", "PersistentVolumeClaim", "Service", "Service",
+                                          "Deployment", "JobSet"]
     for doc in every[:-1]:
         kubernetes_validate.validate(doc, K8S, strict=True)
     kubernetes_validate.validate(_job_of(docs["JobSet"]), K8S, strict=True)
     JOBSET.validate(docs["JobSet"])
-    js, deploy, lh_svc = docs["JobSet"], docs["Deployment"], every[3]
-    assert lh_svc["metadata"]["name"] == "ft-run-lighthouse" and every[2]["metadata"]["name"] == "ft-run-rdzv"
+    js, deploy, lh_svc = docs["JobSet"], docs["Deployment"], every[4]
+    assert lh_svc["metadata"]["name"] == "ft-run-lighthouse" and every[3]["metadata"]["name"] == "ft-run-rdzv"
+    # the per-job secret: a fresh token in a Secret, mounted as one owner-only file the replicas sign heals with;
+    # the manifests holding it are written owner-only
+    secret = every[1]
+    assert secret["metadata"]["name"] == "ft-run-secret" and len(secret["stringData"]["job.secret"]) == 64
+    assert (tmp_path / "out" / "ft-run.yaml").stat().st_mode & 0o077 == 0
     (rjob,) = js["spec"]["replicatedJobs"]
     job, pod = rjob["template"]["spec"], rjob["template"]["spec"]["template"]["spec"]
     (c,) = pod["containers"]
@@ -200,6 +205,12 @@ def test_live_recovery_manifests_lighthouse_replica_jobs_and_what_replaces_a_los
         "metadata.annotations['jobset.sigs.k8s.io/job-index']"
     assert list(env).index("SYNCWISE_FT_REPLICA") == 0  # defined before the command references it
     assert env["TORCHFT_LIGHTHOUSE"]["value"] == "http://ft-run-lighthouse:30400"
+    assert env["SYNCWISE_SECRET_FILE"]["value"] == "/var/run/syncwise/job.secret"
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "secret")
+    assert mount == {"name": "secret", "mountPath": "/var/run/syncwise/job.secret", "subPath": "job.secret",
+                     "readOnly": True}
+    volume = next(v for v in pod["volumes"] if v["name"] == "secret")
+    assert volume["secret"] == {"secretName": "ft-run-secret", "defaultMode": 0o400}
     assert env["SYNCWISE_FT_REPLICAS"]["value"] == "4" and env["SYNCWISE_FT_MIN_REPLICAS"]["value"] == "2"
     (lh,) = deploy["spec"]["template"]["spec"]["containers"]
     # bound by bind.py's rule on the pod (its own address), never every interface (issue 42)

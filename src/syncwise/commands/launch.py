@@ -118,6 +118,8 @@ def _write(out: Path, files: dict[str, str], force: bool) -> list[Path]:
         tmp.write_text(text)
         if name.endswith(".sbatch"):
             tmp.chmod(0o755)
+        elif "\nkind: Secret\n" in text:  # a job's secret inside: owner-only, as the run directory's job.secret
+            tmp.chmod(0o600)
         os.replace(tmp, path)
         written.append(path)
     return written

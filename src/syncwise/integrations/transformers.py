@@ -59,10 +59,18 @@ class SyncwiseTrainerCallback(_tf.TrainerCallback):
             self._state.load_state_dict(saved, device)
         if self.registered:
             return
+        what = self.compressor.compressor.name
         if model is not None and hasattr(model, "register_comm_hook"):
             self.compressor.register(model)
             self.registered = True
-        elif args.world_size > 1:
+            if args.process_index == 0:  # say so: nothing else in the Trainer's output shows syncwise at work
+                print(f"syncwise: compressing the Trainer's DDP gradient sync with {what} across {args.world_size} "
+                      f"processes (tensors under {self.compressor.policy.min_numel} elements go as they are)",
+                      flush=True)
+        elif args.world_size <= 1:
+            print(f"syncwise: one process, no DDP gradient sync: {what} compresses nothing here (launch with "
+                  "torchrun or accelerate for several processes)", flush=True)
+        else:
             raise SyncwiseError("SyncwiseTrainerCallback cannot see the DDP-wrapped model from a callback list: add it "
                                 "with syncwise.integrations.transformers.attach(trainer, compressor)")
 

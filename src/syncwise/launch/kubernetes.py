@@ -28,14 +28,17 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 from typing import Any
 
 from .. import __version__, live_env
+from ..secret import ENV_SECRET_FILE
 from ..train.preemption import EXIT_GRACE_EXPIRED, EXIT_PREEMPTED
 from .spec import LIGHTHOUSE_PORT_OFFSET, ClusterLaunch, JobSpec, agent_argv, worker_argv
 
 SCHEMA_FILE = "jobset.x-k8s.io_v1alpha2.json"
 CONFIG_MOUNT = "/etc/syncwise"
+SECRET_PATH = "/var/run/syncwise/job.secret"  # live recovery: the per-job secret, mounted from the job's Secret
 CONTAINER = "trainer"
 REPLICATED_JOB = "node"
 REPLICA_JOB = "replica"  # live recovery: one Job (one pod) per replica group
@@ -43,7 +46,9 @@ JOB_INDEX = "jobset.sigs.k8s.io/job-index"  # the annotation JobSet puts on a ch
 
 
 def manifests(cluster: ClusterLaunch, job: JobSpec) -> list[dict[str, Any]]:
-    """ConfigMap, PersistentVolumeClaim, Service and JobSet (in the order ``kubectl apply`` should create them)."""
+    """ConfigMap, PersistentVolumeClaim, Service and JobSet (in the order ``kubectl apply`` should create them); with
+    live recovery also the job's Secret (a fresh random token: the file holding these manifests is then written
+    owner-only), the lighthouse's Service and Deployment."""
     la, k = cluster.launch, cluster.kubernetes
     name, ns = job.name, k.namespace
     labels = {"app.kubernetes.io/name": "syncwise", "app.kubernetes.io/instance": name,
@@ -79,6 +84,7 @@ def manifests(cluster: ClusterLaunch, job: JobSpec) -> list[dict[str, Any]]:
         ft_env = ft.replica_env("", f"http://{lighthouse}:{lighthouse_port}", f"{run_dir}/ft/status")
         ft_env.pop(live_env.REPLICA)  # from the pod's job-index annotation (below)
         env.update(ft_env)
+        env[ENV_SECRET_FILE] = SECRET_PATH  # heal transfers signed with it (docs/security.md)
     if la.nccl_socket_ifname:
         env["NCCL_SOCKET_IFNAME"] = la.nccl_socket_ifname
     if la.gloo_socket_ifname:
@@ -109,6 +115,15 @@ def manifests(cluster: ClusterLaunch, job: JobSpec) -> list[dict[str, Any]]:
                     "volumes": [{"name": "shared", "persistentVolumeClaim": {"claimName": f"{name}-ckpt"}},
                                 {"name": "config", "configMap": {"name": f"{name}-config"}},
                                 {"name": "dshm", "emptyDir": {"medium": "Memory"}}]}}
+    secret = None
+    if ft:  # the per-job secret (syncwise.secret): a Secret of its own, mounted as a file only its owner may read
+        secret = {"apiVersion": "v1", "kind": "Secret", "metadata": meta(f"{name}-secret"), "type": "Opaque",
+                  "stringData": {"job.secret": secrets.token_hex(32)}}
+        # subPath: the file itself (a plain secret volume shows a symlink, which the secret's check refuses)
+        container["volumeMounts"].append({"name": "secret", "mountPath": SECRET_PATH, "subPath": "job.secret",
+                                          "readOnly": True})
+        pod["spec"]["volumes"].append({"name": "secret", "secret": {"secretName": f"{name}-secret",
+                                                                    "defaultMode": 0o400}})
     pods = 1 if ft else la.max_nodes
     job_spec = {
         "parallelism": pods, "completions": pods, "completionMode": "Indexed",
@@ -152,7 +167,7 @@ def manifests(cluster: ClusterLaunch, job: JobSpec) -> list[dict[str, Any]]:
                           "strategy": {"type": "Recreate"},  # never two lighthouses with split quorums
                           "template": {"metadata": {"labels": dict(lh_labels)},
                                        "spec": {"restartPolicy": "Always", "containers": [lh_container]}}}}
-    return [config_map, pvc, rdzv, lh_service, lh_deploy, jobset]
+    return [config_map, secret, pvc, rdzv, lh_service, lh_deploy, jobset]
 
 
 def jobset_schema() -> dict[str, Any]:
