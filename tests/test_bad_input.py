@@ -86,6 +86,8 @@ ACCEPTS = {
     "flops_per_token": lambda v: v is None or isinstance(v, NUMBER) and not isinstance(v, bool),
     "checkpointer": lambda v: v is None,
     "data_seed": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "profile_steps": lambda v: v is None or isinstance(v, str),
+    "profile_every": lambda v: isinstance(v, int) and not isinstance(v, bool),
     "collective_timeout_s": lambda v: v is None or isinstance(v, NUMBER) and not isinstance(v, bool),
     "preempt_grace_s": lambda v: v is None or isinstance(v, NUMBER) and not isinstance(v, bool),
     "inject_faults": lambda v: v is None or isinstance(v, (str, list, tuple)),

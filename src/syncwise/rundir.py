@@ -45,6 +45,8 @@ class RunDir:
         job.secret       the per-job secret (mode 0600) that signs live recovery's heal transfers (secret.py)
     """
 
+    METRICS, SUMMARY = "metrics.jsonl", "summary.json"  # (their names alone, for messages about a run with no directory)
+
     def __init__(self, root: "str | os.PathLike"):
         self.root = Path(root)
 
@@ -55,8 +57,8 @@ class RunDir:
         return str(self.root)
 
     config = property(lambda self: self.root / "config.json")
-    metrics = property(lambda self: self.root / "metrics.jsonl")
-    summary = property(lambda self: self.root / "summary.json")
+    metrics = property(lambda self: self.root / self.METRICS)
+    summary = property(lambda self: self.root / self.SUMMARY)
     preempted = property(lambda self: self.root / "preempted.json")
     checkpoints = property(lambda self: self.root / "checkpoints")
     ranks = property(lambda self: self.root / "ranks")

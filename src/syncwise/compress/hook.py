@@ -121,7 +121,8 @@ class CompressionHookState:
         now = time.perf_counter()
         with self._lock:
             if self._window is None:
-                self._window = {"comm_mark": ops.STATS.total_time_s, "intervals": [], "open": 0, "last": None}
+                self._window = {"comm_mark": self.compressor.stats.total_time_s, "intervals": [], "open": 0,
+                                "last": None}
             self._window["open"] += 1
             if is_last:
                 self._window["last"] = now
@@ -145,7 +146,7 @@ class CompressionHookState:
             for a, b in sorted(w["intervals"]):
                 span += max(0.0, b - max(a, end))
                 end = max(end, b)
-            collectives = ops.STATS.total_time_s - w["comm_mark"]
+            collectives = self.compressor.stats.total_time_s - w["comm_mark"]
             self._synced.append((max(0.0, span - collectives), max(0.0, end - w["last"])))
 
     def take_sync(self) -> Optional[tuple[float, float]]:

@@ -126,7 +126,7 @@ class MetricsLogger:
         try:
             self._open(start_step, tensorboard)
         except OSError as e:
-            raise self._write_failed(RunDir(self.run_dir).metrics.name, e) from None
+            raise self._write_failed(RunDir.METRICS, e) from None
 
     def _open(self, start_step: int, tensorboard: bool) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -152,7 +152,7 @@ class MetricsLogger:
         row has none, so a run's timeline (a failure's stall, a recovery) can be read from the file."""
         if not self.enabled:
             return
-        what = RunDir(self.run_dir).metrics.name
+        what = RunDir.METRICS
         try:
             if self._file is not None:
                 self._file.write(json.dumps(row if "time" in row else {**row, "time": round(time.time(), 4)}) + "\n")
@@ -189,12 +189,12 @@ class MetricsLogger:
             return
         if self._progress is not None:
             self._progress.stop()
-        what = RunDir(self.run_dir).metrics.name
+        what = RunDir.METRICS
         try:
             if self._file is not None:
                 self._file.close()
                 self._file = None
-                what = RunDir(self.run_dir).summary.name
+                what = RunDir.SUMMARY
                 RunDir(self.run_dir).summary.write_text(json.dumps(summary, indent=2) + "\n")
             what = "TensorBoard's events (tb/)"
             if self._tb is not None:

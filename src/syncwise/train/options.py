@@ -96,8 +96,8 @@ TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "checkpointer": (lambda v: v is None or (hasattr(v, "save") and hasattr(v, "load") and hasattr(v, "directory")),
                      "None or a syncwise SmartCheckpointer (or train(checkpoint_dir=...))"),
     "data_seed": (lambda v: True, ""),
-    "profile_steps": (lambda v: True, ""),  # its grammar: syncwise.profiling.check_pair
-    "profile_every": (lambda v: True, ""),
+    "profile_steps": (lambda v: v is None or isinstance(v, str), "None or 'A:B' (steps A to B, 1-based)"),
+    "profile_every": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer: 0 (off) or N ≥ 2"),
     "collective_timeout_s": (lambda v: v is None or _num(v), "None or a finite number of seconds > 0"),
     "preempt_grace_s": (lambda v: v is None or _num(v), "None/0 (signals alone) or a finite number of seconds ≥ 0"),
     "inject_faults": (lambda v: v is None or isinstance(v, str) or _fault_list(v),
