@@ -262,6 +262,8 @@ def test_join_torchrun_picks_the_backend_by_the_same_rule(gpus, local_rank, devi
     monkeypatch.setattr(arguments.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(arguments.dist, "init_process_group", lambda backend, **kw: seen.update(backend=backend, **kw))
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.update(set_device=torch.device(d)))
+    # no store either: rank 0's bound TCPStore is tests/test_security.py's (MASTER_PORT=1 here has no server)
+    monkeypatch.setattr("syncwise.bind.store_kwargs", lambda timeout=None: {})
     assert arguments.join_torchrun(torch.device(device), 5.0) is True
     # NCCL joins with a CPU communicator too (issue 24: CPU control tensors on an NCCL-only group killed every run)
     assert seen["backend"] == (devices.NCCL_PROCESS_GROUP if want == "nccl" else want)
@@ -353,7 +355,7 @@ def _venv(path: Path, torch_version: str | None, with_pip: bool = False) -> str:
 
 
 @pytest.mark.parametrize("req, rest", [("requirements.txt", "numpy rich matplotlib"),
-                                       ("requirements-dev.txt", "numpy rich matplotlib pytest tensorboard hypothesis kubernetes-validate==1.37.0 jsonschema pyyaml lightning==2.6.6 accelerate==1.15.0 transformers==5.23.0 prometheus_client==0.26.0 wandb==0.30.0 tokenizers==0.23.3 datasets==5.2.0 torchft==0.2.0")])
+                                       ("requirements-dev.txt", "numpy rich matplotlib pytest pytest-xdist tensorboard hypothesis kubernetes-validate==1.37.0 jsonschema pyyaml lightning==2.6.6 accelerate==1.15.0 transformers==5.23.0 prometheus_client==0.26.0 wandb==0.30.0 tokenizers==0.23.3 datasets==5.2.0 torchft==0.2.0")])
 def test_setup_keeps_an_installed_torch(req, rest, tmp_path):
     python = _venv(tmp_path / "cuda", "2.11.0+cu130")
     r = _setup(python, req, SYNCWISE_SETUP_DRY_RUN="1")

@@ -28,7 +28,8 @@ class ConfigError(SyncwiseError):
 
     def __init__(self, field: str, value: object, accepted: str):
         self.field, self.value, self.accepted = field, value, accepted
-        field = field if len(field) <= 80 else f"{field[:60]}… ({len(field):,} characters)"  # a key as typed
+        # a key as typed, cut in the middle: its end names the key (a file's path, then ': hidden_size')
+        field = field if len(field) <= 80 else f"{field[:30]}…{field[-40:]} ({len(field):,} characters)"
         # None is a value nobody typed: the field is missing (not "'launch.shared_dir': None").
         text = (f"missing value for '{field}' — accepted: {accepted}" if value is None else
                 f"invalid value for '{field}': {echo(value)} — accepted: {accepted}")
