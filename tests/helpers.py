@@ -2,10 +2,13 @@
 flight until the test lets them finish, and a live-recovery run's rows and final replica digests."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
+
+import pytest
 
 from syncwise.checkpoint import SmartCheckpointer
 
@@ -19,6 +22,20 @@ def lab_unavailable() -> str | None:
     if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
         return "`ip netns` is not usable here"
     return None
+
+
+@contextlib.contextmanager
+def tmpfs(path, size: str):
+    """A tmpfs of ``size`` (mount's spelling: '256k', '3m') mounted at ``path`` for the block's length: a disk that
+    really fills up. Skips the test where mounting needs a root this process does not have."""
+    path.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
 class GatedCheckpointer(SmartCheckpointer):

@@ -3,13 +3,13 @@ root; skipped where mounting is not allowed). The metrics write and TensorBoard'
 paragraph naming the run directory, not in raw tracebacks."""
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 
 import pytest
 import torch
 from torch import nn
+
+from helpers import tmpfs
 
 from syncwise.errors import SyncwiseError
 from syncwise.metrics import MetricsLogger
@@ -17,15 +17,8 @@ from syncwise.metrics import MetricsLogger
 
 @pytest.fixture
 def tiny_disk(tmp_path):
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    try:
+    with tmpfs(tmp_path / "disk", "256k") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def _fill(mnt, leave):

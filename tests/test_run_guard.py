@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from helpers import tmpfs
+
 from syncwise.cli import main
 from syncwise.errors import SyncwiseError
 from syncwise.rundir import RunDirLock
@@ -128,15 +130,8 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
 @pytest.fixture
 def small_disk(tmp_path):
     """A 3 MiB tmpfs: a tiny run fills it within a few checkpoints (needs root, as CI and the lab have)."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    try:
+    with tmpfs(tmp_path / "disk", "3m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def test_full_disk_ends_with_syncwise_message_and_keeps_saved_checkpoints(small_disk):

@@ -142,7 +142,7 @@ class CompressionHookState:
             if w["open"] or w["last"] is None:
                 return
             self._window = None
-            span, end, last_end = 0.0, float("-inf"), 0.0
+            span, end = 0.0, float("-inf")
             for a, b in sorted(w["intervals"]):
                 span += max(0.0, b - max(a, end))
                 end = max(end, b)

@@ -258,7 +258,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def signature(init: Callable) -> "inspect.Signature":
+def signature(init: Callable) -> Any:
     """``init``'s signature with every group field added as a keyword-only parameter (its name, default and type):
     what ``help(OptimizedTrainer)`` and IDEs show for the flat keywords, derived from the groups, written nowhere
     else."""

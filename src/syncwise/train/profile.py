@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from ..profiling import check_pair, profiled
+from ..profiling import profiled
 from ..rundir import RunDir
 
 log = logging.getLogger(__name__)

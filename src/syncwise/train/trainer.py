@@ -27,7 +27,6 @@ import json
 import math
 import sys
 import time
-from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
@@ -46,9 +45,9 @@ from ..specs import count
 from ..metrics import MetricsLogger, detect_peak, mfu, peak_memory_mb, read_jsonl
 from ..metrics.ranklog import RankLog, plain
 from ..metrics import figures
-from ..parallel import ParallelSpec, TorchHookSpec, describe_layout, parallelize, rebind_optimizer
+from ..parallel import TorchHookSpec, describe_layout, parallelize, rebind_optimizer
 from . import arguments, batches as batch_shapes, options
-from .dynamic_batch import DynamicBatcher, _rows, _slice
+from .dynamic_batch import _rows, _slice
 from .faults import FaultPlan
 from .claim import claim
 from .meter import PendingStep, StepMeter, StepResult
