@@ -141,10 +141,17 @@ def free_port(host: Optional[str] = None) -> int:
         return s.getsockname()[1]
 
 
+WILDCARD = "0.0.0.0"
+
+
 def store_bind(host_name: str) -> str:
     """Where a store server whose clients are told ``host_name`` listens: that address itself (a literal address,
-    or what the name resolves to here), so it is reachable exactly where it is advertised. A name that resolves to
-    loopback on a job that spans machines (a host name mapped to 127.0.1.1 in /etc/hosts) gets the rule's address."""
+    or what the name resolves to here), so it is reachable exactly where it is advertised.
+
+    One case has no single right address: a job that spans machines whose advertised host name resolves to loopback
+    on this node (/etc/hosts mapping the node's own name to 127.0.0.1 or 127.0.1.1, as Debian does). The agents on
+    this node connect to loopback, those on the others to the node's real address, and one socket cannot listen on
+    both: the store then listens on every interface, as torch's own does, and says so in one line with the fix."""
     try:
         ipaddress.ip_address(host_name.strip("[]"))
         return host_name.strip("[]")
@@ -154,7 +161,13 @@ def store_bind(host_name: str) -> str:
         addr = socket.getaddrinfo(host_name, None, type=socket.SOCK_STREAM)[0][4][0]
     except OSError:
         return bind_host()
-    return bind_host() if is_loopback(addr) and not is_loopback(bind_host()) else addr
+    if is_loopback(addr) and not is_loopback(bind_host()):
+        print(f"syncwise: {host_name!r} resolves to {addr} on this node but the job spans machines: its store listens "
+              f"on every interface (so this node's agents and the others' both reach it). Map {host_name} to its "
+              f"network address in /etc/hosts, or give the rendezvous endpoint as an address, to bind it to that "
+              "address only (docs/security.md)", file=sys.stderr, flush=True)
+        return WILDCARD
+    return addr
 
 
 def tcp_store(host_name: str, port: int, *args: Any, is_master: bool = False, bind: Optional[str] = None,
