@@ -140,8 +140,16 @@ def test_doctor_names_the_planted_cause_first(runs, name):
         assert "rank 1" in d.top.title and "stays slow" in d.top.evidence
     if expected == "data_loader":
         assert d.top.details["ranks"] == [1]
-    if expected in ("buckets_too_small", "compression"):
+    if expected == "buckets_too_small":
         assert d.top.predicted_by == "cost model" and d.top.flag.startswith("--")
+    if expected == "compression":
+        # A cheaper compressor is recommended (cost model) only when predicted >= 3 % sooner to fp32 DDP's loss by
+        # auto's terms; whether one clears that bar depends on how slow this run's top-k measured against the
+        # model's prices (a fresh clone under a loaded second pytest worker found none). Either way the finding
+        # predicts a faster step (above): by the cost model with a --compress flag, or by removing the measured
+        # compression compute.
+        assert (d.top.predicted_by == "cost model" and d.top.flag.startswith("--compress ")) or (
+            d.top.predicted_by == "measured loss removed" and not d.top.flag), d.top
     if expected in ("buckets_too_large", "pipeline_bubble"):  # priced with the run's overlap / micro-batch cost
         assert d.top.predicted_by.startswith("cost model") or d.top.predicted_by == "not priced"
         assert d.top.details["verdict"] in ("faster", "slower", "unknown")
