@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import random
+import os
 import threading
 from pathlib import Path
 
@@ -187,8 +188,12 @@ def test_keep_last_n_never_leaves_no_checkpoint(tmp_path):
     first_published = threading.Event()
 
     def watch():
+        # one directory listing per look, names only: published_checkpoints lists, then asks each entry is_dir(),
+        # and between the two the retention may have deleted the older step the listing saw while the newer one
+        # (renamed in before that deletion) was still '.partial' in it -- an empty answer the directory never had
+        # (seen once under a second pytest worker's load)
         while not stop.is_set():
-            names = [p.name for p in storage.published_checkpoints(tmp_path)]
+            names = [n for n in os.listdir(tmp_path) if storage.step_of(tmp_path / n) is not None]
             if names:
                 first_published.set()
             elif first_published.is_set():
