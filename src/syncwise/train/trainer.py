@@ -206,6 +206,7 @@ class OptimizedTrainer:
             raise ConfigError("compress_gradients", c.compress_gradients, e.accepted) from None
         self.compress_spec = c.compress_gradients if isinstance(c.compress_gradients, str) else (
             getattr(self.compressor, "spec", None) or getattr(self.compressor, "name", "none"))
+        self._check_step_early(c, s)  # before any process group is made (every rank refuses alike)
         names = {id(p): n for n, p in self.model.named_parameters()}
         self.par = parallelize(self.model, c.parallel, self.device, compressor=self.compressor,
                                bucket_cap_mb=c.bucket_cap_mb, min_numel=c.min_numel, sync=c.sync,
@@ -220,6 +221,21 @@ class OptimizedTrainer:
         self.sync_spec = self.sync.spec.spec if self.sync is not None else "every-step"
         # the rules between the layout and the step's fields: the same ones the command line asks (layout.py)
         check_step(self.par.spec, dynamic_batch=s.dynamic_batch, grad_accum=s.grad_accum_steps,
+                   fp16=self.amp_dtype == torch.float16, names=API_STEP_FIELDS,
+                   given={"dynamic_batch": s.dynamic_batch, "grad_accum": s.grad_accum_steps,
+                          "mixed_precision": self._given_precision, "sync": c.sync})
+
+    def _check_step_early(self, c: CommOptions, s: StepOptions) -> None:
+        """layout.check_step on the layout as given, before parallelize builds any group: a refusal then leaves no
+        rank inside a group another rank never joins. A layout that does not parse here is parallelize's to refuse
+        (the same rules run again on its parsed spec after it)."""
+        from ..layout import API_STEP_FIELDS, Layout, check_step
+
+        try:
+            lay = c.parallel if isinstance(c.parallel, Layout) else Layout.of(sync=c.sync, **(c.parallel or {}))
+        except (ConfigError, TypeError):
+            return
+        check_step(lay, dynamic_batch=s.dynamic_batch, grad_accum=s.grad_accum_steps,
                    fp16=self.amp_dtype == torch.float16, names=API_STEP_FIELDS,
                    given={"dynamic_batch": s.dynamic_batch, "grad_accum": s.grad_accum_steps,
                           "mixed_precision": self._given_precision, "sync": c.sync})
