@@ -33,15 +33,16 @@ def _attempts(run_dir):
     return summary, {(a["replica"], a["attempt"]): a for a in summary["attempts"]}
 
 
-def _ended_identical(run_dir, steps):
-    """One row per step, no step missing, both groups exited 0 and ended with identical parameters: (rows, the
-    live-recovery summary, its attempts by (replica, attempt))."""
+def _ended_identical(run_dir, steps, replicas=2):
+    """One row per step, no step missing, both groups exited 0 and the replicas that trained to the end (``replicas``
+    of them; None: at least one) ended with identical parameters: (rows, the live-recovery summary, its attempts by
+    (replica, attempt))."""
     rows = metrics_rows(run_dir)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     summary, attempts = _attempts(run_dir)
     assert summary["steps_missing"] == [] and summary["exit_codes"] == [0, 0]
     digests = final_replica_digests(summary)
-    assert len(digests) == 2 and len(set(digests.values())) == 1, digests
+    assert (len(digests) == replicas if replicas else digests) and len(set(digests.values())) == 1, digests
     return rows, summary, attempts
 
 
@@ -117,10 +118,16 @@ def test_hsdp_replica_group_killed_heals_its_shards_from_the_live_peer(tmp_path)
     run_dir = tmp_path / "hsdp"
     assert main(["train", "--run-dir", str(run_dir), *BASE, "--nproc", "2", "--parallel.dp_shard=2", "--steps", "16",
                  "--inject-fault", "slowdata:ms=500", "--inject-fault", "kill:rank=2,step=3"]) == 0
-    rows, summary, attempts = _ended_identical(run_dir, 16)
-    heal = attempts[(1, 1)]["heals"]  # the replacement received the state from the live peer, no checkpoint read
-    assert heal and heal[0]["step"] >= 2 and attempts[(1, 1)]["fallback_step"] is None
-    assert rows[-1]["replicas"] == 2
+    # What holds at any speed: whether the replacement is back before the last step is a race (on a loaded machine
+    # replica 0 once trained to the end alone). If it trained, it healed from the live peer and the run ended with
+    # both replicas; if not, it found the run finished.
+    rows, summary, attempts = _ended_identical(run_dir, 16, replicas=None)
+    if attempts.get((1, 1), {}).get("param_digest"):
+        heal = attempts[(1, 1)]["heals"]  # the replacement received the state from the live peer, no checkpoint read
+        assert heal and heal[0]["step"] >= 2 and attempts[(1, 1)]["fallback_step"] is None
+        assert rows[-1]["replicas"] == 2
+    else:
+        assert "already finished" in (run_dir / "ft" / "replica1.log").read_text()
     # trains on: the last steps' loss well below the first steps' (5.51 at step 1 on this preset)
     assert _mean(rows, lambda r: r[-3:]) < _mean(rows, lambda r: r[:3]) - 0.4
 
