@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import itertools
 import json
 import math
@@ -192,7 +193,7 @@ class OptimizedTrainer:
 
     def _lay_out(self, c: CommOptions, s: StepOptions, optimizer: torch.optim.Optimizer, loss_fn: Any) -> None:
         """The compressor and everything parallel, behind one seam (syncwise.parallel.parallelize, in its order)."""
-        from ..layout import API_STEP_FIELDS, check_step, names_auto
+        from ..layout import names_auto
 
         for name, value in (("compress_gradients", c.compress_gradients), ("sync", c.sync)):
             if names_auto(value):   # the choice needs the cluster and the convergence table: the planner's, above
@@ -206,7 +207,7 @@ class OptimizedTrainer:
             raise ConfigError("compress_gradients", c.compress_gradients, e.accepted) from None
         self.compress_spec = c.compress_gradients if isinstance(c.compress_gradients, str) else (
             getattr(self.compressor, "spec", None) or getattr(self.compressor, "name", "none"))
-        self._check_step_early(c, s)  # before any process group is made (every rank refuses alike)
+        self._check_step(c, s)  # before any process group is made (every rank refuses alike)
         names = {id(p): n for n, p in self.model.named_parameters()}
         self.par = parallelize(self.model, c.parallel, self.device, compressor=self.compressor,
                                bucket_cap_mb=c.bucket_cap_mb, min_numel=c.min_numel, sync=c.sync,
@@ -219,20 +220,16 @@ class OptimizedTrainer:
         rebind_optimizer(optimizer, names, self.model, keep_only_present=self.par.pipeline is not None)
         self.sync = self.par.sync  # the reduced-sync strategy the step drives (None: every-step sync)
         self.sync_spec = self.sync.spec.spec if self.sync is not None else "every-step"
-        # the rules between the layout and the step's fields: the same ones the command line asks (layout.py)
-        check_step(self.par.spec, dynamic_batch=s.dynamic_batch, grad_accum=s.grad_accum_steps,
-                   fp16=self.amp_dtype == torch.float16, names=API_STEP_FIELDS,
-                   given={"dynamic_batch": s.dynamic_batch, "grad_accum": s.grad_accum_steps,
-                          "mixed_precision": self._given_precision, "sync": c.sync})
 
-    def _check_step_early(self, c: CommOptions, s: StepOptions) -> None:
-        """layout.check_step on the layout as given, before parallelize builds any group: a refusal then leaves no
-        rank inside a group another rank never joins. A layout that does not parse here is parallelize's to refuse
-        (the same rules run again on its parsed spec after it)."""
+    def _check_step(self, c: CommOptions, s: StepOptions) -> None:
+        """The rules between the layout and the step's fields (layout.check_step, the same the command line asks),
+        on the layout as given, before parallelize builds any group: a refusal then leaves no rank inside a group
+        another rank never joins. A layout that does not parse here is parallelize's to refuse, in its words."""
         from ..layout import API_STEP_FIELDS, Layout, check_step
 
         try:
-            lay = c.parallel if isinstance(c.parallel, Layout) else Layout.of(sync=c.sync, **(c.parallel or {}))
+            given = c.parallel if isinstance(c.parallel, Layout) else Layout.of(**(c.parallel or {}))
+            lay = given if c.sync is None else dataclasses.replace(given, sync=c.sync)
         except (ConfigError, TypeError):
             return
         check_step(lay, dynamic_batch=s.dynamic_batch, grad_accum=s.grad_accum_steps,
