@@ -186,8 +186,11 @@ def test_exposed_time_per_dimension_over_a_slow_link(tmp_path, monkeypatch):
         s = json.loads((tmp_path / dim / "summary.json").read_text())
         for r in _steady(rows):
             assert r[f"comm_bytes_{dim}"] > 0 and r[f"comm_exposed_s_{dim}"] > 0, r
-            # no faster than the link: bytes that crossed it / the seconds they took (a 2-rank ring sends the payload
-            # once; an all-to-all's payload counts the half a rank keeps for itself)
-            crossed = r[f"comm_bytes_{dim}"] * (0.5 if dim == "ep" else 1.0)
-            assert crossed * 8 / r[f"comm_s_{dim}"] < 40e6, r
+            # no faster than the link allows: the seconds are the collectives' completion, not their issue (which
+            # would read as Gbit/s). Two factors can lift the counted rate above 20 Mbit/s, each at most 2x: the
+            # counted payload is a rank's input, and of a 2-rank reduce-scatter's or all-to-all's input half stays
+            # home (a ring all-gather or all-reduce sends all of it); and tbf lets its bucket (128 KiB at this
+            # rate, cluster.default_burst) through at veth speed after every idle gap, next to `tiny`'s 0.3-0.6 MB
+            # per collective. Measured up to 42 Mbit/s (fsdp: its reduce-scatter counted whole).
+            assert r[f"comm_bytes_{dim}"] * 8 / r[f"comm_s_{dim}"] < 4 * 20e6, r
         assert s[f"comm_exposed_share_{dim}"] > 0.1, s
