@@ -16,7 +16,7 @@ from torch import nn
 from syncwise.cli import main
 from syncwise.config import build_config
 from syncwise.doctor import flight as doctor_flight
-from syncwise.doctor.trace import load_traces, split_trace, summarize
+from syncwise.doctor.trace import cite, load_traces, split_trace, summarize, timeline
 from syncwise.errors import ConfigError
 from syncwise.rundir import RunDir
 from syncwise.train import OptimizedTrainer
@@ -60,6 +60,45 @@ def test_a_synthetic_trace_splits_by_interval_unions_never_summed_durations():
     assert g.exposed_ms == pytest.approx(0.030) and g.idle_ms == pytest.approx(0.010)
 
 
+def test_a_gpu_trace_that_names_its_groups_splits_by_dimension_with_bus_bandwidth_and_a_timeline(tmp_path):
+    # step [0, 1000) µs, compute kernels [0, 600); a tp all-reduce [500, 700) (100 of it beside compute) and an
+    # fsdp all-gather [650, 900), groups named as torch's record_param_comms names them on NCCL
+    info = {"pg_config": [{"pg_name": "3", "pg_desc": "mesh_tp", "pg_size": 4},
+                          {"pg_name": "5", "pg_desc": "mesh_dp_shard", "pg_size": 2}]}
+    events = [_x("ProfilerStep#0", 0, 1000, cat="user_annotation"), _x("sm90_gemm", 0, 600, tid=7, cat="kernel"),
+              _x("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 500, 200, tid=8, cat="kernel",
+                 **{"Process Group Name": "3", "In msg nelems": 250_000, "dtype": "Float"}),
+              _x("ncclDevKernel_AllGather_RING_LL", 650, 250, tid=9, cat="kernel",
+                 **{"Process Group Name": "5", "Group size": 2, "In msg nelems": 1_000_000, "dtype": "BFloat16"})]
+    [s] = split_trace({"traceEvents": events, "distributedInfo": info}).steps
+    assert set(s.dims) == {"tp", "fsdp"}
+    assert s.dims["tp"] == pytest.approx({"ms": 0.2, "exposed_ms": 0.1})       # [600, 700) nothing computed beside
+    assert s.dims["fsdp"] == pytest.approx({"ms": 0.25, "exposed_ms": 0.25})
+    assert s.kinds["allreduce"]["group_size"] == 4 and s.kinds["allgather"]["group_size"] == 2
+    # the timeline's lanes partition the step's communication: exposed + overlapped = the union [500, 900)
+    assert s.spans["overlapped"] == [(0.5, 0.6)] and s.spans["exposed"] == [(0.6, 0.9)]
+    assert s.spans["dim:tp"] == [(0.5, 0.7)] and s.spans["compute"] == [(0.0, 0.6)]
+    traces = RunDir(tmp_path).traces
+    traces.mkdir(parents=True)
+    for rank in (0, 1):
+        (traces / f"rank{rank}.step5-5.json").write_text(json.dumps(
+            {"traceEvents": events, "distributedInfo": info, "syncwise": {"rank": rank, "first_step": 5}}))
+    t = summarize(tmp_path, priced_bytes_s=2e9)
+    ar = t["collectives"]["allreduce"]
+    # nccl-tests' bus bandwidth: all-reduce 2(n-1)/n x 1 MB / 0.2 ms at n = 4 -> 7.5 GB/s, of a 2 GB/s priced link
+    assert ar["bus_bytes_s"] == pytest.approx(2 * 3 / 4 * 1e6 / 2e-4) and ar["of_priced"] == pytest.approx(3.75)
+    ag = t["collectives"]["allgather"]        # n - 1 shards of 2 MB crossed in 0.25 ms
+    assert ag["bus_bytes_s"] == pytest.approx(2e6 / 2.5e-4)
+    assert t["dimensions"]["fsdp"] == pytest.approx({"ms": 0.25, "exposed_ms": 0.25})
+    line = timeline(tmp_path)
+    assert line["step"] == 5 and set(line["ranks"]) == {0, 1} and line["ranks"][1]["dim:fsdp"] == [(0.65, 0.9)]
+
+    class _Finding:  # the fields doctor's findings carry (syncwise.doctor.analyze.Finding)
+        cause, evidence, details = "link", "exposed 0.3 ms", {}
+    cite(_Finding, t)
+    assert "profiled step(s) 5–5 agree" in _Finding.evidence and _Finding.details["trace"]["exposed_ms"] > 0
+
+
 def test_profile_steps_traces_every_rank_and_doctor_splits_the_real_step(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main(["train", "--nproc", "2", "--preset", "tiny", "--steps", "4", "--run-dir", str(run_dir),
@@ -81,6 +120,10 @@ def test_profile_steps_traces_every_rank_and_doctor_splits_the_real_step(tmp_pat
     assert set(out["trace"]["ranks"]) == {"0", "1"} and "allreduce" in out["trace"]["collectives"]
     assert out["flight"] is None
     assert summarize(run_dir)["slowest_rank"]
+    # report draws the last step every rank profiled, per rank, from the same intervals
+    assert main(["report", str(run_dir)]) == 0
+    assert "step 3 of its profiler traces drawn per rank" in capsys.readouterr().out
+    assert timeline(run_dir)["ranks"][1]["compute"]
 
 
 def test_bad_profile_values_are_refused_by_both_doors_and_off_is_the_default():

@@ -95,8 +95,7 @@ def run(args: argparse.Namespace) -> int:
         if hasattr(result, "steady_steps"):  # one run: its communication per parallel dimension too
             from ..doctor.dimensions import by_dimension
             out["by_dimension"] = by_dimension(result.run.ranks, result.steady_steps)
-            from ..doctor.trace import summarize
-            out["trace"] = summarize(result.run.path)  # None without --profile.* traces
+            out["trace"] = result.trace  # None without --profile.* traces
             out["flight"] = hang  # None without a hang's dumps
         text = json.dumps(out, indent=2, default=str) + "\n"
         if to_stdout:

@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..doctor import trace
 from ..errors import ConfigError
 from ..metrics import figures, read_jsonl
 from ..metrics.units import human_bytes, human_seconds, loss
@@ -95,6 +96,7 @@ def load_run(path: Path) -> dict[str, Any]:
         "train_time_s": figures.train_time_s([r.get("step_time_s") or 0.0 for r in rows]),
         "summary": summary,
         "skipped_rows": skipped,
+        "timeline": trace.timeline(path),  # one profiled step per rank, where --profile.* recorded traces
     }
 
 
@@ -128,14 +130,48 @@ def _names(runs: list[dict[str, Any]]) -> None:
             r["name"] = f"{Path(r['path']).parent.name}/{r['name']}"
 
 
+#: how the timeline draws a step's intervals (syncwise.doctor.trace.timeline): lane, colour, label
+LANES = (("compute", "C0", "compute"), ("overlapped", "C1", "communication beside compute"),
+         ("exposed", "C3", "exposed communication"))
+
+
+def _draw_timeline(ax: Any, r: dict[str, Any]) -> None:
+    """One profiled step of one run, a row per rank: compute, communication (exposed / beside compute), and under
+    it, per parallel dimension where the trace names the groups; what is left blank is idle (host-bound)."""
+    t = r["timeline"]
+    ranks = sorted(t["ranks"])
+    ticks = []
+    for y, rank in enumerate(ranks):
+        lanes = t["ranks"][rank]
+        base = y * 2
+        for key, color, label in LANES:
+            ax.broken_barh([(a, b - a) for a, b in lanes.get(key, [])], (base, 0.8), color=color,
+                           label=label if y == 0 else None)
+        dims = sorted(k for k in lanes if k.startswith("dim:"))
+        for j, key in enumerate(dims):
+            ax.broken_barh([(a, b - a) for a, b in lanes[key]], (base + 0.9, 0.5), color=f"C{4 + j}",
+                           label=f"{key[4:]} collectives" if y == 0 else None)
+        ax.plot([0, lanes["step_ms"]], [base - 0.1] * 2, color="0.6", linewidth=1)
+        ticks.append((base + 0.4, f"rank {rank}"))
+    ax.set_yticks([a for a, _ in ticks], [b for _, b in ticks])
+    ax.invert_yaxis()
+    ax.set_title(f"{r['name']}: step {t['step']} inside (torch profiler trace; blank = idle, host-bound)")
+    ax.set_xlabel("ms from the step's start")
+
+
 def draw(runs: list[dict[str, Any]]) -> bytes:
-    """The report's figure as PNG bytes."""
+    """The report's figure as PNG bytes (with a row of step timelines where a run recorded profiler traces)."""
     from ..extras import pyplot
 
     plt = pyplot("syncwise report (its picture)")
 
-    fig, axes = plt.subplots(2, 3, figsize=(16, 9), dpi=100)
+    traced = [r for r in runs if r.get("timeline")]
+    fig = plt.figure(figsize=(16, 9 + 3 * bool(traced)), dpi=100)
+    grid = fig.add_gridspec(2 + bool(traced), 3)
+    axes = [[fig.add_subplot(grid[i, j]) for j in range(3)] for i in range(2)]
     (ax_step, ax_time, ax_st), (ax_split, ax_bytes, ax_tps) = axes
+    for k, r in enumerate(traced[:3]):  # a timeline each, the first three traced runs
+        _draw_timeline(fig.add_subplot(grid[2, k] if len(traced) > 1 else grid[2, :]), r)
     for i, r in enumerate(runs):
         c, color = r["curves"], f"C{i}"
         ax_step.plot(c["step"], c["loss"], color=color, label=f"{r['name']} train")
@@ -165,6 +201,7 @@ def draw(runs: list[dict[str, Any]]) -> bytes:
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
+    for ax in fig.axes:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     ax_split.invert_yaxis()
@@ -237,5 +274,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"note: {r['name']}: {r['skipped_rows']} line(s) of its metrics.jsonl are not step rows (damaged "
                   "or edited): skipped")
     print(comparison)
+    for r in runs:
+        if r["timeline"]:
+            print(f"{r['name']}: step {r['timeline']['step']} of its profiler traces drawn per rank (compute, "
+                  "exposed and overlapped communication, idle)")
     print(f"picture: {png_path}\npage: {html_path}  (open it in a browser)")
     return 0

@@ -95,6 +95,7 @@ class Diagnosis:
     facts: dict[str, Any]
     notes: list[str] = field(default_factory=list)
     arrivals: Any = None              # syncwise.doctor.arrivals.Arrivals, where the ranks logged them
+    trace: Optional[dict[str, Any]] = None  # syncwise.doctor.trace.summarize, where --profile.* recorded traces
     verdict: Any = None               # its straggler Verdict over the steady steps
 
     @property
@@ -259,6 +260,10 @@ def diagnose(run: Run, predict: bool = True) -> Diagnosis:
     diag = Diagnosis(run, steps_done, use, world, step, wall, parts, per_rank, [], facts)
     diag.arrivals, diag.verdict = arr, verdict
     diag.findings = _findings(diag, by_rank, use, predict)
+    from .trace import cite, summarize  # the profiled steps, where --profile.* recorded them: the findings cite them
+    diag.trace = summarize(run.path, facts.get("effective_bandwidth_bytes_s"))
+    for finding in diag.findings:
+        cite(finding, diag.trace)
     return diag
 
 

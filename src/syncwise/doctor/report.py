@@ -60,8 +60,8 @@ def print_diagnosis(d: Diagnosis, console: Console) -> None:
             ranks.add_row(str(r), *(f"{v[k] * 1e3:,.1f}" for k in ("step_time_s", "own_compute_s", "data_wait_s",
                                                                   "comm_exposed_s", "compress_s", "ep_comm_s")))
         console.print(ranks)
-    from .trace import print_traces, summarize  # RUN_DIR/traces, when --profile.* recorded some
-    print_traces(summarize(d.run.path), console)
+    from .trace import print_traces  # RUN_DIR/traces, when --profile.* recorded some
+    print_traces(d.trace, console)
     from .flight import print_flight, summarize as hang  # RUN_DIR/flight, when a hang dumped the flight recorders
     print_flight(hang(d.run.path), console)
     if d.findings:

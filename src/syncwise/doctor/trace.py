@@ -71,6 +71,21 @@ def intersect(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> lis
     return out
 
 
+def _minus(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``x`` without ``y`` (``y`` ⊆ ``x``'s span, both disjoint sorted unions)."""
+    out = []
+    for a, b in x:
+        for c, d in y:
+            if d <= a or c >= b:
+                continue
+            if c > a:
+                out.append((a, c))
+            a = max(a, d)
+        if a < b:
+            out.append((a, b))
+    return out
+
+
 def clip(intervals: Iterable[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
     return [(max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi]
 
@@ -129,6 +144,49 @@ def event_bytes(event: dict) -> Optional[int]:
     return total if seen else None
 
 
+#: a process group's description -> the parallel dimension its collectives serve: DeviceMesh names its groups
+#: ``mesh_<dim>`` (syncwise.parallel.mesh), syncwise's own groups are named by purpose (``ops.new_group(desc=...)``)
+DIM_OF_GROUP = {"default_pg": "dp", "mesh_dp_replicate": "dp", "mesh_dp_shard": "fsdp", "mesh_tp": "tp",
+                "mesh_pp": "pp", "mesh_ep": "ep", "mesh_ep_replicate": "dp", "compress": "dp",
+                "checkpoint": "control", "preemption": "control", "calibrate-node": "dp"}
+
+
+def process_groups(data: dict) -> dict[str, tuple[str, int]]:
+    """The trace's process groups (``distributedInfo.pg_config``): name -> (description, size)."""
+    info = data.get("distributedInfo") or {}
+    out = {}
+    for g in info.get("pg_config") or []:
+        if isinstance(g, dict) and "pg_name" in g:
+            out[str(g["pg_name"])] = (str(g.get("pg_desc", "")), int(g.get("pg_size") or 0))
+    return out
+
+
+def group_of(event: dict, groups: dict[str, tuple[str, int]]) -> tuple[Optional[str], Optional[int]]:
+    """(the parallel dimension, the group's size) of a communication event, where the trace names its process group
+    (torch's ``record_param_comms`` does: NCCL on GPUs); (None, None) where it does not (gloo's CPU annotations)."""
+    args = event.get("args") or {}
+    name = args.get("Process Group Name")
+    desc, size = groups.get(str(name), ("", 0)) if name is not None else ("", 0)
+    desc = str(args.get("Process Group Description") or desc)
+    size = int(args.get("Group size") or size or 0) or None
+    if not desc:
+        return None, size
+    return DIM_OF_GROUP.get(desc, desc[len("mesh_"):] if desc.startswith("mesh_") else desc), size
+
+
+#: bus bandwidth = algorithm bandwidth × this factor (nccl-tests' definition; n the group's size, bytes a rank's input)
+def bus_factor(kind: str, n: int) -> float:
+    if n <= 1:
+        return 0.0
+    if kind == "allreduce":
+        return 2 * (n - 1) / n
+    if kind == "allgather":  # a rank's input is its shard: n shards gathered, n - 1 of them crossed
+        return float(n - 1)
+    if kind in ("reducescatter", "alltoall", "alltoallbase"):
+        return (n - 1) / n
+    return 1.0
+
+
 # ---- one trace -------------------------------------------------------------------------------------------------
 @dataclass
 class StepSplit:
@@ -142,6 +200,11 @@ class StepSplit:
     overlap_ms: float       # |communication ∩ compute|
     idle_ms: float          # step − |compute ∪ communication|
     kinds: dict[str, dict[str, float]] = field(default_factory=dict)  # kind -> count, bytes, ms (union of its events)
+    # dimension -> ms (union of its collectives) and exposed_ms (of those, nothing computed beside): only where the
+    # trace names the process groups (NCCL); {} on a gloo CPU trace
+    dims: dict[str, dict[str, float]] = field(default_factory=dict)
+    # the step's intervals in ms from its start: compute, exposed and overlapped communication, and per dimension
+    spans: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -176,6 +239,8 @@ def split_trace(data: dict, rank: int = 0, path: Path = Path("-")) -> RankTrace:
     device = [e for e in events if e.get("cat") in _DEVICE_CATS]
     comm = [(e, comm_kind(e)) for e in events]
     comm = [(e, k) for e, k in comm if k is not None]
+    groups = process_groups(data)
+    labels = {id(e): group_of(e, groups) for e, _ in comm}
     comm_ids = {id(e) for e, _ in comm}
     if device:
         compute_src = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
@@ -199,12 +264,27 @@ def split_trace(data: dict, rank: int = 0, path: Path = Path("-")) -> RankTrace:
             mine = [e for e, k in comm if k == kind and e["ts"] < hi and e["ts"] + e.get("dur", 0) > lo
                     and (_is_issue(e) != (kind in executed))]  # its execution where recorded, else its issue
             sizes = [event_bytes(e) for e in mine]
+            members = [labels[id(e)][1] for e in mine if labels[id(e)][1]]
             kinds[kind] = {"count": len(mine), "bytes": sum(sizes) if sizes and None not in sizes else None,
                            "ms": length(union(clip(((e["ts"], e["ts"] + e.get("dur", 0.0)) for e in mine),
-                                                   lo, hi))) / 1e3}
+                                                   lo, hi))) / 1e3,
+                           "group_size": max(members) if members else None}
+        dims: dict[str, dict[str, float]] = {}
+        dim_spans: dict[str, list] = {}
+        for dim in sorted({labels[id(e)][0] for e, _ in comm if labels[id(e)][0]}):
+            mine_u = union(clip(((e["ts"], e["ts"] + e.get("dur", 0.0)) for e, _ in comm
+                                 if labels[id(e)][0] == dim), lo, hi))
+            if mine_u:
+                dims[dim] = {"ms": length(mine_u) / 1e3,
+                             "exposed_ms": (length(mine_u) - length(intersect(compute, mine_u))) / 1e3}
+                dim_spans[dim] = mine_u
+        rel = lambda xs: [((a - lo) / 1e3, (b - lo) / 1e3) for a, b in xs]  # noqa: E731
+        exposed = _minus(comms, both)
+        spans = {"compute": rel(compute), "exposed": rel(exposed), "overlapped": rel(both),
+                 **{f"dim:{d}": rel(v) for d, v in dim_spans.items()}}
         out.append(StepSplit(number, (hi - lo) / 1e3, length(compute) / 1e3, length(comms) / 1e3,
                              (length(comms) - length(both)) / 1e3, length(both) / 1e3, (hi - lo - busy) / 1e3,
-                             kinds))
+                             kinds, dims, spans))
     return RankTrace(int(meta.get("rank", rank)), path, "gpu" if device else "cpu", out)
 
 
@@ -230,12 +310,15 @@ def load_traces(run_dir: "str | Path") -> dict[int, list[RankTrace]]:
 PHASES = {"compute_ms": "compute", "exposed_ms": "exposed communication", "idle_ms": "idle (host-bound)"}
 
 
-def summarize(run_dir: "str | Path") -> Optional[dict[str, Any]]:
+def summarize(run_dir: "str | Path", priced_bytes_s: Optional[float] = None) -> Optional[dict[str, Any]]:
     """What the traces say about the run, or None without traces: per rank (mean over its profiled steps), per
-    collective kind (per step, the mean rank), overlap achieved, and the slowest rank by phase."""
+    collective kind (per step, the mean rank; its bus bandwidth, and that over ``priced_bytes_s``, the link the run
+    was priced on, where given), per parallel dimension where the trace names the groups, overlap achieved, and the
+    slowest rank by phase."""
     traces = load_traces(run_dir)
     ranks: dict[int, dict[str, Any]] = {}
     kinds: dict[str, dict[str, list]] = {}
+    dims: dict[str, dict[str, float]] = {}
     for rank, files in sorted(traces.items()):
         steps = [s for t in files for s in t.steps]
         if not steps:
@@ -248,21 +331,50 @@ def summarize(run_dir: "str | Path") -> Optional[dict[str, Any]]:
                        "files": [str(t.path) for t in files]}
         for s in steps:
             for kind, v in s.kinds.items():
-                k = kinds.setdefault(kind, {"count": [], "bytes": [], "ms": []})
-                for key in ("count", "bytes", "ms"):
-                    k[key].append(v[key])
+                k = kinds.setdefault(kind, {"count": [], "bytes": [], "ms": [], "group_size": []})
+                for key in ("count", "bytes", "ms", "group_size"):
+                    k[key].append(v.get(key))
+            for dim, v in s.dims.items():
+                d = dims.setdefault(dim, {"ms": 0.0, "exposed_ms": 0.0})
+                d["ms"] += v["ms"]
+                d["exposed_ms"] += v["exposed_ms"]
     if not ranks:
         return None
     samples = sum(len(r["steps"]) for r in ranks.values())
-    per_kind = {kind: {"count_per_step": sum(v["count"]) / samples,
-                       "bytes_per_step": sum(v["bytes"]) / samples if None not in v["bytes"] else None,
-                       "ms_per_step": sum(v["ms"]) / samples} for kind, v in sorted(kinds.items())}
+    world = max(len(ranks), 1)
+    per_kind = {}
+    for kind, v in sorted(kinds.items()):
+        row = {"count_per_step": sum(v["count"]) / samples,
+               "bytes_per_step": sum(v["bytes"]) / samples if None not in v["bytes"] else None,
+               "ms_per_step": sum(v["ms"]) / samples}
+        sizes = [g for g in v["group_size"] if g]
+        n = max(sizes) if sizes else world  # the trace's own group size, else the run's ranks
+        bus = (bus_factor(kind, n) * row["bytes_per_step"] / (row["ms_per_step"] / 1e3)
+               if row["bytes_per_step"] and row["ms_per_step"] > 0 and bus_factor(kind, n) else None)
+        row.update({"group_size": n, "bus_bytes_s": bus,
+                    "of_priced": bus / priced_bytes_s if bus and priced_bytes_s else None})
+        per_kind[kind] = row
     comm = sum(r["comm_ms"] for r in ranks.values())
     slowest = {PHASES[k]: max(ranks, key=lambda r: ranks[r][k]) for k in PHASES} if len(ranks) > 1 else {}
-    return {"ranks": ranks, "collectives": per_kind, "slowest_rank": slowest,
+    return {"ranks": ranks, "collectives": per_kind, "slowest_rank": slowest, "priced_bytes_s": priced_bytes_s,
+            "dimensions": {d: {k: x / samples for k, x in v.items()} for d, v in sorted(dims.items())},
             "overlap_share": sum(r["overlap_ms"] for r in ranks.values()) / comm if comm > 0 else None,
             "exposed_share": (sum(r["exposed_ms"] for r in ranks.values())
                               / max(sum(r["step_ms"] for r in ranks.values()), 1e-9))}
+
+
+def timeline(run_dir: "str | Path") -> Optional[dict[str, Any]]:
+    """One step every rank profiled (the last such: the steadiest), per rank its intervals in ms from the step's
+    start (compute, exposed and overlapped communication, per dimension where the trace names the groups) —
+    what ``syncwise report`` draws; None without traces or without a step common to every rank."""
+    traces = load_traces(run_dir)
+    by_rank = {r: {s.step: s for t in files for s in t.steps} for r, files in traces.items()}
+    common = set.intersection(*(set(v) for v in by_rank.values())) if by_rank else set()
+    if not common:
+        return None
+    step = max(common)
+    return {"step": step, "ranks": {r: {"step_ms": v[step].step_ms, **v[step].spans}
+                                    for r, v in sorted(by_rank.items())}}
 
 
 def sentences(t: dict[str, Any]) -> list[str]:
@@ -277,11 +389,41 @@ def sentences(t: dict[str, Any]) -> list[str]:
     if t["collectives"]:
         top = max(t["collectives"].items(), key=lambda kv: kv[1]["ms_per_step"])
         mb = (f", {top[1]['bytes_per_step'] / 1e6:,.2f} MB" if top[1]["bytes_per_step"] is not None else "")
+        bus = top[1].get("bus_bytes_s")
+        link = (f", {bus / 1e9:,.3f} GB/s bus bandwidth" + (f" = {100 * top[1]['of_priced']:.0f} % of the "
+                f"{t['priced_bytes_s'] / 1e9:,.3f} GB/s the run was priced on" if top[1].get("of_priced") else "")
+                if bus else "")
         out.append(f"the longest collective kind is {top[0]}: {top[1]['count_per_step']:.0f} per step{mb}, "
-                   f"{top[1]['ms_per_step']:,.1f} ms per step")
+                   f"{top[1]['ms_per_step']:,.1f} ms per step{link}")
+    if t.get("dimensions"):
+        dim, v = max(t["dimensions"].items(), key=lambda kv: kv[1]["exposed_ms"])
+        out.append(f"by parallel dimension, {dim}'s collectives are the most exposed: {v['exposed_ms']:,.1f} of their "
+                   f"{v['ms']:,.1f} ms per step")
     if t["slowest_rank"]:
         out.append("slowest rank by phase: " + ", ".join(f"{p} rank {r}" for p, r in t["slowest_rank"].items()))
     return out
+
+
+#: the findings about communication (syncwise.doctor.analyze): what the trace's exposed communication is evidence for
+COMM_CAUSES = ("link", "buckets_too_large", "buckets_too_small", "compression")
+
+
+def cite(finding: Any, t: Optional[dict[str, Any]]) -> None:
+    """Add the trace's evidence to a communication finding (its ``evidence`` sentence and ``details['trace']``):
+    the exposed milliseconds the profiled steps show, by interval union, and the collective that took longest."""
+    if not t or finding.cause not in COMM_CAUSES:
+        return
+    ranks = t["ranks"]
+    worst = max(ranks, key=lambda r: ranks[r]["exposed_ms"])
+    w = ranks[worst]
+    top = max(t["collectives"].items(), key=lambda kv: kv[1]["ms_per_step"]) if t["collectives"] else None
+    steps = sorted({s for r in ranks.values() for s in r["steps"]})
+    finding.evidence += (f"; the profiled step(s) {steps[0]}–{steps[-1]} agree: on rank {worst} "
+                         f"{w['exposed_ms']:,.1f} ms of its {w['step_ms']:,.1f} ms step is communication nothing "
+                         "computed beside" + (f", the longest collective {top[0]} ({top[1]['ms_per_step']:,.1f} ms "
+                                             "per step)" if top else ""))
+    finding.details["trace"] = {"rank": worst, "exposed_ms": w["exposed_ms"], "step_ms": w["step_ms"],
+                                "steps": steps, "collective": top[0] if top else None}
 
 
 def print_traces(t: Optional[dict[str, Any]], console: Any) -> None:
@@ -303,11 +445,21 @@ def print_traces(t: Optional[dict[str, Any]], console: Any) -> None:
     console.print(table)
     if t["collectives"]:
         kinds = Table(title="collectives in the trace (per step, the mean rank)", show_edge=False)
-        for col in ("collective", "count", "MB", "ms (union)"):
+        for col in ("collective", "count", "MB", "ms (union)", "bus GB/s", "of priced link"):
             kinds.add_column(col, justify="left" if col == "collective" else "right")
         for kind, v in t["collectives"].items():
             kinds.add_row(kind, f"{v['count_per_step']:.1f}", f"{v['bytes_per_step'] / 1e6:,.3f}"
-                          if v["bytes_per_step"] is not None else "-", f"{v['ms_per_step']:,.1f}")
+                          if v["bytes_per_step"] is not None else "-", f"{v['ms_per_step']:,.1f}",
+                          f"{v['bus_bytes_s'] / 1e9:,.3f}" if v.get("bus_bytes_s") else "-",
+                          f"{100 * v['of_priced']:.0f} %" if v.get("of_priced") else "-")
         console.print(kinds)
+    if t.get("dimensions"):
+        dims = Table(title="communication per parallel dimension (per step, the mean rank; groups named by the trace)",
+                     show_edge=False)
+        for col in ("dimension", "ms (union)", "exposed ms"):
+            dims.add_column(col, justify="left" if col == "dimension" else "right")
+        for dim, v in t["dimensions"].items():
+            dims.add_row(dim, f"{v['ms']:,.1f}", f"{v['exposed_ms']:,.1f}")
+        console.print(dims)
     for line in sentences(t):
         console.print(f"trace: {line}.")
