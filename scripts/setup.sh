@@ -40,6 +40,15 @@ run() {
     fi
 }
 
+# pip quiet (its "already satisfied" lines bury what matters), with a line before and after: the first install
+# downloads torch's CPU wheel and the rest (~1-2 min on a fresh machine), a later one takes seconds.
+pip_install() {
+    local start=$SECONDS
+    echo "setup: pip is installing $req and syncwise (first time ~1-2 min: torch's CPU wheel is ~200 MB; then seconds) ..."
+    run "$py" -m pip install -q ${pip_args[@]+"${pip_args[@]}"} "$@"
+    [ "$dry" = 1 ] || echo "setup: installed in $((SECONDS - start)) s"
+}
+
 if [ "$SYNCWISE_MAKE_VENV" = 1 ] && ! "$py" -m pip --version > /dev/null 2>&1; then
     base="${SYNCWISE_BASE_PYTHON:-python3}"
     if ! command -v "$base" > /dev/null; then
@@ -100,8 +109,8 @@ PY
     if [ "$dry" = 1 ]; then
         echo "requirements without torch:" $(cat "$tmp/requirements.txt")
     fi
-    run "$py" -m pip install -q ${pip_args[@]+"${pip_args[@]}"} -c "$tmp/keep-torch.txt" -r "$tmp/requirements.txt" -e .
+    pip_install -c "$tmp/keep-torch.txt" -r "$tmp/requirements.txt" -e .
 else
     echo "setup: no torch importable by $py; installing $req as pinned (the CPU build of torch)"
-    run "$py" -m pip install -q ${pip_args[@]+"${pip_args[@]}"} -r "$req" -e .
+    pip_install -r "$req" -e .
 fi
