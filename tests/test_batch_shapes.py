@@ -1,13 +1,12 @@
 """Batches as users have them (issue 43, row 1): ``(inputs, targets)``, a mapping passed as ``model(**batch)``, and a
 model that returns its own loss — through the Python API, accumulation, dynamic batching, token counting, validation,
-the pipeline's refusal, two gloo processes with a compressor and a resume, and a run that dies before step 1."""
+the pipeline's refusal, two ranks under torchrun with a compressor and a resume, and a run that dies before step 1."""
 import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
-from distributed import run_workers
 from syncwise import ConfigError, OptimizedTrainer
 from syncwise.train import batches
 from syncwise.train.dynamic_batch import DynamicBatcher
@@ -161,8 +160,12 @@ def test_pipeline_refuses_mappings_in_one_line():
     assert batches.as_pair([1, 2]) == (1, 2)
 
 
-def _two_ranks_mapping_powersgd_resume(rank, world, root):
-    """Straight 6 steps vs 3 steps + a resumed run to 6, a mapping batch and a model returning its loss, PowerSGD."""
+def _two_ranks_mapping_powersgd_resume(root):
+    """Straight 6 steps vs 3 steps + a resumed run to 6, a mapping batch and a model returning its loss, PowerSGD:
+    run under torchrun (the trainer joins the job from torchrun's environment), each rank writes what it saw."""
+    import json
+    import os
+
     def run(ckpt, steps, resume=None):
         trainer = _trainer(compress_gradients="powersgd:rank=2", min_numel=16)
         loader = DataLoader(_rows(64), batch_size=4, shuffle=True)
@@ -172,12 +175,28 @@ def _two_ranks_mapping_powersgd_resume(rank, world, root):
     straight, s1 = run("a", 6)
     run("b", 3)
     resumed, s2 = run("b", 6, resume="auto")
-    return (s1["steps"], s2["steps"], s1["comm_bytes_per_step"], straight.tokens_seen,
-            _params(straight).tolist(), _params(resumed).tolist())
+    out = (s1["steps"], s2["steps"], s1["comm_bytes_per_step"], straight.tokens_seen,
+           _params(straight).tolist(), _params(resumed).tolist())
+    with open(f"{root}/rank{os.environ['RANK']}.json", "w") as f:
+        json.dump(out, f)
 
 
-def test_mapping_batches_under_two_processes_with_powersgd_and_resume(tmp_path):
-    out = run_workers(_two_ranks_mapping_powersgd_resume, 2, str(tmp_path))
+def test_mapping_batches_under_torchrun_with_powersgd_and_resume(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from distributed import free_port
+
+    script = tmp_path / "job.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+                      f"from test_batch_shapes import _two_ranks_mapping_powersgd_resume\n"
+                      f"_two_ranks_mapping_powersgd_resume({str(tmp_path)!r})\n")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                           f"--master-port={free_port()}", str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for steps_a, steps_b, comm, tokens, straight, resumed in out:
         assert steps_a == steps_b == 6 and comm > 0
         assert tokens == 6 * 4 * SEQ * 2  # the job's tokens: this rank's batches × 2 ranks
