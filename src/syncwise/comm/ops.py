@@ -279,6 +279,16 @@ def timed_out(exc: BaseException) -> bool:
     return any("timed out" in str(x).lower() or "timeout" in str(x).lower() for x in _chain(exc))
 
 
+#: what gloo and NCCL say when a peer of the group died mid-collective (its socket closed, its communicator aborted)
+_PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe", "remote process exited",
+              "communicator was aborted", "ncclremoteerror")
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """Whether ``exc``, or an exception it was raised from, says a peer left the group during a collective."""
+    return any(any(m in str(x).lower() for m in _PEER_LOST) for x in _chain(exc))
+
+
 def last_failed(exc: Optional[BaseException] = None) -> Optional[InFlight]:
     """The collective that raised ``exc`` (e.g. timed out), else the last one issued here that raised.
 

@@ -5,6 +5,9 @@ Specs (``syncwise.specs`` syntax, one parser):
 * ``kill:rank=R,step=S`` — rank R exits abruptly as step S begins (the elastic agent then restarts the group,
   which resumes from the newest checkpoint). A kill fires once per run: a marker file in the run directory
   stops it from firing again after the restart that it causes.
+* ``hang:rank=R,step=S`` — rank R stops as step S begins (it sleeps until it is killed, making no further
+  collective): the other ranks hang in the step's first collective until ``dist.timeout_s`` reports it and they
+  dump their flight recorders (``syncwise doctor`` then names the collective rank R never entered). Once per run.
 * ``nan:step=S[,rank=R]`` — the loss of step S is NaN, so its gradients are too and the trainer must skip
   exactly that step.
 * ``slow:rank=R,factor=F[,step=S][,phase=backward]`` — a straggler: from step S (default 1) on, rank R's
@@ -32,7 +35,7 @@ from typing import Any, ContextManager, Iterator, Optional
 from ..errors import ConfigError
 from ..specs import check_keys, parse_spec, read_float, read_int
 
-_ACCEPTED = ("kill:rank=R,step=S, nan:step=S[,rank=R], slow:rank=R,factor=F[,step=S][,phase=backward], "
+_ACCEPTED = ("kill:rank=R,step=S, hang:rank=R,step=S, nan:step=S[,rank=R], slow:rank=R,factor=F[,step=S][,phase=backward], "
              "slowdata:ms=M[,rank=R][,step=S], healkill:rank=R[,step=S] (with ft.replicas) or skew:experts=K with "
              "integers R ≥ 0, S ≥ 1, K ≥ 1, "
              "a factor F in [1, 100] and M in [0, 600000]")
@@ -40,7 +43,8 @@ KILLED_EXIT_CODE = 71  # distinctive, so logs show an injected kill rather than 
 SKEW_BIAS = 10.0       # added to the skewed experts' selection bias (biases move by ~1e-3 per step)
 
 # kind -> (option keys, required keys)
-_KINDS = {"kill": (("step", "rank"), ("step", "rank")), "nan": (("step", "rank"), ("step",)),
+_KINDS = {"kill": (("step", "rank"), ("step", "rank")), "hang": (("step", "rank"), ("step", "rank")),
+          "nan": (("step", "rank"), ("step",)),
           "slow": (("rank", "factor", "step", "phase"), ("rank", "factor")),
           "slowdata": (("ms", "rank", "step"), ("ms",)), "skew": (("experts",), ("experts",)),
           "healkill": (("rank", "step"), ("rank",))}
@@ -102,11 +106,16 @@ class FaultPlan:
         return any(f.kind == "nan" and f.step == step and f.rank in (None, rank) for f in self.faults)
 
     def maybe_kill(self, step: int, rank: int) -> None:
-        """Exit this process abruptly if a kill is due here and has not fired in this run before."""
+        """Exit this process abruptly if a kill is due here, or stop it for good if a hang is (each once per run)."""
         for f in self.faults:
-            if f.kind != "kill" or f.step != step or f.rank != rank or self._has_fired(f):
+            if f.kind not in ("kill", "hang") or f.step != step or f.rank != rank or self._has_fired(f):
                 continue
             self._record(f)
+            if f.kind == "hang":
+                print(f"syncwise: injected fault: rank {rank} stops at step {step} (a hang)", file=sys.stderr,
+                      flush=True)
+                while True:  # until the launcher kills it: the other ranks' timeout reports the hang
+                    time.sleep(3600)
             print(f"syncwise: injected fault: killing rank {rank} at step {step}", file=sys.stderr, flush=True)
             os._exit(KILLED_EXIT_CODE)
 

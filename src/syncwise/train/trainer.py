@@ -599,12 +599,17 @@ class OptimizedTrainer:
         self.meter.watchdog = value
 
     def _explain_hang(self, e: RuntimeError) -> Exception:
-        if not ops.timed_out(e):  # (also as the cause of a wrapper: the pipeline stage's "failed to run forward")
+        lost = ops.peer_lost(e)  # a peer died mid-collective: gloo's socket closed, NCCL's communicator aborted
+        if not (lost or ops.timed_out(e)):  # (also as the cause of a wrapper: the pipeline's "failed to run forward")
             return e
         failed = ops.last_failed(e)
         what = failed.describe() if failed is not None else (
             "DDP's gradient all-reduce on process group 'default'" if "gradient sync" in self.phase else None)
-        if self.watchdog is not None:
+        if lost:
+            error = SyncwiseError(
+                f"{what or 'a collective'} during {self.phase} of step {self.step + 1} failed: a peer left the group "
+                f"({str(e).strip().splitlines()[0][:160]}) — another rank died; its log says why.")
+        elif self.watchdog is not None:
             error = SyncwiseError(self.watchdog.report(failed, what))
         else:
             error = SyncwiseError(
