@@ -181,3 +181,19 @@ def test_flight_dumps_name_the_first_collective_a_rank_did_not_enter(tmp_path):
     m = doctor_flight.summarize(tmp_path)["first_mismatch"]
     assert m["op"].endswith("all_reduce") and m["sizes"] == [[8]] and m["no_dump"] == [1]
     assert "no dump from rank(s) [1]" in doctor_flight.sentence(doctor_flight.summarize(tmp_path))
+
+
+def test_a_rank_that_stops_inside_a_tensor_parallel_step_is_named_by_doctor(tmp_path, capsys):
+    # `hang:rank=1,step=2`: rank 1 stops as step 2 begins; rank 0 times out inside DTensor's first collective of
+    # the step, dumps its flight recorder with its report; doctor names that collective and rank 1 as absent
+    run_dir = tmp_path / "run"
+    assert main(["train", "--nproc", "2", "--preset", "tiny", "--steps", "4", "--run-dir", str(run_dir),
+                 "--data.seq_len=32", "--train.val_interval=0", "--ckpt.interval=0", "--parallel.tp=2",
+                 "--dist.timeout_s=3", "--inject-fault", "hang:rank=1,step=2"]) != 0
+    capsys.readouterr()
+    main(["doctor", str(run_dir), "--json", "-", "--no-predict"])
+    hang = json.loads(capsys.readouterr().out)["flight"]
+    m = hang["first_mismatch"]
+    assert m["op"] and m["seq"] is not None and m["frame"]
+    assert set(m["missing"]) | set(m["no_dump"]) == {1} and 0 in hang["ranks_dumped"]
+    assert hang["reports"] and "did not complete" in hang["reports"][0]
