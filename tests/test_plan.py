@@ -170,11 +170,15 @@ def test_bus_factors():
         assert bus_factor(kind, 4) == pytest.approx(3 / 4)
     assert bus_factor("all_reduce", 1) == 0
     c = cluster("h100-sxm", 4, 8)
-    # inside a node: buffer × bus / NVLink; across nodes with one member per node: the node's NICs, shared by 8
+    # inside a node: buffer × bus / NVLink; across nodes with one member per node: the node's NICs, shared by 8;
+    # each call also pays its fabric's α: the per-call latency + 2⌈log2 n⌉ message steps
     intra = collective_time(c, "all_reduce", 1e9, 8, 8)
-    assert intra == pytest.approx(1e9 * 2 * 7 / 8 / (450e9 * 0.8) + 6 * 3e-6)
+    assert intra == pytest.approx(1e9 * 2 * 7 / 8 / (450e9 * 0.8) + c.intra_node.call_latency + 6 * 3e-6)
     inter = collective_time(c, "all_reduce", 1e9, 4, 1)
-    assert inter == pytest.approx(1e9 * 1.5 / (8 * 50e9 * 0.9 / 8) + 4 * 5e-6)
+    assert inter == pytest.approx(1e9 * 1.5 / (8 * 50e9 * 0.9 / 8) + c.inter_node.call_latency + 4 * 5e-6)
+    # α-β: ten calls on a tenth of the buffer cost nine more α than one call on all of it
+    ten = collective_time(c, "all_reduce", 1e8, 8, 8, count=10)
+    assert ten - intra == pytest.approx(9 * (c.intra_node.call_latency + 6 * 3e-6))
     lay = Layout(dp_replicate=4, tp=8)
     assert group(c, lay, "tp") == (8, 1, 8) and group(c, lay, "dp") == (4, 8, 1)
 
@@ -260,8 +264,15 @@ def test_sync_period_divides_the_sync_cost():
     assert local[8].step_time_s < local[2].step_time_s < every.step_time_s
 
 
+def _no_call_latency(c):
+    """``c`` without the fabrics' per-call α (cloud.Fabric.call_latency): what is left of a collective is its
+    bytes and message steps, for tests of the bytes."""
+    return dataclasses.replace(c, intra_node=dataclasses.replace(c.intra_node, call_latency=0.0),
+                               inter_node=dataclasses.replace(c.inter_node, call_latency=0.0))
+
+
 def test_expert_dispatch_bytes():
-    c = cluster("h100-sxm", 2, 8)
+    c = _no_call_latency(cluster("h100-sxm", 2, 8))
     m = load_model("xl", 1024)
     times = {}
     for dispatch in ("fp8", "bf16", "fp32"):
@@ -279,7 +290,7 @@ def test_ep_fold_keeps_the_expert_group_on_the_node():
     """Megatron's MoE parallel folding (ep_fold): the ep group is ep consecutive ranks (tp ones included), so with
     tp 2 × ep 8 on 8-GPU nodes the all-to-alls stay on NVLink; without it the group strides over tp and spans 2
     nodes. ep may then divide dp × tp; syncwise refuses the layout (its ep is borrowed from data parallel)."""
-    c = cluster("h100-sxm", 4, 8)
+    c = _no_call_latency(cluster("h100-sxm", 4, 8))     # the bytes' fabric, not the calls' α (same on both)
     m = load_model("xl", 1024)
     plain = Layout(dp_shard=16, tp=2, ep=8, micro_batch=4, ep_dispatch="bf16")
     folded = dataclasses.replace(plain, ep_fold=True)

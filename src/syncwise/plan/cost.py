@@ -18,8 +18,10 @@ Every assumption is stated where it is made and collected in docs/plan.md. In br
   one that spans nodes is bounded by the node's NICs, shared by every group of that dimension on the node
   (all ranks run the same collective at once, SPMD). Rank order as syncwise.parallel.mesh: tp innermost, then
   dp_shard, dp_replicate, pp outermost; ep groups are ep neighbouring data-parallel ranks.
-* Latency: ⌈log2 n⌉ message steps per all-gather / reduce-scatter, twice that per all-reduce, n − 1 per
-  all-to-all, each at the fabric's latency.
+* Latency (α-β): every collective call costs its fabric's ``call_latency`` (α per call: NCCL's launch and
+  protocol start, fitted to published nccl-tests curves, cloud.CALL_LATENCY_SOURCE) plus ⌈log2 n⌉ message steps
+  per all-gather / reduce-scatter, twice that per all-reduce, n − 1 per all-to-all, each at the fabric's
+  ``latency``; a group that spans nodes pays the inter-node fabric's.
 * Tensor parallel (with sequence parallel: 2 all-gathers + 2 reduce-scatters per block forward, the same in
   backward, again in a full recompute) and expert all-to-alls are not overlapped with compute. Pipeline p2p
   sends under torch.distributed.pipelining are asynchronous: in the steady state they overlap the stage's other
@@ -108,7 +110,7 @@ def collective_time(cloud: CloudConfig, kind: str, nbytes: float, n: int, per_no
     bus = bus_factor(kind, n)
     intra, G = cloud.intra_node, cloud.gpus_per_node
     if per_node >= n:
-        return count * (nbytes * bus / intra.effective_for(kind) + _steps(kind, n) * intra.latency)
+        return count * (nbytes * bus / intra.effective_for(kind) + call_latency(cloud, kind, n, True))
     t_intra = nbytes * bus / intra.effective_for(kind) if per_node > 1 else 0.0
     groups_on_node = G / per_node
     if kind == "all_to_all":
@@ -125,7 +127,15 @@ def collective_time(cloud: CloudConfig, kind: str, nbytes: float, n: int, per_no
         traffic.burst_left -= passed
         shaped -= passed
     t_inter = shaped / cloud.node_inter_bandwidth(kind)
-    return max(count * t_intra, t_inter) + count * _steps(kind, n) * cloud.inter_node.latency
+    return max(count * t_intra, t_inter) + count * call_latency(cloud, kind, n, False)
+
+
+def call_latency(cloud: CloudConfig, kind: str, n: int, intra: bool) -> float:
+    """α of one ``kind`` collective over ``n`` ranks: the fabric's per-call latency plus its message steps."""
+    if n <= 1:
+        return 0.0
+    fabric = cloud.intra_node if intra else cloud.inter_node
+    return fabric.call_latency + _steps(kind, n) * fabric.latency
 
 
 def dim_time(cloud: CloudConfig, layout: Layout, dim: str, kind: str, nbytes: float,
@@ -385,18 +395,27 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
         fsdp_gather_total = passes * ag
         t_fsdp_mb = max(unit, ag - t_fwd) + max(unit, ag - (t_bwd - t_extra)) if training.overlap_fsdp else 2 * ag
     # ---- per-kernel overheads (per micro-batch): the host issues every kernel (and every collective: tp, ep
-    # all-to-alls, pipeline sends) at kernel_launch_s at best; the device runs them with kernel_gap_s between.
-    # Whichever is longer sets the micro-batch's time; the excess over the device's work is kernel_overhead.
+    # all-to-alls, pipeline sends) at ``host_s`` each at best — the accelerator's launch, or the recipe's eager
+    # per-op host time where that is longer (Training.host_op_s); the device runs them with kernel_gap_s between.
+    # Each kernel takes the longer of its issue and its work (a kernel shorter than its issue leaves the device
+    # idle: eager frameworks run ahead only across long kernels, and every collective re-aligns the ranks' hosts):
+    # the excess over the device's work, kernel by kernel, is kernel_overhead.
     n_tp_calls = 0.0
     if t > 1:
         n_tp_calls = layers_rank * (3 if layout.recompute == "full" else 2) * (4 if layout.sp else 2)
     n_ep_calls = model.n_moe_layers / pp * (6 if layout.recompute == "full" else 4) if layout.ep > 1 else 0.0
     n_p2p_calls = 2 * v if pp > 1 else 0.0
     n_kernels = kernels_per_microbatch(model, layout, training, M) + n_tp_calls + n_ep_calls + n_p2p_calls
-    t_dev = t_fwd + t_bwd
-    t_kernel = max(n_kernels * acc.kernel_gap_s, n_kernels * acc.kernel_launch_s - t_dev - t_tp - t_ep) \
-        if (acc.kernel_gap_s or acc.kernel_launch_s) else 0.0
-    t_kernel = max(t_kernel, 0.0)
+    host_s = max(acc.kernel_launch_s, training.host_op_s) if (acc.kernel_gap_s or acc.kernel_launch_s) else 0.0
+    t_kernel = n_kernels * acc.kernel_gap_s
+    if host_s:
+        gemms = gemm_kernel_times(acc, model, layout, tokens_mb, peak, eff)
+        n_gemm = sum(c for c, _ in gemms)
+        n_colls = n_tp_calls + n_ep_calls + n_p2p_calls
+        n_other = max(n_kernels - n_gemm - n_colls, 1.0)
+        t_kernel += sum(c * max(0.0, host_s - x) for c, x in gemms) + n_other * max(0.0, host_s - t_elem / n_other)
+        if n_tp_calls:
+            t_kernel += n_tp_calls * max(0.0, host_s - t_tp / n_tp_calls)
     tau = t_fwd + t_bwd + t_tp + t_ep + t_fsdp_mb + t_kernel
     # Stage-to-stage sends are asynchronous (isend): in the steady state a micro-batch's activations and gradients
     # travel while the stage computes other micro-batches, so the link costs time only where it is slower than
@@ -475,8 +494,8 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
             dp_total += collective_time(cloud, wire.kind, payload, nodes_, 1, traffic)
             dp_total += collective_time(cloud, "all_reduce", raw, nodes_, 1, traffic)
             buckets = max(1.0, local * 4 / training.bucket_bytes)
-            dp_total += (buckets - 1) * (cloud.inter_node.latency * _steps(wire.kind, nodes_) * wire.collectives_per_bucket
-                                         + cloud.intra_node.latency * 2 * _steps("all_gather", pn))
+            dp_total += (buckets - 1) * (call_latency(cloud, wire.kind, nodes_, False) * wire.collectives_per_bucket
+                                         + 2 * call_latency(cloud, "all_gather", pn, True))
             compress_compute += _codec_time(cloud, wire, shard, nodes_, tensors)
             dp_exposed = _overlap(dp_total, training, layout, t_bwd - t_extra, local)
         elif sync_name in (EVERY_STEP, "pipesgd"):
@@ -488,7 +507,7 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
                                  count=1) + dim_time(cloud, layout, "dp", "all_reduce", raw, traffic)
             buckets = max(1.0, local * 4 / training.bucket_bytes)
             n_, _, pn = group(cloud, layout, "dp")
-            lat = (cloud.intra_node.latency if pn >= n_ else cloud.inter_node.latency) * _steps(wire.kind, n_)
+            lat = call_latency(cloud, wire.kind, n_, pn >= n_)
             dp_total += (buckets - 1) * lat * wire.collectives_per_bucket
             if expert:
                 pe, re = sync_bytes(expert, max(1, layout.dp // layout.ep), wire)
@@ -598,6 +617,18 @@ def gemm_shape_excess(acc: Accelerator, model: ModelSpec, layout: Layout, tokens
         fwd += c * (gemm_time(acc, m, n, k, peak, eff) - ideal)
         bwd += c * (gemm_time(acc, m, k, n, peak, eff) + gemm_time(acc, k, n, m, peak, eff) - 2 * ideal)
     return max(fwd, 0.0), max(bwd, 0.0)
+
+
+def gemm_kernel_times(acc: Accelerator, model: ModelSpec, layout: Layout, tokens: float, peak: float,
+                      eff: float) -> list[tuple[float, float]]:
+    """(count, seconds) of every GEMM kernel one stage rank runs on a micro-batch: each forward GEMM, its
+    backward dX and dW, and the forward again under a full recompute (``cloud.gemm_time``)."""
+    out = []
+    again = 2 if layout.recompute == "full" else 1
+    for c, m, n, k in gemm_shapes(model, layout, tokens):
+        out += [(again * c, gemm_time(acc, m, n, k, peak, eff)), (c, gemm_time(acc, m, k, n, peak, eff)),
+                (c, gemm_time(acc, k, n, m, peak, eff))]
+    return out
 
 
 def kernels_per_microbatch(model: ModelSpec, layout: Layout, training: Training, microbatches: int = 1) -> float:
