@@ -184,13 +184,18 @@ _EFF = ("matmul_efficiency assumed (typical achieved share of dense peak on tran
 #: (142 SMs), AMD CDNA 3 whitepaper (304 compute units on MI300X)
 _SMS = ("; SMs from the vendor's architecture whitepaper; GEMM shape efficiency = wave × tile quantization and "
         "roofline (NVIDIA Matrix Multiplication Background User's Guide)")
-#: Per-kernel costs. Host: NVIDIA, "Getting Started with CUDA Graphs" (developer.nvidia.com/blog/cuda-graphs/,
-#: 2019): back-to-back stream launches of a 2.9 µs kernel take 3.8 µs each (launch-bound), with CUDA graphs
-#: 3.4 µs; PyTorch's eager dispatcher adds its own per-op host time on top (not counted: 4 µs is a lower
-#: bound). Device: the 3.8 − 2.9 ≈ 1 µs between dependent kernels of that measurement.
-KERNEL_LAUNCH_S = 4e-6
+#: Per-kernel costs. Host: the seconds eager PyTorch spends issuing one op — Python bytecode ~1 µs, pybind11 ~1,
+#: autograd's node ~1-3, the ATen dispatcher ~1-2, the backend's algorithm pick ~1-5, cudaLaunchKernel ~1-3:
+#: ~5-25 µs per op ("From PyTorch op to kernel launch", jiahuanglin.xyz/all_lessons/gpu_kernel_serving/
+#: 18_pytorch_to_kernel.html); the range's upper end, as a training step's ops run through Python module code
+#: with autograd recording (the CUDA launch alone is 3.8 µs: NVIDIA, "Getting Started with CUDA Graphs",
+#: developer.nvidia.com/blog/cuda-graphs/, back-to-back launches of a 2.9 µs kernel). `syncwise plan
+#: --calibrate` measures the cluster's own (eager in-place adds through the dispatcher). Device: the 3.8 − 2.9
+#: ≈ 1 µs between dependent kernels of NVIDIA's measurement.
+KERNEL_LAUNCH_S = 25e-6
 KERNEL_GAP_S = 1e-6
-_KERNEL = ("; per-kernel host launch 4 µs and device gap 1 µs (NVIDIA, 'Getting Started with CUDA Graphs', "
+_KERNEL = ("; per-kernel host issue 25 µs (eager PyTorch's per-op dispatch stack, 5-25 µs: jiahuanglin.xyz "
+           "'From PyTorch op to kernel launch') and device gap 1 µs (NVIDIA, 'Getting Started with CUDA Graphs', "
            "developer.nvidia.com/blog/cuda-graphs/)")
 _GPU = dict(kernel_launch_s=KERNEL_LAUNCH_S, kernel_gap_s=KERNEL_GAP_S)
 

@@ -11,8 +11,8 @@ Every assumption is stated where it is made and collected in docs/plan.md. In br
   at the wave efficiency of its output tiles over the SMs, or at HBM bandwidth where it is too thin (roofline:
   ``cloud.gemm_time``); large GEMMs run at matmul_efficiency, small ones (small d, small micro-batch, tp) slower.
 * Kernels: a micro-batch launches ``kernels_per_microbatch`` kernels (from the model's structure) plus its
-  collectives; it takes the longer of the device's work + ``kernel_gap_s`` per kernel and the host's
-  ``kernel_launch_s`` per kernel (``kernel_overhead`` in the breakdown).
+  collectives; each takes the longer of its work and the host's ``kernel_launch_s`` to issue it (eager PyTorch
+  runs ahead only across long kernels), + ``kernel_gap_s`` on the device (``kernel_overhead`` in the breakdown).
 * Collectives (nccl-tests' bus bandwidth): ring all-reduce moves 2(n−1)/n of the buffer per rank, all-gather /
   reduce-scatter / all-to-all (n−1)/n. A dimension whose group fits in a node uses the intra-node fabric;
   one that spans nodes is bounded by the node's NICs, shared by every group of that dimension on the node
@@ -395,8 +395,8 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
         fsdp_gather_total = passes * ag
         t_fsdp_mb = max(unit, ag - t_fwd) + max(unit, ag - (t_bwd - t_extra)) if training.overlap_fsdp else 2 * ag
     # ---- per-kernel overheads (per micro-batch): the host issues every kernel (and every collective: tp, ep
-    # all-to-alls, pipeline sends) at ``host_s`` each at best — the accelerator's launch, or the recipe's eager
-    # per-op host time where that is longer (Training.host_op_s); the device runs them with kernel_gap_s between.
+    # all-to-alls, pipeline sends) at ``kernel_launch_s`` each at best (eager PyTorch's per-op host time: the
+    # catalog's, or `--calibrate`'s measurement); the device runs them with kernel_gap_s between.
     # Each kernel takes the longer of its issue and its work (a kernel shorter than its issue leaves the device
     # idle: eager frameworks run ahead only across long kernels, and every collective re-aligns the ranks' hosts):
     # the excess over the device's work, kernel by kernel, is kernel_overhead.
@@ -406,7 +406,7 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
     n_ep_calls = model.n_moe_layers / pp * (6 if layout.recompute == "full" else 4) if layout.ep > 1 else 0.0
     n_p2p_calls = 2 * v if pp > 1 else 0.0
     n_kernels = kernels_per_microbatch(model, layout, training, M) + n_tp_calls + n_ep_calls + n_p2p_calls
-    host_s = max(acc.kernel_launch_s, training.host_op_s) if (acc.kernel_gap_s or acc.kernel_launch_s) else 0.0
+    host_s = acc.kernel_launch_s
     t_kernel = n_kernels * acc.kernel_gap_s
     if host_s:
         gemms = gemm_kernel_times(acc, model, layout, tokens_mb, peak, eff)
@@ -639,7 +639,10 @@ def kernels_per_microbatch(model: ModelSpec, layout: Layout, training: Training,
     QKᵀ, fused scale-mask-softmax, AV, and dropout 1), RoPE on q and k (2, without learned positions), dropout
     after attention and MLP (2, where the recipe drops out); a MoE block also the router's softmax and top-k (2),
     the token permutation and its inverse (2 gathers, 2 scatters). Backward: 2 GEMMs per forward GEMM (dX, dW),
-    1 kernel per other forward kernel, and under gradient accumulation one add per parameter tensor into .grad.
+    1 kernel per other forward kernel, a bias's gradient as its own reduction (1 per bias: cuBLAS's GEMM does not
+    write it), a norm's weight gradient as its own reduction (1 per norm, PyTorch's layer_norm / rms_norm backward),
+    the residual stream's gradient summed where it forks into the branch and the skip (1 add per fork, 2 per
+    block: autograd's accumulation), and under gradient accumulation one add per parameter tensor into .grad.
     The embedding (1, +2 for learned positions), head GEMM and loss (2) forward; the same backward, ×2 for the
     head. A full recompute runs the forward of every block again."""
     pp = layout.pp
@@ -656,7 +659,8 @@ def kernels_per_microbatch(model: ModelSpec, layout: Layout, training: Training,
             gemms += 1                                           # the router
             other += 2 + 4
         fwd = gemms + other
-        bwd = 2 * gemms + other + (params if microbatches > 1 else 0)
+        reductions = (gemms if model.biases else 0) + 2 + 2       # bias grads, norm weight grads, residual forks
+        bwd = 2 * gemms + other + reductions + (params if microbatches > 1 else 0)
         total += layers * (fwd + bwd + (fwd if layout.recompute == "full" else 0))
     edges_fwd = 1 + (2 if model.learned_positions else 0) + 1 + 2
     total += edges_fwd + edges_fwd + 2

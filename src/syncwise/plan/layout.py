@@ -153,10 +153,6 @@ class Training:
     # autocast: upcast bf16 → fp32 (2 + 4), log_softmax (3 reads + 1 write of 4 B: max, sum of exp, output),
     # nll_loss's dense gradient (4), log_softmax backward (2 reads + 1 write: 12), downcast to bf16 (4 + 2)
     loss_bytes_per_logit: float = 44
-    # Host seconds per kernel the framework issues in eager mode (Python module code, the dispatcher, autograd's
-    # bookkeeping, the CUDA launch), where longer than the accelerator's bare launch (Accelerator.kernel_launch_s):
-    # a kernel whose work is shorter leaves the device waiting (syncwise.plan.cost). EAGER_OP_S's source.
-    host_op_s: float = 0.0
 
 
 SYNCWISE = Training()
