@@ -372,7 +372,8 @@ _ACC_KEYS = {  # TOML key -> (Accelerator field, scale to SI)
 }
 _FAB_KEYS = {
     "bandwidth_gbit_s": ("bandwidth", 1e9 / 8), "bandwidth_gbyte_s": ("bandwidth", 1e9),
-    "latency_us": ("latency", 1e-6), "call_latency_us": ("call_latency", 1e-6), "efficiency": ("efficiency", 1.0), "burst_kbyte": ("burst_bytes", 1e3),
+    "latency_us": ("latency", 1e-6), "call_latency_us": ("call_latency", 1e-6), "efficiency": ("efficiency", 1.0),
+    "burst_kbyte": ("burst_bytes", 1e3),
 }
 #: per-collective efficiencies a fabric table may give (TOML key -> collective kind)
 OP_EFFICIENCY_KEYS = {"all_gather_efficiency": "all_gather", "reduce_scatter_efficiency": "reduce_scatter",
@@ -412,8 +413,8 @@ def _table(path: str, value: Any, catalog: dict, keys: dict, extra: tuple[str, .
     for key, (attr, scale) in keys.items():
         if key in value:
             hi = 1.0 if attr in ("matmul_efficiency", "efficiency") else math.inf
-            lo_open = attr not in ("peak_fp8_flops", "reserved_bytes", "latency", "call_latency", "gemm_half_flops", "sm_count",
-                                   "kernel_launch_s", "kernel_gap_s", "burst_bytes")
+            lo_open = attr not in ("peak_fp8_flops", "reserved_bytes", "latency", "call_latency", "gemm_half_flops",
+                                   "sm_count", "kernel_launch_s", "kernel_gap_s", "burst_bytes")
             fields[attr] = _number(f"{path}.{key}", value[key], 0.0, lo_open, hi) * scale
             if attr == "sm_count":
                 if value[key] != int(value[key]):
