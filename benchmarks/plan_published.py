@@ -196,13 +196,13 @@ NOTES = """\
   per rank (assumed: the paper does not give v), the modelled bubble is 32 % of the step; Meta's tuned
   schedule evidently loses less. The layout also does not fit our memory model without recomputation, so the
   publication's memory settings differ from ours.
-- **Small Megatron models (1.7 B +7.1 %, 3.6 B −3.9 %, 7.5 B −18.0 %, 18.4 B −16.7 %)**: the GEMM-shape term
+- **Small Megatron models (1.7 B +3.7 %, 3.6 B −5.8 %, 7.5 B −18.5 %, 18.4 B −16.9 %)**: the GEMM-shape term
   (wave quantization of each GEMM's output tiles over the A100's 108 SMs, roofline) makes micro-batch-1 GEMMs
   of a 2,304-wide model slower than the large-GEMM efficiency. The tp 4 and tp 8 rows (7.5 B, 18.4 B) were
   −5.7 % / −4.9 % before the per-call collective α (32 µs, nccl-tests) and eager PyTorch's 25 µs per-kernel
   host time: at the assumed micro-batch 1 their per-rank kernels are shorter than the host's issue, so the
-  model calls them host-bound; at micro-batch 2 (the table does not say which ran) they are −3.4 % / −4.2 %.
-  vTrain's 1,440 measured one-node runs (MAPE 40 % → 15 % with these terms) are what the terms answer to;
+  model calls them host-bound; at micro-batch 2 (the table does not say which ran) they are −3.5 % / −4.4 %.
+  vTrain's 1,440 measured one-node runs (MAPE 40 % → 14 % with these terms) are what the terms answer to;
   Selene's Megatron-LM evidently issued its small kernels faster than Megatron-DeepSpeed on vTrain's A100s.
 - **Held-out small models (MosaicML llm-foundry's MPT-125m to 1b on one node of 8 GPUs, FSDP)**: predicted
   too fast before (mean −20.7 %); −12.7 % after, most of the change from the loss's HBM traffic over a

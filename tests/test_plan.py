@@ -368,8 +368,8 @@ def test_megatron_weak_scaling_table():
     recomputation included). Layout: tp and pp from the table, micro-batch 1 and 1F1B assumed (the table does
     not give them). Tolerance: 10 % per row from 39 B up; 20 % for the 1.7 B row (small GEMMs) and for the
     7.5 B / 18.4 B rows (tp 4 / 8 at the assumed micro-batch 1, where every per-rank kernel is shorter than eager
-    PyTorch's 25 µs issue time: host-bound, −18 / −17 %; at micro-batch 2 their kernels outlast the host and the
-    rows are −3.4 / −4.2 %, so which micro-batch the paper ran decides them, not the model's constants)."""
+    PyTorch's 25 µs issue time: host-bound, −19 / −17 %; at micro-batch 2 their kernels outlast the host and the
+    rows are −3.5 / −4.4 %, so which micro-batch the paper ran decides them, not the model's constants)."""
     rows = [(2304, 24, 24, 1, 1, 32, 512, 137), (4096, 36, 32, 4, 1, 128, 512, 142),
             (6144, 40, 48, 8, 1, 256, 1024, 135), (8192, 48, 64, 8, 2, 512, 1536, 138),
             (10240, 60, 80, 8, 4, 1024, 1792, 140), (12288, 80, 96, 8, 8, 1536, 2304, 148),

@@ -97,3 +97,26 @@ def test_held_out_and_moe_rows_carry_sources_and_report_before_and_after():
     assert [r.model.param_counts()[0] for r in held[:4]] == [125311488, 355985408, 760470528, 1315950592]
     row = evaluate(held[0], top_check=False)
     assert row["group"] == "held-out small" and row["error"] != row["error_without_overheads"]
+
+
+def test_unfused_attention_core_is_slower_at_small_head_dim():
+    """Without a fused kernel QKᵀ and AV are batched GEMMs that read and write the s × s scores: at head dim 64
+    an A100 is HBM-bound on them (128 FLOPs per 2-byte score written or read: 64 FLOP/B, below its 153 ridge),
+    so their excess over the large-GEMM rate is larger per FLOP than at 128; a fused recipe pays none of it."""
+    from syncwise.plan.cost import attention_core_excess
+    from syncwise.plan.layout import MEGATRON
+
+    a100 = ACCELERATORS["a100-80gb"]
+    per_flop = []
+    for heads in (16, 8):                                    # d 1,024: head dim 64, then 128
+        m = gpt(1024, 12, heads, seq=1024)
+        fwd, bwd = attention_core_excess(a100, m, Layout(), 4, 1024, a100.peak_bf16_flops, a100.matmul_efficiency)
+        assert fwd > 0 and bwd > fwd
+        per_flop.append((fwd + bwd) / m.attention_core_flops_per_token(1024))
+    assert per_flop[0] > per_flop[1]
+    cloud = cluster("a100-80gb", 1, 8, intra="nvlink3")
+    m, lay = gpt(1024, 12, 16, seq=1024), Layout(dp_replicate=8, micro_batch=4)
+    fused = dataclasses.replace(MEGATRON, flash_attention=True)
+    gap = [predict(cloud, m, lay, 32, 1024, training=t, syncwise_rules=False).info["gemm_shape_s_per_microbatch"]
+           for t in (MEGATRON, fused)]
+    assert gap[0] > gap[1]

@@ -35,16 +35,16 @@ def test_bands_are_the_residuals_of_the_checked_runs(checked):
 
 
 def test_vtrain_set_within_its_bounds(checked):
-    """vTrain's one-node rows: the per-kernel and per-collective terms take the mean absolute error from 44 %
-    (without them) to about 15 %; the multi-node rows stay under 10 %. Bounds: the values when committed
-    (15.2 %, 9.5 %) plus one point for later changes elsewhere in the model."""
+    """vTrain's one-node rows: the per-kernel, per-collective and attention-core terms take the mean absolute
+    error from 47 % (without them) to about 14 %; the multi-node rows stay under 10 %. Bounds: the values when
+    committed (14.2 %, 9.1 %) plus one point for later changes elsewhere in the model."""
     def mae(group, key="error"):
         rs = [r for r in checked if r["group"] == group]
         return sum(abs(r[key]) for r in rs) / len(rs), len(rs)
     one, n1 = mae("vtrain one node")
     multi, n2 = mae("vtrain multi-node")
     assert (n1, n2) == (1440, 109)
-    assert one < 0.162 and multi < 0.105
+    assert one < 0.152 and multi < 0.101
     assert mae("vtrain one node", "error_without_overheads")[0] > 2 * one
 
 

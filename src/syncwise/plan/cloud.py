@@ -171,6 +171,20 @@ def gemm_time(acc: "Accelerator", m: float, n: float, k: float, peak: float, eff
     return max(flops / (peak * eff * wave), dtype_bytes * (m * k + k * n + m * n) / acc.hbm_bandwidth)
 
 
+def batched_gemm_time(acc: "Accelerator", batch: float, m: float, n: float, k: float, peak: float, eff: float,
+                      dtype_bytes: float = 2) -> float:
+    """Seconds of ``batch`` independent GEMMs (``m`` × ``n`` output, inner ``k``) in one batched kernel (the
+    attention core's QKᵀ and AV without a fused kernel): their tiles share the SMs' waves (as one output of
+    ``batch`` × ``m`` rows) and each reads its operands and writes its output once (roofline)."""
+    flops = 2.0 * batch * m * n * k
+    if flops <= 0:
+        return 0.0
+    if not acc.sm_count:
+        return flops / (peak * eff)
+    wave = wave_efficiency(int(math.ceil(batch * m)), int(math.ceil(n)), acc.sm_count)
+    return max(flops / (peak * eff * wave), dtype_bytes * batch * (m * k + k * n + m * n) / acc.hbm_bandwidth)
+
+
 # ------------------------------------------------------------------------------------------------ the catalog
 _NV_A100 = ("NVIDIA A100 Tensor Core GPU datasheet (nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
             "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf): BF16/FP16 tensor 312 TFLOPS dense (624 with "

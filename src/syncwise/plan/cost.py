@@ -43,7 +43,7 @@ from typing import Any, Optional
 
 from ..errors import ConfigError
 from ..layout import EVERY_STEP, FSDP_REDUCE_DTYPES, OUTER_QBLOCK, hierarchical_applies, parse_compress
-from .cloud import Accelerator, CloudConfig, gemm_time
+from .cloud import Accelerator, CloudConfig, batched_gemm_time, gemm_time
 from .layout import SYNCWISE, Layout, Training, owner_layout, syncwise_refusal
 from .memory import Memory, activation_terms, memory_per_rank, stage_params
 from .model import ModelSpec
@@ -338,6 +338,9 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
     # GEMM shapes (cloud.gemm_time: wave quantization over the SMs, roofline): what this rank's GEMMs cost beyond
     # FLOPs / (peak × eff), forward and backward (dX and dW), from their shapes at this micro-batch and tp
     shape_fwd, shape_bwd = gemm_shape_excess(acc, model, layout, tokens_mb, peak, eff)
+    if not training.flash_attention:      # QKᵀ and AV as batched GEMMs: their shapes and s² operands too
+        core_fwd, core_bwd = attention_core_excess(acc, model, layout, mb, seq_len, peak, eff)
+        shape_fwd, shape_bwd = shape_fwd + core_fwd, shape_bwd + core_bwd
     t_matmul = flops_mb / (peak * eff) + 3 * n_fwd * t_gemm0 + shape_fwd + shape_bwd
     recomputed = {"none": 0.0, "selective": 2 * model.n_layers / pp, "full": n_fwd}[layout.recompute]
     t_extra = extra_mb / (peak * eff) + recomputed * t_gemm0 + (shape_fwd if layout.recompute == "full" else 0.0)
@@ -617,6 +620,27 @@ def gemm_shape_excess(acc: Accelerator, model: ModelSpec, layout: Layout, tokens
         fwd += c * (gemm_time(acc, m, n, k, peak, eff) - ideal)
         bwd += c * (gemm_time(acc, m, k, n, peak, eff) + gemm_time(acc, k, n, m, peak, eff) - 2 * ideal)
     return max(fwd, 0.0), max(bwd, 0.0)
+
+
+def attention_core_excess(acc: Accelerator, model: ModelSpec, layout: Layout, micro_batch: int, seq_len: int,
+                          peak: float, eff: float) -> tuple[float, float]:
+    """(forward, backward) seconds the attention core's batched GEMMs take beyond FLOPs / (peak × eff) on one
+    micro-batch, where no fused kernel runs it (Megatron-LM's baddbmm / bmm around its fused softmax): per layer
+    of this stage, micro_batch × heads / tp GEMMs each of S = QKᵀ (s × s, inner d_qk) and O = PV (s × d_v, inner
+    s) forward; dP = dO·Vᵀ (s × s, inner d_v), dV = Pᵀ·dO, dQ = dS·K, dK = dSᵀ·Q (s × d, inner s) backward, at
+    ``cloud.batched_gemm_time``: a head of 64 reads and writes the s × s scores for 64 multiply-adds each, below
+    the A100's ridge point (HBM-bound), where 128 nearly reaches it. 0 without an SM count."""
+    if not acc.sm_count:
+        return 0.0, 0.0
+    qk, v = model.qk_v_dims
+    b, s = micro_batch * model.n_heads / layout.tp, seq_len
+    layers = model.n_layers / layout.pp
+
+    def excess(m: float, n: float, k: float) -> float:
+        return batched_gemm_time(acc, b, m, n, k, peak, eff) - 2.0 * b * m * n * k / (peak * eff)
+    fwd = excess(s, s, qk) + excess(s, v, s)
+    bwd = excess(s, s, v) + excess(s, v, s) + excess(s, qk, s) + excess(s, qk, s)
+    return max(layers * fwd, 0.0), max(layers * bwd, 0.0)
 
 
 def gemm_kernel_times(acc: Accelerator, model: ModelSpec, layout: Layout, tokens: float, peak: float,
