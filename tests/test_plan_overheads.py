@@ -42,8 +42,12 @@ def test_small_tp_model_is_predicted_slower_with_the_overhead_terms():
     tiny = [predict(cloud, gpt(64, L, 4, vocab=512, seq=64), Layout(dp_replicate=8, micro_batch=1), 8, 64,
                     syncwise_rules=False).breakdown["kernel_overhead"] for L in (4, 8)]
     assert 0 < tiny[0] < tiny[1]
-    slow_host = dataclasses.replace(cloud, accelerator=dataclasses.replace(cloud.accelerator, kernel_launch_s=20e-6))
-    assert predict(slow_host, model, lay, 32, 2048, syncwise_rules=False).step_time_s >= with_terms.step_time_s
+    # the host's issue time per kernel (the catalog's eager 25 µs, or --calibrate's): slower never predicts faster
+    acc = cloud.accelerator
+    hosts = [dataclasses.replace(cloud, accelerator=dataclasses.replace(acc, kernel_launch_s=f * acc.kernel_launch_s))
+             for f in (0.25, 1.0, 2.0)]
+    steps = [predict(h, model, lay, 32, 2048, syncwise_rules=False).step_time_s for h in hosts]
+    assert steps[0] <= steps[1] == with_terms.step_time_s <= steps[2]
 
 
 def test_gpu_calibration_carries_sm_count_and_kernel_costs(tmp_path):
@@ -93,3 +97,26 @@ def test_held_out_and_moe_rows_carry_sources_and_report_before_and_after():
     assert [r.model.param_counts()[0] for r in held[:4]] == [125311488, 355985408, 760470528, 1315950592]
     row = evaluate(held[0], top_check=False)
     assert row["group"] == "held-out small" and row["error"] != row["error_without_overheads"]
+
+
+def test_unfused_attention_core_is_slower_at_small_head_dim():
+    """Without a fused kernel QKᵀ and AV are batched GEMMs that read and write the s × s scores: at head dim 64
+    an A100 is HBM-bound on them (128 FLOPs per 2-byte score written or read: 64 FLOP/B, below its 153 ridge),
+    so their excess over the large-GEMM rate is larger per FLOP than at 128; a fused recipe pays none of it."""
+    from syncwise.plan.cost import attention_core_excess
+    from syncwise.plan.layout import MEGATRON
+
+    a100 = ACCELERATORS["a100-80gb"]
+    per_flop = []
+    for heads in (16, 8):                                    # d 1,024: head dim 64, then 128
+        m = gpt(1024, 12, heads, seq=1024)
+        fwd, bwd = attention_core_excess(a100, m, Layout(), 4, 1024, a100.peak_bf16_flops, a100.matmul_efficiency)
+        assert fwd > 0 and bwd > fwd
+        per_flop.append((fwd + bwd) / m.attention_core_flops_per_token(1024))
+    assert per_flop[0] > per_flop[1]
+    cloud = cluster("a100-80gb", 1, 8, intra="nvlink3")
+    m, lay = gpt(1024, 12, 16, seq=1024), Layout(dp_replicate=8, micro_batch=4)
+    fused = dataclasses.replace(MEGATRON, flash_attention=True)
+    gap = [predict(cloud, m, lay, 32, 1024, training=t, syncwise_rules=False).info["gemm_shape_s_per_microbatch"]
+           for t in (MEGATRON, fused)]
+    assert gap[0] > gap[1]

@@ -19,6 +19,7 @@ from ..errors import ConfigError, SyncwiseError
 from ..plan import (MEGATRON, SYNCWISE, explain, load_cluster, load_model, parse_layout, predict, search,
                     train_config_toml, not_a_preset)
 from ..plan.search import DEFAULT_COMPRESS, LABELS, human_time, wrap_layout
+from ..plan.uncertainty import QUANTILES, band_for, basis, describe
 
 _EPILOG = ("Predictions come from an analytical cost model (docs/plan.md lists every assumption); the catalog's "
            "efficiencies are assumptions to calibrate. By default only layouts syncwise can run are searched "
@@ -189,8 +190,12 @@ def run(args: argparse.Namespace) -> int:
     _print(cloud, model, preds, args)
     if args.json:
         rows = [p.row() for p in preds]
+        b = band_for(cloud)
         Path(args.json).write_text(json.dumps({"cluster": cloud.describe(), "model": model.describe(),
                                                "global_batch": args.global_batch, "seq_len": args.seq_len,
+                                               "basis": basis(cloud),
+                                               "band": {"regime": b.regime, "measured_over_predicted": [b.lo, b.hi],
+                                                        "quantiles": list(QUANTILES), "runs": b.runs},
                                                "rows": rows}, indent=2) + "\n")
     if args.emit_config:
         best = preds[0]
@@ -221,6 +226,7 @@ def _print(cloud, model, preds, args) -> None:
         table.add_row(str(i), wrap_layout(p.layout.describe()), human_time(p.step_time_s), f"{p.tokens_per_s:,.0f}",
                       f"{p.tflops_per_gpu:.4g}", f"{p.mfu:.1%}", fits, f"{LABELS[p.dominant]} {share:.0%}", runs)
     console.print(table)
+    console.print(("#1 " if len(preds) > 1 else "") + describe(preds[0].step_time_s, preds[0].mfu, cloud))
     if len(preds) == 1:
         p = preds[0]
         parts = ", ".join(f"{LABELS[k]} {human_time(v)}" for k, v in p.breakdown.items() if v > 0)

@@ -113,6 +113,11 @@ class Fabric:
     # a token-bucket-shaped link (the network lab's tc tbf): bytes that pass at the host's own speed when the bucket
     # is full; the bucket refills at ``bandwidth`` while the step computes. 0 = an ordinary link.
     burst_bytes: float = 0.0
+    # α of the α-β model at the call level: seconds every collective call costs on top of its message steps
+    # (``latency`` each) and its bytes — NCCL's kernel launch, channel setup and the protocol's first chunk, the
+    # flat part of an nccl-tests curve (CALL_LATENCY_SOURCE). `syncwise plan --calibrate` measures a fabric's
+    # small-message time per message step into ``latency`` and writes 0 here (its steps already hold it).
+    call_latency: float = 0.0
 
     def burst_credit(self, gap_s: float) -> float:
         """Bytes that pass without waiting on the rate after ``gap_s`` seconds without traffic: the bucket's depth,
@@ -166,6 +171,20 @@ def gemm_time(acc: "Accelerator", m: float, n: float, k: float, peak: float, eff
     return max(flops / (peak * eff * wave), dtype_bytes * (m * k + k * n + m * n) / acc.hbm_bandwidth)
 
 
+def batched_gemm_time(acc: "Accelerator", batch: float, m: float, n: float, k: float, peak: float, eff: float,
+                      dtype_bytes: float = 2) -> float:
+    """Seconds of ``batch`` independent GEMMs (``m`` × ``n`` output, inner ``k``) in one batched kernel (the
+    attention core's QKᵀ and AV without a fused kernel): their tiles share the SMs' waves (as one output of
+    ``batch`` × ``m`` rows) and each reads its operands and writes its output once (roofline)."""
+    flops = 2.0 * batch * m * n * k
+    if flops <= 0:
+        return 0.0
+    if not acc.sm_count:
+        return flops / (peak * eff)
+    wave = wave_efficiency(int(math.ceil(batch * m)), int(math.ceil(n)), acc.sm_count)
+    return max(flops / (peak * eff * wave), dtype_bytes * batch * (m * k + k * n + m * n) / acc.hbm_bandwidth)
+
+
 # ------------------------------------------------------------------------------------------------ the catalog
 _NV_A100 = ("NVIDIA A100 Tensor Core GPU datasheet (nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
             "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf): BF16/FP16 tensor 312 TFLOPS dense (624 with "
@@ -179,13 +198,18 @@ _EFF = ("matmul_efficiency assumed (typical achieved share of dense peak on tran
 #: (142 SMs), AMD CDNA 3 whitepaper (304 compute units on MI300X)
 _SMS = ("; SMs from the vendor's architecture whitepaper; GEMM shape efficiency = wave × tile quantization and "
         "roofline (NVIDIA Matrix Multiplication Background User's Guide)")
-#: Per-kernel costs. Host: NVIDIA, "Getting Started with CUDA Graphs" (developer.nvidia.com/blog/cuda-graphs/,
-#: 2019): back-to-back stream launches of a 2.9 µs kernel take 3.8 µs each (launch-bound), with CUDA graphs
-#: 3.4 µs; PyTorch's eager dispatcher adds its own per-op host time on top (not counted: 4 µs is a lower
-#: bound). Device: the 3.8 − 2.9 ≈ 1 µs between dependent kernels of that measurement.
-KERNEL_LAUNCH_S = 4e-6
+#: Per-kernel costs. Host: the seconds eager PyTorch spends issuing one op — Python bytecode ~1 µs, pybind11 ~1,
+#: autograd's node ~1-3, the ATen dispatcher ~1-2, the backend's algorithm pick ~1-5, cudaLaunchKernel ~1-3:
+#: ~5-25 µs per op ("From PyTorch op to kernel launch", jiahuanglin.xyz/all_lessons/gpu_kernel_serving/
+#: 18_pytorch_to_kernel.html); the range's upper end, as a training step's ops run through Python module code
+#: with autograd recording (the CUDA launch alone is 3.8 µs: NVIDIA, "Getting Started with CUDA Graphs",
+#: developer.nvidia.com/blog/cuda-graphs/, back-to-back launches of a 2.9 µs kernel). `syncwise plan
+#: --calibrate` measures the cluster's own (eager in-place adds through the dispatcher). Device: the 3.8 − 2.9
+#: ≈ 1 µs between dependent kernels of NVIDIA's measurement.
+KERNEL_LAUNCH_S = 25e-6
 KERNEL_GAP_S = 1e-6
-_KERNEL = ("; per-kernel host launch 4 µs and device gap 1 µs (NVIDIA, 'Getting Started with CUDA Graphs', "
+_KERNEL = ("; per-kernel host issue 25 µs (eager PyTorch's per-op dispatch stack, 5-25 µs: jiahuanglin.xyz "
+           "'From PyTorch op to kernel launch') and device gap 1 µs (NVIDIA, 'Getting Started with CUDA Graphs', "
            "developer.nvidia.com/blog/cuda-graphs/)")
 _GPU = dict(kernel_launch_s=KERNEL_LAUNCH_S, kernel_gap_s=KERNEL_GAP_S)
 
@@ -233,51 +257,68 @@ ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in (
                 codec_cost=CPU_LAB_CODECS),
 )}
 
-_LAT = "latency assumed (order of magnitude of a NCCL / gloo message step, not a datasheet figure)"
+#: Collective latency per call (α) and per message step, fitted to published nccl-tests curves. NVLink: the
+#: all_reduce_perf tables of 2-8 A100 SXM GPUs on NVSwitch (1 MiB-1 GiB, fp32) that vTrain publishes as its
+#: communication model (github.com/VIA-Research/vTrain, trace/a100/AR_GPU{2..8}_1M_1024M_LUT; Bang et al.,
+#: MICRO 2024): 1 MiB takes 45 µs on 2 GPUs, 52 on 4, 92 on 8, flat to ~4 MiB; least squares of the fitted α(n)
+#: (45-78 µs) on the planner's 2⌈log2 n⌉ message steps gives 32 µs per call + 6 µs per step, and 227 GB/s
+#: bus bandwidth on 8 GPUs (0.76 of NVLink 3's 300 GB/s: the catalog's 0.8). TCP-class links (GPUDirect-TCPX /
+#: sockets): nccl-tests all_reduce_perf on 2 × 8 H100 over GCP A3-Mega's TCPXO, 8 B in 123-136 µs
+#: (github.com/lessizzmore/create-a3mega-ztan-fork, ztan-NCCL-test-result). InfiniBand / RoCE / other NVLink
+#: generations: no published curve at hand, NVLink 3's per-call cost assumed (NCCL's kernel path, not the link).
+NCCL_CALL_S = 32e-6
+NVLINK_STEP_S = 6e-6
+TCP_CALL_S = 123e-6
+CALL_LATENCY_SOURCE = (f"collective α {NCCL_CALL_S * 1e6:.0f} µs per call (TCP-class links {TCP_CALL_S * 1e6:.0f} "
+                       "µs), fitted to published nccl-tests curves (vTrain's A100 tables, github.com/VIA-Research/"
+                       "vTrain trace/a100; 2 × 8 H100 over GCP TCPXO): cloud.NCCL_CALL_S")
+_LAT = ("latency per message step assumed (order of magnitude of a NCCL / gloo message step, not a datasheet "
+        "figure); " + CALL_LATENCY_SOURCE)
 
 FABRICS: dict[str, Fabric] = {f.name: f for f in (
     # intra-node (bandwidth per GPU, one direction)
-    Fabric("nvlink3", "nvlink", 300e9, 3e-6, 0.80,
+    Fabric("nvlink3", "nvlink", 300e9, NVLINK_STEP_S, 0.80, call_latency=NCCL_CALL_S,
            source="NVIDIA A100 datasheet: NVLink 600 GB/s per GPU (bidirectional) = 300 GB/s each way; efficiency "
-                  "0.8 assumed (nccl-tests all-reduce busbw on DGX A100 is ~230-240 GB/s); " + _LAT),
-    Fabric("nvlink4", "nvlink", 450e9, 3e-6, 0.80,
+                  "0.8 assumed (nccl-tests all-reduce busbw on DGX A100 is ~230-240 GB/s); per-step latency and "
+                  + CALL_LATENCY_SOURCE),
+    Fabric("nvlink4", "nvlink", 450e9, 3e-6, 0.80, call_latency=NCCL_CALL_S,
            source="NVIDIA H100/H200 datasheets: NVLink 900 GB/s per GPU (bidirectional) = 450 GB/s each way; "
                   "efficiency 0.8 assumed; " + _LAT),
-    Fabric("nvlink-h800", "nvlink", 200e9, 3e-6, 0.80,
+    Fabric("nvlink-h800", "nvlink", 200e9, 3e-6, 0.80, call_latency=NCCL_CALL_S,
            source="NVIDIA H800 product brief: NVLink 400 GB/s bidirectional = 200 GB/s each way (DeepSeek-V3 "
                   "technical report §3.2.2 quotes 160 GB/s achieved, i.e. 0.8); " + _LAT),
-    Fabric("xgmi-mi300x", "xgmi", 448e9, 4e-6, 0.70,
+    Fabric("xgmi-mi300x", "xgmi", 448e9, 4e-6, 0.70, call_latency=NCCL_CALL_S,
            source="AMD MI300X data sheet: 7 Infinity Fabric links of 64 GB/s each way to the other 7 GPUs "
                   "(896 GB/s aggregate bidirectional) in a fully connected node; efficiency 0.7 assumed; " + _LAT),
-    Fabric("pcie4", "pcie", 32e9, 5e-6, 0.75,
+    Fabric("pcie4", "pcie", 32e9, 5e-6, 0.75, call_latency=NCCL_CALL_S,
            source="PCI Express 4.0 x16: 16 GT/s × 16 lanes ≈ 32 GB/s each way (PCI-SIG); efficiency 0.75 assumed "
                   "(GPU peer traffic through host bridges); " + _LAT),
-    Fabric("pcie5", "pcie", 64e9, 5e-6, 0.75,
+    Fabric("pcie5", "pcie", 64e9, 5e-6, 0.75, call_latency=NCCL_CALL_S,
            source="PCI Express 5.0 x16 ≈ 64 GB/s each way (PCI-SIG); efficiency 0.75 assumed; " + _LAT),
     Fabric("lab-loopback", "lab", 1.35e9, 100e-6, 1.0,
            source="measured, benchmarks/RESULTS.md §2: gloo all-reduce between 2 local workers peaks at "
                   "~10.8 Gbit/s busbw (1.35 GB/s); latency assumed (gloo over TCP loopback)"),
     # inter-node (bandwidth per NIC, one direction)
-    Fabric("ib-hdr", "infiniband", 25e9, 5e-6, 0.90,
+    Fabric("ib-hdr", "infiniband", 25e9, 5e-6, 0.90, call_latency=NCCL_CALL_S,
            source="NVIDIA ConnectX-6 / HDR InfiniBand: 200 Gb/s per port = 25 GB/s each way; efficiency 0.9 "
                   "assumed; " + _LAT),
-    Fabric("ib-ndr", "infiniband", 50e9, 5e-6, 0.90,
+    Fabric("ib-ndr", "infiniband", 50e9, 5e-6, 0.90, call_latency=NCCL_CALL_S,
            source="NVIDIA ConnectX-7 / NDR InfiniBand: 400 Gb/s per port = 50 GB/s each way; efficiency 0.9 "
                   "assumed; " + _LAT),
-    Fabric("roce-400g", "roce", 50e9, 8e-6, 0.85,
+    Fabric("roce-400g", "roce", 50e9, 8e-6, 0.85, call_latency=NCCL_CALL_S,
            source="400 GbE RoCEv2 NIC (e.g. ConnectX-7): 400 Gb/s = 50 GB/s each way; efficiency 0.85 assumed; "
                   + _LAT),
-    Fabric("roce-200g", "roce", 25e9, 8e-6, 0.85,
+    Fabric("roce-200g", "roce", 25e9, 8e-6, 0.85, call_latency=NCCL_CALL_S,
            source="200 GbE RoCEv2 NIC: 200 Gb/s = 25 GB/s each way; efficiency 0.85 assumed; " + _LAT),
-    Fabric("opa-100", "omnipath", 12.5e9, 5e-6, 0.90,
+    Fabric("opa-100", "omnipath", 12.5e9, 5e-6, 0.90, call_latency=NCCL_CALL_S,
            source="Intel Omni-Path 100: 100 Gb/s per port = 12.5 GB/s each way (Jean Zay, BLOOM's cluster: 4 "
                   "links per node, BLOOM paper §3.4.1); efficiency 0.9 assumed as for InfiniBand; " + _LAT),
-    Fabric("efa-100g", "efa", 12.5e9, 15e-6, 0.80,
+    Fabric("efa-100g", "efa", 12.5e9, 15e-6, 0.80, call_latency=TCP_CALL_S,
            source="AWS Elastic Fabric Adapter, 100 Gb/s per adapter (p4d: 4 per node, p5: 32 per node, AWS "
                   "instance pages); efficiency 0.8 assumed; " + _LAT),
-    Fabric("eth-100g", "ethernet", 12.5e9, 30e-6, 0.80,
+    Fabric("eth-100g", "ethernet", 12.5e9, 30e-6, 0.80, call_latency=TCP_CALL_S,
            source="100 GbE (TCP sockets): 100 Gb/s = 12.5 GB/s each way; efficiency 0.8 assumed; " + _LAT),
-    Fabric("eth-25g", "ethernet", 3.125e9, 30e-6, 0.80,
+    Fabric("eth-25g", "ethernet", 3.125e9, 30e-6, 0.80, call_latency=TCP_CALL_S,
            source="25 GbE (TCP sockets): 3.125 GB/s each way; efficiency 0.8 assumed; " + _LAT),
     Fabric("lab-tbf", "lab", 200e6 / 8, 200e-6, 0.95,
            source="the network lab's tbf-shaped veth link (its rate is set by `syncwise cluster up --bandwidth`; "
@@ -345,7 +386,8 @@ _ACC_KEYS = {  # TOML key -> (Accelerator field, scale to SI)
 }
 _FAB_KEYS = {
     "bandwidth_gbit_s": ("bandwidth", 1e9 / 8), "bandwidth_gbyte_s": ("bandwidth", 1e9),
-    "latency_us": ("latency", 1e-6), "efficiency": ("efficiency", 1.0), "burst_kbyte": ("burst_bytes", 1e3),
+    "latency_us": ("latency", 1e-6), "call_latency_us": ("call_latency", 1e-6), "efficiency": ("efficiency", 1.0),
+    "burst_kbyte": ("burst_bytes", 1e3),
 }
 #: per-collective efficiencies a fabric table may give (TOML key -> collective kind)
 OP_EFFICIENCY_KEYS = {"all_gather_efficiency": "all_gather", "reduce_scatter_efficiency": "reduce_scatter",
@@ -385,8 +427,8 @@ def _table(path: str, value: Any, catalog: dict, keys: dict, extra: tuple[str, .
     for key, (attr, scale) in keys.items():
         if key in value:
             hi = 1.0 if attr in ("matmul_efficiency", "efficiency") else math.inf
-            lo_open = attr not in ("peak_fp8_flops", "reserved_bytes", "latency", "gemm_half_flops", "sm_count",
-                                   "kernel_launch_s", "kernel_gap_s", "burst_bytes")
+            lo_open = attr not in ("peak_fp8_flops", "reserved_bytes", "latency", "call_latency", "gemm_half_flops",
+                                   "sm_count", "kernel_launch_s", "kernel_gap_s", "burst_bytes")
             fields[attr] = _number(f"{path}.{key}", value[key], 0.0, lo_open, hi) * scale
             if attr == "sm_count":
                 if value[key] != int(value[key]):
@@ -466,6 +508,7 @@ def cloud_from_dict(values: dict[str, Any], source: str = "cluster") -> CloudCon
         if base is None:
             fab = Fabric(fname, kind, fields["bandwidth"], fields.get("latency", 10e-6),
                          fields.get("efficiency", 0.8), nics, source="cluster file",
+                         call_latency=fields.get("call_latency", 0.0),
                          op_efficiency=fields["op_efficiency"], burst_bytes=fields.get("burst_bytes", 0.0))
         else:
             fab = dataclasses.replace(base, kind=kind, nics_per_node=nics, **fields)

@@ -11,15 +11,17 @@ Every assumption is stated where it is made and collected in docs/plan.md. In br
   at the wave efficiency of its output tiles over the SMs, or at HBM bandwidth where it is too thin (roofline:
   ``cloud.gemm_time``); large GEMMs run at matmul_efficiency, small ones (small d, small micro-batch, tp) slower.
 * Kernels: a micro-batch launches ``kernels_per_microbatch`` kernels (from the model's structure) plus its
-  collectives; it takes the longer of the device's work + ``kernel_gap_s`` per kernel and the host's
-  ``kernel_launch_s`` per kernel (``kernel_overhead`` in the breakdown).
+  collectives; each takes the longer of its work and the host's ``kernel_launch_s`` to issue it (eager PyTorch
+  runs ahead only across long kernels), + ``kernel_gap_s`` on the device (``kernel_overhead`` in the breakdown).
 * Collectives (nccl-tests' bus bandwidth): ring all-reduce moves 2(n−1)/n of the buffer per rank, all-gather /
   reduce-scatter / all-to-all (n−1)/n. A dimension whose group fits in a node uses the intra-node fabric;
   one that spans nodes is bounded by the node's NICs, shared by every group of that dimension on the node
   (all ranks run the same collective at once, SPMD). Rank order as syncwise.parallel.mesh: tp innermost, then
   dp_shard, dp_replicate, pp outermost; ep groups are ep neighbouring data-parallel ranks.
-* Latency: ⌈log2 n⌉ message steps per all-gather / reduce-scatter, twice that per all-reduce, n − 1 per
-  all-to-all, each at the fabric's latency.
+* Latency (α-β): every collective call costs its fabric's ``call_latency`` (α per call: NCCL's launch and
+  protocol start, fitted to published nccl-tests curves, cloud.CALL_LATENCY_SOURCE) plus ⌈log2 n⌉ message steps
+  per all-gather / reduce-scatter, twice that per all-reduce, n − 1 per all-to-all, each at the fabric's
+  ``latency``; a group that spans nodes pays the inter-node fabric's.
 * Tensor parallel (with sequence parallel: 2 all-gathers + 2 reduce-scatters per block forward, the same in
   backward, again in a full recompute) and expert all-to-alls are not overlapped with compute. Pipeline p2p
   sends under torch.distributed.pipelining are asynchronous: in the steady state they overlap the stage's other
@@ -41,7 +43,7 @@ from typing import Any, Optional
 
 from ..errors import ConfigError
 from ..layout import EVERY_STEP, FSDP_REDUCE_DTYPES, OUTER_QBLOCK, hierarchical_applies, parse_compress
-from .cloud import Accelerator, CloudConfig, gemm_time
+from .cloud import Accelerator, CloudConfig, batched_gemm_time, gemm_time
 from .layout import SYNCWISE, Layout, Training, owner_layout, syncwise_refusal
 from .memory import Memory, activation_terms, memory_per_rank, stage_params
 from .model import ModelSpec
@@ -108,7 +110,7 @@ def collective_time(cloud: CloudConfig, kind: str, nbytes: float, n: int, per_no
     bus = bus_factor(kind, n)
     intra, G = cloud.intra_node, cloud.gpus_per_node
     if per_node >= n:
-        return count * (nbytes * bus / intra.effective_for(kind) + _steps(kind, n) * intra.latency)
+        return count * (nbytes * bus / intra.effective_for(kind) + call_latency(cloud, kind, n, True))
     t_intra = nbytes * bus / intra.effective_for(kind) if per_node > 1 else 0.0
     groups_on_node = G / per_node
     if kind == "all_to_all":
@@ -125,7 +127,15 @@ def collective_time(cloud: CloudConfig, kind: str, nbytes: float, n: int, per_no
         traffic.burst_left -= passed
         shaped -= passed
     t_inter = shaped / cloud.node_inter_bandwidth(kind)
-    return max(count * t_intra, t_inter) + count * _steps(kind, n) * cloud.inter_node.latency
+    return max(count * t_intra, t_inter) + count * call_latency(cloud, kind, n, False)
+
+
+def call_latency(cloud: CloudConfig, kind: str, n: int, intra: bool) -> float:
+    """α of one ``kind`` collective over ``n`` ranks: the fabric's per-call latency plus its message steps."""
+    if n <= 1:
+        return 0.0
+    fabric = cloud.intra_node if intra else cloud.inter_node
+    return fabric.call_latency + _steps(kind, n) * fabric.latency
 
 
 def dim_time(cloud: CloudConfig, layout: Layout, dim: str, kind: str, nbytes: float,
@@ -328,6 +338,9 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
     # GEMM shapes (cloud.gemm_time: wave quantization over the SMs, roofline): what this rank's GEMMs cost beyond
     # FLOPs / (peak × eff), forward and backward (dX and dW), from their shapes at this micro-batch and tp
     shape_fwd, shape_bwd = gemm_shape_excess(acc, model, layout, tokens_mb, peak, eff)
+    if not training.flash_attention:      # QKᵀ and AV as batched GEMMs: their shapes and s² operands too
+        core_fwd, core_bwd = attention_core_excess(acc, model, layout, mb, seq_len, peak, eff)
+        shape_fwd, shape_bwd = shape_fwd + core_fwd, shape_bwd + core_bwd
     t_matmul = flops_mb / (peak * eff) + 3 * n_fwd * t_gemm0 + shape_fwd + shape_bwd
     recomputed = {"none": 0.0, "selective": 2 * model.n_layers / pp, "full": n_fwd}[layout.recompute]
     t_extra = extra_mb / (peak * eff) + recomputed * t_gemm0 + (shape_fwd if layout.recompute == "full" else 0.0)
@@ -385,18 +398,27 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
         fsdp_gather_total = passes * ag
         t_fsdp_mb = max(unit, ag - t_fwd) + max(unit, ag - (t_bwd - t_extra)) if training.overlap_fsdp else 2 * ag
     # ---- per-kernel overheads (per micro-batch): the host issues every kernel (and every collective: tp, ep
-    # all-to-alls, pipeline sends) at kernel_launch_s at best; the device runs them with kernel_gap_s between.
-    # Whichever is longer sets the micro-batch's time; the excess over the device's work is kernel_overhead.
+    # all-to-alls, pipeline sends) at ``kernel_launch_s`` each at best (eager PyTorch's per-op host time: the
+    # catalog's, or `--calibrate`'s measurement); the device runs them with kernel_gap_s between.
+    # Each kernel takes the longer of its issue and its work (a kernel shorter than its issue leaves the device
+    # idle: eager frameworks run ahead only across long kernels, and every collective re-aligns the ranks' hosts):
+    # the excess over the device's work, kernel by kernel, is kernel_overhead.
     n_tp_calls = 0.0
     if t > 1:
         n_tp_calls = layers_rank * (3 if layout.recompute == "full" else 2) * (4 if layout.sp else 2)
     n_ep_calls = model.n_moe_layers / pp * (6 if layout.recompute == "full" else 4) if layout.ep > 1 else 0.0
     n_p2p_calls = 2 * v if pp > 1 else 0.0
     n_kernels = kernels_per_microbatch(model, layout, training, M) + n_tp_calls + n_ep_calls + n_p2p_calls
-    t_dev = t_fwd + t_bwd
-    t_kernel = max(n_kernels * acc.kernel_gap_s, n_kernels * acc.kernel_launch_s - t_dev - t_tp - t_ep) \
-        if (acc.kernel_gap_s or acc.kernel_launch_s) else 0.0
-    t_kernel = max(t_kernel, 0.0)
+    host_s = acc.kernel_launch_s
+    t_kernel = n_kernels * acc.kernel_gap_s
+    if host_s:
+        gemms = gemm_kernel_times(acc, model, layout, tokens_mb, peak, eff)
+        n_gemm = sum(c for c, _ in gemms)
+        n_colls = n_tp_calls + n_ep_calls + n_p2p_calls
+        n_other = max(n_kernels - n_gemm - n_colls, 1.0)
+        t_kernel += sum(c * max(0.0, host_s - x) for c, x in gemms) + n_other * max(0.0, host_s - t_elem / n_other)
+        if n_tp_calls:
+            t_kernel += n_tp_calls * max(0.0, host_s - t_tp / n_tp_calls)
     tau = t_fwd + t_bwd + t_tp + t_ep + t_fsdp_mb + t_kernel
     # Stage-to-stage sends are asynchronous (isend): in the steady state a micro-batch's activations and gradients
     # travel while the stage computes other micro-batches, so the link costs time only where it is slower than
@@ -475,8 +497,8 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
             dp_total += collective_time(cloud, wire.kind, payload, nodes_, 1, traffic)
             dp_total += collective_time(cloud, "all_reduce", raw, nodes_, 1, traffic)
             buckets = max(1.0, local * 4 / training.bucket_bytes)
-            dp_total += (buckets - 1) * (cloud.inter_node.latency * _steps(wire.kind, nodes_) * wire.collectives_per_bucket
-                                         + cloud.intra_node.latency * 2 * _steps("all_gather", pn))
+            dp_total += (buckets - 1) * (call_latency(cloud, wire.kind, nodes_, False) * wire.collectives_per_bucket
+                                         + 2 * call_latency(cloud, "all_gather", pn, True))
             compress_compute += _codec_time(cloud, wire, shard, nodes_, tensors)
             dp_exposed = _overlap(dp_total, training, layout, t_bwd - t_extra, local)
         elif sync_name in (EVERY_STEP, "pipesgd"):
@@ -488,7 +510,7 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
                                  count=1) + dim_time(cloud, layout, "dp", "all_reduce", raw, traffic)
             buckets = max(1.0, local * 4 / training.bucket_bytes)
             n_, _, pn = group(cloud, layout, "dp")
-            lat = (cloud.intra_node.latency if pn >= n_ else cloud.inter_node.latency) * _steps(wire.kind, n_)
+            lat = call_latency(cloud, wire.kind, n_, pn >= n_)
             dp_total += (buckets - 1) * lat * wire.collectives_per_bucket
             if expert:
                 pe, re = sync_bytes(expert, max(1, layout.dp // layout.ep), wire)
@@ -600,6 +622,39 @@ def gemm_shape_excess(acc: Accelerator, model: ModelSpec, layout: Layout, tokens
     return max(fwd, 0.0), max(bwd, 0.0)
 
 
+def attention_core_excess(acc: Accelerator, model: ModelSpec, layout: Layout, micro_batch: int, seq_len: int,
+                          peak: float, eff: float) -> tuple[float, float]:
+    """(forward, backward) seconds the attention core's batched GEMMs take beyond FLOPs / (peak × eff) on one
+    micro-batch, where no fused kernel runs it (Megatron-LM's baddbmm / bmm around its fused softmax): per layer
+    of this stage, micro_batch × heads / tp GEMMs each of S = QKᵀ (s × s, inner d_qk) and O = PV (s × d_v, inner
+    s) forward; dP = dO·Vᵀ (s × s, inner d_v), dV = Pᵀ·dO, dQ = dS·K, dK = dSᵀ·Q (s × d, inner s) backward, at
+    ``cloud.batched_gemm_time``: a head of 64 reads and writes the s × s scores for 64 multiply-adds each, below
+    the A100's ridge point (HBM-bound), where 128 nearly reaches it. 0 without an SM count."""
+    if not acc.sm_count:
+        return 0.0, 0.0
+    qk, v = model.qk_v_dims
+    b, s = micro_batch * model.n_heads / layout.tp, seq_len
+    layers = model.n_layers / layout.pp
+
+    def excess(m: float, n: float, k: float) -> float:
+        return batched_gemm_time(acc, b, m, n, k, peak, eff) - 2.0 * b * m * n * k / (peak * eff)
+    fwd = excess(s, s, qk) + excess(s, v, s)
+    bwd = excess(s, s, v) + excess(s, v, s) + excess(s, qk, s) + excess(s, qk, s)
+    return max(layers * fwd, 0.0), max(layers * bwd, 0.0)
+
+
+def gemm_kernel_times(acc: Accelerator, model: ModelSpec, layout: Layout, tokens: float, peak: float,
+                      eff: float) -> list[tuple[float, float]]:
+    """(count, seconds) of every GEMM kernel one stage rank runs on a micro-batch: each forward GEMM, its
+    backward dX and dW, and the forward again under a full recompute (``cloud.gemm_time``)."""
+    out = []
+    again = 2 if layout.recompute == "full" else 1
+    for c, m, n, k in gemm_shapes(model, layout, tokens):
+        out += [(again * c, gemm_time(acc, m, n, k, peak, eff)), (c, gemm_time(acc, m, k, n, peak, eff)),
+                (c, gemm_time(acc, k, n, m, peak, eff))]
+    return out
+
+
 def kernels_per_microbatch(model: ModelSpec, layout: Layout, training: Training, microbatches: int = 1) -> float:
     """CUDA kernels one stage rank launches for one micro-batch (forward + backward), counted from the model's
     structure as PyTorch / Megatron-LM run a block (collectives are counted by the caller). Forward, per block:
@@ -608,7 +663,10 @@ def kernels_per_microbatch(model: ModelSpec, layout: Layout, training: Training,
     QKᵀ, fused scale-mask-softmax, AV, and dropout 1), RoPE on q and k (2, without learned positions), dropout
     after attention and MLP (2, where the recipe drops out); a MoE block also the router's softmax and top-k (2),
     the token permutation and its inverse (2 gathers, 2 scatters). Backward: 2 GEMMs per forward GEMM (dX, dW),
-    1 kernel per other forward kernel, and under gradient accumulation one add per parameter tensor into .grad.
+    1 kernel per other forward kernel, a bias's gradient as its own reduction (1 per bias: cuBLAS's GEMM does not
+    write it), a norm's weight gradient as its own reduction (1 per norm, PyTorch's layer_norm / rms_norm backward),
+    the residual stream's gradient summed where it forks into the branch and the skip (1 add per fork, 2 per
+    block: autograd's accumulation), and under gradient accumulation one add per parameter tensor into .grad.
     The embedding (1, +2 for learned positions), head GEMM and loss (2) forward; the same backward, ×2 for the
     head. A full recompute runs the forward of every block again."""
     pp = layout.pp
@@ -625,7 +683,8 @@ def kernels_per_microbatch(model: ModelSpec, layout: Layout, training: Training,
             gemms += 1                                           # the router
             other += 2 + 4
         fwd = gemms + other
-        bwd = 2 * gemms + other + (params if microbatches > 1 else 0)
+        reductions = (gemms if model.biases else 0) + 2 + 2       # bias grads, norm weight grads, residual forks
+        bwd = 2 * gemms + other + reductions + (params if microbatches > 1 else 0)
         total += layers * (fwd + bwd + (fwd if layout.recompute == "full" else 0))
     edges_fwd = 1 + (2 if model.learned_positions else 0) + 1 + 2
     total += edges_fwd + edges_fwd + 2

@@ -9,8 +9,10 @@ publication's FLOP convention is unknown; ``assumed`` lists what the publication
 """
 from __future__ import annotations
 
+import csv
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from .cloud import CloudConfig, cluster
@@ -235,11 +237,48 @@ def runs() -> list[PublishedRun]:
     return out
 
 
+VTRAIN_URL = "github.com/VIA-Research/vTrain (data/ground_truth_{single,multi}.csv, MIT licence)"
+
+
+def vtrain_runs(folder: str | Path) -> list[PublishedRun]:
+    """The measured Megatron-DeepSpeed iteration times that vTrain (Bang et al., "vTrain: A Simulation Framework
+    for Evaluating Cost-effective and Compute-optimal Large Language Model Training", MICRO 2024) validates
+    against: ``ground_truth_single.csv`` (1,440 runs on 2-8 A100 of one node: GPT of hidden 1,024 / 2,048, 12-24
+    layers, sequence 1,024) and ``ground_truth_multi.csv`` (109 runs, 3.6-175 B on 64-512 A100), read from
+    ``folder`` (benchmarks/data/vtrain: copies of the repository's files). As vTrain's configs state: full
+    activation recomputation, 1F1B, GPT-2's vocabulary (50,257, padded to 50,304 as Megatron pads to 128),
+    8 GPUs per node with 4 × 200 Gb/s HDR InfiniBand (its 800 Gb/s per node); fp16 Megatron mixed precision.
+    The A100's memory (40 / 80 GB) is not stated: 80 GB's HBM bandwidth assumed. Micro-batch as measured
+    (the CSV's column: gradient accumulation of global / dp / micro-batch when pp = 1)."""
+    out: list[PublishedRun] = []
+    for name, group in (("ground_truth_single.csv", "vtrain one node"),
+                        ("ground_truth_multi.csv", "vtrain multi-node")):
+        with open(Path(folder) / name, encoding="utf-8-sig", newline="") as f:
+            rows = list(csv.DictReader(f))
+        for i, row in enumerate(rows):
+            g, B, mb, h, a, L, s, tp, dp, pp = (int(row[k]) for k in (
+                "# GPUs", "global batch", "micro batch", "hidden size", "attention heads", "# layers",
+                "sequence length", "tensor parallelism", "data parallelism", "pipeline parallelism"))
+            cloud = cluster("a100-80gb", max(1, g // 8), min(8, g), intra="nvlink3",
+                            inter="ib-hdr" if g > 8 else None, nics_per_node=4 if g > 8 else None)
+            out.append(PublishedRun(
+                f"vTrain {group} #{i}: h{h} L{L} tp{tp} pp{pp} dp{dp} mb{mb} B{B}", "Bang et al. 2024 (vTrain)",
+                f"{name} row {i + 2} ({VTRAIN_URL})", gpt(h, L, a, vocab=50304, seq=s, name=f"gpt-h{h}-l{L}"),
+                cloud, Layout(dp_replicate=dp, tp=tp, pp=pp, micro_batch=mb, recompute="full",
+                              sequence_parallel=False), B, s, "step_time_s", float(row["iteration time (ms)"]) / 1e3,
+                group=group, assumed="A100 80 GB; vocabulary 50,304; fp16 Megatron recipe with dropout and "
+                                     "unfused attention (Megatron-DeepSpeed); 4 HDR NICs per node"))
+    return out
+
+
 def without_overheads(cloud: CloudConfig) -> CloudConfig:
-    """``cloud`` with the GEMM-shape and per-kernel terms off (no SM count, no launch or gap): with a recipe of
-    ``loss_bytes_per_logit`` 0, the cost model as it was before them, for the before / after comparison."""
+    """``cloud`` with the GEMM-shape, per-kernel and per-call collective terms off (no SM count, no launch or gap,
+    no fabric's call latency): with a recipe of ``loss_bytes_per_logit`` 0, the cost model as it was before them,
+    for the before / after comparison."""
     acc = dataclasses.replace(cloud.accelerator, sm_count=0, kernel_launch_s=0.0, kernel_gap_s=0.0)
-    return dataclasses.replace(cloud, accelerator=acc)
+    return dataclasses.replace(cloud, accelerator=acc,
+                               intra_node=dataclasses.replace(cloud.intra_node, call_latency=0.0),
+                               inter_node=dataclasses.replace(cloud.inter_node, call_latency=0.0))
 
 
 def evaluate(run: PublishedRun, top_check: bool = True) -> dict[str, Any]:
@@ -255,6 +294,7 @@ def evaluate(run: PublishedRun, top_check: bool = True) -> dict[str, Any]:
                      training=dataclasses.replace(run.training, loss_bytes_per_logit=0.0), syncwise_rules=False)
     row: dict[str, Any] = {
         "name": run.name, "group": run.group, "publication": run.publication, "source": run.source, "confident": run.confident,
+        "nodes": run.cloud.nodes,
         "assumed": run.assumed, "layout": run.layout.describe(), "gpus": run.cloud.world_size,
         "global_batch": run.global_batch, "seq_len": run.seq_len, "metric": run.metric, "reported": run.reported,
         "predicted": value, "error": error, "predicted_without_overheads": run.predicted(before),
