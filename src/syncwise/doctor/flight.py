@@ -47,12 +47,19 @@ def _op(e: dict) -> str:
     return str(e.get("profiling_name") or "?")
 
 
+#: frames that only carry a collective on its way (torch itself, syncwise's issuing and counting plumbing): the line
+#: that issued it is the nearest frame outside them
+_PLUMBING = ("/torch/", "/syncwise/comm/ops.py", "/syncwise/comm/counting.py")
+
+
 def _frame(e: dict) -> Optional[str]:
-    """The nearest frame outside torch: the line that issued the collective."""
-    frames = e.get("frames") or []
-    for f in frames:
-        if "/torch/" not in f:
-            return f
+    """The nearest frame outside torch and syncwise's collective plumbing: the line that issued the collective
+    (else the nearest outside torch, else the innermost the recorder kept)."""
+    frames = [str(f) for f in e.get("frames") or []]
+    for skip in (_PLUMBING, _PLUMBING[:1]):
+        for f in frames:
+            if not any(p in f for p in skip):
+                return f
     return frames[0] if frames else None
 
 
