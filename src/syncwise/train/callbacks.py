@@ -9,8 +9,9 @@ overrides the hooks it needs; each is a no-op here:
 ``on_step_start(trainer, step)``   before the batch of step ``step`` (``trainer.step + 1``); may move ``trainer.step``
                                    (live recovery: a replica behind heals from a live peer)
 ``commits(trainer, pending)``      after the step's update: False, and the step does not count; it is redone with
-                                   the next batch (live recovery: the update did not commit on every replica). The
-                                   first False ends the asking
+                                   the next batch (live recovery: the update did not commit on every replica, and
+                                   its sync strategy applied none; what an update did stays). The first False ends
+                                   the asking
 ``on_step_end(trainer, pending)``  after the step counted (``trainer.step`` is its number); may ask for the rows now
                                    (``trainer.flush_rows()``: validation, a checkpoint) or stop the run after this
                                    step (``trainer.should_stop = True``: a preemption)
