@@ -49,6 +49,7 @@ from ..errors import ConfigError, SyncwiseError
 from .. import bind, live_env
 from ..secret import ENV_SECRET_FILE, read_secret
 from ..parallel.local_sgd import is_dtensor as _is_dtensor
+from .callbacks import StepCallback
 from .live_buckets import ReplicaBuckets, overlap_ok, wire_dtype
 
 if TYPE_CHECKING:
@@ -142,6 +143,10 @@ class LiveRecovery:
     replicas_diverge = False  # the sync-strategy protocol: replicas hold the same parameters after every step
     restored = False
     syncs = 0
+
+    def step_callback(self) -> "LiveQuorum":
+        """Its part in the training loop (the quorum before each step, the commit after it): a step callback."""
+        return LiveQuorum(self)
 
     def data_shard(self, dp_rank: int, dp_size: int) -> tuple[int, int]:
         """This rank's data shard over all configured replicas: (shard index, shards). A replica's shard is fixed
@@ -520,6 +525,32 @@ class LiveRecovery:
             detail = f" (last step {last['step']}, pid {last.get('pid')} on {last.get('host')})" if "step" in last else ""
             out.append(f"replica {r}{detail}")
         return ", ".join(out)
+
+
+class LiveQuorum(StepCallback):
+    """Live recovery in the training loop, as one of its step callbacks (train/callbacks.py): the step's quorum
+    before its batch (a replica behind heals from a live peer there: ``trainer.step`` moves), the commit after its
+    update (not committed on every replica: the step is redone with the next batch), the row's columns (replicas,
+    quorum time, discarded batches), the manager's shutdown and the summary's ``live_recovery``. The exchange itself
+    is the sync strategy's (:meth:`LiveRecovery.attach`)."""
+
+    def __init__(self, live: LiveRecovery):
+        self.live = live
+
+    def on_step_start(self, trainer: Any, step: int) -> None:
+        trainer.phase = "live recovery quorum"
+        self.live.begin_step(step)
+
+    def commits(self, trainer: Any, pending: Any) -> bool:
+        if self.live.committed:
+            pending.parallel_metrics.update(self.live.row())
+        return self.live.committed
+
+    def close(self, trainer: Any) -> None:
+        self.live.close()
+
+    def summary(self, trainer: Any) -> dict[str, Any]:
+        return {"live_recovery": self.live.summary()}
 
 
 # Per-rank components that must not travel: the RNG (this rank's own streams) and the micro-batch size found here.

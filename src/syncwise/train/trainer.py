@@ -16,13 +16,16 @@ What one optimizer step does (``_train_step``):
      so the host never waits for the device inside the loop.
 
 Faults, the MoE router-bias update, sync strategies and dynamic batching hook in through small named methods and
-the ``after_update`` callbacks, not inline (docs/trainer.md).
+the ``after_update`` callbacks, not inline. Around the step, ``train()``'s loop calls a list of step callbacks
+(train/callbacks.py): live recovery's quorum and commit, the arrivals log, the profiler, validation, preemption, the
+checkpoint cadence, the watchdog and a user's, each in the list only when it is on (docs/trainer.md).
 """
 from __future__ import annotations
 
 import collections
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -48,6 +51,8 @@ from ..metrics.ranklog import RankLog, plain
 from ..metrics import figures
 from ..parallel import TorchHookSpec, describe_layout, parallelize, rebind_optimizer
 from . import arguments, batches as batch_shapes, options
+from .callbacks import (Arrivals, BatchChanges, CheckpointCadence, HangWatchdog, InjectedKills, Preemption,
+                        Profiling, StepCallback, Validation)
 from .dynamic_batch import _rows, _slice
 from .faults import FaultPlan
 from .claim import claim
@@ -159,6 +164,8 @@ class OptimizedTrainer:
         self.tokens_seen = 0
         self.skipped_steps: list[int] = []
         self.metric_sinks: list[Any] = []  # each gets every metrics.jsonl row: syncwise.metrics.sinks (Prometheus, W&B)
+        # a user's step callbacks (train/callbacks.py), called after the trainer's own at each point of the loop
+        self.callbacks: list[StepCallback] = []
         # Timers, bytes per dimension, per-step extras and the watchdog's phase of every step (train/meter.py)
         # Replicas that diverge (local SGD) skip every per-step collective (the logged loss's mean, the router
         # loads): each would hold the ranks in lockstep, and the step would wait for the slowest one.
@@ -244,6 +251,7 @@ class OptimizedTrainer:
         from ..layout import check_live_compress, check_live_layout, check_live_sync
 
         self.live = live
+        self._sync_callbacks: list[StepCallback] = []  # the loop's part of live recovery (its quorum and commit)
         if live is None:
             return
         spec = self.par.spec
@@ -256,6 +264,7 @@ class OptimizedTrainer:
         self.sync = live.attach(self.model, spec.sync)
         if self.sync is not live:  # local SGD / DiLoCo: its state is checkpointed and healed as the 'sync' component
             self.par.sync = self.sync
+        self._sync_callbacks = [live.step_callback()]
 
     # ----------------------------------------------------------------------------------------- public API
     def train(self, loader: Iterable, epochs: Optional[int] = None, steps: Optional[int] = None,
@@ -267,7 +276,8 @@ class OptimizedTrainer:
         is 'auto' (newest valid checkpoint there, if any), a checkpoint path, or None. ``cloud_config`` (a
         ``syncwise.plan.CloudConfig``, e.g. ``load_cluster("cluster.toml")``) has the planner predict this layout
         and the best one for this model and batch, and warn when this one is predicted > 1.25× slower (summary
-        ``layout_check``; docs/plan.md).
+        ``layout_check``; docs/plan.md). ``trainer.callbacks`` takes step callbacks of your own
+        (``syncwise.train.callbacks.StepCallback``), called after the trainer's at each point of the loop.
         """
         resume = arguments.resume_mode(resume)
         checkpoint_dir = arguments.as_path("checkpoint_dir", checkpoint_dir)
@@ -276,17 +286,63 @@ class OptimizedTrainer:
         first = batch_shapes.peek(loader)
         if first is not None:
             batch_shapes.as_pair(first, pipeline=self.par.pipeline is not None)
-        # A user's DataLoader gets this rank's shard and a resumable position (before len() and the train
-        # state see it); loaders that shard and checkpoint themselves (TokenBatchLoader) are left as they are.
-        # (live recovery: one shard per rank of every configured replica group, fixed while replicas come and go)
-        shard = (self.par.dp_rank, self.par.dp_size) if self.live is None else \
-            self.live.data_shard(self.par.dp_rank, self.par.dp_size)
-        loader = shard_loader(loader, *shard, seed=self.data_seed)
+        loader = shard_loader(loader, *self._data_shard(), seed=self.data_seed)
         total = self.total_steps = self._total_steps(loader, epochs, steps)
         state, redone = self._open(loader, checkpoint_dir, resume)
         if self.step >= total:
             return self._already_finished(total)
-        # Files on rank 0 whenever there is a run directory; show_progress=False only silences the console.
+        logger, rank_log = self._start_logs(total, redone)
+        # every loader batch as an (inputs, targets) pair; a mapping is (its dict, KWARGS): syncwise.train.batches
+        batches = batch_shapes.pairs(_forever(loader), pipeline=self.par.pipeline is not None)
+        batches, layout_check = self._first_batches(batches, logger, cloud_config)
+        callbacks = self._step_callbacks(state, logger)
+        started = time.perf_counter()
+        try:
+            for callback in callbacks:
+                callback.on_train_start(self)
+            while self.step < total:
+                for callback in callbacks:
+                    callback.on_step_start(self, self.step + 1)
+                if self.step >= total:  # a callback moved the step to the end (live recovery: healed from a peer)
+                    break
+                pending = self._train_step(batches)
+                if not all(callback.commits(self, pending) for callback in callbacks):
+                    continue  # the update did not commit on every replica: redo this step with the next batch
+                self.step += 1
+                self.tokens_seen += pending.tokens
+                self._unlogged.append(pending)
+                for callback in callbacks:
+                    callback.on_step_end(self, pending)
+                if self.should_stop:  # a preemption: every rank stops after this same step (the save is the final one)
+                    break
+                self._log_rows(keep=self.log_lag)  # rows are read log_lag steps late (see PendingStep)
+            self.flush_rows()
+            self._settle_skip()
+            for callback in callbacks:
+                callback.on_train_end(self)
+        except RuntimeError as e:
+            raise self._explain_hang(e) from e
+        finally:
+            self._clean_up(callbacks)
+        summary = self._finish(callbacks, time.perf_counter() - started, cloud_config, layout_check)
+        logger.finish(summary)
+        rank_log.finish(summary)
+        if self._run_dir_lock is not None:
+            self._run_dir_lock.release()
+        return self.preemption.finish(summary)  # raises Preempted (exit code 83) after a stop
+
+    def _data_shard(self) -> tuple[int, int]:
+        """This rank's data shard (index, shards) by data-parallel rank; under live recovery one shard per rank of
+        every configured replica group, fixed while replicas come and go. A user's DataLoader gets it and a resumable
+        position (before len() and the train state see it); loaders that shard and checkpoint themselves
+        (TokenBatchLoader) are left as they are."""
+        if self.live is None:
+            return self.par.dp_rank, self.par.dp_size
+        return self.live.data_shard(self.par.dp_rank, self.par.dp_size)
+
+    def _start_logs(self, total: int, redone: Optional[int]) -> tuple[MetricsLogger, RankLog]:
+        """metrics.jsonl and the console (rank 0, whenever there is a run directory; show_progress=False only
+        silences the console), every rank's own rows, the resume's note; the queue of rows not logged yet."""
         logger = MetricsLogger(self.run_dir, total, enabled=self.rank == 0, show=self.show_progress,
                                start_step=self.step, log_interval=self.log_interval)
         if redone is not None:
@@ -295,106 +351,66 @@ class OptimizedTrainer:
             print(self._resume_note, flush=True)  # one line, unwrapped (a path can be long)
         rank_log = RankLog(self.run_dir, self.rank, self.world_size, start_step=self.step)  # every rank's own rows
         self.meter.watch(rank_log)
-        # when this rank arrived at each collective (torch's flight recorder, read every few seconds): doctor's
-        # straggler attribution by arrival order (syncwise.comm.arrivals)
-        arrivals = ArrivalLog(self.run_dir, self.rank, start_step=self.step) if self.world_size > 1 else None
+        self._logs = (logger, rank_log)
+        self._unlogged: collections.deque = collections.deque()  # PendingSteps whose rows are not logged yet
+        self._history: list[StepResult] = []  # this invocation's settled steps (the summary's)
+        self.val_loss: Optional[float] = None  # the last validation's loss
+        self.should_stop = False  # set by a callback: the run stops after this step (a preemption)
+        return logger, rank_log
+
+    def _first_batches(self, batches: Iterator, logger: MetricsLogger, cloud_config: Any) -> tuple[Iterator, Any]:
+        """Before the first step: injected faults attached, the DynamicBatcher's probe, the planner's layout check
+        (``cloud_config``); the batches, none consumed, and the check's verdict (None without a cloud_config)."""
         if self.step == 0:
             self.faults.skew_router(self.model)
         self.faults.attach(self.model)
-        # every loader batch as an (inputs, targets) pair; a mapping is (its dict, KWARGS): syncwise.train.batches
-        batches = batch_shapes.pairs(_forever(loader), pipeline=self.par.pipeline is not None)
         if self.batcher is not None and not self.batcher.found:
             batches = self._find_micro_batch(batches, logger)
-        layout_check = None
-        if cloud_config is not None:
-            batches, layout_check = self._check_layout(cloud_config, batches, logger)
-        if self.world_size > 1 and self.collective_timeout_s:
-            self.watchdog = Watchdog(self.collective_timeout_s, self.rank, self.world_size,
-                                     RunDir(self.run_dir).heartbeats if self.run_dir else None,
-                                     flight_dump=RunDir(self.run_dir).flight_dump(self.rank) if self.run_dir else None)
-        # torch profiler traces of the steps profile_steps / profile_every chose (train/profile.py); off: no profiler
-        r = self.options.run
-        self._profiler = StepProfiler(self.run_dir, self.rank, self.world_size, self.device.type,
-                                      parse_steps(r.profile_steps), r.profile_every, start_step=self.step)
-        history: list[StepResult] = []
-        unlogged: collections.deque = collections.deque()  # (PendingStep, checkpoint save in flight during it)
-        self._changes_seen = len(self.batcher.history) if self.batcher is not None else 0
-        self._val_loss: Optional[float] = None
-        started = time.perf_counter()
-        self.preemption.install(self.run_dir or (self.checkpointer.directory if self.checkpointer else None),
-                                self.checkpointer.directory if self.checkpointer else None)
-        try:
-            while self.step < total:
-                self.faults.maybe_kill(self.step + 1, self.rank)
-                if self.live is not None:  # the step's quorum; a replica behind heals from a live peer (step moves)
-                    self.phase = "live recovery quorum"
-                    self.live.begin_step(self.step + 1)
-                    if self.step >= total:
-                        break
-                # Whether an async checkpoint write runs in the background during this step: the benchmarks
-                # compare such steps with the others to measure what an in-flight save costs training.
-                in_flight = self.checkpointer is not None and self.checkpointer.save_in_flight
-                if arrivals is not None:
-                    arrivals.begin()
-                pending = self._train_step(batches)
-                if self.live is not None:
-                    if not self.live.committed:
-                        continue  # the update did not commit on every replica: redo this step with the next batch
-                    # the replicas that took part, this replica's index, quorum time, batches discarded (its row)
-                    pending.parallel_metrics.update(self.live.row())
-                unlogged.append((pending, in_flight))
-                self.step += 1
-                if arrivals is not None:
-                    arrivals.end(self.step)
-                self._profiler.step_done(self.step)
-                self.tokens_seen += unlogged[-1][0].tokens
-                self._note_batch_changes(logger)
-                validate = self.val_loader is not None and (self.step == total or (
-                    self.val_interval and self.step % self.val_interval == 0))
-                # A SIGTERM/SIGUSR1 on any rank: every rank stops after this same step (the save is the final one).
-                stop = self.step < total and self.preemption.stop_after(self.step)
-                save = not stop and self.checkpointer is not None and self.step < total and \
-                    self._saves_checkpoints() and self.checkpointer.should_save(self.step, unlogged[-1][0].step_time_s)
-                # Rows are read `log_lag` steps late (see PendingStep), at once when this step's row is needed.
-                keep = 0 if validate or save or stop or self.step == total else self.log_lag
-                history += self._log_rows(unlogged, keep, validate, (logger, rank_log))
-                if save:
-                    self._settle_skip()
-                    self.phase = "checkpoint save"
-                    self.checkpointer.save(self.step, state)
-                if stop:
-                    break
-            self._final_save(state)
-        except RuntimeError as e:
-            raise self._explain_hang(e) from e
-        finally:
-            self._clean_up(arrivals)
-        summary = self._finish(history, time.perf_counter() - started, cloud_config, layout_check)
-        logger.finish(summary)
-        rank_log.finish(summary)
-        if self._run_dir_lock is not None:
-            self._run_dir_lock.release()
-        return self.preemption.finish(summary)  # raises Preempted (exit code 83) after a stop
+        if cloud_config is None:
+            return batches, None
+        return self._check_layout(cloud_config, batches, logger)
 
-    def _clean_up(self, arrivals: Any) -> None:
-        """The loop's cleanup, every part of it run. While an error is ending the run, a cleanup's own error
-        (a full disk under a log's last flush) is printed, never raised over it: the user must see what ended the
-        run. Without one, the first cleanup error is raised after the rest have run."""
-        watchdog, self.watchdog = self.watchdog, None
-        parts = [arrivals.finish if arrivals is not None else None, self._profiler.close, self.preemption.uninstall,
-                 watchdog.close if watchdog is not None else None, self.par.close,
-                 self.live.close if self.live is not None else None]
+    def _step_callbacks(self, state: TrainState, logger: MetricsLogger) -> list[StepCallback]:
+        """The loop's collaborators for this run, in the order the loop calls them (train/callbacks.py): each is in
+        the list only when its feature is on; the sync strategy's (live recovery's quorum) first, a user's last."""
+        callbacks: list[StepCallback] = [InjectedKills(self.faults)] if self.faults.has("kill") else []
+        callbacks += self._sync_callbacks
+        if self.world_size > 1:
+            callbacks.append(Arrivals(ArrivalLog(self.run_dir, self.rank, start_step=self.step)))
+        r = self.options.run
+        profiler = StepProfiler(self.run_dir, self.rank, self.world_size, self.device.type,
+                                parse_steps(r.profile_steps), r.profile_every, start_step=self.step)
+        callbacks += [Profiling(profiler)] if profiler.enabled else []
+        callbacks += [BatchChanges(self.batcher, logger)] if self.batcher is not None else []
+        callbacks += [Validation(self.val_interval)] if self.val_loader is not None else []
+        callbacks.append(Preemption(self.preemption))
+        if self.checkpointer is not None:
+            callbacks.append(CheckpointCadence(self.checkpointer, state, self._saves_checkpoints))
+        if self.world_size > 1 and self.collective_timeout_s:
+            callbacks.append(HangWatchdog(self.collective_timeout_s))
+        self._callbacks = callbacks + list(self.callbacks)
+        return self._callbacks
+
+    def flush_rows(self) -> None:
+        """Log every counted step's row now (a callback that needs this step's row: validation, a checkpoint)."""
+        self._log_rows(keep=0)
+
+    def _clean_up(self, callbacks: list[StepCallback]) -> None:
+        """The loop's cleanup, every part of it run: the callbacks' ``close`` (in reverse order), the layout's. While
+        an error is ending the run, a cleanup's own error (a full disk under a log's last flush) is printed, never
+        raised over it: the user must see what ended the run. Without one, the first cleanup error is raised after
+        the rest have run."""
+        parts = [functools.partial(callback.close, self) for callback in reversed(callbacks)] + [self.par.close]
         ending = sys.exc_info()[1]
         first: Optional[BaseException] = None
         for part in parts:
-            if part is None:
-                continue
             try:
                 part()
             except Exception as e:  # noqa: BLE001 — every part runs; see the docstring for which error is raised
                 if ending is not None:
+                    what = getattr(getattr(part, "func", part), "__qualname__", part)
                     print(f"syncwise: rank {self.rank}: while ending on {type(ending).__name__}, cleanup "
-                          f"{getattr(part, '__qualname__', part)} failed too: {e}", file=sys.stderr, flush=True)
+                          f"{what} failed too: {e}", file=sys.stderr, flush=True)
                 elif first is None:
                     first = e
         if first is not None:
@@ -425,49 +441,32 @@ class OptimizedTrainer:
         self.meter.step = self.step + 1
         return state, redone
 
-    def _finish(self, history: list[StepResult], wall: float, cloud_config: Any, layout_check: Any) -> dict[str, Any]:
-        """The run's summary: the steps' figures, this rank's checkpoint saves, the layout check, a preemption."""
-        summary = self._summary(history, self._val_loss, wall)
+    def _finish(self, callbacks: list[StepCallback], wall: float, cloud_config: Any,
+                layout_check: Any) -> dict[str, Any]:
+        """The run's summary: the steps' figures, the layout check, the callbacks' keys (checkpoint saves, a
+        preemption, live recovery)."""
+        summary = self._summary(self._history, self.val_loss, wall)
         summary.update(self._job_bytes(summary))
-        if self.checkpointer is not None:
-            # This rank's save costs (rank 0's total_s runs until the checkpoint is published).
-            summary["checkpoint_saves"] = [
-                {"step": s.step, "blocking_s": s.blocking_s, "total_s": s.total_s, "bytes": s.bytes}
-                for s in self.checkpointer.history]
         if cloud_config is not None:
             summary["cloud_config"] = repr(cloud_config)
             summary["layout_check"] = layout_check
-        if self.live is not None:
-            summary["live_recovery"] = self.live.summary()
-        if self.preemption.stopping_step is not None:  # saved above; rank 0 writes RUN_DIR/preempted.json
-            summary["preempted"] = self.preemption.record(self.checkpointer)
+        for callback in callbacks:
+            summary.update(callback.summary(self))
         return summary
 
-    def _log_rows(self, unlogged: collections.deque, keep: int, validate: bool, logs: tuple) -> list[StepResult]:
-        """Settle the queued steps until ``keep`` are left (see PendingStep), validating after the newest one when
-        ``validate``; every row goes to the logs (metrics.jsonl, the rank's own) and the metric sinks."""
-        settled = []
-        while len(unlogged) > keep:
-            queued, in_flight = unlogged.popleft()
+    def _log_rows(self, keep: int) -> None:
+        """Settle the queued steps until ``keep`` are left (see PendingStep); each row goes through the callbacks'
+        ``on_row`` (validation, checkpoint columns), then to the logs (metrics.jsonl, the rank's own) and the metric
+        sinks."""
+        while len(self._unlogged) > keep:
+            queued = self._unlogged.popleft()
             result = queued.settle()
-            settled.append(result)
+            self._history.append(result)
             row = self._row(result, queued)
-            if self.checkpointer is not None:
-                row["ckpt_in_flight"] = in_flight
-            if validate and queued.step == self.step:
-                self.phase = "validation"
-                self._val_loss = row["val_loss"] = self.evaluate()
-            for sink in (*logs, *self.metric_sinks):
+            for callback in self._callbacks:
+                callback.on_row(self, row)
+            for sink in (*self._logs, *self.metric_sinks):
                 sink.log_step(row)
-        return settled
-
-    def _note_batch_changes(self, logger: MetricsLogger) -> None:
-        """The DynamicBatcher's micro-batch changes of the last step, as notes in the log."""
-        if self.batcher is None:
-            return
-        for change in self.batcher.history[self._changes_seen:]:
-            logger.note(f"dynamic batch: step {change.step}: micro-batch {change.old} → {change.new} ({change.reason})")
-        self._changes_seen = len(self.batcher.history)
 
     def _check_layout(self, cloud_config: Any, batches: Iterator, logger: MetricsLogger) -> tuple[Iterator, dict]:
         """The planner's verdict on this layout (it warns when > 1.25× the best); the first batch is not consumed."""
@@ -480,17 +479,6 @@ class OptimizedTrainer:
         if verdict.get("warning"):
             logger.note(verdict["warning"])
         return itertools.chain([first], batches), verdict
-
-    def _final_save(self, state: TrainState) -> None:
-        """The run's last checkpoint (unless the newest one is of this step), then the checkpointer's close."""
-        self._settle_skip()
-        if self.checkpointer is not None and not self._saves_checkpoints():
-            self.checkpointer.close()
-        elif self.checkpointer is not None:
-            self.phase = "final checkpoint save"
-            if self.checkpointer.last_save is None or self.checkpointer.last_save.step != self.step:
-                self.checkpointer.save(self.step, state)
-            self.checkpointer.close()
 
     def _find_micro_batch(self, batches: Iterator, logger: MetricsLogger) -> Iterator:
         """Probe the largest micro-batch on the first loader batch (on the plain module: no collectives, so
