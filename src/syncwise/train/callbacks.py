@@ -75,7 +75,8 @@ class StepCallback:
 
 
 class InjectedKills(StepCallback):
-    """``kill`` faults (train/faults.py): the process exits abruptly before the step its fault names."""
+    """``kill`` and ``hang`` faults (train/faults.py): the process exits abruptly, or stops for good, before the step
+    its fault names."""
 
     def __init__(self, faults: "FaultPlan"):
         self.faults = faults
