@@ -488,7 +488,8 @@ def test_the_python_api_join_sets_gloos_rule_before_init(monkeypatch):
 
     port = free_port()
     for key in ("GLOO_SOCKET_IFNAME", "TORCH_GLOO_LAZY_INIT", "NCCL_SOCKET_IFNAME"):
-        monkeypatch.delenv(key, raising=False)
+        monkeypatch.setenv(key, "")  # (recorded, so what gloo_env sets is undone after the test)
+        monkeypatch.delenv(key)
     monkeypatch.setenv(bind.ENV_BIND, "127.0.0.1")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
