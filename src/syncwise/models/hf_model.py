@@ -46,7 +46,11 @@ class HFCausalLM(nn.Module):
         if not self.awaiting_shards:
             return super().to(*args, **kwargs)
         # On the meta device until sharded: remember where (the trainer moves the model before parallelizing it)
-        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        device, dtype = torch._C._nn._parse_to(*args, **kwargs)[:2]
+        if dtype is not None and dtype != torch.float32:
+            raise ValueError(f"HFCausalLM.to(dtype={dtype}) before FSDP2 has sharded it: a model built for sharding "
+                             "keeps fp32 master weights (build_hf_model(sharded=True)); cast after sharding, or "
+                             "build it with sharded=False")
         if device is not None:
             self._sharded_target = device
         return self
