@@ -444,3 +444,112 @@ def test_setup_says_in_one_line_that_python3_venv_is_missing(tmp_path):
     assert r.returncode == 1
     assert r.stderr.strip().count("\n") == 0 and "install python3-venv" in r.stderr, r.stderr
     assert not (tmp_path / "venv" / "bin").exists()
+
+
+# -- gloo's socket rule on an NCCL job (bind.gloo_env) -----------------------------------------------------------
+_IFACES = {"lo": ["127.0.0.1", "::1"], "eth0": ["10.0.0.5"], "eth1": ["10.1.0.5"], "docker0": ["172.17.0.1"],
+           "ib0": []}
+
+
+@pytest.mark.parametrize("nccl, bind_host, expected", [
+    ("=eth1", "", "eth1"),                   # NCCL's exact name
+    ("eth", "", "eth0,eth1"),                # NCCL's prefix: this machine's interfaces with an address
+    ("^docker,lo", "10.1.0.5", "eth1"),      # an exclusion list names none: the bind rule's interface
+    ("", "10.0.0.5", "eth0"),                # no NCCL interface: the bind rule's
+    ("", "127.0.0.1", "lo"),                 # one machine: loopback
+    ("ib", "", None),                        # a prefix matching no interface with an address, no bind host
+    ("", "", None),                          # nothing to go on: gloo chooses (its own host-name rule)
+])
+def test_gloo_interface_from_nccl_then_the_bind_rule(nccl, bind_host, expected):
+    from syncwise import bind
+
+    env = {bind.ENV_NCCL_IFNAME: nccl, bind.ENV_BIND: bind_host}
+    assert bind.gloo_interface(env, _IFACES) == expected
+
+
+def test_gloo_env_keeps_the_users_values_and_is_lazy_only_for_nccl():
+    from syncwise import bind
+
+    env = {bind.ENV_NCCL_IFNAME: "=eth0"}
+    assert bind.gloo_env(devices.NCCL_PROCESS_GROUP, env, _IFACES) == {"GLOO_SOCKET_IFNAME": "eth0",
+                                                                       "TORCH_GLOO_LAZY_INIT": "1"}
+    assert env["GLOO_SOCKET_IFNAME"] == "eth0" and env["TORCH_GLOO_LAZY_INIT"] == "1"
+    mine = {bind.ENV_NCCL_IFNAME: "=eth0", "GLOO_SOCKET_IFNAME": "eth1", "TORCH_GLOO_LAZY_INIT": "0"}
+    assert bind.gloo_env(devices.NCCL_PROCESS_GROUP, mine, _IFACES) == {}
+    assert mine["GLOO_SOCKET_IFNAME"] == "eth1" and mine["TORCH_GLOO_LAZY_INIT"] == "0"
+    gloo_job = {bind.ENV_BIND: "127.0.0.1"}
+    assert bind.gloo_env("gloo", gloo_job, _IFACES) == {"GLOO_SOCKET_IFNAME": "lo"}  # a gloo job: eager mesh
+
+
+def test_the_python_api_join_sets_gloos_rule_before_init(monkeypatch):
+    """join_torchrun asks bind.gloo_env with the backend it passes to init_process_group (here gloo on the CPU:
+    the interface of the bind rule's loopback address, no lazy pairs)."""
+    from syncwise import bind
+
+    port = free_port()
+    for key in ("GLOO_SOCKET_IFNAME", "TORCH_GLOO_LAZY_INIT", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.setenv(key, "")  # (recorded, so what gloo_env sets is undone after the test)
+        monkeypatch.delenv(key)
+    monkeypatch.setenv(bind.ENV_BIND, "127.0.0.1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    try:
+        assert arguments.join_torchrun(torch.device("cpu"), backend="auto")
+        assert os.environ["GLOO_SOCKET_IFNAME"] == bind.loopback_interface()
+        assert "TORCH_GLOO_LAZY_INIT" not in os.environ
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _socket_fds() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    return n
+
+
+def _gloo_groups_fds(rank, world, groups):
+    """Sockets this rank opens for ``groups`` gloo groups, eager then lazy (TORCH_GLOO_LAZY_INIT, which
+    bind.gloo_env sets on an NCCL job: the gloo halves of its groups), and after one collective on one lazy group."""
+    from syncwise.comm import ops
+
+    out = {}
+    for lazy in (False, True):
+        os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
+        if lazy:
+            os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+        dist.barrier()
+        before = _socket_fds()
+        made = [ops.new_group(backend="gloo", desc=f"g{i}") for i in range(groups)]
+        dist.barrier()
+        out[lazy] = _socket_fds() - before
+        if lazy:
+            t = torch.ones(1)
+            ops.all_reduce(t, "sum", group=made[0], stats=None)
+            out["used"] = _socket_fds() - before
+            out["sum"] = float(t)
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts sockets in /proc/self/fd (Linux)")
+def test_lazy_gloo_opens_one_listener_per_group_not_a_mesh():
+    """fds ≈ groups × peers was issue 39's N5: eagerly, each gloo group connects every pair at creation (per rank
+    and group: one listening socket + world-1 connections); lazily, one listening socket per group and connections
+    only to the peers a collective uses. The barriers' own store sockets are the same in both counts."""
+    from tests.distributed import run_workers
+
+    world, groups = 3, 4
+    for rank, r in enumerate(run_workers(_gloo_groups_fds, world, groups)):
+        assert r["sum"] == world
+        assert r[False] >= groups * world, r           # the eager full mesh: listener + (world - 1) pairs per group
+        assert r[True] < groups * world, r
+        if rank == 0:
+            continue  # rank 0 also serves the store: its accepted store connections come and go with the barriers
+        assert r[True] == groups, r                     # lazy: one listening socket per group
+        assert groups < r["used"] <= groups + world - 1, r  # the used group connected its peers, no other group

@@ -340,3 +340,57 @@ def test_bench_baseline_counts_the_hf_models_parameters(corpus, tmp_path):
     cfg = build_config(None, {"model.preset": f"hf:{folder}", "data.seq_len": "32", "data.corpus": str(corpus)})
     model = transformers.AutoModelForCausalLM.from_config(FAMILIES["mixtral"]())
     assert _fp32_bytes(cfg) == 4.0 * sum(p.numel() for p in model.parameters())
+
+
+def _sharded_build(rank, world, folder):
+    """build_hf_model(sharded=True), FSDP2 over both ranks, one forward: what each rank held and the loss."""
+    from syncwise.models.deepseek import lm_loss
+    from syncwise.models.hf_model import build_hf_model
+    from syncwise.parallel.fsdp import apply_fsdp
+
+    torch.manual_seed(SEED)
+    model = build_hf_model(f"hf:{folder}", sharded=True)
+    held = {"real_before": sum(t.numel() for t in (*model.parameters(), *model.buffers()) if not t.is_meta),
+            "whole_kept": model._full_on_rank0 is not None, "rng": float(torch.rand(()))}
+    model.to(torch.device("cpu"))  # (as the trainer does before parallelizing: the model waits on the meta device)
+    held["meta_after_to"] = all(p.is_meta for p in model.parameters())
+    apply_fsdp(model, None)
+    held["local"] = sum(p.to_local().numel() for p in model.parameters())
+    held["total"] = sum(p.numel() for p in model.parameters())
+    held["whole_kept_after"] = model._full_on_rank0 is not None
+    x = torch.randint(0, COMMON["vocab_size"], (2, SEQ + 1), generator=torch.Generator().manual_seed(3))
+    held["loss"] = float(lm_loss(model(x[:, :-1]), x[:, 1:]).detach())
+    return held
+
+
+@pytest.mark.parametrize("pretrained", [False, True])
+def test_sharded_build_materialises_per_shard_and_computes_the_same_loss(pretrained, tmp_path):
+    """FSDP2 over 2 gloo ranks of a model built on the meta device (build_hf_model(sharded=True)): rank 1 never holds
+    a real tensor of the model before its shards, rank 0 only its one load (the folder's weights, or the RNG's at the
+    seed); each rank ends with its shards only, and the loss is the single-process model's. Tolerance: the same fp32
+    weights through the same kernels, only gathered by FSDP2 into other buffers: a few fp32 ulps at most (2e-7
+    relative each) where a matmul blocks its sums differently."""
+    from distributed import run_workers
+    from syncwise.models.deepseek import lm_loss
+    from syncwise.models.hf_model import build_hf_model
+
+    folder = _folder(tmp_path, "llama")
+    if pretrained:
+        torch.manual_seed(7)
+        transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(folder)).save_pretrained(
+            folder)
+    torch.manual_seed(SEED)
+    whole = build_hf_model(f"hf:{folder}")
+    rng_after_build = float(torch.rand(()))
+    x = torch.randint(0, COMMON["vocab_size"], (2, SEQ + 1), generator=torch.Generator().manual_seed(3))
+    want = float(lm_loss(whole(x[:, :-1]), x[:, 1:]).detach())
+    ranks = run_workers(_sharded_build, 2, folder)
+    assert ranks[0]["whole_kept"] and not ranks[1]["whole_kept"]  # rank 0's one load, until its shards are filled
+    assert ranks[1]["real_before"] == 0                            # rank 1: the structure only, on the meta device
+    assert all(r["meta_after_to"] and not r["whole_kept_after"] for r in ranks)
+    assert sum(r["local"] for r in ranks) == ranks[0]["total"] == sum(p.numel() for p in whole.parameters())
+    assert all(r["local"] < r["total"] for r in ranks)             # each rank: its shards, not the whole model
+    assert ranks[0]["rng"] == ranks[1]["rng"]                      # every rank's RNG stream alike after the build
+    assert not pretrained or ranks[0]["rng"] == rng_after_build    # (from weights: no draw at all)
+    for r in ranks:
+        assert r["loss"] == pytest.approx(want, rel=1e-6), (r["loss"], want)

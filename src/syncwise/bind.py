@@ -96,14 +96,10 @@ def is_loopback(host: str) -> bool:
 def loopback_interface() -> Optional[str]:
     """The name of the interface that carries 127.0.0.1 ('lo' on Linux), for GLOO_SOCKET_IFNAME."""
     try:
-        import psutil
-
-        for name, addrs in psutil.net_if_addrs().items():
-            if any(a.family == socket.AF_INET and a.address == LOOPBACK for a in addrs):
-                return name
-    except Exception:
-        pass
-    return None
+        found = interface_addresses()
+    except OSError:
+        return None
+    return next((name for name, addrs in sorted(found.items()) if LOOPBACK in addrs), None)
 
 
 def job_env(host: str, env: Optional[dict[str, str]] = None) -> dict[str, str]:
@@ -118,6 +114,91 @@ def job_env(host: str, env: Optional[dict[str, str]] = None) -> dict[str, str]:
             env.setdefault("GLOO_SOCKET_IFNAME", lo)
             env.setdefault("NCCL_SOCKET_IFNAME", lo)
     return env
+
+
+ENV_GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
+ENV_NCCL_IFNAME = "NCCL_SOCKET_IFNAME"
+ENV_GLOO_LAZY = "TORCH_GLOO_LAZY_INIT"
+
+
+def interface_addresses() -> dict[str, list[str]]:
+    """This machine's interfaces and their IP addresses (psutil when installed, else IPv4 by ioctl)."""
+    try:
+        import psutil
+
+        return {name: [a.address.split("%")[0] for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)]
+                for name, addrs in psutil.net_if_addrs().items()}
+    except ImportError:
+        pass
+    import fcntl
+    import struct
+
+    out: dict[str, list[str]] = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:  # SIOCGIFADDR
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+                out[name] = [socket.inet_ntoa(raw[20:24])]
+            except OSError:
+                out[name] = []
+    return out
+
+
+def gloo_interface(env: "dict[str, str] | os._Environ", interfaces: dict[str, list[str]]) -> Optional[str]:
+    """The ``GLOO_SOCKET_IFNAME`` a worker gets when its environment sets none (None: leave gloo to choose).
+
+    Without it gloo binds to what the host name resolves to: on a machine whose ``/etc/hosts`` maps it to
+    127.0.1.1 (Debian, Ubuntu) every rank advertises a loopback address and a multi-node start-up hangs. So:
+
+    1. NCCL's interface when the job names one (``NCCL_SOCKET_IFNAME``): its exact names (``=eth0``) as given, a
+       prefix (``eth``) as this machine's interfaces that start with it; an exclusion list (``^docker``) says
+       nothing about which one to use and is skipped;
+    2. else the interface that carries the bind rule's address (``SYNCWISE_BIND_HOST``, set by every launcher:
+       loopback on one machine, the node's own address on several).
+    """
+    nccl = env.get(ENV_NCCL_IFNAME, "").strip()
+    if nccl and not nccl.startswith("^"):
+        names: list[str] = []
+        for part in (p.strip() for p in nccl.split(",")):
+            if part.startswith("="):
+                names.append(part[1:])
+            elif part:
+                names += sorted(n for n in interfaces if n.startswith(part) and interfaces[n])
+        names = [n for i, n in enumerate(names) if n and n not in names[:i]]
+        if names:
+            return ",".join(names)
+    host = env.get(ENV_BIND, "").strip().strip("[]")
+    if host:
+        for name, addrs in sorted(interfaces.items()):
+            if host in addrs:
+                return name
+    return None
+
+
+def gloo_env(backend: str, env: "Optional[dict[str, str] | os._Environ]" = None,
+             interfaces: Optional[dict[str, list[str]]] = None) -> dict[str, str]:
+    """Set gloo's socket rule in a worker's environment before ``init_process_group`` (values the user set win);
+    returns what it added. Both the worker (``CommContext``) and the Python API (``join_torchrun``) ask it, so every
+    launcher — syncwise's, Slurm's, Kubernetes', a hand-run torchrun — gets it on each node with that node's
+    interfaces.
+
+    - ``GLOO_SOCKET_IFNAME``: :func:`gloo_interface`;
+    - ``TORCH_GLOO_LAZY_INIT=1`` when the job's backend is NCCL (``backend`` as given to ``init_process_group``):
+      each group's gloo half (devices.NCCL_PROCESS_GROUP) then connects a pair on its first use instead of a full
+      mesh at creation (each rank: one listening socket per group, not one per group and peer), and a group
+      whose gloo half never carries a collective never opens a connection. A gloo job keeps gloo's eager mesh:
+      there every group carries the training's collectives anyway.
+    """
+    env = os.environ if env is None else env
+    added: dict[str, str] = {}
+    if not env.get(ENV_GLOO_IFNAME, "").strip():
+        name = gloo_interface(env, interface_addresses() if interfaces is None else interfaces)
+        if name:
+            added[ENV_GLOO_IFNAME] = name
+    if "nccl" in str(backend) and ENV_GLOO_LAZY not in env:
+        added[ENV_GLOO_LAZY] = "1"
+    env.update(added)
+    return added
 
 
 def listening_socket(host: str, port: int = 0) -> socket.socket:

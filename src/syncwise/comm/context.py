@@ -132,9 +132,10 @@ class CommContext:
             # NCCL as devices.NCCL_PROCESS_GROUP: CPU control tensors (comm-bench's checks) have a communicator too.
             ops.declare_backend(devices.process_group_backend("nccl" if self.device.type == "cpu" else self.backend))
             extra = {"device_id": self.device} if self.backend == "nccl" else {}
-            from ..bind import store_kwargs  # (rank 0's store on the job's address only: bind.py)
+            from ..bind import gloo_env, store_kwargs  # (rank 0's store on the job's address only: bind.py)
 
             extra.update(store_kwargs(timedelta(seconds=self.timeout_s)))
+            gloo_env(devices.process_group_backend(self.backend))  # gloo's interface and lazy pairs (bind.py)
             dist.init_process_group(devices.process_group_backend(self.backend),
                                     timeout=ops.backend_timeout(self.timeout_s, self.backend) or
                                     timedelta(seconds=self.timeout_s), **extra)

@@ -20,6 +20,7 @@ CPU, before any GPU sees it.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import os
@@ -137,6 +138,32 @@ def check_devices(op: str, tensors: "list[torch.Tensor]", group=None) -> None:
                 f"[{STRICT_ENV}=1]")
 
 
+#: Under strict devices, every collective issued here, per (group name, op, half): the communicator its group's
+#: GPU-run backend gives a step's data tensors (CUDA; 'nccl' on a devices.NCCL_PROCESS_GROUP group) or, on a group
+#: without a CUDA communicator (preemption's, the checkpoint's), 'gloo'. A test takes the difference between two
+#: runs of different lengths to get a steady step's collectives (tests/test_strict_control.py): on a GPU run every
+#: one on a 'gloo' half, and every host tensor on another group than the gradient sync's, is control traffic
+#: through gloo (docs/gpu.md "Control traffic").
+STRICT_COUNTS: "collections.Counter[tuple[str, str, str]]" = collections.Counter()
+_counts_lock = threading.Lock()
+
+
+@functools.lru_cache(maxsize=64)
+def _data_half(backend: str) -> str:
+    """The communicator a group of ``backend`` gives CUDA tensors ('nccl' / 'gloo'); a CPU-only one: its CPU one."""
+    from torch.distributed.distributed_c10d import Backend, BackendConfig
+
+    route = BackendConfig(Backend(backend)).get_device_backend_map()
+    return str(route["cuda"] if "cuda" in route else route.get("cpu", "gloo"))
+
+
+def _count(op: str, group) -> None:
+    desc = "default" if group is None or group is dist.group.WORLD else (getattr(group, "group_desc", None)
+                                                                          or "unnamed")
+    with _counts_lock:
+        STRICT_COUNTS[(desc, op, _data_half(declared_backend(group)))] += 1
+
+
 # ---- timeouts and the collectives in flight (what a hang report names) -----------------------------
 _timeout: Optional[timedelta] = None
 _in_flight: dict[int, "InFlight"] = {}
@@ -203,15 +230,27 @@ def collective_timeout_s() -> Optional[float]:
     return _timeout.total_seconds() if _timeout is not None else None
 
 
-def new_group(ranks: Optional[list[int]] = None, backend: Optional[str] = None, desc: str = "syncwise"):
+def new_group(ranks: Optional[list[int]] = None, backend: Optional[str] = None, desc: str = "syncwise", *,
+              like=None):
     """``dist.new_group`` with the job's timeout (torch's own default is 30 min, so a side communicator —
-    compression, checkpoint saving — would outlast ``--dist.timeout_s`` by far) and a name for reports."""
+    compression, checkpoint saving — would outlast ``--dist.timeout_s`` by far) and a name for reports.
+
+    ``backend``: an explicit backend ('gloo': a host-only side group), which the strict check holds the group to on
+    every run. ``like``: a group (None with no ``backend``: the default one) whose backend the new group takes —
+    its backend on this run, and for the strict check the one it has on a GPU run (a CPU run's 'gloo' default group
+    is declared devices.NCCL_PROCESS_GROUP): a group made as a copy of the training's is held to the GPU run's rule,
+    not to this run's gloo, which takes every tensor (issue 39 N8)."""
+    if like is not None:
+        if backend is not None:
+            raise ValueError("new_group: give backend or like, not both")
+        backend = str(dist.get_backend(like))
     try:
         group = dist.new_group(ranks=ranks, backend=backend, timeout=_group_timeout(backend), group_desc=desc)
     except TypeError:  # torch without group_desc
         group = dist.new_group(ranks=ranks, backend=backend, timeout=_group_timeout(backend))
     if backend is not None and group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
-        declare_backend(backend, group)  # an explicit backend: the strict check holds the group to it
+        # an explicit backend: the strict check holds the group to it; a copy: to what the original is held to
+        declare_backend(declared_backend(like) if like is not None else backend, group)
     return group
 
 
@@ -382,6 +421,7 @@ def _issue(name: str, nbytes: int, fn, async_op: bool, stats: Optional[CommStats
         stats = _NOWHERE
     if tensors and strict():
         check_devices(name, list(tensors), group)
+        _count(name, group)
     if tensors and _nccl_timed(tensors[0], group):
         return _issue_nccl(name, nbytes, fn, async_op, stats, group, tensors)
     start = time.perf_counter()
@@ -520,6 +560,8 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
 def all_gather_object(obj: object, group=None) -> list:
     """Gather a picklable object from every rank (not counted: control traffic only)."""
     out: list = [None] * dist.get_world_size(group)
+    if strict():
+        _count("all_gather_object", group)
     dist.all_gather_object(out, obj, group=group)
     return out
 
@@ -535,6 +577,8 @@ def barrier(group=None) -> None:
     global _last_failed
     token = next(_tokens)
     record = _in_flight[token] = InFlight("barrier", group, time.monotonic())
+    if strict():
+        _count("barrier", group)
     try:
         dist.barrier(group=group)
     except BaseException:
@@ -551,6 +595,7 @@ def batch_isend_irecv(p2p_ops: "list[dist.P2POp]", group=None, stats: Optional[C
     tensors = tuple(op.tensor for op in p2p_ops)
     if strict():
         check_devices("batch_isend_irecv", list(tensors), group if group is not None else p2p_ops[0].group)
+        _count("batch_isend_irecv", group if group is not None else p2p_ops[0].group)
     sent = sum(op.tensor.numel() * op.tensor.element_size() for op in p2p_ops if op.op in (dist.isend,))
     if sent and stats is not None:
         stats.record("send", sent)

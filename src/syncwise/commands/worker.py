@@ -70,18 +70,27 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
-def _build_model(cfg: RunConfig, vocab_size: int) -> torch.nn.Module:
+def _build_model(cfg: RunConfig, vocab_size: int, sharded: bool = False) -> torch.nn.Module:
     """The run's model: a syncwise preset with the run's overrides, or ``hf:FOLDER`` built by transformers (its
-    config.json and, when present, its safetensors weights; models/hf_model.py)."""
+    config.json and, when present, its safetensors weights; models/hf_model.py). ``sharded``: FSDP2 will shard the
+    whole model over every rank (:func:`_shards_whole_model`): a Hugging Face model is then built on the meta device
+    and materialised per shard (build_hf_model's ``sharded``)."""
     from ..models.hf import is_hf
 
     if is_hf(cfg.model.preset):
         from ..config import hf_model_spec
         from ..models.hf_model import build_hf_model
-        model = build_hf_model(cfg.model.preset, seq_len=cfg.data.seq_len)
+        model = build_hf_model(cfg.model.preset, seq_len=cfg.data.seq_len, sharded=sharded)
         model.flops_per_token_value = hf_model_spec(model.info, cfg.data.seq_len).flops_per_token()
         return model
     return build_model(cfg.model.preset, **model_overrides(cfg, vocab_size))
+
+
+def _shards_whole_model(cfg: RunConfig, parallel: Any, world: int) -> bool:
+    """Whether FSDP2 shards the whole model over the ranks (dp_shard > 1; no tensor, pipeline or expert parallel,
+    which place or split the model first; not a live-recovery replica group), so no rank needs it whole."""
+    return (world > 1 and dist.is_initialized() and parallel.sharded and parallel.tp == 1 and parallel.pp == 1
+            and parallel.ep == 1 and not cfg.ft.replicas)
 
 
 def _tp_plan(model: torch.nn.Module, parallel: Any) -> Any:
@@ -188,13 +197,15 @@ def train_worker(cfg: RunConfig) -> dict[str, Any]:
         seed_everything(cfg.train.seed, cfg.train.deterministic)
         corpus = load_corpus(cfg.data.corpus, val_fraction=cfg.data.val_fraction, tokenizer=cfg.data.tokenizer,
                              text_column=cfg.data.text_column)
-        model = _build_model(cfg, corpus.vocab_size).to(device)  # on the device first: fused AdamW on GPUs
-        optimizer = adamw(model, cfg.train.lr, cfg.train.weight_decay)
-        scheduler = warmup_cosine(optimizer, cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio)
-        # Ranks of one tensor-parallel group read the same batch: the loaders shard by data-parallel coordinates.
         specs = cfg.specs()  # parsed once (the layout's compressor and sync specs), typed: a Compressor or
         #                      TorchHookSpec built from the parsed compressor spec, a SyncSpec or None, Faults
         parallel = specs.layout.resolve(world)
+        sharded = _shards_whole_model(cfg, parallel, world)
+        model = _build_model(cfg, corpus.vocab_size, sharded).to(device)  # on the device first: fused AdamW on GPUs
+        # (a model built for sharding stays on the meta device until FSDP2 shards it: fused as its device decides)
+        optimizer = adamw(model, cfg.train.lr, cfg.train.weight_decay, fused=device.type == "cuda" if sharded else None)
+        scheduler = warmup_cosine(optimizer, cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio)
+        # Ranks of one tensor-parallel group read the same batch: the loaders shard by data-parallel coordinates.
         dp_rank, dp = parallel.dp_rank(rank), parallel.dp
         live, run_dir, faults = _live_recovery(cfg, rank, world, specs.faults)
         if live is not None:  # one data shard per rank of every configured replica group

@@ -79,8 +79,9 @@ class CompressionHookState:
         if dedicated_group and dist.is_initialized():
             ranks = (dist.get_process_group_ranks(process_group) if process_group is not None
                      else list(range(dist.get_world_size())))
-            backend = dist.get_backend(process_group)
-            self.comm_group = ops.new_group(ranks=ranks, backend=backend, desc="compress")
+            # the training group's backend, and its GPU run's for the strict check (ops.new_group's like)
+            self.comm_group = ops.new_group(ranks=ranks, like=process_group if process_group is not None
+                                            else dist.group.WORLD, desc="compress")
         else:
             self.comm_group = process_group
         if isinstance(param_names, nn.Module):

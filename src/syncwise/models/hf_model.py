@@ -32,6 +32,39 @@ class HFCausalLM(nn.Module):
         for router in self._routers:
             router.register_forward_hook(_count_selections)
 
+    #: A model built for sharding (build_hf_model(sharded=True)) until hand_over_shards: its tensors are on the
+    #: meta device, rank 0 holds the whole model's (state dict, buffers) here (None on the other ranks).
+    _full_on_rank0: "Optional[tuple[dict, dict]]" = None
+    _sharded_target: Optional[torch.device] = None  # where the shards go (the last .to()'s device)
+
+    @property
+    def awaiting_shards(self) -> bool:
+        """True while the model is on the meta device, waiting for FSDP2's shards (build_hf_model(sharded=True))."""
+        return self._sharded_target is not None
+
+    def to(self, *args, **kwargs):  # noqa: D102 (nn.Module.to)
+        if not self.awaiting_shards:
+            return super().to(*args, **kwargs)
+        # On the meta device until sharded: remember where (the trainer moves the model before parallelizing it)
+        device, dtype = torch._C._nn._parse_to(*args, **kwargs)[:2]
+        if dtype is not None and dtype != torch.float32:
+            raise ValueError(f"HFCausalLM.to(dtype={dtype}) before FSDP2 has sharded it: a model built for sharding "
+                             "keeps fp32 master weights (build_hf_model(sharded=True)); cast after sharding, or "
+                             "build it with sharded=False")
+        if device is not None:
+            self._sharded_target = device
+        return self
+
+    def hand_over_shards(self) -> "tuple[torch.device, Optional[tuple[dict, dict]]]":
+        """For parallel/fsdp.apply_fsdp, once FSDP2 has sharded the structure: where the shards go (the device of
+        the last ``.to()``) and, on rank 0, the whole model's (state dict, buffers) by this module's names (None on
+        the other ranks). The model is then no longer awaiting its shards: the caller fills them."""
+        device, full = self._sharded_target, self._full_on_rank0
+        self._sharded_target = self._full_on_rank0 = None
+        if full is not None:
+            full = ({f"hf.{k}": v for k, v in full[0].items()}, {f"hf.{k}": v for k, v in full[1].items()})
+        return device, full
+
     @property
     def layers(self) -> nn.ModuleList:
         """The decoder layers: the blocks activation checkpointing wraps."""
@@ -95,22 +128,52 @@ def _count_selections(router: nn.Module, args: tuple, out: tuple) -> None:
     counts.scatter_add_(0, flat.to(counts.device), torch.ones_like(flat, dtype=counts.dtype, device=counts.device))
 
 
-def build_hf_model(preset: str, seq_len: int = 0) -> HFCausalLM:
-    """Build ``hf:FOLDER`` with transformers, in fp32 (the trainer's master weights): from the folder's
-    ``*.safetensors`` weights when it has any (``from_pretrained(local_files_only=True)``), else at random from its
-    config (``from_config``; torch's RNG, so seed first)."""
+def _hf_from_folder(info: HFModelInfo, meta: bool = False) -> nn.Module:
+    """transformers' model for ``info`` in fp32: its safetensors weights when it has any, else at random from its
+    config (torch's RNG); ``meta``: the structure only, every tensor on the meta device (no memory, no RNG)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    info = read_hf_model(preset)
     folder = str(info.folder)
-    if info.weights:
+    if meta:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        with torch.device("meta"):
+            hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    elif info.weights:
         hf = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
     else:
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     hf.config.use_cache = False
     hf.train()  # from_pretrained returns it in eval mode
-    return HFCausalLM(hf, info, seq_len)
+    return hf
+
+
+def build_hf_model(preset: str, seq_len: int = 0, *, sharded: bool = False) -> HFCausalLM:
+    """Build ``hf:FOLDER`` with transformers, in fp32 (the trainer's master weights): from the folder's
+    ``*.safetensors`` weights when it has any (``from_pretrained(local_files_only=True)``), else at random from its
+    config (``from_config``; torch's RNG, so seed first).
+
+    ``sharded`` (a process group exists, and FSDP2 will shard the whole model over every rank): every rank builds the
+    model on the meta device; rank 0 alone also builds it for real on the CPU (the same weights an unsharded build
+    gets: the folder's, or the RNG's at the same seed, drawn on a forked RNG so that every rank's stream stays
+    alike) and keeps its tensors until FSDP2 has sharded the structure: then parallel/fsdp.apply_fsdp gives every
+    rank its own shards from rank 0's, one tensor at a time (:meth:`HFCausalLM.hand_over_shards`). Host memory: the
+    whole model once on rank 0 (not once per local rank), nothing on the others; GPU memory: each rank's shards."""
+    info = read_hf_model(preset)
+    if not sharded:
+        return HFCausalLM(_hf_from_folder(info), info, seq_len)
+    import torch.distributed as dist
+
+    full = None
+    if dist.get_rank() == 0:
+        with torch.random.fork_rng(devices=[]):
+            real = _hf_from_folder(info)
+        full = (real.state_dict(), {n: b for n, b in real.named_buffers()})
+        del real
+    model = HFCausalLM(_hf_from_folder(info, meta=True), info, seq_len)
+    model._full_on_rank0 = full
+    model._sharded_target = torch.device("cpu")
+    return model
 
 
 def hf_tp_plan(model: HFCausalLM) -> dict:

@@ -31,6 +31,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from ..comm import ops
 from ..errors import ConfigError
 from ..layout import check_fsdp_compress, parse_compress
 
@@ -161,9 +162,35 @@ def apply_fsdp(model: nn.Module, mesh: Any, dp_dims: Sequence[str] = ("dp_shard"
         last = i == len(units) - 1
         fully_shard(unit, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False if last else reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+    if getattr(model, "awaiting_shards", False):  # built on the meta device (models.hf_model, sharded=True)
+        _materialise_shards(model)
     if reduce_codec is not None or gather_codec is not None:
         _attach_quantized(model, dp_mesh, reduce_codec, gather_codec, seed)
     return model
+
+
+@torch.no_grad()
+def _materialise_shards(model: nn.Module) -> None:
+    """A model built on the meta device for sharding (``awaiting_shards``; ``hand_over_shards()`` gives the device
+    and, on rank 0, the whole model's tensors), now sharded by ``fully_shard``: allocate this rank's shards there
+    (``to_empty``) and fill them from rank 0's — parameters and persistent buffers by ``set_model_state_dict``
+    (``full_state_dict``, ``broadcast_from_rank0``: one tensor at a time, so a rank holds at most one whole tensor
+    besides its shards), the buffers a state dict leaves out (rotary frequencies) by a broadcast each. Every rank
+    of the default group calls it alike (``apply_fsdp`` runs on every rank)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    device, full = model.hand_over_shards()
+    model.to_empty(device=device)
+    set_model_state_dict(model, full[0] if full is not None else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    kept = set(model.state_dict())
+    for name, buf in model.named_buffers():
+        if name not in kept:
+            if full is not None:
+                buf.copy_(full[1][name])
+            ops.broadcast(buf, src=0, stats=None)  # (set-up: no run's ledger counts it)
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        raise RuntimeError("apply_fsdp: a tensor of a model built on the meta device is still there after sharding")
 
 
 def _shard_size(dp_mesh: Any) -> int:

@@ -110,9 +110,10 @@ def join_torchrun(device: torch.device, timeout_s: Optional[float] = None, backe
     # on gloo (a CPU run: the same code on GPUs would get devices.NCCL_PROCESS_GROUP).
     ops.declare_backend(devices.process_group_backend("nccl") if backend == "gloo" and device.type == "cpu"
                         else devices.process_group_backend(backend))
-    from ..bind import store_kwargs  # (rank 0's store listens on the job's address only: bind.py)
+    from ..bind import gloo_env, store_kwargs  # (rank 0's store listens on the job's address only: bind.py)
 
     kwargs.update(store_kwargs(kwargs.get("timeout")))
+    gloo_env(devices.process_group_backend(backend))  # gloo's interface and lazy pairs (bind.py)
     dist.init_process_group(devices.process_group_backend(backend), **kwargs)
     atexit.register(_leave)
     return True
