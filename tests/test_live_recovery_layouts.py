@@ -143,12 +143,18 @@ def test_diloco_worker_killed_mid_round_is_replaced_and_heals_at_an_outer_step(t
     run_dir = tmp_path / "diloco"
     assert main(["train", "--run-dir", str(run_dir), *BASE, "--nproc", "1", "--parallel.sync=diloco:period=4",
                  "--steps", "20", "--inject-fault", "slowdata:ms=400", "--inject-fault", "kill:rank=1,step=3"]) == 0
-    rows, summary, attempts = _ended_identical(run_dir, 20)
+    # What holds at any speed (as for HSDP above): the survivor discards the broken round; the replacement, if it is
+    # back before the last step, heals at an outer-step boundary and both replicas end identical; else it found
+    # the run finished (under load the survivor once trained all 20 steps alone first).
+    rows, summary, attempts = _ended_identical(run_dir, 20, replicas=None)
     survivor = attempts[(0, 0)]
     assert survivor["discarded_rounds"] >= 1 and survivor["discarded_inner_steps"] >= 4
     assert rows[3].get("discarded_inner_steps") == 4 and summary["discarded_inner_steps"] == 4
-    heal = attempts[(1, 1)]["heals"]
-    assert heal and heal[0]["step"] % 4 == 0 and heal[0]["step"] >= 4  # at an outer-step boundary
-    assert survivor["outer_steps"] == 4  # steps 8, 12, 16, 20 committed (4 did not)
-    assert rows[-1]["replicas"] == 2
+    assert survivor["outer_steps"] == 4  # steps 8, 12, 16, 20 committed (4 did not), with or without a peer
+    if attempts.get((1, 1), {}).get("param_digest"):
+        heal = attempts[(1, 1)]["heals"]
+        assert heal and heal[0]["step"] % 4 == 0 and heal[0]["step"] >= 4  # at an outer-step boundary
+        assert rows[-1]["replicas"] == 2
+    else:
+        assert "already finished" in (run_dir / "ft" / "replica1.log").read_text()
     assert _mean(rows, lambda r: r[-3:]) < _mean(rows, lambda r: r[:3]) - 0.4
