@@ -221,3 +221,49 @@ def test_auto_turns_hierarchical_on_only_for_all_gathering_compressors():
     assert applies("powersgd:rank=4", mode="on") and not applies("fp8", mode="off")
     assert not applies("fp8", nodes=1, per_node=4) and not applies("fp8", nodes=4, per_node=1)
 
+
+
+def _hops(rank, world, _):
+    """fp32 DDP (flat, DDP's own all-reduce) and fp8 hierarchical, 3 steps each of the tiny preset: their summaries'
+    bytes per hop, and the ledger's split against its total."""
+    out = {}
+    for name, spec, hier in (("ddp", "none", "off"), ("fp8", "fp8", "on")):
+        torch.manual_seed(0)
+        tokens = torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(5))
+        model = build_model("tiny", seq_len=32)
+        trainer = OptimizedTrainer(model, adamw(model, 3e-3, 0.1), compress_gradients=spec, show_progress=False,
+                                   bucket_cap_mb=0.05, min_numel=1024, parallel={"hierarchical": hier})
+        summary = trainer.train(TokenBatchLoader(tokens, 4, 32, rank, world, seed=3), steps=3)
+        dp = trainer.par.ledger.dp
+        out[name] = {"summary": summary, "hops": dp.hop_bytes(), "total": dp.total_bytes}
+    return out
+
+
+def test_bytes_per_hop_on_2_nodes_x_2():
+    """Issue 41 row 3: a hierarchical compressor's intra-node fp32 reduce-scatter/all-gather is counted apart from
+    the compressed cross-node traffic; against fp32 DDP the cross-node hop is what shrinks (the total need not)."""
+    res = run_workers(_hops, 4, None, local_world_size=2, timeout=300)
+    for r in res:
+        for name in ("ddp", "fp8"):
+            s, hops = r[name]["summary"], r[name]["hops"]
+            # every byte the ledger counted has a hop (the topology is known), and they add up to the total
+            assert set(hops) <= {"intra", "cross"} and sum(hops.values()) == r[name]["total"] > 0, hops
+            assert "2 nodes" in s["comm_hops"] and "comm_bytes_per_step_unsplit" not in s
+            assert s["comm_bytes_per_step_intra"] + s["comm_bytes_per_step_cross"] == s["comm_bytes_per_step"]
+        ddp, fp8 = r["ddp"]["summary"], r["fp8"]["summary"]
+        # DDP's flat all-reduce spans both nodes: all of its bytes cross
+        assert ddp["comm_bytes_per_step_cross"] == ddp["comm_bytes_per_step"] and ddp["comm_bytes_per_step_intra"] == 0
+        # fp8 across nodes carries 1 byte per element (+ scales) of half the tensors per rank: far below fp32's 4 bytes
+        # of all of them; its fp32 reduce-scatter + all-gather inside the node are counted as intra-node
+        assert 0 < fp8["comm_bytes_per_step_cross"] < ddp["comm_bytes_per_step_cross"] / 4
+        assert fp8["comm_bytes_per_step_intra"] > ddp["comm_bytes_per_step_cross"]
+
+
+def test_one_node_or_unknown_topology_is_said_not_split():
+    from syncwise.train.meter import StepResult, per_hop
+
+    step = StepResult(loss=1.0, step_time_s=1.0, compute_s=1.0, comm_exposed_s=0.0, data_wait_s=0.0, comm_bytes=8,
+                      tokens=1, grad_norm=0.0, skipped=False, comm_bytes_by_hop={"intra": 8, "cross": 0, "unsplit": 0})
+    assert per_hop([step], 1) == {"comm_hops": "one node: every byte stays inside it (no cross-node hop)"}
+    assert per_hop([step], None) == {"comm_hops": "topology unknown: bytes not split by hop"}
+    assert per_hop([step], 2)["comm_bytes_per_step_cross"] == 0
