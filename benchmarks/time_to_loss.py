@@ -154,7 +154,7 @@ def curve(run_dir: Path) -> list[dict[str, float]]:
         tokens += m.get("tokens_per_s", 0.0) * m["step_time_s"]
         # None once a step's bytes were not counted (PyTorch's PowerSGD hook bypasses syncwise.comm)
         nbytes = None if nbytes is None or m.get("comm_bytes") is None else nbytes + m["comm_bytes"]
-        cross = None if cross is None or m.get("comm_bytes_cross") is None else cross + m["comm_bytes_cross"]
+        cross = None if cross is None or m.get("hop_bytes_cross") is None else cross + m["hop_bytes_cross"]
         if m.get("val_loss") is not None:
             out.append({"step": m["step"], "time_s": clock, "tokens": tokens, "bytes": nbytes, "cross": cross,
                         "val_loss": m["val_loss"]})

@@ -250,15 +250,15 @@ def test_bytes_per_hop_on_2_nodes_x_2(tmp_path):
             s, hops = r[name]["summary"], r[name]["hops"]
             # every byte the ledger counted has a hop (the topology is known), and they add up to the total
             assert set(hops) <= {"intra", "cross"} and sum(hops.values()) == r[name]["total"] > 0, hops
-            assert "2 nodes" in s["comm_hops"] and "comm_bytes_per_step_unsplit" not in s
-            assert s["comm_bytes_per_step_intra"] + s["comm_bytes_per_step_cross"] == s["comm_bytes_per_step"]
+            assert "2 nodes" in s["comm_hops"] and "hop_bytes_per_step_unsplit" not in s
+            assert s["hop_bytes_per_step_intra"] + s["hop_bytes_per_step_cross"] == s["comm_bytes_per_step"]
         ddp, fp8 = r["none"]["summary"], r["fp8"]["summary"]
         # DDP's flat all-reduce spans both nodes: all of its bytes cross
-        assert ddp["comm_bytes_per_step_cross"] == ddp["comm_bytes_per_step"] and ddp["comm_bytes_per_step_intra"] == 0
+        assert ddp["hop_bytes_per_step_cross"] == ddp["comm_bytes_per_step"] and ddp["hop_bytes_per_step_intra"] == 0
         # fp8 across nodes carries 1 byte per element (+ scales) of half the tensors per rank: far below fp32's 4 bytes
         # of all of them; its fp32 reduce-scatter + all-gather inside the node are counted as intra-node
-        assert 0 < fp8["comm_bytes_per_step_cross"] < ddp["comm_bytes_per_step_cross"] / 4
-        assert fp8["comm_bytes_per_step_intra"] > ddp["comm_bytes_per_step_cross"]
+        assert 0 < fp8["hop_bytes_per_step_cross"] < ddp["hop_bytes_per_step_cross"] / 4
+        assert fp8["hop_bytes_per_step_intra"] > ddp["hop_bytes_per_step_cross"]
     _read_by_every_door(tmp_path, res[0]["none"]["summary"], res[0]["fp8"]["summary"])
 
 
@@ -274,19 +274,19 @@ def _read_by_every_door(runs, ddp, fp8):
 
     for name in ("none", "fp8"):  # every metrics row: intra + cross = the step's bytes
         for row in (json.loads(x) for x in (runs / name / "metrics.jsonl").read_text().splitlines()):
-            assert row["comm_bytes_intra"] + row["comm_bytes_cross"] == row["comm_bytes"] > 0, row
+            assert row["hop_bytes_intra"] + row["hop_bytes_cross"] == row["comm_bytes"] > 0, row
     loaded = [report.load_run(runs / name) for name in ("none", "fp8")]
     table = report.text(loaded)
     assert "cross-node/step" in table.splitlines()[0]
-    assert human_bytes(fp8["comm_bytes_per_step_cross"]) in table.splitlines()[2]
-    assert loaded[1]["hop_bytes_per_step"]["cross"] == pytest.approx(fp8["comm_bytes_per_step_cross"])
+    assert human_bytes(fp8["hop_bytes_per_step_cross"]) in table.splitlines()[2]
+    assert loaded[1]["hop_bytes_per_step"]["cross"] == pytest.approx(fp8["hop_bytes_per_step_cross"])
     # bench's (and time_to_loss's) "× fewer bytes" is on the cross-node hop: > 4x, where all bytes read < 1x
     bench = {r["name"]: r for r in build_rows(
         [BenchRun(n, build_config(overrides={"run_dir": str(runs / n), "compress.method": n})) for n in ("none", "fp8")],
         {"none": ddp, "fp8": fp8}, {}, "loopback")}
     ratio = bench["fp8"]["compression_ratio"]
     assert bench["fp8"]["ratio_on"] == "cross-node" and ratio > 4
-    assert ratio == pytest.approx(ddp["comm_bytes_per_step_cross"] / fp8["comm_bytes_per_step_cross"])
+    assert ratio == pytest.approx(ddp["hop_bytes_per_step_cross"] / fp8["hop_bytes_per_step_cross"])
     assert fp8["comm_bytes_per_step"] > ddp["comm_bytes_per_step"]   # the figure a total would have shown: < 1x
     d = diagnose(load_run(runs / "fp8"))
     rows = [json.loads(x) for x in (runs / "fp8" / "metrics.jsonl").read_text().splitlines()]
@@ -301,4 +301,4 @@ def test_one_node_or_unknown_topology_is_said_not_split():
                       tokens=1, grad_norm=0.0, skipped=False, comm_bytes_by_hop={"intra": 8, "cross": 0, "unsplit": 0})
     assert per_hop([step], 1) == {"comm_hops": "one node: every byte stays inside it (no cross-node hop)"}
     assert per_hop([step], None) == {"comm_hops": "topology unknown: bytes not split by hop"}
-    assert per_hop([step], 2)["comm_bytes_per_step_cross"] == 0
+    assert per_hop([step], 2)["hop_bytes_per_step_cross"] == 0

@@ -391,7 +391,7 @@ def build_rows(runs: list[BenchRun], summaries: dict[str, dict], errors: dict[st
                                "world_size": None, "run_dir": str(run.run_dir)}
         if s is None:
             row.update({k: None for k in ("steps_per_s", "parallel_efficiency", "comm_bytes_per_step",
-                                          "comm_bytes_per_step_cross", "comm_bytes_per_step_intra",
+                                          "hop_bytes_per_step_cross", "hop_bytes_per_step_intra",
                                           "compression_ratio", "ratio_on", "final_loss", "final_val_loss", "peak_mem_mb",
                                           "mean_step_time_s", "comm_exposed_share",
                                           "parallel_efficiency_shared_cpu")})
@@ -401,7 +401,8 @@ def build_rows(runs: list[BenchRun], summaries: dict[str, dict], errors: dict[st
         t = s["mean_step_time_s"]
         reference = run.name in (COMPUTE_ONLY, COMPUTE_SHARED)
         nbytes = 0.0 if reference else s.get("comm_bytes_per_step")
-        # "× fewer bytes" on the hop the slow link carries (metrics.figures.fewer_bytes): cross-node when both span nodes
+        # "× fewer bytes" on the hop the slow link carries (metrics.figures.fewer_bytes): cross-node when both runs
+        # span nodes
         ratio, ratio_on = (None, None) if reference else fewer_bytes(base, s)
         row.update({
             "world_size": s.get("world_size"),
@@ -411,8 +412,8 @@ def build_rows(runs: list[BenchRun], summaries: dict[str, dict], errors: dict[st
             # vs N compute-only workers sharing the host's cores as the lab's nodes do
             "parallel_efficiency_shared_cpu": shared / t if shared and t else None,
             "comm_bytes_per_step": nbytes,
-            "comm_bytes_per_step_cross": None if reference else s.get("comm_bytes_per_step_cross"),
-            "comm_bytes_per_step_intra": None if reference else s.get("comm_bytes_per_step_intra"),
+            "hop_bytes_per_step_cross": None if reference else s.get("hop_bytes_per_step_cross"),
+            "hop_bytes_per_step_intra": None if reference else s.get("hop_bytes_per_step_intra"),
             "compression_ratio": ratio, "ratio_on": ratio_on,
             "final_loss": s.get("final_loss"),
             "final_val_loss": s.get("final_val_loss"),
@@ -439,7 +440,7 @@ def build_rows(runs: list[BenchRun], summaries: dict[str, dict], errors: dict[st
 ROUND_FIELDS = ("mean_step_time_s", "parallel_efficiency", "parallel_efficiency_shared_cpu", "speedup_vs_fp32",
                 "comm_exposed_share", "final_loss", "final_val_loss", "val_loss_vs_fp32")
 #: the measurements a combined row averages over the rounds that ran
-MEAN_FIELDS = ROUND_FIELDS + ("comm_bytes_per_step", "comm_bytes_per_step_cross", "comm_bytes_per_step_intra",
+MEAN_FIELDS = ROUND_FIELDS + ("comm_bytes_per_step", "hop_bytes_per_step_cross", "hop_bytes_per_step_intra",
                               "compression_ratio", "peak_mem_mb")
 
 
@@ -506,7 +507,7 @@ def render_table(rows: list[dict[str, Any]], title: str, console: Any = None) ->
             r["name"], _fmt(r["mean_step_time_s"] and r["mean_step_time_s"] * 1e3, ".0f"), _fmt(r["steps_per_s"], ".2f"),
             efficiency, _fmt(r.get("parallel_efficiency_shared_cpu"), ".2f"),
             _fmt(None if mb is None else mb / 1e6, ".2f", "n/c"),
-            _fmt(None if r.get("comm_bytes_per_step_cross") is None else r["comm_bytes_per_step_cross"] / 1e6, ".2f"),
+            _fmt(None if r.get("hop_bytes_per_step_cross") is None else r["hop_bytes_per_step_cross"] / 1e6, ".2f"),
             _fmt(r["compression_ratio"], ".1f"), _fmt(r.get("speedup_vs_fp32"), ".2f"), _fmt(r["final_loss"], ".4f"),
             _fmt(r["final_val_loss"], ".4f"),
             _fmt(None if r.get("val_loss_vs_fp32") is None else 100 * r["val_loss_vs_fp32"], "+.2f") +

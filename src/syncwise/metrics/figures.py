@@ -11,8 +11,8 @@ second and training time from here, so the same run shows the same numbers every
 * **train time**: the sum of every step's time (``train_time_s``: the same axis for a resumed run as for one that
   never stopped). ``wall_time_s`` in the summary is something else: this invocation's wall clock, start-up,
   validation and checkpoints included.
-* **bytes per hop**: a row's ``comm_bytes_intra`` / ``comm_bytes_cross`` (collectives inside one node / spanning
-  nodes), the summary's ``comm_bytes_per_step_intra`` / ``_cross``; "× fewer bytes" against fp32 DDP is formed on
+* **bytes per hop**: a row's ``hop_bytes_intra`` / ``hop_bytes_cross`` (collectives inside one node / spanning
+  nodes), the summary's ``hop_bytes_per_step_intra`` / ``_cross``; "× fewer bytes" against fp32 DDP is formed on
   the cross-node hop — what the slow link carries, what users pay for — when both runs span nodes
   (:func:`fewer_bytes`); on one node, or with the hops not known, on all bytes, and it says which.
 """
@@ -47,7 +47,7 @@ def fewer_bytes(base: dict[str, Any], run: dict[str, Any]) -> tuple[Optional[flo
     """(fp32 DDP's bytes per step / the run's, which bytes) from two summaries (``summary.json``, or rows with its
     keys): 'cross-node' when both have a cross-node figure, else 'all bytes, one node' or 'all bytes, hops not
     known'. The ratio is None when either side is missing or the run sent nothing on that hop."""
-    b_cross, r_cross = base.get("comm_bytes_per_step_cross"), run.get("comm_bytes_per_step_cross")
+    b_cross, r_cross = base.get("hop_bytes_per_step_cross"), run.get("hop_bytes_per_step_cross")
     if b_cross is not None and r_cross is not None:
         return (b_cross / r_cross if r_cross else None), "cross-node"
     hops = str(run.get("comm_hops") or base.get("comm_hops") or "")
@@ -59,9 +59,9 @@ def fewer_bytes(base: dict[str, Any], run: dict[str, Any]) -> tuple[Optional[flo
 def hop_means(rows: Sequence[dict[str, Any]]) -> Optional[dict[str, float]]:
     """Per-step means of metrics rows' bytes per hop (``{'intra', 'cross'}``, plus ``'unsplit'`` where some had no
     known hop); None when some row has no split (one node, an unknown topology, bytes not counted)."""
-    if not rows or any("comm_bytes_cross" not in r for r in rows):
+    if not rows or any("hop_bytes_cross" not in r for r in rows):
         return None
-    out = {h: sum(r.get(f"comm_bytes_{h}") or 0 for r in rows) / len(rows) for h in ("intra", "cross", "unsplit")}
+    out = {h: sum(r.get(f"hop_bytes_{h}") or 0 for r in rows) / len(rows) for h in ("intra", "cross", "unsplit")}
     if not out["unsplit"]:
         del out["unsplit"]
     return out

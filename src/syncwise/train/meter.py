@@ -337,12 +337,12 @@ def tokens_of(batches: list) -> int:
 
 
 def hop_fields(r: StepResult) -> dict[str, int]:
-    """A metrics row's bytes per hop: ``comm_bytes_intra``, ``comm_bytes_cross`` and, where some bytes have no known
-    hop, ``comm_bytes_unsplit`` (together: ``comm_bytes``); nothing when the step's bytes are not all counted."""
+    """A metrics row's bytes per hop: ``hop_bytes_intra``, ``hop_bytes_cross`` and, where some bytes have no known
+    hop, ``hop_bytes_unsplit`` (together: ``comm_bytes``); nothing when the step's bytes are not all counted."""
     hops = r.comm_bytes_by_hop
     if not hops:
         return {}
-    return {f"comm_bytes_{h}": n for h, n in hops.items() if h != "unsplit" or n}
+    return {f"hop_bytes_{h}": n for h, n in hops.items() if h != "unsplit" or n}
 
 
 def job_nodes(world_size: int) -> Optional[int]:
@@ -352,8 +352,8 @@ def job_nodes(world_size: int) -> Optional[int]:
 
 
 def per_hop(steady: list, nodes: Optional[int]) -> dict[str, Any]:
-    """Summary keys per hop over the steady steps (rank 0's bytes per step): ``comm_bytes_per_step_cross`` — what the
-    slow link between nodes carries, the figure ``× fewer bytes`` is formed on — and ``comm_bytes_per_step_intra``
+    """Summary keys per hop over the steady steps (rank 0's bytes per step): ``hop_bytes_per_step_cross`` — what the
+    slow link between nodes carries, the figure ``× fewer bytes`` is formed on — and ``hop_bytes_per_step_intra``
     (``_unsplit`` for bytes no hop was known for), plus ``comm_hops``, the topology in words. One node (or an unknown
     topology) says so instead of a split: every byte stays inside the node."""
     rows = [r.comm_bytes_by_hop for r in steady]
@@ -368,12 +368,12 @@ def per_hop(steady: list, nodes: Optional[int]) -> dict[str, Any]:
     for h in ("cross", "intra", "unsplit"):
         total = sum(r.get(h, 0) for r in rows)
         if h != "unsplit" or total:
-            out[f"comm_bytes_per_step_{h}"] = total / n
+            out[f"hop_bytes_per_step_{h}"] = total / n
     return out
 
 
 def row_hops(row: dict) -> Optional[dict[str, int]]:
     """A metrics row's bytes per hop back (the inverse of :func:`hop_fields`); None when it has none."""
-    if "comm_bytes_cross" not in row:
+    if "hop_bytes_cross" not in row:
         return None
-    return {h: row.get(f"comm_bytes_{h}", 0) for h in ("intra", "cross", "unsplit")}
+    return {h: row.get(f"hop_bytes_{h}", 0) for h in ("intra", "cross", "unsplit")}
