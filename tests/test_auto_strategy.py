@@ -178,3 +178,5 @@ def test_workers_sharing_cores_cap_the_predicted_ratio(table):
     # the cap: communication free, the step is its floor; the predicted ratio and the band's top stay under it
     assert shared.sooner <= S.ceiling(shared) and S.Basis(False, 4, 2).band(shared)[1] <= S.ceiling(shared)
     assert S.Basis(False, 4, 2).share == 2 and S.Basis(False, 2, 4).share == 1 and S.Basis(False).share == 1
+    none = next(r for r in _best(table, S.Basis(False, 4, 2), mbit=5)[2] if r.spec == "none")
+    assert S.Basis(False).band(none) == (1.0, 1.0) and S.ratio_words(none, S.Basis(False)) == "1×"

@@ -210,6 +210,8 @@ class Basis:
         """The range the measured '× sooner' of ``r`` is expected in: the calibrated planner's error each way, or on
         the catalog down to figure / CATALOG_SPREAD; never above the compute-floor ceiling (:func:`ceiling`)."""
         sooner = r.sooner or 0.0
+        if r.spec == "none":   # fp32 DDP against itself: exactly 1
+            return 1.0, 1.0
         e = CALIBRATED_ERROR
         low = sooner * (1 - e) / (1 + e) if self.calibrated else sooner / CATALOG_SPREAD
         high = sooner * (1 + e) / (1 - e)
@@ -383,6 +385,8 @@ def choose(ranked: Sequence[Ranked]) -> Ranked:
 def ratio_words(r: Ranked, basis: Basis, what: str = "") -> str:
     """'1.93×{what} (band 1.6–2.4×)' calibrated; '~2.4×{what} (band 0.48–2.8×)' on the catalog, whose figure is not
     precise enough for two decimals."""
+    if r.spec == "none":
+        return f"1×{what}"
     lo, hi = basis.band(r)
     point = f"{r.sooner:.2f}×" if basis.calibrated else f"~{r.sooner:.2g}×"
     return f"{point}{what} (band {lo:.2g}–{hi:.2g}×)"
