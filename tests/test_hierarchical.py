@@ -295,10 +295,11 @@ def _read_by_every_door(runs, ddp, fp8):
 
 
 def test_one_node_or_unknown_topology_is_said_not_split():
-    from syncwise.train.meter import StepResult, per_hop
+    from syncwise.train.meter import StepResult, job_nodes, per_hop
 
     step = StepResult(loss=1.0, step_time_s=1.0, compute_s=1.0, comm_exposed_s=0.0, data_wait_s=0.0, comm_bytes=8,
                       tokens=1, grad_norm=0.0, skipped=False, comm_bytes_by_hop={"intra": 8, "cross": 0, "unsplit": 0})
     assert per_hop([step], 1) == {"comm_hops": "one node: every byte stays inside it (no cross-node hop)"}
     assert per_hop([step], None) == {"comm_hops": "topology unknown: bytes not split by hop"}
     assert per_hop([step], 2)["hop_bytes_per_step_cross"] == 0
+    assert job_nodes(1) == 1   # one process: one node, whatever the environment says

@@ -347,6 +347,8 @@ def hop_fields(r: StepResult) -> dict[str, int]:
 
 def job_nodes(world_size: int) -> Optional[int]:
     """The job's node count from its topology (``comm.ops.procs_per_node``); None when it is not known."""
+    if world_size <= 1:
+        return 1
     per = ops.procs_per_node()
     return world_size // per if per and world_size % per == 0 else None
 
