@@ -5,7 +5,8 @@ fp32 DDP (``none``) trains ``--steps`` N steps; its target is the mean of its la
 ``--cap`` steps, and the step, wall-clock time (the run's own cumulative step time, evaluations excluded) and tokens
 at which its validation loss first reaches the target are interpolated linearly between the two evaluations that
 bracket it (fp32 DDP's own crossing is measured the same way). The table reports time to target, tokens to target,
-bytes per token (bytes this rank sent up to the target / tokens), parallel efficiency (the bench's compute-only run /
+bytes per token (bytes this rank sent up to the target / tokens; cross-node: those between nodes only),
+parallel efficiency (the bench's compute-only run /
 mean step time) and the ratios against fp32 DDP and against the best peer (PyTorch's own hooks and averagers,
 ``torch-*``, and torchft's DiLoCo, ``torchft-diloco``), each formed within one round and averaged over
 ``--repeats`` rounds (forward then reverse order, alternately, as ``syncwise bench --repeat`` does). A
@@ -145,15 +146,18 @@ def run_torchft(run: B.BenchRun, threads: int, lab_prefix: Optional[str] = None,
 
 # -------------------------------------------------------------------------------------------- reading runs
 def curve(run_dir: Path) -> list[dict[str, float]]:
-    """Every evaluation of a run: step, cumulative step time (s), tokens, bytes up to it, validation loss."""
-    out, clock, tokens, nbytes = [], 0.0, 0.0, 0.0
+    """Every evaluation of a run: step, cumulative step time (s), tokens, bytes up to it (all; ``cross``: between
+    nodes, None where the rows have no split by hop), validation loss."""
+    out, clock, tokens, nbytes, cross = [], 0.0, 0.0, 0.0, 0.0
     for m in read_jsonl(run_dir / "metrics.jsonl"):
         clock += m["step_time_s"]
         tokens += m.get("tokens_per_s", 0.0) * m["step_time_s"]
         # None once a step's bytes were not counted (PyTorch's PowerSGD hook bypasses syncwise.comm)
         nbytes = None if nbytes is None or m.get("comm_bytes") is None else nbytes + m["comm_bytes"]
+        cross = None if cross is None or m.get("hop_bytes_cross") is None else cross + m["hop_bytes_cross"]
         if m.get("val_loss") is not None:
-            out.append({"step": m["step"], "time_s": clock, "tokens": tokens, "bytes": nbytes, "val_loss": m["val_loss"]})
+            out.append({"step": m["step"], "time_s": clock, "tokens": tokens, "bytes": nbytes, "cross": cross,
+                        "val_loss": m["val_loss"]})
     return out
 
 
@@ -166,8 +170,8 @@ def crossing(points: list[dict[str, float]], target: float) -> Optional[dict[str
             if prev is None or prev["val_loss"] == p["val_loss"]:
                 return dict(p)
             f = (prev["val_loss"] - target) / (prev["val_loss"] - p["val_loss"])
-            return {k: None if prev[k] is None or p[k] is None else prev[k] + f * (p[k] - prev[k])
-                    for k in ("step", "time_s", "tokens", "bytes")} | {"val_loss": target}
+            return {k: None if prev.get(k) is None or p.get(k) is None else prev[k] + f * (p[k] - prev[k])
+                    for k in ("step", "time_s", "tokens", "bytes", "cross") if k in p} | {"val_loss": target}
         prev = p
     return None
 
@@ -189,8 +193,9 @@ def round_rows(runs: list[B.BenchRun], summaries: dict[str, dict], errors: dict[
                                "mean_step_time_s": b.get("mean_step_time_s"),
                                "comm_bytes_per_step": b.get("comm_bytes_per_step"),
                                "final_val_loss": b.get("final_val_loss"),
-                               # fp32 DDP's bytes per step / this configuration's (bench's ratio)
-                               "fewer_bytes_than_fp32": b.get("compression_ratio")}
+                               # fp32 DDP's bytes per step / this configuration's (bench's ratio: on the
+                               # cross-node hop when the runs span nodes, metrics.figures.fewer_bytes)
+                               "fewer_bytes_than_fp32": b.get("compression_ratio"), "fewer_bytes_on": b.get("ratio_on")}
         points = [] if row["error"] else curve(run.run_dir)
         hit = crossing(points, target)
         # matched tokens: the evaluation at fp32 DDP's N steps
@@ -200,6 +205,8 @@ def round_rows(runs: list[B.BenchRun], summaries: dict[str, dict], errors: dict[
                     "tokens_to_target": hit and hit["tokens"],
                     "bytes_per_token": hit and (hit["bytes"] / hit["tokens"] if hit["tokens"] and hit["bytes"] is not None
                                                 else None),
+                    "cross_bytes_per_token": hit and (hit["cross"] / hit["tokens"] if hit["tokens"] and
+                                                      hit.get("cross") is not None else None),
                     "final_gap": (row["final_val_loss"] / target - 1) if row["final_val_loss"] else None})
         rows.append(row)
     base_t = rows[0]["time_to_target_s"]
@@ -216,7 +223,8 @@ def round_rows(runs: list[B.BenchRun], summaries: dict[str, dict], errors: dict[
     return target, rows
 
 
-AVERAGED = ("time_to_target_s", "tokens_to_target", "steps_to_target", "bytes_per_token", "parallel_efficiency",
+AVERAGED = ("time_to_target_s", "tokens_to_target", "steps_to_target", "bytes_per_token", "cross_bytes_per_token",
+            "parallel_efficiency",
             "speedup_vs_fp32", "speedup_vs_best_peer", "comm_bytes_per_step", "final_val_loss", "final_gap",
             "val_loss_at_n", "gap_at_n", "fewer_bytes_than_fp32")
 
@@ -226,6 +234,7 @@ def combine(per_round: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     out = []
     for rows in zip(*per_round):
         row = {"name": rows[0]["name"], "peer": rows[0]["peer"], "repeats": len(rows),
+               "fewer_bytes_on": next((r["fewer_bytes_on"] for r in rows if r.get("fewer_bytes_on")), None),
                "reached_in": sum(r["reached"] for r in rows),
                "rounds": [{k: r.get(k) for k in AVERAGED + ("run_dir", "error", "reached")} for r in rows]}
         for k in AVERAGED:
@@ -242,16 +251,21 @@ def render(rows: list[dict[str, Any]], title: str, target: float) -> None:
     from rich.table import Table
 
     f = B._fmt
+    on = sorted({r["fewer_bytes_on"] for r in rows if r.get("fewer_bytes_on")})
     table = Table(title=title, caption=f"target: fp32 DDP's validation loss {target:.4f} (mean of its last evaluations)"
-                                       "; time = cumulative step time; ratios paired within each round")
-    for col in ("config", "reached", "time to target s", "steps", "tokens", "B/token", "efficiency", "vs fp32",
+                                       "; time = cumulative step time; ratios paired within each round; B/token: "
+                                       "every hop, cross B/token: between nodes; × fewer bytes: on "
+                                       + (" / ".join(on) or "cross-node bytes"))
+    for col in ("config", "reached", "time to target s", "steps", "tokens", "B/token", "cross B/token", "efficiency",
+                "vs fp32",
                 "vs best peer", "× fewer bytes", "gap at N", "final val gap"):
         table.add_column(col, justify="left" if col == "config" else "right", no_wrap=True)
     for r in rows:
         rng = r.get("speedup_vs_fp32_range")
         table.add_row(r["name"] + (" (peer)" if r["peer"] else ""), f"{r['reached_in']}/{r['repeats']}",
                       f(r["time_to_target_s"], ".2f"), f(r["steps_to_target"], ".0f"), f(r["tokens_to_target"], ".3g"),
-                      f(r["bytes_per_token"], ".3g"), f(r["parallel_efficiency"], ".2f"),
+                      f(r["bytes_per_token"], ".3g"), f(r.get("cross_bytes_per_token"), ".3g"),
+                      f(r["parallel_efficiency"], ".2f"),
                       f(r["speedup_vs_fp32"], ".2f") + (f" ({rng[0]:.2f}–{rng[1]:.2f})" if rng and r["repeats"] > 1 else ""),
                       f(r["speedup_vs_best_peer"], ".2f"), f(r["fewer_bytes_than_fp32"], ".1f"),
                       f(None if r["gap_at_n"] is None else 100 * r["gap_at_n"], "+.2f") + "%",

@@ -135,3 +135,48 @@ def test_a_real_run_trains_with_what_auto_chose(table, tmp_path, capsys):
     summary = json.loads((run / "summary.json").read_text())
     chosen = json.loads((run / "config.json").read_text())["compress"]["method"]
     assert line[0].startswith(f"syncwise: auto: {chosen} ") and summary["compressor"] == chosen != "none"
+
+
+def _best(table, basis, mbit=20.0):
+    cloud = S.job_cloud(2, 2, mbit * 1e6, basis=basis)
+    _, line, ranked = S.resolve_auto(Layout.of(compress="auto"), cloud, load_model("tiny", 128), 32, 128, table,
+                                     micro_batch=8, basis=basis)
+    return line, next(r for r in ranked if not r.why_not and r.spec != "none"), ranked
+
+
+def test_the_line_carries_its_basis_and_band(table):
+    """Issue 41 row 1: a catalog figure is said to be one, with a wide band and no two-decimal ratio; a calibrated
+    cluster's with the planner's error; either names the convergence table's model, horizon and replicas."""
+    line, best, _ = _best(table, S.Basis(calibrated=False, workers_per_host=4, cores=4))
+    assert "basis: catalog figure, not calibrated" in line and "share" not in line
+    assert f"~{best.sooner:.2g}× sooner (band " in line and f"{best.sooner:.2f}×" not in line
+    assert "tiny preset, 100-step horizon" in line and "2 replicas" in line
+    low, high = S.Basis(False).band(best)
+    assert low == pytest.approx(best.sooner / S.CATALOG_SPREAD) and low < best.sooner <= high <= S.ceiling(best)
+    calibrated = S.Basis(calibrated=True)
+    low, high = calibrated.band(best)
+    assert low == pytest.approx(best.sooner * 0.9 / 1.1) and high <= best.sooner * 1.1 / 0.9 + 1e-9
+    cloud = S.job_cloud(2, 2, 20e6)
+    import dataclasses
+    named = dataclasses.replace(cloud, name="calibrated-2x2")    # what `syncwise plan --calibrate` writes
+    assert S.basis_of(named).calibrated and not S.basis_of(cloud).calibrated
+    _, line, ranked = S.resolve_auto(Layout.of(compress="auto"), named, load_model("tiny", 128), 32, 128, table,
+                                     micro_batch=8)
+    top = next(r for r in ranked if not r.why_not)
+    assert "basis: calibrated cluster (step times within ±10 %)" in line
+    assert top.spec == "none" or f"{top.sooner:.2f}× sooner (band " in line
+
+
+def test_workers_sharing_cores_cap_the_predicted_ratio(table):
+    """4 workers on 2 cores compute at half the catalog's one-worker speed: the compute floor doubles, so neither
+    the prediction nor its band can reach what 4 cores would allow, and the line says why."""
+    own_line, own, _ = _best(table, S.Basis(False, 4, 4), mbit=5)
+    line, shared, _ = _best(table, S.Basis(False, 4, 2), mbit=5)
+    assert "4 workers share 2 cores: compute priced at 1/2 speed" in line and "ceiling" in line
+    assert shared.floor_s == pytest.approx(2 * own.floor_s, rel=0.02)   # compute (and the optimizer's pass) at 1/2
+    assert S.ceiling(shared) < S.ceiling(own) and shared.sooner < own.sooner
+    # the cap: communication free, the step is its floor; the predicted ratio and the band's top stay under it
+    assert shared.sooner <= S.ceiling(shared) and S.Basis(False, 4, 2).band(shared)[1] <= S.ceiling(shared)
+    assert S.Basis(False, 4, 2).share == 2 and S.Basis(False, 2, 4).share == 1 and S.Basis(False).share == 1
+    none = next(r for r in _best(table, S.Basis(False, 4, 2), mbit=5)[2] if r.spec == "none")
+    assert S.Basis(False).band(none) == (1.0, 1.0) and S.ratio_words(none, S.Basis(False)) == "1×"

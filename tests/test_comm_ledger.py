@@ -97,3 +97,35 @@ def test_two_trainers_in_one_process_keep_separate_byte_counts():
         assert r["b"] == r["param_bytes"] // 2 and r["b_total"] == 3 * r["param_bytes"] // 2
         assert r["b_compressor"]                                  # parallelize handed b's compressor its ledger
         assert r["a_control"] > 0 and r["b_control"] > 0          # each run's loss mean in its own control
+
+
+def test_bytes_are_kept_per_hop():
+    """Every record says which hop its bytes crossed; the hops add up to the total, unknown ones are kept apart."""
+    s = CommStats()
+    s.record("reduce_scatter", 12, hop="intra")
+    s.record("all_gather", 3, hop="cross")
+    s.record("all_reduce", 5)                    # no topology known
+    s.record("all_reduce", 7, hop="sideways")    # not a hop: unknown, never dropped
+    assert s.hop_bytes() == {"intra": 12, "cross": 3, "unknown": 12} and sum(s.hop_bytes().values()) == s.total_bytes
+    s.reset()
+    assert s.hop_bytes() == {} and s.total_bytes == 0
+
+
+def _hops_of_groups(rank, world, _):
+    import torch.distributed as dist
+
+    from syncwise.comm import ops
+
+    node = dist.new_group([0, 1]), dist.new_group([2, 3])
+    across = dist.new_group([0, 2])
+    out = {"world": ops.hop_of(None), "node": ops.hop_of(node[rank // 2]),
+           "across": ops.hop_of(across) if rank in (0, 2) else None}
+    ops.declare_topology(4)                      # a CommContext saying all four are on one node
+    out["world_one_node"] = ops.hop_of(None)
+    return out
+
+
+def test_a_groups_hop_follows_the_topology():
+    res = run_workers(_hops_of_groups, 4, None, local_world_size=2)
+    assert all(r["world"] == "cross" and r["node"] == "intra" and r["world_one_node"] == "intra" for r in res), res
+    assert res[0]["across"] == res[2]["across"] == "cross"

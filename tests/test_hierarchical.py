@@ -221,3 +221,85 @@ def test_auto_turns_hierarchical_on_only_for_all_gathering_compressors():
     assert applies("powersgd:rank=4", mode="on") and not applies("fp8", mode="off")
     assert not applies("fp8", nodes=1, per_node=4) and not applies("fp8", nodes=4, per_node=1)
 
+
+
+def _hops(rank, world, runs):
+    """fp32 DDP (flat, DDP's own all-reduce) and fp8 hierarchical, 3 steps each of the tiny preset (run directories
+    under ``runs``): their summaries' bytes per hop, and the ledger's split against its total."""
+    out = {}
+    for name, spec, hier in (("none", "none", "off"), ("fp8", "fp8", "on")):
+        torch.manual_seed(0)
+        tokens = torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(5))
+        model = build_model("tiny", seq_len=32)
+        trainer = OptimizedTrainer(model, adamw(model, 3e-3, 0.1), compress_gradients=spec, show_progress=False,
+                                   bucket_cap_mb=0.05, min_numel=1024, parallel={"hierarchical": hier},
+                                   run_dir=f"{runs}/{name}")
+        summary = trainer.train(TokenBatchLoader(tokens, 4, 32, rank, world, seed=3), steps=3)
+        dp = trainer.par.ledger.dp
+        out[name] = {"summary": summary, "hops": dp.hop_bytes(), "total": dp.total_bytes}
+    return out
+
+
+def test_bytes_per_hop_on_2_nodes_x_2(tmp_path):
+    """Issue 41 row 3: a hierarchical compressor's intra-node fp32 reduce-scatter/all-gather is counted apart from
+    the compressed cross-node traffic; against fp32 DDP the cross-node hop is what shrinks (the total need not), and
+    the summary, `syncwise report`, `syncwise bench`'s ratio and doctor all read it so."""
+    res = run_workers(_hops, 4, str(tmp_path), local_world_size=2, timeout=300)
+    for r in res:
+        for name in ("none", "fp8"):
+            s, hops = r[name]["summary"], r[name]["hops"]
+            # every byte the ledger counted has a hop (the topology is known), and they add up to the total
+            assert set(hops) <= {"intra", "cross"} and sum(hops.values()) == r[name]["total"] > 0, hops
+            assert "2 nodes" in s["comm_hops"] and "hop_bytes_per_step_unsplit" not in s
+            assert s["hop_bytes_per_step_intra"] + s["hop_bytes_per_step_cross"] == s["comm_bytes_per_step"]
+        ddp, fp8 = r["none"]["summary"], r["fp8"]["summary"]
+        # DDP's flat all-reduce spans both nodes: all of its bytes cross
+        assert ddp["hop_bytes_per_step_cross"] == ddp["comm_bytes_per_step"] and ddp["hop_bytes_per_step_intra"] == 0
+        # fp8 across nodes carries 1 byte per element (+ scales) of half the tensors per rank: far below fp32's 4 bytes
+        # of all of them; its fp32 reduce-scatter + all-gather inside the node are counted as intra-node
+        assert 0 < fp8["hop_bytes_per_step_cross"] < ddp["hop_bytes_per_step_cross"] / 4
+        assert fp8["hop_bytes_per_step_intra"] > ddp["hop_bytes_per_step_cross"]
+    _read_by_every_door(tmp_path, res[0]["none"]["summary"], res[0]["fp8"]["summary"])
+
+
+def _read_by_every_door(runs, ddp, fp8):
+    import json
+
+    from syncwise.commands import report
+    from syncwise.commands.bench import BenchRun, build_rows
+    from syncwise.doctor import diagnose, load_run
+    from syncwise.doctor.report import hop_line
+    from syncwise.metrics.figures import hop_means
+    from syncwise.metrics.units import human_bytes
+
+    for name in ("none", "fp8"):  # every metrics row: intra + cross = the step's bytes
+        for row in (json.loads(x) for x in (runs / name / "metrics.jsonl").read_text().splitlines()):
+            assert row["hop_bytes_intra"] + row["hop_bytes_cross"] == row["comm_bytes"] > 0, row
+    loaded = [report.load_run(runs / name) for name in ("none", "fp8")]
+    table = report.text(loaded)
+    assert "cross-node/step" in table.splitlines()[0]
+    assert human_bytes(fp8["hop_bytes_per_step_cross"]) in table.splitlines()[2]
+    assert loaded[1]["hop_bytes_per_step"]["cross"] == pytest.approx(fp8["hop_bytes_per_step_cross"])
+    # bench's (and time_to_loss's) "× fewer bytes" is on the cross-node hop: > 4x, where all bytes read < 1x
+    bench = {r["name"]: r for r in build_rows(
+        [BenchRun(n, build_config(overrides={"run_dir": str(runs / n), "compress.method": n})) for n in ("none", "fp8")],
+        {"none": ddp, "fp8": fp8}, {}, "loopback")}
+    ratio = bench["fp8"]["compression_ratio"]
+    assert bench["fp8"]["ratio_on"] == "cross-node" and ratio > 4
+    assert ratio == pytest.approx(ddp["hop_bytes_per_step_cross"] / fp8["hop_bytes_per_step_cross"])
+    assert fp8["comm_bytes_per_step"] > ddp["comm_bytes_per_step"]   # the figure a total would have shown: < 1x
+    d = diagnose(load_run(runs / "fp8"))
+    rows = [json.loads(x) for x in (runs / "fp8" / "metrics.jsonl").read_text().splitlines()]
+    assert d.facts["hop_bytes_per_step"] == hop_means([r for r in rows if r["step"] in d.steady_steps])
+    assert hop_line(d.facts).startswith("bytes per step by hop (rank 0): ") and "cross-node" in hop_line(d.facts)
+
+
+def test_one_node_or_unknown_topology_is_said_not_split():
+    from syncwise.train.meter import StepResult, job_nodes, per_hop
+
+    step = StepResult(loss=1.0, step_time_s=1.0, compute_s=1.0, comm_exposed_s=0.0, data_wait_s=0.0, comm_bytes=8,
+                      tokens=1, grad_norm=0.0, skipped=False, comm_bytes_by_hop={"intra": 8, "cross": 0, "unsplit": 0})
+    assert per_hop([step], 1) == {"comm_hops": "one node: every byte stays inside it (no cross-node hop)"}
+    assert per_hop([step], None) == {"comm_hops": "topology unknown: bytes not split by hop"}
+    assert per_hop([step], 2)["hop_bytes_per_step_cross"] == 0
+    assert job_nodes(1) == 1   # one process: one node, whatever the environment says

@@ -42,6 +42,9 @@ def test_runs_then_report(tmp_path):
     assert table[0].split()[:3] == ["run", "steps", "loss"] and len(r.stdout.splitlines()) < 25
     assert table[1].startswith("fp32 ") and table[2].startswith("int8 ") and " 7 " in table[1]
     assert re.search(r"\d+(\.\d+)? (KB|MB)", table[2])  # bytes with a unit
+    # one node: nothing crosses between nodes, and the comparison says so instead of splitting the bytes
+    assert "cross-node/step" in table[0] and "one node" in table[1] and "one node" in table[2]
+    assert json.loads((a / "summary.json").read_text())["comm_hops"].startswith("one node")
     # the picture, read back
     image = matplotlib.image.imread(out / "report.png")
     assert image.shape[:2] == (900, 1600)

@@ -673,7 +673,7 @@ def resolve_auto(cfg: RunConfig) -> str:
     lay = run_layout(cfg)   # auto is a parsed value of the layout owner; a conflicting option is refused there
     lay.auto_choices()
     from .plan import load_cluster, load_model
-    from .plan.strategy import job_cloud, resolve_auto as choose
+    from .plan.strategy import Basis, basis_of, host_cores, job_cloud, resolve_auto as choose
 
     local, _, world = _workers(cfg)
     if cfg.compress.auto_cluster:
@@ -682,6 +682,7 @@ def resolve_auto(cfg: RunConfig) -> str:
         if cloud.world_size != world:
             raise ConfigError("compress.auto_cluster", cfg.compress.auto_cluster, f"a cluster of this job's {world} "
                               f"worker(s) (it has {cloud.nodes} × {cloud.gpus_per_node})")
+        basis = basis_of(cloud)
     else:
         if cfg.dist.device == "cuda" or (cfg.dist.device == "auto" and _visible_gpus()):
             raise ConfigError("compress.auto_cluster", "", "a calibrated cluster TOML (`syncwise plan --calibrate "
@@ -695,13 +696,15 @@ def resolve_auto(cfg: RunConfig) -> str:
                 raise ConfigError("dist.lab", True, "a running lab (`syncwise cluster up`) for auto, which prices "
                                   "the strategies on its link rate")
             inter, burst = state.inter_node_bps, state.burst
-        cloud = job_cloud(world // local, local, inter, burst_bytes=burst)
+        # the lab's nodes all compute on this machine's cores; a plain job's workers on this host's
+        basis = Basis(calibrated=False, workers_per_host=world if cfg.dist.lab else local, cores=host_cores())
+        cloud = job_cloud(world // local, local, inter, burst_bytes=burst, basis=basis)
     with _as_field("model.preset", cfg.model.preset):
         model = load_model(cfg.model.preset, cfg.data.seq_len)
     inner = lay.dp_shard * lay.tp * lay.pp
     dp = (lay.dp_replicate or max(1, world // inner)) * lay.dp_shard
     chosen, line, _ = choose(lay, cloud, model, cfg.data.batch_size * cfg.train.grad_accum * dp, cfg.data.seq_len,
-                             micro_batch=cfg.data.batch_size, microbatches=cfg.train.grad_accum)
+                             micro_batch=cfg.data.batch_size, microbatches=cfg.train.grad_accum, basis=basis)
     cfg.compress.method = chosen.compress.text
     cfg.parallel.sync = str(chosen.sync) if chosen.sync is not None else "every-step"
     if line not in _auto_said:

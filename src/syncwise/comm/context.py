@@ -159,6 +159,7 @@ class CommContext:
         if self.topology.world_size != self.world_size:
             raise ConfigError("topology", self.topology,
                               f"nodes * procs_per_node == world size {self.world_size}")
+        ops.declare_topology(self.topology.procs_per_node)  # which hop each group's collectives cross
         self._subgroups: list = []
         self.intra_group, self.inter_group = self._build_subgroups()
 

@@ -289,6 +289,57 @@ def group_name(group=None) -> str:
         return "default" if group is None else "unnamed"
 
 
+# ---- hops: which link a group's collectives cross ------------------------------------------------------------
+_procs_per_node: Optional[int] = None  # declared by CommContext (its Topology); else torchrun's LOCAL_WORLD_SIZE
+_hops: "weakref.WeakKeyDictionary[object, Optional[str]]" = weakref.WeakKeyDictionary()
+
+
+def declare_topology(procs_per_node: Optional[int]) -> None:
+    """The ranks per node of this job (node-major numbering, as ``comm.Topology``); None: read LOCAL_WORLD_SIZE."""
+    global _procs_per_node
+    _procs_per_node = procs_per_node
+    _hops.clear()
+
+
+def procs_per_node() -> Optional[int]:
+    """Ranks per node: the declared topology's, else torchrun's LOCAL_WORLD_SIZE (when it divides WORLD_SIZE);
+    None when neither is known."""
+    if _procs_per_node is not None:
+        return _procs_per_node
+    try:
+        local, world = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ.get("WORLD_SIZE", "0"))
+    except (KeyError, ValueError):
+        return None
+    return local if local >= 1 and world >= local and world % local == 0 else None
+
+
+def hop_of(group=None) -> Optional[str]:
+    """'intra' when every rank of ``group`` (None: the default group) is on one node, 'cross' when it spans nodes,
+    None when the topology is not known (no CommContext topology, no LOCAL_WORLD_SIZE) or no group exists.
+    Cached per group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        if pg in _hops:
+            return _hops[pg]
+    except TypeError:  # not weak-referenceable: classify every time
+        pass
+    per = procs_per_node()
+    if per is None:
+        return None
+    try:
+        ranks = dist.get_process_group_ranks(pg)
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+    hop = "intra" if len({r // per for r in ranks}) <= 1 else "cross"
+    try:
+        _hops[pg] = hop
+    except TypeError:
+        pass
+    return hop
+
+
 def _prune_in_flight() -> None:
     """Drop CUDA-timed collectives whose end event has completed."""
     for token, f in list(_in_flight.items()):
@@ -402,7 +453,7 @@ class _Uncounted:
 
     __slots__ = ()
 
-    def record(self, op: str, nbytes: int, seconds: float = 0.0) -> None:
+    def record(self, op: str, nbytes: int, seconds: float = 0.0, hop: Optional[str] = None) -> None:
         pass
 
     def add_time(self, op: str, seconds: float) -> None:
@@ -422,15 +473,16 @@ def _issue(name: str, nbytes: int, fn, async_op: bool, stats: Optional[CommStats
     if tensors and strict():
         check_devices(name, list(tensors), group)
         _count(name, group)
+    hop = hop_of(group) if stats is not _NOWHERE else None
     if tensors and _nccl_timed(tensors[0], group):
-        return _issue_nccl(name, nbytes, fn, async_op, stats, group, tensors)
+        return _issue_nccl(name, nbytes, fn, async_op, stats, group, tensors, hop)
     start = time.perf_counter()
     token, record, work = _launch(name, group, fn, tensors=tensors if async_op else ())
     if not async_op:
         _in_flight.pop(token, None)
-        stats.record(name, nbytes, time.perf_counter() - start)
+        stats.record(name, nbytes, time.perf_counter() - start, hop)
         return None
-    stats.record(name, nbytes)
+    stats.record(name, nbytes, hop=hop)
 
     def _done(fut):
         global _last_failed
@@ -477,7 +529,8 @@ def _launch(name: str, group, fn, interval: Optional[Interval] = None, tensors: 
     return token, record, work
 
 
-def _issue_nccl(name: str, nbytes: int, fn, async_op: bool, stats: CommStats, group, tensors: tuple):
+def _issue_nccl(name: str, nbytes: int, fn, async_op: bool, stats: CommStats, group, tensors: tuple,
+                hop: Optional[str] = None):
     """A CUDA collective on NCCL: events around it (see the module docstring); never blocks the host. An async one's
     tensors stay owned by its in-flight record until its end event completed (pruned then)."""
     device = tensors[0].device
@@ -491,7 +544,7 @@ def _issue_nccl(name: str, nbytes: int, fn, async_op: bool, stats: CommStats, gr
         with torch.cuda.stream(side):
             work.wait()  # a stream wait (no host block): the side stream reaches the end with the collective
             interval.stop(side)
-    stats.record(name, nbytes)
+    stats.record(name, nbytes, hop=hop)
     stats.add_interval(name, interval)
     return work
 
@@ -596,7 +649,15 @@ def batch_isend_irecv(p2p_ops: "list[dist.P2POp]", group=None, stats: Optional[C
     if strict():
         check_devices("batch_isend_irecv", list(tensors), group if group is not None else p2p_ops[0].group)
         _count("batch_isend_irecv", group if group is not None else p2p_ops[0].group)
-    sent = sum(op.tensor.numel() * op.tensor.element_size() for op in p2p_ops if op.op in (dist.isend,))
-    if sent and stats is not None:
-        stats.record("send", sent)
+    if stats is not None:
+        per = procs_per_node()
+        me = dist.get_rank() // per if per else None
+        sent: dict = {}
+        for op in p2p_ops:
+            if op.op in (dist.isend,):
+                hop = None if me is None else "intra" if op.peer // per == me else "cross"
+                sent[hop] = sent.get(hop, 0) + op.tensor.numel() * op.tensor.element_size()
+        for hop, n in sent.items():
+            if n:
+                stats.record("send", n, hop=hop)
     return dist.batch_isend_irecv(p2p_ops)

@@ -10,12 +10,18 @@ Cheap by design: a record is a few dict updates. On the CPU synchronous collecti
 and asynchronous ones from issue to completion through a future callback; on CUDA by events
 (:mod:`.timing`), whose durations are added when they are read and complete (``settle``), so nothing adds a
 synchronisation point. The trainer's step meter reads bytes and seconds per step from its run's ledger.
+
+Hops: every record also says which hop its bytes crossed (``syncwise.comm.ops.hop_of`` the collective's group):
+``intra`` (every rank of the group on one node), ``cross`` (the group spans nodes), or unknown (no topology known,
+or a collective issued outside syncwise.comm whose group is not known). ``CommStats.hops`` keeps the bytes per hop,
+so a run's cross-node bytes — the ones the slow link carries — are read apart from its node-local ones.
 """
 from __future__ import annotations
 
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 
 @dataclass
@@ -27,11 +33,17 @@ class OpTotals:
     time_s: float = 0.0
 
 
+#: the hops a byte can cross: inside one node, or between nodes (bytes of neither are counted as "unknown")
+HOPS = ("intra", "cross")
+UNKNOWN_HOP = "unknown"
+
+
 @dataclass
 class CommStats:
-    """Counters of collectives issued by this process (bytes = this rank's input payload)."""
+    """Counters of collectives issued by this process (bytes = this rank's input payload), per op and per hop."""
 
     by_op: dict[str, OpTotals] = field(default_factory=dict)
+    hops: dict[str, int] = field(default_factory=dict)  # bytes per hop: 'intra', 'cross', 'unknown' (see module doc)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _pending: list = field(default_factory=list, repr=False)  # (op, timing.Interval) not yet added
 
@@ -53,13 +65,16 @@ class CommStats:
                     keep.append((op, iv))
             self._pending = keep
 
-    def record(self, op: str, nbytes: int, seconds: float = 0.0) -> None:
-        """Count one collective of ``nbytes`` payload; ``seconds`` if already known."""
+    def record(self, op: str, nbytes: int, seconds: float = 0.0, hop: Optional[str] = None) -> None:
+        """Count one collective of ``nbytes`` payload; ``seconds`` if already known; ``hop``: 'intra', 'cross' or
+        None (unknown) — ``syncwise.comm.ops.hop_of(group)``."""
+        key = hop if hop in HOPS else UNKNOWN_HOP
         with self._lock:
             t = self.by_op.setdefault(op, OpTotals())
             t.calls += 1
             t.bytes += int(nbytes)
             t.time_s += seconds
+            self.hops[key] = self.hops.get(key, 0) + int(nbytes)
 
     def add_time(self, op: str, seconds: float) -> None:
         """Add completion time for an asynchronous collective recorded earlier."""
@@ -69,6 +84,11 @@ class CommStats:
     @property
     def total_bytes(self) -> int:
         return sum(t.bytes for t in self.by_op.values())
+
+    def hop_bytes(self) -> dict[str, int]:
+        """Bytes per hop so far (a copy): 'intra', 'cross', and 'unknown' where some were not classified."""
+        with self._lock:
+            return dict(self.hops)
 
     @property
     def total_calls(self) -> int:
@@ -99,6 +119,7 @@ class CommStats:
     def reset(self) -> None:
         with self._lock:
             self.by_op.clear()
+            self.hops.clear()
             self._pending.clear()
 
 

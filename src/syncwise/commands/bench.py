@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 from ..config import RunConfig, build_config
 from ..errors import ConfigError, SyncwiseError
+from ..metrics.figures import fewer_bytes
 from ..parallel.sync_spec import METHODS as SYNC_METHODS
 from ..rundir import RunDir
 
@@ -378,7 +379,8 @@ def build_rows(runs: list[BenchRun], summaries: dict[str, dict], errors: dict[st
     compute = summaries.get(COMPUTE_ONLY, {}).get("mean_step_time_s")
     shared = summaries.get(COMPUTE_SHARED, {}).get("mean_step_time_s")
     base = summaries.get(BASELINE, {})
-    base_bytes = base.get("comm_bytes_per_step") or fp32_bytes
+    if not base.get("comm_bytes_per_step") and fp32_bytes:
+        base = {**base, "comm_bytes_per_step": fp32_bytes}
     rows = []
     for run in runs:
         s = summaries.get(run.name)
@@ -389,7 +391,8 @@ def build_rows(runs: list[BenchRun], summaries: dict[str, dict], errors: dict[st
                                "world_size": None, "run_dir": str(run.run_dir)}
         if s is None:
             row.update({k: None for k in ("steps_per_s", "parallel_efficiency", "comm_bytes_per_step",
-                                          "compression_ratio", "final_loss", "final_val_loss", "peak_mem_mb",
+                                          "hop_bytes_per_step_cross", "hop_bytes_per_step_intra",
+                                          "compression_ratio", "ratio_on", "final_loss", "final_val_loss", "peak_mem_mb",
                                           "mean_step_time_s", "comm_exposed_share",
                                           "parallel_efficiency_shared_cpu")})
             row["error"] = errors.get(run.name, "not run")
@@ -398,6 +401,9 @@ def build_rows(runs: list[BenchRun], summaries: dict[str, dict], errors: dict[st
         t = s["mean_step_time_s"]
         reference = run.name in (COMPUTE_ONLY, COMPUTE_SHARED)
         nbytes = 0.0 if reference else s.get("comm_bytes_per_step")
+        # "× fewer bytes" on the hop the slow link carries (metrics.figures.fewer_bytes): cross-node when both runs
+        # span nodes
+        ratio, ratio_on = (None, None) if reference else fewer_bytes(base, s)
         row.update({
             "world_size": s.get("world_size"),
             "steps_per_s": 1.0 / t if t else None,
@@ -406,7 +412,9 @@ def build_rows(runs: list[BenchRun], summaries: dict[str, dict], errors: dict[st
             # vs N compute-only workers sharing the host's cores as the lab's nodes do
             "parallel_efficiency_shared_cpu": shared / t if shared and t else None,
             "comm_bytes_per_step": nbytes,
-            "compression_ratio": base_bytes / nbytes if base_bytes and nbytes else None,
+            "hop_bytes_per_step_cross": None if reference else s.get("hop_bytes_per_step_cross"),
+            "hop_bytes_per_step_intra": None if reference else s.get("hop_bytes_per_step_intra"),
+            "compression_ratio": ratio, "ratio_on": ratio_on,
             "final_loss": s.get("final_loss"),
             "final_val_loss": s.get("final_val_loss"),
             "peak_mem_mb": s.get("peak_mem_mb"),
@@ -432,7 +440,8 @@ def build_rows(runs: list[BenchRun], summaries: dict[str, dict], errors: dict[st
 ROUND_FIELDS = ("mean_step_time_s", "parallel_efficiency", "parallel_efficiency_shared_cpu", "speedup_vs_fp32",
                 "comm_exposed_share", "final_loss", "final_val_loss", "val_loss_vs_fp32")
 #: the measurements a combined row averages over the rounds that ran
-MEAN_FIELDS = ROUND_FIELDS + ("comm_bytes_per_step", "compression_ratio", "peak_mem_mb")
+MEAN_FIELDS = ROUND_FIELDS + ("comm_bytes_per_step", "hop_bytes_per_step_cross", "hop_bytes_per_step_intra",
+                              "compression_ratio", "peak_mem_mb")
 
 
 def combine_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -477,15 +486,18 @@ def render_table(rows: list[dict[str, Any]], title: str, console: Any = None) ->
     from rich.table import Table
 
     console = console or Console()
+    on = sorted({r["ratio_on"] for r in rows if r.get("ratio_on")})
     table = Table(title=title, caption="efficiency = compute-only step (1 worker) / step; eff. shared CPU = the same "
-                                       "with all N workers computing at once, no communication;\nratio = fp32 bytes "
-                                       "/ bytes; Δval = final val loss vs fp32 DDP at equal steps")
-    for col in ("config", "step ms", "steps/s", "efficiency", "eff. shared CPU", "MB/step", "ratio", "vs fp32", "loss", "val loss",
-                "Δval", "exposed comm", "peak MB"):
+                                       "with all N workers computing at once, no communication;\nMB/step = every "
+                                       "hop, cross MB = between nodes only; ratio = fp32 DDP's bytes / the run's, on "
+                                       f"{' / '.join(on) or 'cross-node bytes'}; Δval = final val loss vs fp32 DDP "
+                                       "at equal steps")
+    for col in ("config", "step ms", "steps/s", "efficiency", "eff. shared CPU", "MB/step", "cross MB", "ratio",
+                "vs fp32", "loss", "val loss", "Δval", "exposed comm", "peak MB"):
         table.add_column(col, justify="left" if col == "config" else "right", no_wrap=True)
     for r in rows:
         if r.get("error"):
-            table.add_row(r["name"], f"[red]failed: {r['error'][:60]}[/red]", *[""] * 11)
+            table.add_row(r["name"], f"[red]failed: {r['error'][:60]}[/red]", *[""] * 12)
             continue
         mb = r["comm_bytes_per_step"]
         efficiency = _fmt(r["parallel_efficiency"], ".2f")
@@ -495,6 +507,7 @@ def render_table(rows: list[dict[str, Any]], title: str, console: Any = None) ->
             r["name"], _fmt(r["mean_step_time_s"] and r["mean_step_time_s"] * 1e3, ".0f"), _fmt(r["steps_per_s"], ".2f"),
             efficiency, _fmt(r.get("parallel_efficiency_shared_cpu"), ".2f"),
             _fmt(None if mb is None else mb / 1e6, ".2f", "n/c"),
+            _fmt(None if r.get("hop_bytes_per_step_cross") is None else r["hop_bytes_per_step_cross"] / 1e6, ".2f"),
             _fmt(r["compression_ratio"], ".1f"), _fmt(r.get("speedup_vs_fp32"), ".2f"), _fmt(r["final_loss"], ".4f"),
             _fmt(r["final_val_loss"], ".4f"),
             _fmt(None if r.get("val_loss_vs_fp32") is None else 100 * r["val_loss_vs_fp32"], "+.2f") +

@@ -107,7 +107,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def _strategy(args: argparse.Namespace, cloud, model, training) -> int:
     from ..layout import Layout as Owner
-    from ..plan.strategy import choose, explain, load_table, priced_fit, rank, render
+    from ..plan.strategy import basis_of, choose, explain, load_table, priced_fit, rank, render
 
     if args.compress or args.sync:
         raise ConfigError("--compress" if args.compress else "--sync", args.compress or args.sync,
@@ -129,9 +129,11 @@ def _strategy(args: argparse.Namespace, cloud, model, training) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"cluster": cloud.describe(), "model": model.describe(),
                                                "convergence_table": table.source, "chosen": choose(ranked).spec,
+                                               "basis": basis_of(cloud).words(),
                                                "does_not_fit": unfit or None,
                                                "rows": [{"spec": r.spec, "step_time_s": r.step_time_s,
                                                          "steps_ratio": r.steps_ratio, "time_ratio": r.time_ratio,
+                                                         "sooner_band": basis_of(cloud).band(r) if r.sooner else None,
                                                          "not_a_candidate": r.why_not} for r in ranked]},
                                               indent=2) + "\n")
     return 0

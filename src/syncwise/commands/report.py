@@ -89,6 +89,8 @@ def load_run(path: Path) -> dict[str, Any]:
         "mean_step_time_s": step_s,
         "split_s": {**split, "other_s": max(0.0, step_s - sum(split.values()))},
         "comm_bytes_per_step": sum(counted) / len(counted) if counted and len(counted) == n else None,
+        # the same bytes per hop (metrics.figures.hop_means); None: one node, hops not known, or not counted
+        "hop_bytes_per_step": figures.hop_means(steady),
         "tokens_per_s": figures.tokens_per_s([(r.get("tokens_per_s") or 0.0) * t for r, t in zip(steady, step_times)],
                                              step_times),
         "final_loss": next((r["loss"] for r in reversed(rows) if r.get("loss") is not None), None),
@@ -215,7 +217,8 @@ def draw(runs: list[dict[str, Any]]) -> bytes:
 
 def text(runs: list[dict[str, Any]]) -> str:
     """The one-screen comparison: a row per run."""
-    head = ("run", "steps", "loss", "val loss", "step", "compute", "comm", "data", "sent/step", "tokens/s", "time")
+    head = ("run", "steps", "loss", "val loss", "step", "compute", "comm", "data", "sent/step", "cross-node/step",
+            "tokens/s", "time")
     rows = []
     for r in runs:
         t = r["mean_step_time_s"] or 0.0
@@ -223,11 +226,21 @@ def text(runs: list[dict[str, Any]]) -> str:
         rows.append((r["name"] + ("" if r["finished"] else " (running)"), str(r["steps"]), loss(r["final_loss"]),
                      loss(r["final_val_loss"]), human_seconds(r["mean_step_time_s"]), share("compute_s"),
                      share("comm_exposed_s"), share("data_wait_s"), human_bytes(r["comm_bytes_per_step"]),
-                     f"{r['tokens_per_s']:,.0f}", human_seconds(r["train_time_s"])))
+                     _cross(r), f"{r['tokens_per_s']:,.0f}", human_seconds(r["train_time_s"])))
     widths = [max(len(x[i]) for x in (head, *rows)) for i in range(len(head))]
     line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
                                    for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
     return "\n".join([line(head), *(line(x) for x in rows)])
+
+
+def _cross(run: dict[str, Any]) -> str:
+    """The comparison's cross-node bytes per step: the figure where the rows split by hop, else what is known
+    instead — 'one node' (nothing crosses), or '–' (hops not known)."""
+    said = str((run.get("summary") or {}).get("comm_hops") or "")
+    if said.startswith("one node"):
+        return "one node"
+    hops = run.get("hop_bytes_per_step")
+    return human_bytes(hops["cross"]) if hops is not None else "–"
 
 
 def page(runs: list[dict[str, Any]], png: bytes, comparison: str) -> str:

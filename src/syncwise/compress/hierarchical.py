@@ -40,7 +40,8 @@ class HierarchicalHookState(CompressionHookState):
     build it on every rank at the same point, it creates groups). ``hop_bytes`` counts what this rank sent
     per hop: ``intra`` (the fp32 reduce-scatter input and all-gather shard) and ``inter`` (the compressor's
     payloads), by the same rule as ``syncwise.comm.CommStats``; the collectives themselves are counted in the
-    compressor's ``stats`` (a run's ``ledger.dp``).
+    compressor's ``stats`` (a run's ``ledger.dp``), each under the hop of its group (``CommStats.hops``: the
+    node-local group's as ``intra``, the cross-node group's as ``cross``), which is what the run's summary reports.
     """
 
     def __init__(self, compressor: Compressor, ctx: CommContext,

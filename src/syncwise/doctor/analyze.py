@@ -40,6 +40,7 @@ from .dimensions import DIMENSIONS, WORDS, by_dimension
 from .rundir import Run
 from ..errors import SyncwiseError
 from ..layout import BUCKET_CAP_MB
+from ..metrics.figures import hop_means
 
 PARTS = ("compute", "straggler_wait", "data_wait", "compress", "comm_dp", "comm_ep", "expert_wait", "pp_bubble",
          "checkpoint", "other")
@@ -364,6 +365,10 @@ def _facts(run: Run, per_rank: dict, use: list[int], world: int, wire: float) ->
             "bucket_cap_mb": cap, "grad_bytes": grad_bytes or None, "buckets": buckets, "dp": dp, "pp": pp,
             "ep": int(run.cfg("parallel", "ep", 1) or 1), "dp_bytes_per_step": dp_bytes or None,
             "moved_bytes_per_step": moved, "wire_time_s": timed, "effective_bandwidth_bytes_s": bandwidth,
+            # rank 0's bytes per step by hop (metrics.figures.hop_means: None on one node or an unknown topology,
+            # which comm_hops says)
+            "hop_bytes_per_step": hop_means([rows0[s] for s in use if s in rows0]),
+            "comm_hops": run.summary.get("comm_hops"),
             "params": params, "grad_accum": int(run.cfg("train", "grad_accum", 1) or 1),
             "batch_size": run.cfg("data", "batch_size"), "seq_len": run.cfg("data", "seq_len"),
             "ckpt_async": run.cfg("ckpt", "async_save"), "ckpt_interval": run.cfg("ckpt", "interval"),

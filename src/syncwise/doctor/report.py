@@ -26,6 +26,18 @@ def headline(d: Diagnosis) -> str:
     return text
 
 
+def hop_line(facts: dict) -> str:
+    """Rank 0's bytes per step by hop, or what is known instead (one node: nothing crosses; hops not known)."""
+    from ..metrics.units import human_bytes
+
+    hops, said = facts.get("hop_bytes_per_step"), facts.get("comm_hops")
+    if hops and not (said and said.startswith(("one node", "topology unknown"))):
+        unsplit = f", {human_bytes(hops['unsplit'])} no hop known" if hops.get("unsplit") else ""
+        return (f"bytes per step by hop (rank 0): {human_bytes(hops['cross'])} cross-node (the slow link), "
+                f"{human_bytes(hops['intra'])} inside a node{unsplit}")
+    return f"bytes per hop: {said}" if said else "bytes per hop: not recorded (a run from before they were counted)"
+
+
 def print_diagnosis(d: Diagnosis, console: Console) -> None:
     f = d.facts
     console.print(f"[bold]syncwise doctor[/bold] — {d.run.path}")
@@ -52,6 +64,7 @@ def print_diagnosis(d: Diagnosis, console: Console) -> None:
         for row in lines(dims):
             comm.add_row(*row)
         console.print(comm)
+    console.print(hop_line(f))
     if len(d.per_rank) > 1:
         ranks = Table(title="per rank (steady steps, ms)", show_edge=False)
         for col in ("rank", "step", "compute", "data wait", "exposed comm", "compress", "expert a2a"):

@@ -256,6 +256,8 @@ def comm_line(row: dict[str, Any]) -> str:
     measured = [row.get(f"comm_exposed_s_{d}") for d in ("dp", "fsdp", "tp", "pp", "ep")]
     total = sum(e for e in measured if e is not None) if parts else row["comm_exposed_s"]
     text = f"comm {total * 1e3:.0f} ms exposed"
+    if parts and row.get("hop_bytes_cross") is not None:  # on nodes > 1: what of it crossed between nodes
+        parts.append(f"{human_bytes(row['hop_bytes_cross'])} cross-node")
     return text + (f" ({' · '.join(parts)})" if parts else "")
 
 
@@ -270,6 +272,9 @@ SUMMARY_LEGEND = (
     "job_comm_bytes_per_step[_<dim>]: bytes every rank sent per step, summed (per job); comm_s_per_step_<dim>: "
     "seconds rank 0's collectives of that dimension took per step (dp: the whole gradient sync, codec included); "
     "peak_mem_mb: rank 0's peak memory.\n"
+    "  hop_bytes_per_step_cross / _intra: the same bytes of rank 0 that crossed between nodes / stayed inside one "
+    "(comm_hops: the topology; one node or an unknown one is said, not split); \"× fewer bytes\" than fp32 DDP is "
+    "formed on the cross-node hop.\n"
     "  progress line: `comm 12 ms exposed (dp 3 of 20 ms, 20 MB sent)` = the step waited 12 ms on the network; "
     "of dp's 20 ms, 3 were exposed; rank 0 sent 20 MB; – = not measured.")
 

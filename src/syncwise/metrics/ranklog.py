@@ -37,6 +37,8 @@ RANK_KEYS = ("step", "step_time_s", "compute_s", "data_wait_s", "comm_exposed_s"
              "expert_imbalance", "pp_bubble", "ckpt_in_flight", "skipped", "time")
 #: and every per-dimension field (``comm_bytes_tp``, ``comm_s_tp``, ``comm_exposed_s_tp`` ...), and the step's total
 DIMENSION_PREFIXES = ("comm_bytes", "comm_s_", "comm_exposed_s_")
+#: and the step's bytes per hop (``hop_bytes_intra``, ``hop_bytes_cross``: the same bytes split by the link crossed)
+HOP_PREFIX = ("hop_bytes_",)
 
 
 class StepProbe:
@@ -122,7 +124,8 @@ class RankLog:
     def log_step(self, row: dict[str, Any]) -> None:
         """Record this rank's numbers of one step (a trainer row)."""
         if self._file is not None:
-            out = {k: plain(v) for k, v in row.items() if k in RANK_KEYS or k.startswith(DIMENSION_PREFIXES)}
+            out = {k: plain(v) for k, v in row.items()
+                   if k in RANK_KEYS or k.startswith(DIMENSION_PREFIXES + HOP_PREFIX)}
             out.setdefault("time", round(time.time(), 4))
             try:
                 self._file.write(json.dumps(out) + "\n")

@@ -177,11 +177,12 @@ class DataParallel:
     # bypass syncwise.comm; their exposed part is still measured, by DDP's bucket timer)
     sync_timed: bool = True
     stats: Optional[CommStats] = None  # where the gradient sync is counted (the run's ledger.dp; None: nowhere)
+    hop: Optional[str] = None  # the hop DDP's own all-reduce crosses (comm.ops.hop_of its group)
 
     def record_sync(self) -> None:
         """Count one gradient sync of DDP's built-in all-reduce (its collective bypasses syncwise.comm)."""
         if self.builtin_sync_bytes and self.stats is not None:
-            self.stats.record("all_reduce", self.builtin_sync_bytes)
+            self.stats.record("all_reduce", self.builtin_sync_bytes, hop=self.hop)
 
     @property
     def distributed(self) -> bool:
@@ -195,13 +196,13 @@ def _no_forward_buffer_sync() -> dict[str, bool]:
     return {"broadcast_buffers": False}
 
 
-def _counted(bytes_per_element: int, hook, stats: Optional[CommStats]):
+def _counted(bytes_per_element: int, hook, stats: Optional[CommStats], hop: Optional[str] = None):
     """Count the bytes of a torch hook that sends the whole bucket in one dtype (it bypasses syncwise.comm)."""
     if stats is None:
         return hook
 
     def counted(state, bucket):
-        stats.record("all_reduce", bucket.buffer().numel() * bytes_per_element)
+        stats.record("all_reduce", bucket.buffer().numel() * bytes_per_element, hop=hop)
         return hook(state, bucket)
 
     return counted
@@ -242,7 +243,8 @@ def apply_data_parallel(model: nn.Module, compressor: "Optional[Compressor | Tor
     if isinstance(compressor, TorchHookSpec):
         state, hook = compressor.state_and_hook(process_group)
         per_element = TORCH_HOOKS[compressor.name]
-        timer = GradSyncTimer(state, _counted(per_element, hook, stats) if per_element else hook, device)
+        timer = GradSyncTimer(state, _counted(per_element, hook, stats, ops.hop_of(process_group)) if per_element
+                              else hook, device)
         ddp.register_comm_hook(timer, _timed_hook)
         return DataParallel(module=ddp, timer=timer, bytes_counted=per_element is not None, sync_timed=False,
                             stats=stats)
@@ -251,7 +253,7 @@ def apply_data_parallel(model: nn.Module, compressor: "Optional[Compressor | Tor
         nbytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                      if p.requires_grad and n not in (ignore or ()))
         return DataParallel(module=ddp, timer=GradReadyClock(model, device), builtin_sync_bytes=nbytes,
-                            sync_timed=False, stats=stats)
+                            sync_timed=False, stats=stats, hop=ops.hop_of(process_group))
     names = {p: n for n, p in model.named_parameters()}
     # A dedicated communicator is made by new_group, which every rank of the world must call alike: only when the
     # data-parallel ranks are the whole world (a pipeline stage's replicas compress on their own group).

@@ -39,6 +39,8 @@ from .model import ModelSpec
 from .search import human_time
 
 TABLE_PATH = Path(__file__).with_name("convergence.json")
+#: the step parts no communication strategy changes: the compute floor a step cannot beat
+FLOOR_TERMS = ("compute", "kernel_overhead", "recompute", "optimizer", "pp_bubble")
 #: peers that run outside syncwise (their rows are measured, but syncwise cannot run them as a strategy)
 NOT_RUNNABLE = ("torchft-diloco",)
 
@@ -77,10 +79,24 @@ class ConvergenceTable:
     where: str
     fp32_steps: float    # fp32 DDP's steps to its own target
     smoke: bool = False
+    replicas: Optional[int] = None   # data-parallel replicas of the runs it was measured on
 
     @property
     def reference(self) -> str:
         return f"{Path(self.source).name}, {self.preset} preset"
+
+    @property
+    def horizon(self) -> Optional[int]:
+        """fp32 DDP's run length (``--steps``) the ratios were measured at."""
+        steps = _option(self.command, "--steps")
+        return steps if isinstance(steps, int) else None
+
+    def basis(self) -> str:
+        """What the table's step ratios were measured on, in words: model, horizon, replicas."""
+        horizon = f"{self.horizon}-step horizon" if self.horizon else "horizon unknown"
+        reps = f"{self.replicas} replicas" if self.replicas else "replicas unknown"
+        return (f"{self.reference}, {horizon} (fp32 DDP reached its loss at step {self.fp32_steps:.0f}), {reps}"
+                + (" SMOKE" if self.smoke else ""))
 
 
 def table_from_results(results: dict[str, Any], source: str) -> dict[str, Any]:
@@ -111,7 +127,20 @@ def table_from_results(results: dict[str, Any], source: str) -> dict[str, Any]:
                      "(syncwise.plan.strategy; regenerate: python -m syncwise.plan.strategy RESULTS.json)",
             "source": source, "command": command, "where": results.get("where", ""), "smoke": bool(results.get("smoke")),
             "preset": _option(command, "--preset") or "small", "target_val_loss": results.get("target_val_loss"),
+            "replicas": replicas_of(results.get("where", "")),
             "fp32_steps_to_target": fp32_steps, "costs": costs}
+
+
+def replicas_of(where: str) -> Optional[int]:
+    """Data-parallel replicas from a results file's ``where`` ('2 local workers over loopback', 'lab: 2 nodes × 2
+    workers ...'); None when it does not say."""
+    import re
+
+    grid = re.search(r"(\d+)\s*nodes?\s*[×x]\s*(\d+)", where)
+    if grid:
+        return int(grid.group(1)) * int(grid.group(2))
+    one = re.search(r"(\d+)\s*(?:local\s+)?workers?", where)
+    return int(one.group(1)) if one else None
 
 
 def _option(command: str, flag: str) -> Any:
@@ -130,10 +159,88 @@ def load_table(path: "str | Path | None" = None) -> ConvergenceTable:
         costs = {name: ConvergenceCost(name, c["steps_ratio"], c.get("cap_ratio") or 0.0, c["reached_in"],
                                        c["repeats"]) for name, c in data["costs"].items()}
         return ConvergenceTable(costs, data["source"], data["command"], data["preset"], data.get("where", ""),
-                                data["fp32_steps_to_target"], bool(data.get("smoke")))
+                                data["fp32_steps_to_target"], bool(data.get("smoke")),
+                                data.get("replicas") or replicas_of(data.get("where", "")))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SyncwiseError(f"the convergence table {p} cannot be read ({e}); regenerate it: "
                             "python -m syncwise.plan.strategy RESULTS.json") from None
+
+
+# ------------------------------------------------------------------------------------------------ the basis
+#: how far a predicted step time is off on a calibrated cluster: the calibrated lab's data-parallel jobs were within
+#: -6.0 % .. +6.9 %, 9.9 % mean absolute error over the rows other than FSDP2 on gloo (benchmarks/RESULTS.md §12);
+#: a ratio of two step times compounds it: the band is (1 - e) / (1 + e) .. (1 + e) / (1 - e) of the figure
+CALIBRATED_ERROR = 0.10
+#: on the catalog (no ``--calibrate``), a figure below which the measured ratio fell at held-out lab points: the
+#: catalog predicted 9.99× and 6.49× where 1.98× and 1.49× came (2 nodes × 2 workers at 45 and 100 Mbit/s, before
+#: shared cores were priced): factors of 5.0 and 4.4. The band reaches down to figure / CATALOG_SPREAD
+CATALOG_SPREAD = 5.0
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its CPU affinity; else ``os.cpu_count()``)."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class Basis:
+    """What a prediction stands on: a calibrated cluster (``syncwise plan --calibrate``: the speeds workers get
+    together) or the catalog's figures, and — on a catalog CPU job — how many workers compute on one host's cores at
+    once (the lab's nodes all share this machine). Workers beyond the cores share them: each computes at
+    cores / workers of the catalog's one-worker speed, so the step's compute floor rises and caps what any
+    strategy can gain (:func:`job_cloud` prices it)."""
+
+    calibrated: bool
+    workers_per_host: int = 0   # workers computing on one host at once (0: not known)
+    cores: int = 0              # that host's cores (0: not known)
+
+    @property
+    def share(self) -> float:
+        """Workers per core (1: a core each, or not known)."""
+        if not (self.cores and self.workers_per_host):
+            return 1.0
+        return max(1.0, self.workers_per_host / self.cores)
+
+    def band(self, r: "Ranked") -> tuple[float, float]:
+        """The range the measured '× sooner' of ``r`` is expected in: the calibrated planner's error each way, or on
+        the catalog down to figure / CATALOG_SPREAD; never above the compute-floor ceiling (:func:`ceiling`)."""
+        sooner = r.sooner or 0.0
+        if r.spec == "none":   # fp32 DDP against itself: exactly 1
+            return 1.0, 1.0
+        e = CALIBRATED_ERROR
+        low = sooner * (1 - e) / (1 + e) if self.calibrated else sooner / CATALOG_SPREAD
+        high = sooner * (1 + e) / (1 - e)
+        top = ceiling(r)
+        return low, min(high, top) if top else high
+
+    def words(self) -> str:
+        """The basis in words, for the start-up line."""
+        what = ("calibrated cluster (step times within ±10 %)" if self.calibrated else
+                "catalog figure, not calibrated (`syncwise plan --calibrate` narrows the band)")
+        if self.share > 1:
+            what += (f"; {self.workers_per_host} workers share {self.cores} cores: compute priced at "
+                     f"1/{self.share:.3g} speed")
+        return what
+
+
+def basis_of(cloud: CloudConfig) -> Basis:
+    """The basis of a cluster as given (a calibrated TOML is named 'calibrated-NxP' by ``syncwise plan --calibrate``;
+    anything else is the catalog's), without host cores: a GPU cluster's workers do not share them."""
+    return Basis(calibrated=cloud.name.startswith("calibrated-"))
+
+
+def ceiling(r: "Ranked") -> Optional[float]:
+    """The most '× sooner' ``r`` could be at its predicted fp32 DDP step: fp32 DDP's time over ``r``'s compute
+    floor times its steps (communication free); None when not known."""
+    if not (r.time_ratio and r.floor_s and r.steps_ratio):
+        return None
+    t_none = r.step_time_s * r.steps_ratio / r.time_ratio
+    return t_none / (r.floor_s * r.steps_ratio)
 
 
 # ------------------------------------------------------------------------------------------------ ranking
@@ -150,6 +257,7 @@ class Ranked:
     time_ratio: Optional[float]
     cap_ratio: float = 0.0
     why_not: str = ""      # why it is not a candidate (never reached the target / cannot run on this layout)
+    floor_s: float = 0.0   # the step's compute floor (no communication): what no strategy can beat
 
     @property
     def sooner(self) -> Optional[float]:
@@ -182,13 +290,13 @@ def rank(cloud: CloudConfig, model: ModelSpec, lay: owner.Layout, global_batch: 
     world = cloud.world_size
     base = dataclasses.replace(lay, compress=owner.NO_COMPRESS, sync=None)
 
-    def step(c: owner.Compress, s: Optional[SyncSpec]) -> float:
+    def step(c: owner.Compress, s: Optional[SyncSpec]) -> tuple[float, float]:
         planned = Layout.of_owner(dataclasses.replace(base, compress=c, sync=s).resolve(world),
                                   micro_batch=micro_batch, microbatches=microbatches)
-        return predict(cloud, model, planned, global_batch, seq_len, training=training, syncwise_rules=False
-                       ).step_time_s
+        pred = predict(cloud, model, planned, global_batch, seq_len, training=training, syncwise_rules=False)
+        return pred.step_time_s, sum(pred.breakdown.get(k, 0.0) for k in FLOOR_TERMS)
 
-    t_none = step(owner.NO_COMPRESS, None)
+    t_none = step(owner.NO_COMPRESS, None)[0]
     out: list[Ranked] = []
     for name, cost in table.costs.items():
         if name.partition(":")[0] in NOT_RUNNABLE:
@@ -202,9 +310,9 @@ def rank(cloud: CloudConfig, model: ModelSpec, lay: owner.Layout, global_batch: 
         why = _allowed(lay, c, s, world)
         if not cost.reached and not why:
             why = f"never reached fp32 DDP's loss within {cost.cap_ratio:.1f}× its steps"
-        t = step(c, s)
+        t, floor = step(c, s)
         ratio = (t * cost.steps_ratio / t_none) if cost.reached else None
-        out.append(Ranked(name, c, s, t, cost.steps_ratio, ratio, cost.cap_ratio, why))
+        out.append(Ranked(name, c, s, t, cost.steps_ratio, ratio, cost.cap_ratio, why, floor))
     # ties broken by a stated rule (issue 43 row 9): the exact predicted time to the loss, then the shorter step,
     # then the name; `render` marks rows that tie at the precision it shows
     out.sort(key=lambda r: (bool(r.why_not), r.time_ratio if r.time_ratio is not None else float("inf"),
@@ -235,13 +343,22 @@ def link_words(cloud: CloudConfig) -> str:
 
 
 def job_cloud(nodes: int, per_node: int, inter_bps: Optional[float] = None, accelerator: str = "cpu-lab",
-              burst_bytes: float = 0.0) -> CloudConfig:
+              burst_bytes: float = 0.0, basis: Optional[Basis] = None) -> CloudConfig:
     """The cluster a job runs on when no calibrated cluster TOML is given: ``nodes`` × ``per_node`` workers of the
     catalog's ``accelerator`` (cpu-lab: the lab's measured CPU worker), the intra-node loopback, and between nodes
-    the network lab's link at ``inter_bps`` bit/s (its tbf rate) with its tbf bucket of ``burst_bytes``."""
+    the network lab's link at ``inter_bps`` bit/s (its tbf rate) with its tbf bucket of ``burst_bytes``. ``basis``:
+    where workers share a host's cores (``Basis.share`` > 1), each computes (and encodes) at 1/share of the
+    catalog's one-worker speed, as ``--calibrate`` would have measured it."""
     from .cloud import cluster
 
     cloud = cluster(accelerator, nodes, per_node)
+    share = basis.share if basis is not None else 1.0
+    if share > 1:
+        acc = cloud.accelerator
+        cloud = dataclasses.replace(cloud, accelerator=dataclasses.replace(
+            acc, peak_bf16_flops=acc.peak_bf16_flops / share, peak_fp16_flops=acc.peak_fp16_flops / share,
+            peak_fp8_flops=acc.peak_fp8_flops / share, hbm_bandwidth=acc.hbm_bandwidth / share, shared_by=share,
+            codec_cost=tuple((n, e * share, t * share) for n, e, t in acc.codec_cost)))
     if nodes > 1 and inter_bps:
         cloud = dataclasses.replace(cloud, inter_node=dataclasses.replace(cloud.inter_node, bandwidth=inter_bps / 8,
                                                                           burst_bytes=float(burst_bytes)))
@@ -265,9 +382,22 @@ def choose(ranked: Sequence[Ranked]) -> Ranked:
     return candidates[0]
 
 
-def explain(ranked: Sequence[Ranked], cloud: CloudConfig, table: ConvergenceTable) -> str:
-    """The one start-up line: what auto chose and why, e.g. 'auto: fp8 (predicted 1.9× sooner to fp32 DDP's loss
-    than none on 100 Mbit/s ...; powersgd:rank=4 1.4×, needs 1.3× the steps; table: ...)'."""
+def ratio_words(r: Ranked, basis: Basis, what: str = "") -> str:
+    """'1.93×{what} (band 1.6–2.4×)' calibrated; '~2.4×{what} (band 0.48–2.8×)' on the catalog, whose figure is not
+    precise enough for two decimals."""
+    if r.spec == "none":
+        return f"1×{what}"
+    lo, hi = basis.band(r)
+    point = f"{r.sooner:.2f}×" if basis.calibrated else f"~{r.sooner:.2g}×"
+    return f"{point}{what} (band {lo:.2g}–{hi:.2g}×)"
+
+
+def explain(ranked: Sequence[Ranked], cloud: CloudConfig, table: ConvergenceTable,
+            basis: Optional[Basis] = None) -> str:
+    """The one start-up line: what auto chose and why, with its basis and uncertainty, e.g. 'auto: fp8 (predicted
+    ~2.4× sooner (band 0.48–2.8×) to fp32 DDP's loss than none on 45 Mbit/s ...; basis: catalog figure ...; 4 workers
+    share 2 cores ...; ceiling 2.8×; next: int8 ~2.2× ...; convergence: ..., 300-step horizon ..., 2 replicas)'."""
+    basis = basis if basis is not None else basis_of(cloud)
     best = choose(ranked)
     others = [r for r in ranked if not r.why_not and r is not best][:2]
 
@@ -275,30 +405,35 @@ def explain(ranked: Sequence[Ranked], cloud: CloudConfig, table: ConvergenceTabl
         return f", needs {r.steps_ratio:.2f}× the steps" if r.steps_ratio and abs(r.steps_ratio - 1) >= 0.005 else ""
 
     def part(r: Ranked) -> str:
-        return f"{r.spec} {r.sooner:.2f}×" + steps(r)
+        return f"{r.spec} {ratio_words(r, basis)}" + steps(r)
 
     excluded = sum(1 for r in ranked if r.why_not.startswith("never reached"))
-    head = (f"auto: {best.spec} (predicted {best.sooner:.2f}× sooner to fp32 DDP's loss than none"
+    head = (f"auto: {best.spec} (predicted {ratio_words(best, basis, ' sooner')} to fp32 DDP's loss than none"
             if best.spec != "none" else "auto: none (fp32 DDP predicted soonest to its own loss, within "
             f"{100 * (1 - MIN_GAIN):.0f} %")
-    return (f"{head} on {link_words(cloud)}{steps(best)}; next: " + ("; ".join(part(r) for r in others) or "-")
+    top = ceiling(best)
+    return (f"{head} on {link_words(cloud)}{steps(best)}; basis: {basis.words()}"
+            + (f"; ceiling {top:.2g}× (compute floor, communication free)" if top and best.spec != "none" else "")
+            + "; next: " + ("; ".join(part(r) for r in others) or "-")
             + (f"; {excluded} never reached the loss" if excluded else "")
-            + f"; convergence: {table.reference}" + (" SMOKE" if table.smoke else "") + ")")
+            + f"; convergence: {table.basis()})")
 
 
 def resolve_auto(lay: owner.Layout, cloud: CloudConfig, model: ModelSpec, global_batch: int,
                  seq_len: Optional[int] = None, table: Optional[ConvergenceTable] = None,
-                 training: Training = SYNCWISE, micro_batch: int = 0, microbatches: int = 0
-                 ) -> tuple[owner.Layout, str, list[Ranked]]:
+                 training: Training = SYNCWISE, micro_batch: int = 0, microbatches: int = 0,
+                 basis: Optional[Basis] = None) -> tuple[owner.Layout, str, list[Ranked]]:
     """The one place ``auto`` is resolved: (the layout with the chosen compressor and sync strategy, the start-up
-    line, the ranked candidates). A layout without ``auto`` comes back as it is."""
+    line, the ranked candidates). A layout without ``auto`` comes back as it is. ``basis``: what ``cloud`` stands
+    on (default: :func:`basis_of`), said in the line with the band it gives."""
     if not lay.auto:
         return lay, "", []
     lay.auto_choices()   # a conflicting explicit option: ConfigError naming it
     table = table or load_table()
     ranked = rank(cloud, model, lay, global_batch, seq_len, table, training, micro_batch, microbatches)
     best = choose(ranked)
-    return dataclasses.replace(lay, compress=best.compress, sync=best.sync), explain(ranked, cloud, table), ranked
+    return (dataclasses.replace(lay, compress=best.compress, sync=best.sync), explain(ranked, cloud, table, basis),
+            ranked)
 
 
 def places(ranked: Sequence[Ranked]) -> list[str]:
@@ -317,13 +452,16 @@ def places(ranked: Sequence[Ranked]) -> list[str]:
     return out
 
 
-def render(ranked: Sequence[Ranked], cloud: CloudConfig, table: ConvergenceTable, title: str) -> None:
+def render(ranked: Sequence[Ranked], cloud: CloudConfig, table: ConvergenceTable, title: str,
+           basis: Optional[Basis] = None) -> None:
     """``syncwise plan --strategy``'s table."""
     from rich.console import Console
     from rich.table import Table
 
+    basis = basis if basis is not None else basis_of(cloud)
     t = Table(title=title, title_justify="left", caption=f"steps: measured by benchmarks/time_to_loss.py "
-              f"({table.source}); step time: the planner's cost model on {link_words(cloud)}; "
+              f"({table.basis()}); step time: the planner's cost model on {link_words(cloud)}, {basis.words()}; "
+              "sooner than none: the prediction and the band the measured ratio is expected in; "
               "'=': a tie at the precision shown (time to fp32's loss), ordered by the exact prediction, then the "
               "shorter step")
     for col in ("#", "strategy", "step (predicted)", "steps to fp32's loss (measured)", "time to fp32's loss",
@@ -332,7 +470,7 @@ def render(ranked: Sequence[Ranked], cloud: CloudConfig, table: ConvergenceTable
     for r, place in zip(ranked, places(ranked)):
         steps = f"{r.steps_ratio:.2f}×" if r.steps_ratio else f"> {r.cap_ratio:.1f}×"
         t.add_row(place, r.spec, human_time(r.step_time_s), steps,
-                  f"{r.time_ratio:.2f}×" if r.time_ratio else "-", f"{r.sooner:.2f}×" if r.sooner else "-",
+                  f"{r.time_ratio:.2f}×" if r.time_ratio else "-", ratio_words(r, basis) if r.sooner else "-",
                   r.why_not)
     Console(file=sys.stdout, width=160).print(t)
 

@@ -31,7 +31,7 @@ import torch
 from ..comm import ops
 from ..comm import hostread
 from ..comm.hostread import HostCopy
-from ..comm.stats import CommLedger, CommStats
+from ..comm.stats import UNKNOWN_HOP, CommLedger, CommStats
 from ..comm.timing import Interval, on_cuda
 from ..metrics.ranklog import StepProbe
 from .batches import tokens as batch_tokens
@@ -52,6 +52,9 @@ class StepResult:
     comm_bytes_by_dim: Optional[dict] = None  # per parallel dimension ('dp', 'tp'); None where not counted
     comm_s_by_dim: Optional[dict] = None  # seconds in each dimension's collectives (issue to completion; None: untimed)
     comm_exposed_by_dim: Optional[dict] = None  # the part of them the step waited for (None: not measured)
+    #: the same bytes per hop: {'intra', 'cross', 'unsplit' (no hop known)} summing to comm_bytes_total; None: the
+    #: step's bytes are not all counted (see StepBytes)
+    comm_bytes_by_hop: Optional[dict] = None
 
     @property
     def comm_bytes_total(self) -> Optional[int]:
@@ -84,6 +87,7 @@ class PendingStep:
     tokens: int
     lr: float  # the learning rate this step's update used
     micro_batch: Optional[int] = None  # DynamicBatcher's micro size after this step
+    comm_hops: Optional[dict] = None  # the step's bytes per hop (StepBytes.hops)
     parallel_metrics: dict = field(default_factory=dict)  # what the layout measured (the pipeline's bubble)
     #: the step's device values (loss, norm, skip flag, 0-d tensors among parallel_metrics) copied to pinned memory
     #: behind one event at the step's end (issue 39 N2): settling reads them without draining the queue
@@ -127,7 +131,7 @@ class PendingStep:
                 data_wait_s=self.data_wait_s, comm_bytes=self.comm_bytes.get("dp"), tokens=self.tokens,
                 comm_bytes_by_dim=self.comm_bytes,
                 comm_s_by_dim={d: times.get(d, (0.0, 0.0))[0] for d in dims},
-                comm_exposed_by_dim={d: times.get(d, (0.0, 0.0))[1] for d in dims},
+                comm_exposed_by_dim={d: times.get(d, (0.0, 0.0))[1] for d in dims}, comm_bytes_by_hop=self.comm_hops,
                 grad_norm=float(values["grad_norm"]), skipped=bool(values["skipped"]))
         return self._settled
 
@@ -154,6 +158,11 @@ class StepBytes:
     counters are the run's own (``par.ledger``, made by ``parallelize`` and fed deep below the trainer: DDP's comm
     hook on its worker thread, the expert dispatch's autograd functions); the meter reads them as marks and
     differences, so collectives between steps are not a step's.
+
+    Per hop (:attr:`hops`, after :meth:`end`): the same bytes split by the link they crossed — ``intra`` (a group
+    inside one node), ``cross`` (a group spanning nodes), as the ledger classified them (``comm.ops.hop_of``), and
+    ``unsplit`` for bytes with no known hop (the layout's own counters: FSDP2's and DTensor's collectives; no
+    topology known). None when some dimension's bytes are not counted at all.
     """
 
     def __init__(self, par: Any):
@@ -163,6 +172,8 @@ class StepBytes:
         self.ep_stats: Optional[CommStats] = self.ledger.ep if par.spec.ep > 1 else None
         self._marks = (0, 0)
         self._time_marks = (0.0, 0.0)
+        self._hop_marks: dict[str, int] = {}
+        self.hops: Optional[dict[str, int]] = None
         params = next(iter(par.model.parameters()), None) if hasattr(par, "model") else None
         self.cuda = params is not None and on_cuda(params.device)
 
@@ -171,6 +182,7 @@ class StepBytes:
         dp = self.dp_stats
         self._marks = (dp.total_bytes, self.ep_stats.total_bytes if self.ep_stats is not None else 0)
         self._time_marks = (dp.total_time_s, self.ep_stats.total_time_s if self.ep_stats is not None else 0.0)
+        self._hop_marks = self._hops_now()
         self.par.begin_step()  # arms the layout's dispatch counter (FSDP2 / DTensor) for this step
 
     def end(self) -> dict[str, Optional[int]]:
@@ -182,6 +194,21 @@ class StepBytes:
         out.update({dim: n for dim, n in counted.items() if dim != "dp"})
         if self.ep_stats is not None:
             out["ep"] = self.ep_stats.total_bytes - self._marks[1]
+        self.hops = None
+        if all(n is not None for n in out.values()):
+            now = self._hops_now()
+            hops = {h: now.get(h, 0) - self._hop_marks.get(h, 0) for h in ("intra", "cross")}
+            hops["unsplit"] = now.get(UNKNOWN_HOP, 0) - self._hop_marks.get(UNKNOWN_HOP, 0) + sum(
+                n for dim, n in counted.items() if n)  # the layout's counters carry no hop
+            self.hops = hops
+        return out
+
+    def _hops_now(self) -> dict[str, int]:
+        """The ledger's bytes per hop so far (dp and, with expert parallelism, ep)."""
+        out = self.dp_stats.hop_bytes()
+        if self.ep_stats is not None:
+            for h, n in self.ep_stats.hop_bytes().items():
+                out[h] = out.get(h, 0) + n
         return out
 
     def times(self) -> Callable[[], dict]:
@@ -280,7 +307,7 @@ class StepMeter:
         return PendingStep(step=self.step - 1, loss=loss, grad_norm=grad_norm, skipped=skipped,
                            step_time_s=self._clock.stop().seconds(), data_wait_s=self._data,
                            comm_waited_s=self._waited, exposed_comm=self._exposed, comm_times=comm_times,
-                           comm_bytes=comm_bytes,
+                           comm_bytes=comm_bytes, comm_hops=self.bytes.hops,
                            tokens=tokens_of(batches) * self.par.dp_size, lr=lr,
                            micro_batch=self.batcher.size if self.batcher is not None else None,
                            parallel_metrics={**self.par.step_metrics(), **self.probe.take()}).capture()
@@ -307,3 +334,48 @@ def tokens_of(batches: list) -> int:
     integer token ids count every element (a mapping's ``input_ids``), float inputs one per row."""
     return sum(batch_tokens(x) for x, _ in batches)
 
+
+
+def hop_fields(r: StepResult) -> dict[str, int]:
+    """A metrics row's bytes per hop: ``hop_bytes_intra``, ``hop_bytes_cross`` and, where some bytes have no known
+    hop, ``hop_bytes_unsplit`` (together: ``comm_bytes``); nothing when the step's bytes are not all counted."""
+    hops = r.comm_bytes_by_hop
+    if not hops:
+        return {}
+    return {f"hop_bytes_{h}": n for h, n in hops.items() if h != "unsplit" or n}
+
+
+def job_nodes(world_size: int) -> Optional[int]:
+    """The job's node count from its topology (``comm.ops.procs_per_node``); None when it is not known."""
+    if world_size <= 1:
+        return 1
+    per = ops.procs_per_node()
+    return world_size // per if per and world_size % per == 0 else None
+
+
+def per_hop(steady: list, nodes: Optional[int]) -> dict[str, Any]:
+    """Summary keys per hop over the steady steps (rank 0's bytes per step): ``hop_bytes_per_step_cross`` — what the
+    slow link between nodes carries, the figure ``× fewer bytes`` is formed on — and ``hop_bytes_per_step_intra``
+    (``_unsplit`` for bytes no hop was known for), plus ``comm_hops``, the topology in words. One node (or an unknown
+    topology) says so instead of a split: every byte stays inside the node."""
+    rows = [r.comm_bytes_by_hop for r in steady]
+    if nodes is None:
+        return {"comm_hops": "topology unknown: bytes not split by hop"} if steady else {}
+    if nodes == 1:
+        return {"comm_hops": "one node: every byte stays inside it (no cross-node hop)"}
+    if not rows or any(h is None for h in rows):
+        return {"comm_hops": f"{nodes} nodes: bytes per hop not counted"}
+    n = len(rows)
+    out: dict[str, Any] = {"comm_hops": f"{nodes} nodes: cross-node bytes = what the link between nodes carries"}
+    for h in ("cross", "intra", "unsplit"):
+        total = sum(r.get(h, 0) for r in rows)
+        if h != "unsplit" or total:
+            out[f"hop_bytes_per_step_{h}"] = total / n
+    return out
+
+
+def row_hops(row: dict) -> Optional[dict[str, int]]:
+    """A metrics row's bytes per hop back (the inverse of :func:`hop_fields`); None when it has none."""
+    if "hop_bytes_cross" not in row:
+        return None
+    return {h: row.get(f"hop_bytes_{h}", 0) for h in ("intra", "cross", "unsplit")}

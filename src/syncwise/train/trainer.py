@@ -56,7 +56,7 @@ from .callbacks import (Arrivals, BatchChanges, CheckpointCadence, HangWatchdog,
 from .dynamic_batch import _rows, _slice
 from .faults import FaultPlan
 from .claim import claim
-from .meter import PendingStep, StepMeter, StepResult
+from .meter import PendingStep, StepMeter, StepResult, hop_fields, job_nodes, per_hop, row_hops
 from .options import CommOptions, FaultOptions, RunOptions, StepOptions
 from .preemption import PreemptionGuard
 from .profile import StepProfiler
@@ -807,6 +807,7 @@ class OptimizedTrainer:
             row[f"comm_s_{dim}"] = t
         for dim, t in (r.comm_exposed_by_dim or {}).items():
             row[f"comm_exposed_s_{dim}"] = t
+        row.update(hop_fields(r))  # the same bytes per hop: intra-node, cross-node
         util = mfu(self.flops_per_token, tps / self.world_size, self.peak.flops)
         if util is not None:
             row["mfu"] = util
@@ -833,7 +834,7 @@ class OptimizedTrainer:
                            comm_exposed_s=r.get("comm_exposed_s") or 0.0, data_wait_s=r.get("data_wait_s") or 0.0,
                            comm_bytes=r.get("comm_bytes"),
                            comm_bytes_by_dim=_by_dim(r, "comm_bytes_"), comm_s_by_dim=_by_dim(r, "comm_s_"),
-                           comm_exposed_by_dim=_by_dim(r, "comm_exposed_s_"),
+                           comm_exposed_by_dim=_by_dim(r, "comm_exposed_s_"), comm_bytes_by_hop=row_hops(r),
                            tokens=round((r.get("tokens_per_s") or 0.0) * (r.get("step_time_s") or 0.0)),
                            grad_norm=r.get("grad_norm") or 0.0, skipped=bool(r.get("skipped")))
                 for r in sorted(rows, key=lambda r: r["step"])]
@@ -863,7 +864,7 @@ class OptimizedTrainer:
             "data_wait_share": parts["data_wait_s"] / max(step_time, 1e-9),
             "comm_bytes_per_step": (sum(r.comm_bytes_total for r in steady) / n)
             if steady and all(r.comm_bytes_total is not None for r in steady) else None,
-            **per_dimension(steady, step_time),
+            **per_dimension(steady, step_time), **per_hop(steady, job_nodes(self.world_size)),
             "layout": describe_layout(self.par),
             "compressor": self.compress_spec, "sync": self.sync_spec,
             "sync_rounds": getattr(self.sync, "syncs", None),
