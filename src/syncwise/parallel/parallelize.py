@@ -35,6 +35,7 @@ from torch import nn
 from ..comm.stats import CommLedger
 from ..errors import ConfigError
 from ..layout import NO_COMPRESS, Compress, Layout, parse_compress, parse_sync
+from ..specs import spec_name
 from .activation_checkpoint import apply_activation_checkpointing
 from .data_parallel import compressor_of
 from .kinds import DataParallelInputs, Parallelized, PipelineStage, kind_of
@@ -139,7 +140,7 @@ def _compress_of(compressor: Any) -> Compress:
     try:
         return parse_compress(text, "compress.method")
     except ConfigError:  # a Compressor subclass syncwise does not list: only its name matters to the rules
-        return Compress(str(text).split(":")[0].strip().lower(), {}, str(text))
+        return Compress(spec_name(str(text)), {}, str(text))
 
 
 def rebind_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], model: nn.Module,

@@ -32,6 +32,7 @@ from typing import Any, Optional, Sequence
 from ..errors import ConfigError, SyncwiseError
 from .. import layout as owner
 from ..layout import METHODS, SyncSpec, parse_compress, parse_sync
+from ..specs import spec_name
 from .cloud import CloudConfig
 from .cost import CODEC_COST, predict
 from .layout import SYNCWISE, Layout, Training
@@ -62,8 +63,7 @@ class ConvergenceCost:
     def parsed(self) -> tuple[owner.Compress, Optional[SyncSpec]]:
         """(compressor, sync strategy) of the spec as ``syncwise bench`` runs it: a ``--sync`` method runs
         uncompressed, anything else is a compressor every step."""
-        name = self.spec.partition(":")[0].strip().lower()
-        if name in METHODS:
+        if spec_name(self.spec) in METHODS:
             return owner.NO_COMPRESS, parse_sync(self.spec)
         return parse_compress(self.spec), None
 
@@ -191,7 +191,7 @@ def rank(cloud: CloudConfig, model: ModelSpec, lay: owner.Layout, global_batch: 
     t_none = step(owner.NO_COMPRESS, None)
     out: list[Ranked] = []
     for name, cost in table.costs.items():
-        if name.partition(":")[0] in NOT_RUNNABLE:
+        if spec_name(name) in NOT_RUNNABLE:
             continue
         try:
             c, s = cost.parsed()
