@@ -222,7 +222,7 @@ def priced_fit(cloud: CloudConfig, model: ModelSpec, lay: owner.Layout, global_b
     pred = predict(cloud, model, planned, global_batch, seq_len, training=training, syncwise_rules=False)
     if pred.fits:
         return ""
-    return (f"the priced layout {planned.describe()} does not fit: {pred.memory_gb_per_gpu:,.0f} GiB > "
+    return (f"the priced layout {planned.text()} does not fit: {pred.memory_gb_per_gpu:,.0f} GiB > "
             f"{pred.memory_limit_gb:,.0f} GiB usable per GPU; its step times below are not reachable as they are")
 
 
