@@ -51,7 +51,7 @@ def llama_7b_on_h100() -> dict:
     cloud = load_cluster(ROOT / "examples" / "clusters" / "h100-8x4-ib.toml")
     model = ModelSpec("llama-2-7b", 32000, 4096, 32, 32, 11008, seq_len=4096)
     best = search(cloud, model, 1024, 4096, top=1, compress=DEFAULT_COMPRESS)[0]
-    return {"cluster": cloud.describe(), "model": model.describe(), "layout": best.layout.describe(),
+    return {"cluster": cloud.describe(), "model": model.describe(), "layout": best.layout.text(),
             "step_time_s": best.step_time_s, "mfu": best.mfu, "breakdown": best.breakdown}
 
 

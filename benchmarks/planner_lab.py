@@ -221,7 +221,7 @@ def main() -> int:
                 model = load_model(preset, SEQ)
                 pred = predict(cloud, model, lay, batch, SEQ, training=training, syncwise_rules=True)
                 row = {"name": name, "rate": rate, "preset": preset, "global_batch": batch, "seq_len": SEQ,
-                       "layout": pred.layout.describe(), "runnable": pred.runnable,
+                       "layout": pred.layout.text(), "runnable": pred.runnable,
                        "predicted_step_s": pred.step_time_s, "predicted_breakdown": pred.breakdown,
                        "predicted_dominant": pred.dominant}
                 if name in CAVEATS:

@@ -164,6 +164,26 @@ def test_parse_layout_uses_the_spec_reader():
         assert e.value.field == "--layout"
 
 
+def test_the_planners_layout_is_the_owners_with_the_planners_fields():
+    """One Layout: the planner's derives from syncwise.layout's, so dp, the rules and describe are the owner's; the
+    owner's layout of it (owner_layout) and back (of_owner) keep every shared field."""
+    from syncwise import layout as owner
+    from syncwise.plan.layout import owner_layout
+
+    lay = parse_layout("dp=2,fsdp=2,tp=2,pp=2,microbatch=3,microbatches=8,recompute=full,compress=int8", 16)
+    assert isinstance(lay, owner.Layout) and lay.dp == 4 and lay.world == 16
+    back = owner_layout(lay)
+    assert type(back) is owner.Layout and back.dp == lay.dp and back.describe == lay.describe
+    assert back.describe == "pp 2 × dp_replicate 2 × dp_shard 2 × tp 2"
+    assert Layout.of_owner(back, micro_batch=3, recompute="full") == lay
+    assert lay.text() == "dp=2,dp_shard=2,tp=2,pp=2,schedule=1f1b,microbatch=3,microbatches=8,recompute=full," \
+                         "compress=int8"
+    assert parse_layout(lay.text(), 16) == lay
+    with pytest.raises(ConfigError) as e:  # --layout's keys name the spec errors
+        Layout(compress="int9")
+    assert e.value.field == "compress"
+
+
 def test_bus_factors():
     assert bus_factor("all_reduce", 8) == pytest.approx(2 * 7 / 8)
     for kind in ("all_gather", "reduce_scatter", "all_to_all"):
@@ -303,7 +323,7 @@ def test_ep_fold_keeps_the_expert_group_on_the_node():
     predict(c, m, wide, 64, 1024, syncwise_rules=False)
     with pytest.raises(ConfigError, match="a divisor of dp = 4"):
         predict(c, m, dataclasses.replace(wide, ep_fold=False), 64, 1024, syncwise_rules=False)
-    text = folded.describe()
+    text = folded.text()
     assert "ep_fold=yes" in text and parse_layout(text) == folded
     runnable = Layout(dp_replicate=4, ep=2)
     assert syncwise_refusal(runnable, m, 4, 0) is None

@@ -13,7 +13,9 @@ from syncwise.compress import parse_compress_spec
 from syncwise.config import RunConfig, build_config, config_from_argv, format_config
 from syncwise.errors import ConfigError, SyncwiseError
 from syncwise.parallel import SyncSpec, TorchHookSpec
-from syncwise.specs import BOOL_ACCEPTED, NO, YES, parse_bool, parse_spec, read_bool, read_float, read_int
+from syncwise.layout import COMPRESSORS, names_torch_hook
+from syncwise.specs import (BOOL_ACCEPTED, NO, YES, parse_bool, parse_spec, read_bool, read_float, read_int,
+                           spec_name)
 from syncwise.train.faults import Fault, FaultPlan
 
 NAMES = st.text(string.ascii_lowercase + string.digits + "-_", min_size=1, max_size=12)
@@ -26,6 +28,23 @@ VALUES = st.text(string.ascii_letters + string.digits + ".-+_|", max_size=10)
 def test_parse_spec_round_trips_names_and_options(name, options, pad):
     text = name + (":" + ",".join(f"{pad}{k}{pad}={pad}{v}{pad}" for k, v in options.items()) if options else "")
     assert parse_spec(pad + text, "f", "x") == (name, options)
+
+
+@settings(max_examples=200, deadline=None)
+@given(NAMES, st.dictionaries(KEYS, VALUES, max_size=5), st.sampled_from(["", " "]), st.booleans())
+def test_spec_name_is_the_name_parse_spec_reads(name, options, pad, upper):
+    text = (name.upper() if upper else name) + (":" + ",".join(f"{k}={pad}{v}" for k, v in options.items())
+                                                if options else "")
+    assert spec_name(pad + text + pad) == parse_spec(pad + text + pad, "f", "x")[0] == name
+
+
+def test_one_test_for_pytorchs_hooks():
+    """names_torch_hook is the table's torch_hook, by name or by spec text in any case; anything else is not."""
+    for name, spec in COMPRESSORS.items():
+        assert names_torch_hook(name) is spec.torch_hook
+        assert names_torch_hook(f" {name.upper()}:rank=2") is spec.torch_hook
+    assert not names_torch_hook(None) and not names_torch_hook("torchft-diloco") and spec_name(None) == ""
+
 
 
 @settings(max_examples=200, deadline=None)

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .errors import ConfigError
-from .specs import BOOL_ACCEPTED, check_keys, count, parse_spec, read_bool, read_float, read_int, read_value
+from .specs import (BOOL_ACCEPTED, check_keys, count, parse_spec, read_bool, read_float, read_int, read_value,
+                    spec_name)
 
 # ============================================================================================ compressor specs
 #: Tensors with fewer elements than this (norms, biases) are sent uncompressed: the one default of every door's
@@ -161,6 +162,15 @@ def names_auto(text: Any) -> bool:
     return isinstance(text, str) and text.strip().lower() == AUTO
 
 
+#: the prefix of PyTorch's own DDP comm hooks among the compressors (``torch-powersgd``): :func:`names_torch_hook`
+TORCH_HOOK_PREFIX = "torch-"
+
+
+def names_torch_hook(text: Any) -> bool:
+    """Whether a ``--compress`` value (or a compressor's name) names one of PyTorch's DDP comm hooks (the one test)."""
+    return spec_name(text).startswith(TORCH_HOOK_PREFIX)
+
+
 def compressors_accepted() -> str:
     return ("NAME[:key=value,...] with NAME in " + ", ".join(n for n, s in COMPRESSORS.items() if not s.torch_hook)
             + "; or auto (the strategy predicted to reach fp32 DDP's loss soonest on this cluster)")
@@ -178,7 +188,7 @@ class Compress:
     def spec(self) -> CompressorSpec:
         """The table's entry (a user's own Compressor class, not in the table: no options, no residuals)."""
         return COMPRESSORS.get(self.name) or CompressorSpec(self.name, "a user compressor",
-                                                            torch_hook=self.name.startswith("torch-"))
+                                                            torch_hook=names_torch_hook(self.name))
 
     @property
     def options(self) -> dict[str, Any]:
@@ -247,7 +257,7 @@ def parse_compress(text: Any, field_name: str = "compress") -> Compress:
         return NO_COMPRESS
     if names_auto(text):
         return AUTO_COMPRESS
-    torch_hook = isinstance(text, str) and text.strip().lower().startswith("torch-")
+    torch_hook = names_torch_hook(text)
     accepted = (compressors_accepted() if not torch_hook else
                 "torch-allreduce, torch-fp16, torch-bf16, torch-powersgd[:rank=R,start_iter=N,min_compression_rate=X]")
     name, raw = parse_spec(text, field_name, accepted)

@@ -29,6 +29,12 @@ def count(name: str, value: Any, minimum: int = 1) -> int:
     return value
 
 
+def spec_name(text: Any) -> str:
+    """The lower-case NAME of ``NAME[:key=value,...]`` text, as :func:`parse_spec` reads it, options unchecked
+    ('' for anything but a string): for text parsed once already, or a table's key (``fp8:block=32`` → ``fp8``)."""
+    return text.strip().partition(":")[0].strip().lower() if isinstance(text, str) else ""
+
+
 def parse_spec(text: Any, field: str, accepted: str) -> tuple[str, dict[str, str]]:
     """Split ``NAME[:key=value,...]`` into (lower-case name, {key: raw value text}).
 
@@ -37,8 +43,7 @@ def parse_spec(text: Any, field: str, accepted: str) -> tuple[str, dict[str, str
     """
     if not isinstance(text, str) or not text.strip():
         raise ConfigError(field, text, accepted)
-    name, _, rest = text.strip().partition(":")
-    name = name.strip().lower()
+    name, rest = spec_name(text), text.partition(":")[2]
     if not name:
         raise ConfigError(field, text, accepted)
     options: dict[str, str] = {}

@@ -27,8 +27,10 @@ from typing import Any, Optional
 from ..config import RunConfig, build_config
 from ..errors import ConfigError, SyncwiseError
 from ..metrics.figures import fewer_bytes
+from ..layout import names_torch_hook
 from ..parallel.sync_spec import METHODS as SYNC_METHODS
 from ..rundir import RunDir
+from ..specs import spec_name
 
 COMPUTE_ONLY = "compute-only"
 # N independent compute-only workers at once (N = all workers of the distributed runs): the lab's nodes share
@@ -175,12 +177,12 @@ def plan_runs(args: argparse.Namespace, out_dir: Path) -> list[BenchRun]:
     workers = nproc * (args.nodes if args.lab else 1)
     for spec in specs:
         # A --sync spec (localsgd:..., diloco:..., pipesgd...) runs uncompressed; anything else is a compressor.
-        is_sync = spec.partition(":")[0] in SYNC_METHODS
+        is_sync = spec_name(spec) in SYNC_METHODS
         overrides = {**common, "dist.nproc": str(nproc), "dist.lab": str(bool(args.lab)).lower(),
                      "compress.method": "none" if is_sync else spec,
                      "parallel.sync": spec if is_sync else "every-step",
                      "run_dir": str(out_dir / _slug(spec))}
-        if spec.startswith("torch-powersgd"):
+        if spec_name(spec) == "torch-powersgd":
             overrides["dist.bucket_cap_mb"] = str(TORCH_POWERSGD_BUCKET_MB)
         try:
             cfg = build_config(None, overrides)
@@ -545,7 +547,7 @@ def write_plot(rows: list[dict[str, Any]], path: str | Path, title: str) -> Path
             # The per-step loss is noisy; an EMA keeps the curves readable without shifting them much.
             ema = m["loss"] if ema is None else 0.9 * ema + 0.1 * m["loss"]
             smooth.append(ema)
-        style = "--" if r["name"] in (COMPUTE_ONLY, COMPUTE_SHARED) else ":" if r["name"].startswith("torch-") else "-"
+        style = "--" if r["name"] in (COMPUTE_ONLY, COMPUTE_SHARED) else ":" if names_torch_hook(r["name"]) else "-"
         line, = ax.plot(t, smooth, style, label=r["name"], linewidth=1.4)
         vt = [(tt, m["val_loss"]) for tt, m in zip(t, metrics) if m.get("val_loss") is not None]
         if vt:

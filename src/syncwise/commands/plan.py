@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
         best = preds[0]
         if best.runnable is False:
             raise ConfigError("--emit-config", args.emit_config, f"a layout syncwise can run; "
-                              f"{best.layout.describe()} is not: {best.not_runnable}")
+                              f"{best.layout.text()} is not: {best.not_runnable}")
         preset = args.model if model.source == "syncwise preset" else None
         Path(args.emit_config).write_text(train_config_toml(best, cloud, preset, args.seq_len, model.name))
         print(f"wrote {args.emit_config}: syncwise train --config {args.emit_config}"
@@ -225,7 +225,7 @@ def _print(cloud, model, preds, args) -> None:
         fits = f"{p.memory_gb_per_gpu:.1f}/{p.memory_limit_gb:.0f}" + ("" if p.fits else " ✗")
         share = p.breakdown[p.dominant] / p.step_time_s
         runs = "yes" if p.runnable else "no" if p.runnable is False else "-"
-        table.add_row(str(i), wrap_layout(p.layout.describe()), human_time(p.step_time_s), f"{p.tokens_per_s:,.0f}",
+        table.add_row(str(i), wrap_layout(p.layout.text()), human_time(p.step_time_s), f"{p.tokens_per_s:,.0f}",
                       f"{p.tflops_per_gpu:.4g}", f"{p.mfu:.1%}", fits, f"{LABELS[p.dominant]} {share:.0%}", runs)
     console.print(table)
     console.print(("#1 " if len(preds) > 1 else "") + describe(preds[0].step_time_s, preds[0].mfu, cloud))

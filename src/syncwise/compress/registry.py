@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
-from ..layout import COMPRESSORS as SPECS, Compress, compressors_accepted, parse_compress
+from ..layout import COMPRESSORS as SPECS, Compress, compressors_accepted, names_torch_hook, parse_compress
 from .base import Compressor
 from .demo import DeMoCompressor
 from .cast import BF16Compressor, FP8Compressor, FP16Compressor, NoneCompressor
@@ -61,6 +61,6 @@ def parse_compress_spec(spec: str) -> Compressor:
     The text is parsed by ``syncwise.layout.parse_compress`` (the torch-free table: names, keys, types; the
     shared yes/no vocabulary) and the instance built here. The compressor's ``spec`` is the text as given (stripped).
     """
-    if isinstance(spec, str) and spec.strip().lower().startswith("torch-"):
+    if names_torch_hook(spec):
         raise ConfigError("compress", spec, compressors_accepted())
     return build_compressor(parse_compress(spec, "compress"))

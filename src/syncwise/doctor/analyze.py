@@ -39,8 +39,9 @@ from . import arrivals as arrival_log
 from .dimensions import DIMENSIONS, WORDS, by_dimension
 from .rundir import Run
 from ..errors import SyncwiseError
-from ..layout import BUCKET_CAP_MB
+from ..layout import BUCKET_CAP_MB, names_torch_hook
 from ..metrics.figures import hop_means
+from ..specs import spec_name
 
 PARTS = ("compute", "straggler_wait", "data_wait", "compress", "comm_dp", "comm_ep", "expert_wait", "pp_bubble",
          "checkpoint", "other")
@@ -877,7 +878,7 @@ class _Model:
         current = 1.0 if current is None else current  # not in the table: priced as fp32's (said in the text)
         best = None
         for spec in (*also, *self._table_compressors()):
-            if spec.split(":")[0] == exclude.split(":")[0] or ratio(spec) is None:
+            if spec_name(spec) == spec_name(exclude) or ratio(spec) is None:
                 continue
             step = self.whatif(compress=spec)
             if step is not None and (best is None or step * ratio(spec) < best[1] * ratio(best[0])):
@@ -903,19 +904,20 @@ class _Model:
         table = self._table()
         if table is None:
             return COMPRESSORS
-        return tuple(spec for spec in table.costs if spec.partition(":")[0] not in METHODS
-                     and spec.partition(":")[0] in CODEC_COST and not spec.startswith(("torch-", "torchft-")))
+        # (CODEC_COST prices syncwise's codecs and torch's hooks; torchft's strategies are not in it)
+        return tuple(spec for spec in table.costs if spec_name(spec) not in METHODS
+                     and spec_name(spec) in CODEC_COST and not names_torch_hook(spec))
 
     def steps_ratio(self, spec: str) -> Optional[float]:
         """Steps to fp32 DDP's loss relative to fp32 DDP's (the convergence table; ``none``: 1); None when the
         table did not reach the loss with it or does not list it (a spec with other options: its name's entry)."""
-        if spec.split(":")[0] == "none":
+        if spec_name(spec) == "none":
             return 1.0
         table = self._table()
         if table is None:
             return 1.0 if spec in COMPRESSORS else None
         cost = table.costs.get(spec) or next((c for k, c in table.costs.items()
-                                              if k.split(":")[0] == spec.split(":")[0]), None)
+                                              if spec_name(k) == spec_name(spec)), None)
         return cost.steps_ratio if cost is not None and cost.reached else None
 
     def to_loss_words(self, spec: str, step: float) -> str:

@@ -27,7 +27,7 @@ from ..compress import CompressionHookState, CompressionPolicy, Compressor, comp
 from ..compress.hierarchical import HierarchicalHookState
 from ..compress.registry import build_compressor
 from ..errors import ConfigError
-from ..layout import COMPRESSORS, Compress
+from ..layout import COMPRESSORS, TORCH_HOOK_PREFIX, Compress, names_torch_hook
 from ..layout import BUCKET_CAP_MB, MIN_NUMEL
 
 
@@ -100,7 +100,7 @@ def _timed_hook(timer, bucket):  # no annotations: DDP rejects string annotation
 
 
 #: name -> bytes per element sent (syncwise.layout.COMPRESSORS' torch-* entries)
-TORCH_HOOKS = {n[len("torch-"):]: s.bytes_per_element and int(s.bytes_per_element)
+TORCH_HOOKS = {n.removeprefix(TORCH_HOOK_PREFIX): s.bytes_per_element and int(s.bytes_per_element)
                for n, s in COMPRESSORS.items() if s.torch_hook}
 # spec key -> (PowerSGDState argument, type, lowest, highest): torch needs start_powerSGD_iter > 1 with error
 # feedback or warm start (both on by default); ranks and iteration counts are kept within int32.
@@ -122,20 +122,20 @@ class TorchHookSpec:
     @property
     def spec(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in self.options.items())
-        return f"torch-{self.name}" + (f":{opts}" if opts else "")
+        return TORCH_HOOK_PREFIX + self.name + (f":{opts}" if opts else "")
 
     @staticmethod
     def parse(spec: str) -> "Optional[TorchHookSpec]":
         """The hook a ``torch-...`` spec names, None for any other spec; a bad one raises ConfigError."""
         from ..specs import parse_spec, read_float, read_int  # the one spec parser (syncwise.specs)
 
-        if not isinstance(spec, str) or not spec.strip().lower().startswith("torch-"):
+        if not names_torch_hook(spec):
             return None
         accepted = ("torch-allreduce, torch-fp16, torch-bf16, torch-powersgd[:rank=R,start_iter=N,"
                     "min_compression_rate=X] with " + ", ".join(f"{k} in [{lo}, {hi}]" for k, (_, _, lo, hi)
                                                               in _TORCH_POWERSGD_KEYS.items()))
         name, raw_options = parse_spec(spec, "compress", accepted)
-        name = name[len("torch-"):]
+        name = name.removeprefix(TORCH_HOOK_PREFIX)
         if name not in TORCH_HOOKS or (raw_options and name != "powersgd"):
             raise ConfigError("compress", spec, accepted)
         options = {}

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from ..errors import SyncwiseError
+from ..specs import spec_name
 from .cloud import Accelerator, CloudConfig, Fabric, cloud_from_dict
 
 GEMM_SIZES = (32, 64, 128, 256, 512, 1024)
@@ -524,7 +525,7 @@ def derive_cluster(result: dict) -> dict:
     codec = {}
     for spec in dict.fromkeys(r["spec"] for w in workers for r in w.get("codecs") or []):
         fits = [fit_codec([r for r in w["codecs"] if r["spec"] == spec]) for w in workers if w.get("codecs")]
-        codec[spec.partition(":")[0]] = [round(_median([f[0] for f in fits]) * 1e9, 4),
+        codec[spec_name(spec)] = [round(_median([f[0] for f in fits]) * 1e9, 4),
                                          round(_median([f[1] for f in fits]) * 1e6, 3)]
     if codec:
         accelerator["codec_cost"] = codec
@@ -612,7 +613,7 @@ def cloud_toml(result: dict, command: str = "syncwise plan --calibrate") -> str:
              *(["# codec_cost: each compressor's encode + decode in a 1-rank group (calibrate.measure_codecs) on "
                 f"1 × 1024², 32 × 64² and the {result['reference'][0]} preset's fp32 gradients, fitted t = elements × "
                 "ns + tensors × µs (rank 0: " + ", ".join(
-                    f"{r['spec'].partition(':')[0]} {r['seconds'] * 1e3:.2f}" for r in w[0]["codecs"]) + " ms)"]
+                    f"{spec_name(r['spec'])} {r['seconds'] * 1e3:.2f}" for r in w[0]["codecs"]) + " ms)"]
                if w[0].get("codecs") else []),
              f"# matmul_efficiency: the cost model's single-process step equals a measured "
              f"{result['reference'][0]} step ({result['reference'][1]} x {result['reference'][2]} tokens, forward + "

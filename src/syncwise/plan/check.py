@@ -40,8 +40,8 @@ class LayoutCheck:
 
     def summary(self) -> dict[str, Any]:
         """What the run's summary.json records."""
-        return {"chosen": self.chosen.layout.describe(), "chosen_step_s": self.chosen.step_time_s,
-                "best": self.best.layout.describe() if self.best else None,
+        return {"chosen": self.chosen.layout.text(), "chosen_step_s": self.chosen.step_time_s,
+                "best": self.best.layout.text() if self.best else None,
                 "best_step_s": self.best.step_time_s if self.best else None, "ratio": self.ratio,
                 "threshold": self.threshold, "warning": self.warning, "notes": self.notes}
 
@@ -74,9 +74,9 @@ def check_layout(cloud: Any, model: ModelSpec, layout: Layout, global_batch: int
                            f"{chosen.memory_limit_gb:.1f} GiB usable per GPU")
     if best is not None and ratio > threshold:
         check.warning = (
-            f"syncwise plan: the layout this run uses ({layout.describe()}) is predicted at "
+            f"syncwise plan: the layout this run uses ({layout.text()}) is predicted at "
             f"{chosen.step_time_s:.3g} s per step on {cloud.describe()}, {ratio:.2f}× the best layout syncwise can "
-            f"run for this model and batch ({best.layout.describe()}, {best.step_time_s:.3g} s): switching is "
+            f"run for this model and batch ({best.layout.text()}, {best.step_time_s:.3g} s): switching is "
             f"predicted to gain {ratio - 1:.0%} throughput (warned above {threshold:.2f}×; `syncwise plan` "
             "explains the breakdown)")
     return check

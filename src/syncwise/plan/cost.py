@@ -243,7 +243,7 @@ class Prediction:
 
     def row(self) -> dict[str, Any]:
         """The ``--json`` row."""
-        return {"layout": self.layout.describe(), "layout_fields": self.layout.as_dict(),
+        return {"layout": self.layout.text(), "layout_fields": self.layout.as_dict(),
                 "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
                 "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu, "hfu": self.hfu,
                 "memory_gb_per_gpu": self.memory_gb_per_gpu, "memory_limit_gb": self.memory_limit_gb,
@@ -284,7 +284,7 @@ def batch_split(layout: Layout, global_batch: int) -> tuple[int, int]:
 def validate_layout(cloud: CloudConfig, model: ModelSpec, layout: Layout) -> None:
     """Physical rules (not syncwise's): the product is the world size, the degrees divide what they split."""
     world = cloud.world_size
-    _check(layout.world == world, "layout", layout.describe(),
+    _check(layout.world == world, "layout", layout.text(),
            f"degrees whose product pp × dp_replicate × dp_shard × tp equals the cluster's {cloud.nodes} × "
            f"{cloud.gpus_per_node} = {world} GPUs (got {layout.world})")
     _check(model.n_heads % layout.tp == 0, "tp", layout.tp, f"a divisor of the model's heads ({model.n_heads})")

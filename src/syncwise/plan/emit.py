@@ -23,7 +23,7 @@ def train_config(pred: Prediction, cloud: CloudConfig, preset: Optional[str], se
     s² activations, which is what selective recomputation drops)."""
     lay = pred.layout
     if lay.zero1:
-        raise ConfigError("--emit-config", lay.describe(), "a syncwise layout (zero1 is not one: syncwise shards "
+        raise ConfigError("--emit-config", lay.text(), "a syncwise layout (zero1 is not one: syncwise shards "
                           "optimizer state only with FSDP2, dp_shard)")
     lab = cloud.inter_node.kind == "lab" or cloud.accelerator.name == "cpu-lab"
     pipeline = lay.pp > 1
@@ -69,7 +69,7 @@ def train_config_toml(pred: Prediction, cloud: CloudConfig, preset: Optional[str
               "syncwise train --config FILE" if cloud.nodes == 1 else
               f"on each of the {cloud.nodes} nodes: torchrun --nnodes {cloud.nodes} --nproc-per-node "
               f"{cloud.gpus_per_node} ... -m syncwise.commands.worker --config FILE (see docs/plan.md)")
-    header = (f"syncwise plan: {lay.describe()} on {cloud.describe()}\n"
+    header = (f"syncwise plan: {lay.text()} on {cloud.describe()}\n"
               f"predicted step {pred.step_time_s:.4g} s, {pred.tokens_per_s:,.0f} tokens/s, MFU {pred.mfu:.1%}, "
               f"{pred.memory_gb_per_gpu:.1f} GiB per GPU\nrun: {launch}")
     if not preset:

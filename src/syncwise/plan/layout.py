@@ -14,54 +14,41 @@ from typing import Any, Optional
 
 from ..errors import ConfigError
 from .. import layout as owner
-from ..layout import DISPATCH, EVERY_STEP, NO_COMPRESS, SCHEDULES, Compress, SyncSpec, parse_compress, parse_sync
+from ..layout import DISPATCH, EVERY_STEP, SCHEDULES, Compress, SyncSpec, parse_compress, parse_sync
 from ..specs import check_keys, parse_spec, read_bool, read_choice, read_int
 
 RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
-class Layout:
-    """Degrees (``syncwise.layout``'s names: world = pp × dp_replicate × dp_shard × tp, ep borrowed from data
-    parallel), the pipeline's schedule, ``micro_batch`` sequences per micro-batch per data-parallel rank
-    (0: the planner picks), ``microbatches`` per step (pipeline M, or gradient accumulation when pp = 1; 0:
-    derived from the batch), recomputation, sequence parallel (syncwise's tensor parallel always shards the
-    sequence), the gradient compressor and the sync strategy. ``zero1``: a distributed optimizer (ZeRO-1,
-    optimizer state sharded over data parallel) — not a syncwise layout, for published runs. ``ep_fold``:
+class Layout(owner.Layout):
+    """The owner's layout (``syncwise.layout.Layout``: degrees — world = pp × dp_replicate × dp_shard × tp, ep
+    borrowed from data parallel —, the pipeline's schedule, the expert dispatch, the parsed compressor and sync
+    specs, and so its ``dp``, its rules and its ``describe``) with what only the planner prices: ``micro_batch``
+    sequences per micro-batch per data-parallel rank (0: the planner picks), recomputation, sequence parallel
+    (syncwise's tensor parallel always shards the sequence), and two layouts that are not syncwise's, for published
+    runs. Here ``microbatches`` is per step (pipeline M, or gradient accumulation when pp = 1; 0: derived from the
+    batch), and ``dp_replicate`` is a count (default 1; ``parse_layout`` fills in the rest of a world).
+    ``zero1``: a distributed optimizer (ZeRO-1, optimizer state sharded over data parallel). ``ep_fold``:
     Megatron-Core's MoE parallel folding (arXiv 2504.14960; expert tensor parallel 1): the expert layers regroup the
     ranks, an expert-parallel group taking ``ep`` consecutive ranks, tensor-parallel ones included, so an ep of up
-    to a node's GPUs stays on the node's fabric and ep may divide dp × tp — not a syncwise layout (syncwise's ep
-    is borrowed from data parallel), for published runs."""
+    to a node's GPUs stays on the node's fabric and ep may divide dp × tp (syncwise's ep is borrowed from data
+    parallel)."""
 
     dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    pp_schedule: str = "1f1b"
-    stages_per_rank: int = 1
-    microbatches: int = 0
     micro_batch: int = 0
     recompute: str = "none"
     sequence_parallel: bool = True
-    ep_dispatch: str = "fp32"       # the owner's default (exact); fp8 is DeepSeek-V3's choice
-    compress: Compress = NO_COMPRESS  # parsed spec objects (text is parsed once, on construction)
-    sync: Optional[SyncSpec] = None   # None: every-step
     zero1: bool = False
     ep_fold: bool = False
-    hierarchical: str = "auto"      # dist.hierarchical (syncwise.layout.hierarchical_applies decides where it runs)
 
     def __post_init__(self) -> None:
-        # The compressor and sync specs travel as the owner's parsed objects (syncwise.layout): text is parsed
-        # here, once; a parsed spec passes through.
+        # --layout's own keys name the specs' errors (compress=, sync=); then the owner's checks and parsing.
         if not isinstance(self.compress, Compress):
             object.__setattr__(self, "compress", parse_compress(self.compress, "compress"))
         if self.sync is not None and not isinstance(self.sync, SyncSpec):
             object.__setattr__(self, "sync", parse_sync(self.sync, "sync"))
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
+        super().__post_init__()
 
     @property
     def world(self) -> int:
@@ -71,8 +58,8 @@ class Layout:
     def sp(self) -> bool:
         return self.sequence_parallel and self.tp > 1
 
-    def describe(self) -> str:
-        """Compact text, the same keys ``--layout`` reads."""
+    def text(self) -> str:
+        """Compact text, the same keys ``--layout`` reads (``describe``, the owner's, names the degrees alone)."""
         parts = [f"dp={self.dp_replicate}"]
         for key, default in (("dp_shard", 1), ("tp", 1), ("pp", 1), ("ep", 1)):
             if getattr(self, key) != default:

@@ -295,7 +295,7 @@ def evaluate(run: PublishedRun, top_check: bool = True) -> dict[str, Any]:
     row: dict[str, Any] = {
         "name": run.name, "group": run.group, "publication": run.publication, "source": run.source, "confident": run.confident,
         "nodes": run.cloud.nodes,
-        "assumed": run.assumed, "layout": run.layout.describe(), "gpus": run.cloud.world_size,
+        "assumed": run.assumed, "layout": run.layout.text(), "gpus": run.cloud.world_size,
         "global_batch": run.global_batch, "seq_len": run.seq_len, "metric": run.metric, "reported": run.reported,
         "predicted": value, "error": error, "predicted_without_overheads": run.predicted(before),
         "error_without_overheads": run.predicted(before) / run.reported - 1, "fits": pred.fits, "memory_gb_per_gpu": pred.memory_gb_per_gpu,
@@ -311,6 +311,6 @@ def evaluate(run: PublishedRun, top_check: bool = True) -> dict[str, Any]:
         row["paper_layout_rank"] = ranks.index((lay.tp, lay.pp)) + 1 if (lay.tp, lay.pp) in ranks else None
         # how far the paper's layout is predicted from the planner's best (same settings, same search)
         row["paper_vs_best"] = pred.step_time_s / found[0].step_time_s - 1 if found else None
-        row["planner_best"] = found[0].layout.describe() if found else None
+        row["planner_best"] = found[0].layout.text() if found else None
         row["planner_best_dominant"] = found[0].dominant if found else None
     return row

@@ -66,7 +66,8 @@ def candidate_layouts(cloud: CloudConfig, model: ModelSpec, global_batch: int, *
                                 if s is not None and (dp == 1 or shard > 1 or tp > 1 or pp > 1 or ep > 1
                                                       or not c.is_none):
                                     continue
-                                yield Layout(rep, shard, tp, pp, ep, sched, v, compress=c, sync=s,
+                                yield Layout(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, ep=ep, pp_schedule=sched,
+                                             stages_per_rank=v, compress=c, sync=s,
                                              ep_dispatch=ep_dispatch,
                                              zero1=zero1 and dp > 1 and shard == 1,
                                              sequence_parallel=sequence_parallel)
@@ -169,11 +170,11 @@ LABELS = {"compute": "compute", "kernel_overhead": "per-kernel launch overhead",
 def explain(best: Prediction, runner_up: Optional[Prediction]) -> str:
     """One line: why ``best`` beat ``runner_up`` (the breakdown entry that differs most)."""
     if runner_up is None:
-        return f"{best.layout.describe()} is the only layout that fits."
+        return f"{best.layout.text()} is the only layout that fits."
     diff = {k: runner_up.breakdown.get(k, 0.0) - best.breakdown.get(k, 0.0) for k in best.breakdown}
     key = max(diff, key=diff.get)
     gain = runner_up.step_time_s / best.step_time_s - 1
-    line = (f"{best.layout.describe()} beats {runner_up.layout.describe()} by {gain:.1%} "
+    line = (f"{best.layout.text()} beats {runner_up.layout.text()} by {gain:.1%} "
             f"({_s(best.step_time_s)} vs {_s(runner_up.step_time_s)} per step): {LABELS.get(key, key)} "
             f"{_s(best.breakdown[key])} vs {_s(runner_up.breakdown[key])}")
     if gain < TIE:

@@ -32,6 +32,7 @@ from typing import Any, Optional, Sequence
 from ..errors import ConfigError, SyncwiseError
 from .. import layout as owner
 from ..layout import METHODS, SyncSpec, parse_compress, parse_sync
+from ..specs import spec_name
 from .cloud import CloudConfig
 from .cost import CODEC_COST, predict
 from .layout import SYNCWISE, Layout, Training
@@ -64,8 +65,7 @@ class ConvergenceCost:
     def parsed(self) -> tuple[owner.Compress, Optional[SyncSpec]]:
         """(compressor, sync strategy) of the spec as ``syncwise bench`` runs it: a ``--sync`` method runs
         uncompressed, anything else is a compressor every step."""
-        name = self.spec.partition(":")[0].strip().lower()
-        if name in METHODS:
+        if spec_name(self.spec) in METHODS:
             return owner.NO_COMPRESS, parse_sync(self.spec)
         return parse_compress(self.spec), None
 
@@ -299,7 +299,7 @@ def rank(cloud: CloudConfig, model: ModelSpec, lay: owner.Layout, global_batch: 
     t_none = step(owner.NO_COMPRESS, None)[0]
     out: list[Ranked] = []
     for name, cost in table.costs.items():
-        if name.partition(":")[0] in NOT_RUNNABLE:
+        if spec_name(name) in NOT_RUNNABLE:
             continue
         try:
             c, s = cost.parsed()
@@ -330,7 +330,7 @@ def priced_fit(cloud: CloudConfig, model: ModelSpec, lay: owner.Layout, global_b
     pred = predict(cloud, model, planned, global_batch, seq_len, training=training, syncwise_rules=False)
     if pred.fits:
         return ""
-    return (f"the priced layout {planned.describe()} does not fit: {pred.memory_gb_per_gpu:,.0f} GiB > "
+    return (f"the priced layout {planned.text()} does not fit: {pred.memory_gb_per_gpu:,.0f} GiB > "
             f"{pred.memory_limit_gb:,.0f} GiB usable per GPU; its step times below are not reachable as they are")
 
 

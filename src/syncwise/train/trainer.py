@@ -224,7 +224,7 @@ class OptimizedTrainer:
                                param_dtype=torch.bfloat16 if self.amp_dtype == torch.bfloat16 else None)
         self.model = self.par.model  # under pipeline parallel: this rank's stages only
         # FSDP2 / TP put sharded parameters in the model's place; a pipeline stage keeps some of them.
-        rebind_optimizer(optimizer, names, self.model, keep_only_present=self.par.pipeline is not None)
+        rebind_optimizer(optimizer, names, self.model, keep_only_present=not self.par.holds_all_layers)
         self.sync = self.par.sync  # the reduced-sync strategy the step drives (None: every-step sync)
         self.sync_spec = self.sync.spec.spec if self.sync is not None else "every-step"
 
@@ -615,13 +615,10 @@ class OptimizedTrainer:
         """Mean loss over ``val_loader``, averaged across ranks."""
         self.model.eval()
         total, count = torch.zeros((), device=self.device), 0
-        for inputs, targets in batch_shapes.pairs(self.val_loader, pipeline=self.par.pipeline is not None):
+        for inputs, targets in batch_shapes.pairs(self.val_loader, pipeline=not self.par.accepts_mappings):
             with self._autocast():
                 inputs, targets = self._to_device(inputs), self._to_device(targets)
-                if self.par.pipeline is not None:  # every stage runs its part; the last one's loss is broadcast
-                    total += self.par.pipeline.eval_loss(inputs, targets).float()
-                else:
-                    total += self._loss(self.model, inputs, targets).float()
+                total += self.par.eval_loss(inputs, targets, self._loss).float()  # a pipeline's: its last stage's
             count += 1
         self.model.train()
         return self._mean_across_ranks(total / max(count, 1))
