@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # and specs), so config, plan, parallel and compress all ask it
     ("leaves", ("syncwise", "syncwise.errors", "syncwise.specs", "syncwise.devices", "syncwise.rundir",
                 "syncwise.layout", "syncwise.tokenize_pool", "syncwise.extras",
-                "syncwise.bind", "syncwise.secret", "syncwise.profiling", "syncwise.live_env")),
+                "syncwise.bind", "syncwise.secret", "syncwise.profiling", "syncwise.live_env", "syncwise.schema")),
 ]
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterable, Optional
 
+from .. import schema
 from ..errors import ConfigError
 from ..profiling import check_pair
 from ..specs import count
@@ -75,22 +76,15 @@ TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "pipeline_split": (lambda v: v is None or callable(v), "None or a function split_fn(model, stage, n_stages)"),
     "bucket_cap_mb": (_num, "a finite number > 0"),
     "min_numel": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer ≥ 0"),
-    "mixed_precision": (lambda v: True, ""),  # every spelling is checked by arguments.mixed_precision_mode
-    "grad_accum_steps": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer ≥ 1"),
-    "clip_grad_norm": (_num, "a finite number ≥ 0 (0: measure the norm only)"),
     "lr_scheduler": (lambda v: v is None or callable(getattr(v, "step", None)),
                      "None or a learning-rate scheduler (an object with .step())"),
     "dynamic_batch": (lambda v: True, ""),  # checked by StepOptions
-    "compile": (lambda v: isinstance(v, bool), "True or False"),
-    "activation_checkpointing": (lambda v: isinstance(v, bool), "True or False"),
     "tf32": (lambda v: isinstance(v, bool), "True or False"),
     "device": (lambda v: v is None or isinstance(v, (str, __import__("torch").device)) or (
         isinstance(v, int) and not isinstance(v, bool)), "None (the model's), a torch.device, 'cpu', 'cuda' or "
                "'cuda:N'"),
     "run_dir": (lambda v: True, ""),  # arguments.as_path
     "val_loader": (lambda v: v is None or _iterable_not_text(v), "None or an iterable of batches (a DataLoader)"),
-    "val_interval": (lambda v: True, ""),  # count()
-    "log_interval": (lambda v: True, ""),
     "show_progress": (lambda v: isinstance(v, bool), "True or False"),
     "flops_per_token": (lambda v: v is None or _num(v), "None or a finite number > 0"),
     "checkpointer": (lambda v: v is None or (hasattr(v, "save") and hasattr(v, "load") and hasattr(v, "directory")),
@@ -107,12 +101,16 @@ TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-def _check_types(group: Any) -> None:
+def _check(group: Any) -> None:
+    """Each field of ``group`` by its one rule: a ``syncwise.schema.Option``'s (the options the command line has too:
+    the same rule and words as ``syncwise train``), or its accepted types in ``TYPES``."""
+    schema.validate_fields(group)
     for f in fields(group):
-        ok, accepted = TYPES[f.name]
-        value = getattr(group, f.name)
-        if not ok(value):
-            raise ConfigError(f.name, value, accepted)
+        if f.name in TYPES:
+            ok, accepted = TYPES[f.name]
+            value = getattr(group, f.name)
+            if not ok(value):
+                raise ConfigError(f.name, value, accepted)
 
 
 @dataclass
@@ -128,7 +126,7 @@ class CommOptions:
     min_numel: int = MIN_NUMEL           # tensors smaller than this are sent uncompressed
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        _check(self)
         arguments.finite("bucket_cap_mb", self.bucket_cap_mb, inclusive=False)
 
 
@@ -136,20 +134,17 @@ class CommOptions:
 class StepOptions:
     """What one optimizer step does: precision, accumulation, clipping, micro-batching, compile, recompute."""
 
-    mixed_precision: Any = "auto"    # 'auto' (bf16 on a GPU that has it), 'bf16', 'fp16' (CUDA), 'none'/False
-    grad_accum_steps: int = 1        # loader batches per optimizer step (only the last one communicates)
-    clip_grad_norm: float = 1.0      # 0: measure the norm only
+    mixed_precision: Any = schema.MIXED_PRECISION.field(api=True)
+    grad_accum_steps: int = schema.GRAD_ACCUM.field(api=True)
+    clip_grad_norm: float = schema.CLIP_GRAD.field(api=True)
     lr_scheduler: Any = None         # stepped after each applied update
     dynamic_batch: Optional[DynamicBatcher] = None  # micro-batches that fit in memory (docs/dynamic-batch.md)
-    compile: bool = False            # torch.compile the wrapped module
-    activation_checkpointing: bool = False
+    compile: bool = schema.COMPILE.field(api=True)
+    activation_checkpointing: bool = schema.ACTIVATION_CHECKPOINTING.field(api=True)
     tf32: bool = True                # fp32 matmuls on tensor cores (CUDA)
 
     def __post_init__(self) -> None:
-        _check_types(self)
-        arguments.mixed_precision_mode(self.mixed_precision)  # the trainer keeps the spelling for its errors
-        self.grad_accum_steps = count("grad_accum_steps", self.grad_accum_steps)
-        self.clip_grad_norm = arguments.finite("clip_grad_norm", self.clip_grad_norm)
+        _check(self)  # (the trainer keeps mixed_precision's spelling for its errors)
         if self.dynamic_batch is not None and not isinstance(self.dynamic_batch, DynamicBatcher):
             raise ConfigError("dynamic_batch", self.dynamic_batch, "None or a syncwise.train.DynamicBatcher")
 
@@ -161,8 +156,8 @@ class RunOptions:
     device: Any = None               # default: the model's
     run_dir: Any = None              # metrics.jsonl, summary.json, ranks/, heartbeats/
     val_loader: Optional[Iterable] = None
-    val_interval: int = 0            # validate every N steps (and at the end); 0: at the end only
-    log_interval: int = 10           # plain output: a progress line every N steps
+    val_interval: int = schema.VAL_INTERVAL.field(api=True)
+    log_interval: int = schema.LOG_INTERVAL.field(api=True)
     show_progress: bool = True       # False silences the console only; files are still written
     flops_per_token: Optional[float] = None  # for MFU
     checkpointer: Any = None         # a SmartCheckpointer (or train(checkpoint_dir=...))
@@ -171,9 +166,7 @@ class RunOptions:
     profile_every: int = 0           # N ≥ 2: a trace of one step in N; 0: off
 
     def __post_init__(self) -> None:
-        _check_types(self)
-        self.val_interval = count("val_interval", self.val_interval, minimum=0)
-        self.log_interval = count("log_interval", self.log_interval)
+        _check(self)
         self.data_seed = count("data_seed", self.data_seed, minimum=0)
         self.run_dir = arguments.as_path("run_dir", self.run_dir)
         check_pair(self.profile_steps, self.profile_every)
@@ -195,7 +188,7 @@ class FaultOptions:
     live_recovery: Any = None                     # a train.live_recovery.LiveRecovery: this replica group's torchft side
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        _check(self)
         if isinstance(self.inject_faults, str):  # one spec
             self.inject_faults = [self.inject_faults]
         if self.collective_timeout_s is not None:
