@@ -300,11 +300,20 @@ BAD_VALUES = {  # the command-line key -> values both doors must refuse (as Pyth
     "train.activation_checkpointing": ["sometimes"],
     "train.val_interval": [-1, 10**9 + 1, 0.5],
     "train.log_interval": [0, -5, 2.5],
+    "dist.bucket_cap_mb": [0.0, 0.0005, 1e5, float("nan"), "big"],
+    "dist.timeout_s": [0.5, 1e9, -1.0, "soon"],
+    "compress.min_numel": [-1, 2**31, 1.5],
+    "ckpt.preempt_grace_s": [-1.0, 86401.0, float("nan")],
+    "profile.steps": ["0:3", "5:2", "x", "1:2000"],
+    "profile.every": [1, -2, 1.5],
 }
 GOOD_VALUES = {  # ... and values both accept: (Python value, command-line text)
     "train.grad_accum": [(65536, "65536")], "train.clip_grad": [(0, "0"), (1e-6, "1e-6")],
     "train.mixed_precision": [("half", "half"), ("bfloat16", "bfloat16"), (False, "false"), (True, "true")],
     "train.val_interval": [(0, "0")], "train.log_interval": [(10**9, "1000000000")],
+    "dist.bucket_cap_mb": [(0.001, "0.001"), (10_000, "10000")], "dist.timeout_s": [(1, "1")],
+    "compress.min_numel": [(0, "0")], "ckpt.preempt_grace_s": [(0, "0")], "profile.steps": [("2:4", "2:4")],
+    "profile.every": [(2, "2")],
 }
 
 

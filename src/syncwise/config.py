@@ -21,16 +21,15 @@ import sys
 import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from .errors import ConfigError, SyncwiseError
-from .layout import (BUCKET_CAP_MB, CLI_STEP_FIELDS, DISPATCH, FSDP_GATHER, FSDP_RESHARD, HIERARCHICAL, MIN_NUMEL,
-                     SCHEDULES, check_step)
+from .layout import CLI_STEP_FIELDS, DISPATCH, FSDP_GATHER, FSDP_RESHARD, HIERARCHICAL, SCHEDULES, check_step
 from .specs import parse_bool
-from .profiling import EVERY_ACCEPTED, STEPS_ACCEPTED, check_every, check_pair, parse_steps
+from .profiling import check_pair
 from .rundir import RunDir
 from . import schema
-from .schema import MAX_STEPS, MAX_TIMEOUT_S, TYPE_WORDS, one_of, option, option_of, type_of, within
+from .schema import MAX_STEPS, TYPE_WORDS, one_of, option, option_of, type_of, within
 
 if TYPE_CHECKING:
     from .devices import Placement
@@ -200,19 +199,13 @@ class DistSection:
                           "else gloo: ranks sharing a GPU, or the CPU), gloo, nccl",
                           "one of: auto, gloo, nccl (nccl only on CUDA with one GPU per local worker)",
                           lambda v: v in ("auto", "gloo", "nccl"))
-    # Lower bound 0.001 MB (1 KB, 256 fp32 values): DDP rounds the cap to bytes and a smaller one puts every
-    # gradient in a bucket of its own (1e-300 is 0 bytes), one collective per tensor; the tests' smallest is 0.01.
-    bucket_cap_mb: float = option(BUCKET_CAP_MB, "DDP gradient bucket size in MB", "a number in [0.001, 10000] (1 KB "
-                                  "at least: below that every tensor is a bucket of its own)",
-                                  lambda v: 0.001 <= v <= 10_000)
+    bucket_cap_mb: float = schema.BUCKET_CAP.field()
     hierarchical: str = option("auto", "gradient sync across nodes: on = reduce inside each node at full precision, "
                                "run compress.method only across nodes (each local rank owns part of every bucket), "
                                "gather inside the node; auto = on when the job has > 1 node and > 1 worker per node "
                                "and a syncwise compressor that all-gathers (fp8, int8, sign, topk, demo) runs every "
                                "step on DDP replicas; off = the flat sync (docs/compression.md)", *one_of(*HIERARCHICAL))
-    timeout_s: float = option(300.0, "a collective that takes longer fails with a message",
-                              f"a number of seconds from 1 to {_seconds(MAX_TIMEOUT_S)} (one week)",
-                              within(1, MAX_TIMEOUT_S))
+    timeout_s: float = schema.COLLECTIVE_TIMEOUT.field()
     lab: bool = option(False, "run across the network lab's nodes (`syncwise cluster up` first)", "true or false")
     max_restarts: int = option(0, "worker-group restarts torchrun's agent may do after a failure (each resumes "
                                "from the newest valid checkpoint)", "an integer from 0 to 1,000", within(0, 1000))
@@ -280,8 +273,7 @@ class CompressSection:
                          "topk:ratio=0.01 (list below); torch-fp16, torch-powersgd:rank=4 ... use PyTorch's own hooks; auto = the one "
                          "predicted to reach fp32 DDP's loss soonest on this cluster (docs/plan.md), chosen at start-up",
                          "a compressor spec (list below)")
-    min_numel: int = option(MIN_NUMEL, "tensors with fewer elements (norms, biases) are sent uncompressed",
-                            "an integer from 0 to 2,147,483,647", within(0, 2**31 - 1))
+    min_numel: int = schema.MIN_NUMEL_OPTION.field()
     auto_cluster: str = option("", "with compress.method or parallel.sync = auto: the cluster TOML the strategies are "
                                "priced on (`syncwise plan --calibrate` writes one); '' = this job's: the catalog's "
                                "CPU worker over loopback, or the running network lab's link rate with --lab",
@@ -302,13 +294,7 @@ class CheckpointSection:
     compression: bool = option(False, "compress checkpoint files", "true or false")
     mtbf_s: float = option(14400.0, "mean time between failures for the 'dynamic' interval",
                            f"a number of seconds from 1 to {_seconds(_MAX_SECONDS)}", within(1, _MAX_SECONDS))
-    preempt_grace_s: float = option(60.0, "on SIGTERM or SIGUSR1 (a scheduler's preemption or time-limit warning) "
-                                    "every worker finishes its step, saves a checkpoint and exits with code 83 "
-                                    "within this many seconds, else exits with 84 (docs/launch.md); 0 = the "
-                                    "signals end the run at once, unsaved",
-                                    "a number of seconds from 0 to 86,400 (keep it below the scheduler's own grace: "
-                                    "Slurm's KillWait or --signal lead time, Kubernetes' terminationGracePeriodSeconds)",
-                                    within(0, 86_400))
+    preempt_grace_s: float = schema.PREEMPT_GRACE.field()
 
 
 @dataclass
@@ -327,26 +313,13 @@ class MetricsSection:
     wandb_project: str = option("syncwise", "the W&B project", "a non-empty string", lambda v: bool(v.strip()))
 
 
-def _profile_ok(check: Callable[[Any], Any]) -> Callable[[Any], bool]:
-    """A [profile] field's check by the profiling grammar's own parser (syncwise.profiling)."""
-    def ok(v: Any) -> bool:
-        try:
-            check(v)
-        except ConfigError:
-            return False
-        return True
-    return ok
-
-
 @dataclass
 class ProfileSection:
     """[profile] torch profiler traces of chosen steps on every rank, into RUN_DIR/traces (docs/doctor.md); off by
     default."""
 
-    steps: str = option("", "record steps A to B ('A:B', or 'A' for one step) with torch.profiler; '' = off",
-                        STEPS_ACCEPTED, _profile_ok(parse_steps))
-    every: int = option(0, "record one step in N (steps N, 2N, ...) over a long run; 0 = off",
-                        EVERY_ACCEPTED, _profile_ok(check_every))
+    steps: str = schema.PROFILE_STEPS.field()
+    every: int = schema.PROFILE_EVERY.field()
 
 
 def _address_ok(v: str) -> bool:

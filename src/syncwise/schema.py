@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 from .errors import ConfigError
+from .layout import BUCKET_CAP_MB, MIN_NUMEL
+from .profiling import EVERY_ACCEPTED, STEPS_ACCEPTED, check_every, parse_steps
 
 _SAME = object()  # Option.api_default: the same default as the command line's
 
@@ -117,6 +119,17 @@ def one_of(*choices: str) -> tuple[str, Callable[[Any], bool]]:
     return "one of: " + ", ".join(choices), lambda v: v in choices
 
 
+def grammar(check: Callable[[Any], Any]) -> Callable[[Any], bool]:
+    """A check by a grammar's own parser (it raises ConfigError on what it refuses)."""
+    def ok(v: Any) -> bool:
+        try:
+            check(v)
+        except ConfigError:
+            return False
+        return True
+    return ok
+
+
 # Bounds (each shown in its option's `accepted` text).
 MAX_STEPS = 10**9          # steps, warm-up, validation interval, checkpoint interval: beyond any run
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # one week: datetime.timedelta and gloo's millisecond timeouts hold it
@@ -164,3 +177,30 @@ VAL_INTERVAL = Option(50, "validate every N steps, and at the end (0 = only at t
 LOG_INTERVAL = Option(10, "plain output (not a terminal: a log file, a pipe, CI): a progress line every N steps, "
                       "and always for the first step and the last", f"an integer from 1 to {MAX_STEPS:,}",
                       within(1, MAX_STEPS))
+
+# [dist]  (CommOptions, FaultOptions)
+# Lower bound 0.001 MB (1 KB, 256 fp32 values): DDP rounds the cap to bytes and a smaller one puts every gradient in
+# a bucket of its own (1e-300 is 0 bytes), one collective per tensor; the tests' smallest is 0.001.
+BUCKET_CAP = Option(BUCKET_CAP_MB, "DDP gradient bucket size in MB",
+                    "a number in [0.001, 10000] (1 KB at least: below that every tensor is a bucket of its own)",
+                    within(0.001, 10_000))
+COLLECTIVE_TIMEOUT = Option(300.0, "a collective that takes longer fails with a message (OptimizedTrainer: None = "
+                            "torch's own timeout)", f"a number of seconds from 1 to {MAX_TIMEOUT_S:,.0f} s (one week)",
+                            within(1, MAX_TIMEOUT_S), api_default=None)
+# [compress]  (CommOptions)
+MIN_NUMEL_OPTION = Option(MIN_NUMEL, "tensors with fewer elements (norms, biases) are sent uncompressed",
+                          "an integer from 0 to 2,147,483,647", within(0, 2**31 - 1))
+# [ckpt]  (FaultOptions)
+PREEMPT_GRACE = Option(60.0, "on SIGTERM or SIGUSR1 (a scheduler's preemption or time-limit warning) every worker "
+                       "finishes its step, saves a checkpoint and exits with code 83 within this many seconds, else "
+                       "exits with 84 (docs/launch.md); 0 (OptimizedTrainer: or None) = the signals are left alone: "
+                       "they end the run at once, unsaved",
+                       "a number of seconds from 0 to 86,400 (keep it below the scheduler's own grace: Slurm's "
+                       "KillWait or --signal lead time, Kubernetes' terminationGracePeriodSeconds)",
+                       within(0, 86_400))
+# [profile]  (RunOptions): torch profiler traces into RUN_DIR/traces (docs/doctor.md); the pair's rule is
+# profiling.check_pair
+PROFILE_STEPS = Option("", "record steps A to B ('A:B', or 'A' for one step) with torch.profiler; '' = off",
+                       STEPS_ACCEPTED, grammar(parse_steps), api_default=None)
+PROFILE_EVERY = Option(0, "record one step in N (steps N, 2N, ...) over a long run; 0 = off", EVERY_ACCEPTED,
+                       grammar(check_every))

@@ -10,7 +10,8 @@ Every field is also a keyword of ``OptimizedTrainer`` itself, with the same name
 ``OptimizedTrainer(model, optimizer, loss_fn, compress_gradients=..., mixed_precision=..., dynamic_batch=...)``);
 a keyword set to something other than its default together with the group that holds it is refused (it would be
 given twice). Each group checks its own fields when it is made, with the error naming the field as the keyword
-does; what depends on the device or the layout (fp16 needs CUDA, dynamic batching needs replicas) is checked by
+does: a field that the command line has too is a ``syncwise.schema.Option`` (its default, doc and rule written
+there once, ``syncwise train``'s section field made from the same Option); what depends on the device or the layout (fp16 needs CUDA, dynamic batching needs replicas) is checked by
 the trainer.
 """
 from __future__ import annotations
@@ -25,8 +26,6 @@ from ..specs import count
 from . import arguments
 from .dynamic_batch import DynamicBatcher
 from .faults import Fault
-from .preemption import DEFAULT_GRACE_S
-from ..layout import BUCKET_CAP_MB, MIN_NUMEL
 
 
 def _num(v: Any) -> bool:
@@ -74,8 +73,6 @@ TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
                  "None (DDP replicas), a dict of ParallelSpec fields or a syncwise.parallel.ParallelSpec"),
     "tp_plan": (lambda v: v is None or isinstance(v, dict), "None or a dict (parallelize_module's plan)"),
     "pipeline_split": (lambda v: v is None or callable(v), "None or a function split_fn(model, stage, n_stages)"),
-    "bucket_cap_mb": (_num, "a finite number > 0"),
-    "min_numel": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer ≥ 0"),
     "lr_scheduler": (lambda v: v is None or callable(getattr(v, "step", None)),
                      "None or a learning-rate scheduler (an object with .step())"),
     "dynamic_batch": (lambda v: True, ""),  # checked by StepOptions
@@ -90,10 +87,6 @@ TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "checkpointer": (lambda v: v is None or (hasattr(v, "save") and hasattr(v, "load") and hasattr(v, "directory")),
                      "None or a syncwise SmartCheckpointer (or train(checkpoint_dir=...))"),
     "data_seed": (lambda v: True, ""),
-    "profile_steps": (lambda v: v is None or isinstance(v, str), "None or 'A:B' (steps A to B, 1-based)"),
-    "profile_every": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer: 0 (off) or N ≥ 2"),
-    "collective_timeout_s": (lambda v: v is None or _num(v), "None or a finite number of seconds > 0"),
-    "preempt_grace_s": (lambda v: v is None or _num(v), "None/0 (signals alone) or a finite number of seconds ≥ 0"),
     "inject_faults": (lambda v: v is None or isinstance(v, str) or _fault_list(v),
                       "None or a list of fault specs ('kill:rank=R,step=S', 'nan:step=S', ...)"),
     "live_recovery": (lambda v: v is None or (hasattr(v, "attach") and hasattr(v, "join")),
@@ -122,12 +115,11 @@ class CommOptions:
     parallel: Any = None             # a syncwise.parallel.ParallelSpec or a dict of its fields; None: DDP replicas
     tp_plan: Optional[dict] = None   # a user model's tensor-parallel plan (parallelize_module's dict)
     pipeline_split: Optional[Callable[[Any, int, int], Any]] = None  # split_fn(model, stage, n_stages) -> stage
-    bucket_cap_mb: float = BUCKET_CAP_MB     # DDP's gradient bucket size
-    min_numel: int = MIN_NUMEL           # tensors smaller than this are sent uncompressed
+    bucket_cap_mb: float = schema.BUCKET_CAP.field(api=True)
+    min_numel: int = schema.MIN_NUMEL_OPTION.field(api=True)
 
     def __post_init__(self) -> None:
         _check(self)
-        arguments.finite("bucket_cap_mb", self.bucket_cap_mb, inclusive=False)
 
 
 @dataclass
@@ -162,8 +154,8 @@ class RunOptions:
     flops_per_token: Optional[float] = None  # for MFU
     checkpointer: Any = None         # a SmartCheckpointer (or train(checkpoint_dir=...))
     data_seed: int = 0               # shuffle order of a sharded loader
-    profile_steps: Any = None        # 'A:B': a torch profiler trace of steps A..B into run_dir/traces (docs/doctor.md)
-    profile_every: int = 0           # N ≥ 2: a trace of one step in N; 0: off
+    profile_steps: Optional[str] = schema.PROFILE_STEPS.field(api=True)
+    profile_every: int = schema.PROFILE_EVERY.field(api=True)
 
     def __post_init__(self) -> None:
         _check(self)
@@ -182,8 +174,8 @@ class RunOptions:
 class FaultOptions:
     """When something goes wrong: hung collectives, preemption signals, and injected faults for tests and demos."""
 
-    collective_timeout_s: Optional[float] = None  # a collective that takes longer is reported as a hang
-    preempt_grace_s: Optional[float] = DEFAULT_GRACE_S  # SIGTERM/SIGUSR1: stop, save, exit 83; None/0: signals alone
+    collective_timeout_s: Optional[float] = schema.COLLECTIVE_TIMEOUT.field(api=True)
+    preempt_grace_s: Optional[float] = schema.PREEMPT_GRACE.field(api=True)
     inject_faults: Optional[list] = None          # 'kill:rank=R,step=S', 'nan:step=S', ... (train/faults.py)
     live_recovery: Any = None                     # a train.live_recovery.LiveRecovery: this replica group's torchft side
 
@@ -191,9 +183,6 @@ class FaultOptions:
         _check(self)
         if isinstance(self.inject_faults, str):  # one spec
             self.inject_faults = [self.inject_faults]
-        if self.collective_timeout_s is not None:
-            arguments.finite("collective_timeout_s", self.collective_timeout_s, inclusive=False)
-        arguments.finite("preempt_grace_s", self.preempt_grace_s or 0.0)
         # parsed once, here: the trainer's FaultPlan gets Fault objects (a bad spec fails before anything is built)
         self.inject_faults = [Fault.parse(x) if isinstance(x, str) else x for x in self.inject_faults or []]
 
