@@ -360,3 +360,23 @@ def test_the_cli_and_the_python_api_refuse_a_bad_training_value_alike():
             group(**{keyword: value})   # the API's group takes it ...
             build_config(None, {key: text}, here=False)   # ... and so does the command line
     assert not wrong, "\n".join(wrong)
+
+
+def test_a_jobs_shared_options_reach_the_trainer_under_its_keywords():
+    """The worker hands `syncwise train`'s values to OptimizedTrainer by the schema's pairing (shared_keywords), so
+    every shared option set on the command line arrives, under the keyword of the same Option."""
+    from syncwise.config import build_config
+    from syncwise.train.options import shared_keywords
+
+    cfg = build_config(None, {"train.grad_accum": "3", "train.clip_grad": "0.5", "train.mixed_precision": "half",
+                              "train.log_interval": "7", "dist.bucket_cap_mb": "2.5", "dist.timeout_s": "90",
+                              "compress.min_numel": "16", "ckpt.preempt_grace_s": "5", "profile.every": "4"},
+                       here=False)
+    got = shared_keywords(cfg)
+    assert set(got) == {keyword for _, keyword in _shared_options().values()}
+    assert {k: got[k] for k in ("grad_accum_steps", "clip_grad_norm", "mixed_precision", "log_interval",
+                                "bucket_cap_mb", "collective_timeout_s", "min_numel", "preempt_grace_s",
+                                "profile_every")} == {
+        "grad_accum_steps": 3, "clip_grad_norm": 0.5, "mixed_precision": "fp16", "log_interval": 7,
+        "bucket_cap_mb": 2.5, "collective_timeout_s": 90.0, "min_numel": 16, "preempt_grace_s": 5.0,
+        "profile_every": 4}
