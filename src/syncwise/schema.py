@@ -2,14 +2,16 @@
 
 An :class:`Option` is written once; each door makes it a field of its own dataclass under the name that door
 spells it: ``syncwise.config``'s sections (``--train.grad_accum``, the TOML key ``[train] grad_accum``, ``--help``,
-``--emit-config``) and ``syncwise.train.options``' groups (``OptimizedTrainer(grad_accum_steps=...)`` and
-``StepOptions``). :meth:`Option.validate` is the field's one rule: a bad value is refused by either door with the
-same line (``ConfigError``: the field as that door names it, the value, what is accepted).
+``syncwise train --check``'s resolved TOML) and ``syncwise.train.options``' groups
+(``OptimizedTrainer(grad_accum_steps=...)``, ``StepOptions``, the trainer's signature; the worker passes a job's
+values by ``train.options.shared_keywords``, which pairs fields by their Option). :meth:`Option.validate` is the
+field's one rule: a bad value is refused by either door with the same line (``ConfigError``: the field as that
+door names it, the value, what is accepted).
 
-The options that exist behind both doors are defined here, under the name of their command-line key (section
-and field); an option of one door only is defined in that door's dataclass with :func:`option`. Rules *between*
-fields are ``syncwise.layout``'s (``check_step``) and ``syncwise.config.check_references``'.
-Torch-free: a leaf (errors, profiling), so the command line's ``--help`` never loads torch.
+The options that exist behind both doors are defined here, grouped by the command-line section that holds them;
+an option of one door only is defined in that door's dataclass with :func:`option`. Rules *between* fields are
+``syncwise.layout``'s (``check_step``) and ``syncwise.config.check_references``'.
+Torch-free: a leaf (errors, layout, profiling), so the command line's ``--help`` never loads torch.
 """
 from __future__ import annotations
 
