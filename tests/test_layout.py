@@ -381,3 +381,16 @@ def test_a_jobs_shared_options_reach_the_trainer_under_its_keywords():
         "grad_accum_steps": 3, "clip_grad_norm": 0.5, "mixed_precision": "fp16", "log_interval": 7,
         "bucket_cap_mb": 2.5, "collective_timeout_s": 90.0, "min_numel": 16, "preempt_grace_s": 5.0,
         "profile_every": 4}
+
+
+def test_the_memory_threshold_is_one_rule_for_the_cli_and_dynamic_batcher():
+    """train.memory_threshold's Python door is DynamicBatcher(memory_threshold=): the same Option's default and rule."""
+    from syncwise.config import TrainSection, config_from_argv
+    from syncwise.train import DynamicBatcher
+
+    assert DynamicBatcher(1, 2, device="cpu").memory_threshold == TrainSection().memory_threshold
+    for value in (0.0, 1.5, float("nan"), -0.1):
+        cli = _refusal(lambda: config_from_argv([f"--train.memory_threshold={value}"]))
+        api = _refusal(lambda: DynamicBatcher(1, 2, memory_threshold=value, device="cpu"))
+        assert (cli.field, api.field) == ("train.memory_threshold", "memory_threshold")
+        assert str(cli).replace("train.memory_threshold", "memory_threshold") == str(api)

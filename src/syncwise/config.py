@@ -169,10 +169,7 @@ class TrainSection:
     dynamic_batch: bool = option(False, "find the largest micro-batch (≤ data.batch_size) that fits in memory and "
                                  "accumulate micro-batches up to data.batch_size (the loss curve is unchanged); "
                                  "back off on out-of-memory (docs/dynamic-batch.md)", "true or false")
-    memory_threshold: float = option(0.9, "with dynamic_batch: the share of device memory (GPU) or of the memory "
-                                     "limit (CPU: cgroup/RAM) a step may peak at before the micro-batch shrinks",
-                                     "a number in (0, 1] (1 = only a real out-of-memory counts)",
-                                     lambda v: 0 < v <= 1)
+    memory_threshold: float = schema.MEMORY_THRESHOLD.field()
     activation_checkpointing: bool = schema.ACTIVATION_CHECKPOINTING.field()
     seed: int = option(1337, "random seed (model init and data order)",
                        "an integer from 0 to 4,294,967,295 (2³² − 1: numpy's seed range)", within(0, 2**32 - 1))

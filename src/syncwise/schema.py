@@ -174,6 +174,10 @@ MIXED_PRECISION = Option("auto", "autocast dtype: auto (bf16 on a GPU that has i
 COMPILE = Option(False, "torch.compile the model (kernel fusion; on a GPU see docs/gpu.md for what it gains per "
                  "preset)", "true or false")
 ACTIVATION_CHECKPOINTING = Option(False, "recompute each block's activations in backward", "true or false")
+# (train.dynamic_batch's threshold: DynamicBatcher(memory_threshold=) in the Python API)
+MEMORY_THRESHOLD = Option(0.9, "with dynamic_batch: the share of device memory (GPU) or of the memory limit (CPU: "
+                          "cgroup/RAM) a step may peak at before the micro-batch shrinks",
+                          "a number in (0, 1] (1 = only a real out-of-memory counts)", lambda v: 0 < v <= 1)
 VAL_INTERVAL = Option(50, "validate every N steps, and at the end (0 = only at the end)",
                       f"an integer from 0 to {MAX_STEPS:,}", within(0, MAX_STEPS), api_default=0)
 LOG_INTERVAL = Option(10, "plain output (not a terminal: a log file, a pipe, CI): a progress line every N steps, "
