@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # and specs), so config, plan, parallel and compress all ask it
     ("leaves", ("syncwise", "syncwise.errors", "syncwise.specs", "syncwise.devices", "syncwise.rundir",
                 "syncwise.layout", "syncwise.tokenize_pool", "syncwise.extras",
-                "syncwise.bind", "syncwise.secret", "syncwise.profiling", "syncwise.live_env")),
+                "syncwise.bind", "syncwise.secret", "syncwise.profiling", "syncwise.live_env", "syncwise.schema")),
 ]
 
 
@@ -132,11 +132,16 @@ def test_importing_the_library_layers_loads_neither_config_nor_commands():
     assert out.stdout.strip() == "[]"
 
 
-def test_layout_is_a_torch_free_leaf():
-    """syncwise.layout imports nothing of syncwise but the other leaves, and no torch."""
-    assert layer_of("syncwise.layout") == len(LAYERS) - 1
-    assert {t for _, t in imports_of("syncwise.layout")} <= {"syncwise.errors", "syncwise.specs"}
-    tree = ast.parse(MODULES["syncwise.layout"].read_text())
+@pytest.mark.parametrize("module, allowed", [
+    ("syncwise.layout", {"syncwise.errors", "syncwise.specs"}),
+    # the one definition of each option: both doors' fields are made from it (`syncwise train --help` loads no torch)
+    ("syncwise.schema", {"syncwise.errors", "syncwise.layout", "syncwise.profiling"}),
+])
+def test_layout_and_schema_are_torch_free_leaves(module, allowed):
+    """syncwise.layout and syncwise.schema import nothing of syncwise but the other leaves, and no torch."""
+    assert layer_of(module) == len(LAYERS) - 1
+    assert {t for _, t in imports_of(module)} <= allowed
+    tree = ast.parse(MODULES[module].read_text())
     names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert not [n for n in names if n == "torch" or n.startswith("torch.")]

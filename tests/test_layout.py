@@ -245,7 +245,10 @@ def _step_api_worker(rank, world):
                              else None)
             out.append(None)
         except ConfigError as e:
-            out.append(e.field)
+            out.append((e.field, e.accepted))
+    import torch.distributed as dist
+
+    dist.barrier()  # rank 0 holds the store: it stays until the other rank's last mesh is built (a broken pipe else)
     return out
 
 
@@ -266,11 +269,128 @@ def test_the_step_rules_are_one_rule_for_both_front_ends():
             build_config(None, overrides, here=False)
             cli.append(None)
         except ConfigError as e:
-            cli.append(e.field)
+            cli.append((e.field, e.accepted))
     api = run_workers(_step_api_worker, 2)[0]
-    assert cli == [CLI_STEP_FIELDS[k] if k else None for _, _, k in STEP_CASES]
-    assert api == [API_STEP_FIELDS[k] if k else None for _, _, k in STEP_CASES]
+    assert [c and c[0] for c in cli] == [CLI_STEP_FIELDS[k] if k else None for _, _, k in STEP_CASES]
+    assert [a and a[0] for a in api] == [API_STEP_FIELDS[k] if k else None for _, _, k in STEP_CASES]
+    assert [c and c[1] for c in cli] == [a and a[1] for a in api]  # the same words: one rule (layout.check_step)
     with pytest.raises(ConfigError) as e:  # fp16 × pipeline, formerly the trainer's alone, now the CLI's too
         build_config(None, {"dist.nproc": "2", "parallel.pp": "2", "model.preset": "tiny",
                             "train.mixed_precision": "fp16"}, here=False)
     assert e.value.field == "train.mixed_precision" and "pipeline" in str(e.value)
+
+
+# ------------------------------------------------------ the training fields' own rules: one Option, both doors
+def _shared_options():
+    """{Option: (its command-line key, its OptimizedTrainer keyword)} for every option behind both doors, found by
+    identity: each door's dataclass field carries the one syncwise.schema.Option."""
+    from syncwise.config import _sections
+    from syncwise.schema import option_of
+    from syncwise.train.options import GROUPS
+
+    cli = {option_of(f): f"{name}.{f.name}" for name, kind in _sections().items() for f in dataclasses.fields(kind)}
+    api = {option_of(f): f.name for kind in GROUPS.values() for f in dataclasses.fields(kind) if option_of(f)}
+    return {opt: (cli[opt], api[opt]) for opt in api if opt in cli}
+
+
+BAD_VALUES = {  # the command-line key -> values both doors must refuse (as Python values; the CLI gets their text)
+    "train.grad_accum": [0, 65537, -3, 1.5, "two"],
+    "train.clip_grad": [-1.0, float("nan"), float("inf"), 1e-9, 1e7, "high"],
+    "train.mixed_precision": ["fp64", "int8", "bf17"],
+    "train.compile": ["maybe", 2],
+    "train.activation_checkpointing": ["sometimes"],
+    "train.val_interval": [-1, 10**9 + 1, 0.5],
+    "train.log_interval": [0, -5, 2.5],
+    "dist.bucket_cap_mb": [0.0, 0.0005, 1e5, float("nan"), "big"],
+    "dist.timeout_s": [0.5, 1e9, -1.0, "soon"],
+    "compress.min_numel": [-1, 2**31, 1.5],
+    "ckpt.preempt_grace_s": [-1.0, 86401.0, float("nan")],
+    "profile.steps": ["0:3", "5:2", "x", "1:2000"],
+    "profile.every": [1, -2, 1.5],
+}
+GOOD_VALUES = {  # ... and values both accept: (Python value, command-line text)
+    "train.grad_accum": [(65536, "65536")], "train.clip_grad": [(0, "0"), (1e-6, "1e-6")],
+    "train.mixed_precision": [("half", "half"), ("bfloat16", "bfloat16"), (False, "false"), (True, "true")],
+    "train.val_interval": [(0, "0")], "train.log_interval": [(10**9, "1000000000")],
+    "dist.bucket_cap_mb": [(0.001, "0.001"), (10_000, "10000")], "dist.timeout_s": [(1, "1")],
+    "compress.min_numel": [(0, "0")], "ckpt.preempt_grace_s": [(0, "0")], "profile.steps": [("2:4", "2:4")],
+    "profile.every": [(2, "2")],
+}
+
+
+def _refusal(make):
+    try:
+        make()
+    except ConfigError as e:
+        return e
+    return None
+
+
+def test_the_cli_and_the_python_api_refuse_a_bad_training_value_alike():
+    """Each option behind both doors is one syncwise.schema.Option: `syncwise train`'s command line (config_from_argv)
+    and OptimizedTrainer's keyword refuse the same value with the same line but for the name each door spells
+    (the value echoed as the user gave it: the command line's text, or the number it parses to), and accept the same
+    values."""
+    import torch
+    from torch import nn
+
+    from syncwise.config import build_config, config_from_argv
+    from syncwise.train import OptimizedTrainer
+    from syncwise.train.options import GROUPS
+
+    shared = _shared_options()
+    assert set(BAD_VALUES) <= {key for key, _ in shared.values()}, "a listed option is no longer shared"
+    assert {key for key, _ in shared.values()} <= set(BAD_VALUES), "a shared option without bad values here"
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrong = []
+    for key, keyword in shared.values():
+        group = next(g for g in GROUPS.values() if keyword in {f.name for f in dataclasses.fields(g)})
+        for value in BAD_VALUES[key]:
+            text = str(value).lower() if isinstance(value, bool) else str(value)
+            cli = _refusal(lambda: config_from_argv([f"--{key}={text}"]))
+            api = _refusal(lambda: OptimizedTrainer(model, opt, show_progress=False, **{keyword: value}))
+            if cli is None or api is None:
+                wrong.append(f"{key}={text!r}: cli {cli}, api {api}")
+                continue
+            if (cli.field, api.field) != (key, keyword) or cli.accepted != api.accepted:
+                wrong.append(f"{key}={text!r}: cli {cli} | api {api}")
+            elif cli.value == value and str(cli).replace(f"'{key}'", f"'{keyword}'") != str(api):
+                wrong.append(f"{key}={text!r}: cli {cli} | api {api}")
+        for value, text in GOOD_VALUES.get(key, []):
+            group(**{keyword: value})   # the API's group takes it ...
+            build_config(None, {key: text}, here=False)   # ... and so does the command line
+    assert not wrong, "\n".join(wrong)
+
+
+def test_a_jobs_shared_options_reach_the_trainer_under_its_keywords():
+    """The worker hands `syncwise train`'s values to OptimizedTrainer by the schema's pairing (shared_keywords), so
+    every shared option set on the command line arrives, under the keyword of the same Option."""
+    from syncwise.config import build_config
+    from syncwise.train.options import shared_keywords
+
+    cfg = build_config(None, {"train.grad_accum": "3", "train.clip_grad": "0.5", "train.mixed_precision": "half",
+                              "train.log_interval": "7", "dist.bucket_cap_mb": "2.5", "dist.timeout_s": "90",
+                              "compress.min_numel": "16", "ckpt.preempt_grace_s": "5", "profile.every": "4"},
+                       here=False)
+    got = shared_keywords(cfg)
+    assert set(got) == {keyword for _, keyword in _shared_options().values()}
+    assert {k: got[k] for k in ("grad_accum_steps", "clip_grad_norm", "mixed_precision", "log_interval",
+                                "bucket_cap_mb", "collective_timeout_s", "min_numel", "preempt_grace_s",
+                                "profile_every")} == {
+        "grad_accum_steps": 3, "clip_grad_norm": 0.5, "mixed_precision": "fp16", "log_interval": 7,
+        "bucket_cap_mb": 2.5, "collective_timeout_s": 90.0, "min_numel": 16, "preempt_grace_s": 5.0,
+        "profile_every": 4}
+
+
+def test_the_memory_threshold_is_one_rule_for_the_cli_and_dynamic_batcher():
+    """train.memory_threshold's Python door is DynamicBatcher(memory_threshold=): the same Option's default and rule."""
+    from syncwise.config import TrainSection, config_from_argv
+    from syncwise.train import DynamicBatcher
+
+    assert DynamicBatcher(1, 2, device="cpu").memory_threshold == TrainSection().memory_threshold
+    for value in (0.0, 1.5, float("nan"), -0.1):
+        cli = _refusal(lambda: config_from_argv([f"--train.memory_threshold={value}"]))
+        api = _refusal(lambda: DynamicBatcher(1, 2, memory_threshold=value, device="cpu"))
+        assert (cli.field, api.field) == ("train.memory_threshold", "memory_threshold")
+        assert str(cli).replace("train.memory_threshold", "memory_threshold") == str(api)

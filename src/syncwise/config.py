@@ -1,9 +1,10 @@
 """Run configuration: one dataclass per component, TOML/JSON files, ``--section.key=value`` overrides.
 
-Every field carries its documentation and its accepted values in the field metadata, so
+Every field is a ``syncwise.schema.Option`` (its default, documentation and accepted values; an option that
+``OptimizedTrainer`` takes too is defined once, in ``syncwise.schema``, and both doors ask its rule), so
 ``syncwise train --help`` lists them and a bad value fails here — before any worker starts — with
 one message naming the field, the value and what is accepted. Every number is finite and bounded:
-a field's own bound is its ``check``; rules between fields and rules that look outside the config
+a field's own bound is its Option's ``check``; rules between fields and rules that look outside the config
 (presets, specs, the corpus, checkpoints, devices, memory) are in ``check_references``, which asks
 each rule's owner (the spec parsers, the corpus loader, the batch loader, the checkpoint store) and
 reports its answer under the config key, with the value as the user gave it.
@@ -14,23 +15,21 @@ import contextlib
 import dataclasses
 import difflib
 import json
-import math
 import os
 import re
 import sys
-import types
 import unicodedata
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from .errors import ConfigError, SyncwiseError
-from .layout import (BUCKET_CAP_MB, CLI_STEP_FIELDS, DISPATCH, FSDP_GATHER, FSDP_RESHARD, HIERARCHICAL, MIN_NUMEL,
-                     SCHEDULES, check_step)
+from .layout import CLI_STEP_FIELDS, DISPATCH, FSDP_GATHER, FSDP_RESHARD, HIERARCHICAL, SCHEDULES, check_step
 from .specs import parse_bool
-from .profiling import EVERY_ACCEPTED, STEPS_ACCEPTED, check_every, check_pair, parse_steps
+from .profiling import check_pair
 from .rundir import RunDir
+from . import schema
+from .schema import MAX_STEPS, TYPE_WORDS, one_of, option, option_of, type_of, within
 
 if TYPE_CHECKING:
     from .devices import Placement
@@ -41,31 +40,11 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 
-def option(default: Any, doc: str, accepted: str | Callable[[], str] = "",
-           check: Optional[Callable[[Any], bool]] = None):
-    """A documented config field; ``check(value)`` False means the value is rejected with ``accepted``
-    (a text, or a function returning it when it is needed: a list that lives elsewhere)."""
-    meta = {"doc": doc, "accepted": accepted, "check": check}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def _in(lo: float, hi: float) -> Callable[[Any], bool]:
-    return lambda v: lo <= v <= hi
-
-
-def _one_of(*choices: str) -> tuple[str, Callable[[Any], bool]]:
-    return "one of: " + ", ".join(choices), lambda v: v in choices
-
-
 # Bounds (each documented in its field's `accepted` text).
 _MAX_LOCAL_WORKERS = 4 * (os.cpu_count() or 1)
-_MAX_STEPS = 10**9          # steps, warm-up, validation interval, checkpoint interval: beyond any run
 _MAX_SEQ_LEN = 2**20        # a sanity cap; the real limits are the corpus and memory (check_references)
 _MAX_BATCH = 2**20
 _MAX_NODES = 1024           # nodes of a torchrun job
-_MAX_TIMEOUT_S = 7 * 24 * 3600.0  # one week: datetime.timedelta and gloo's millisecond timeouts hold it
 _MAX_SECONDS = 1e9          # checkpoint interval and MTBF: ~32 years
 
 
@@ -83,7 +62,7 @@ def _interval_ok(v: str) -> bool:
         kind, value = parse_interval(v)
     except (ConfigError, ValueError):
         return False
-    return kind in ("dynamic", "final") or 0 < value <= (_MAX_STEPS if kind == "steps" else _MAX_SECONDS)
+    return kind in ("dynamic", "final") or 0 < value <= (MAX_STEPS if kind == "steps" else _MAX_SECONDS)
 
 
 _NNODES_RE = re.compile(r"^([1-9][0-9]{0,3})(?::([1-9][0-9]{0,3}))?$")
@@ -133,10 +112,10 @@ class ModelSection:
     preset: str = option("small", "model preset: the network's size and shape, or hf:FOLDER for a Hugging Face "
                          "model (--model hf:FOLDER)", lambda: _preset_names())
     attention: str = option("default", "attention kind: 'default' (the preset's), 'mha', or 'mla' "
-                            "(multi-head latent attention)", *_one_of("default", "mha", "mla"))
+                            "(multi-head latent attention)", *one_of("default", "mha", "mla"))
     moe_impl: str = option("auto", "how MoE experts compute (same result, different speed): auto (grouped matmul "
                            "where the device has a sync-free kernel, else padded bmm), grouped, padded, loop "
-                           "(the per-expert reference)", *_one_of("auto", "grouped", "padded", "loop"))
+                           "(the per-expert reference)", *one_of("auto", "grouped", "padded", "loop"))
 
 
 @dataclass
@@ -149,10 +128,10 @@ class DataSection:
     seq_len: int = option(128, "tokens per sequence (the model's context: RoPE, no fixed maximum)",
                           f"an integer from 2 to {_MAX_SEQ_LEN:,}; one step's batch_size × workers windows of "
                           "seq_len + 1 tokens must fit the corpus' train and val streams, and the step must fit "
-                          "this machine's memory per worker", _in(2, _MAX_SEQ_LEN))
+                          "this machine's memory per worker", within(2, _MAX_SEQ_LEN))
     batch_size: int = option(8, "sequences per micro-batch per worker",
                              f"an integer from 1 to {_MAX_BATCH:,} (and fitting the corpus and memory, as "
-                             "data.seq_len)", _in(1, _MAX_BATCH))
+                             "data.seq_len)", within(1, _MAX_BATCH))
     val_fraction: float = option(0.05, "share of the corpus held out for validation", "a number in (0, 0.5]",
                                  lambda v: 0 < v <= 0.5)
     tokenizer: str = option("", "a Hugging Face tokenizer (tokenizer.json or its folder): data.corpus is then JSON "
@@ -163,53 +142,40 @@ class DataSection:
                               "(with data.tokenizer)", "a non-empty field name", lambda v: bool(v.strip()))
     tokenize_workers: int = option(0, "processes that tokenize data.corpus the first time (with data.tokenizer; "
                                    "the cached shards do not depend on it); 0 = one per CPU core up to 8, or 1 for a "
-                                   "source under 8 MiB", "an integer from 0 to 256", _in(0, 256))
+                                   "source under 8 MiB", "an integer from 0 to 256", within(0, 256))
     prefetch: int = option(2, "batches prefetched by a background thread (0 = off)",
-                           "an integer from 0 to 64 (batches held in memory ahead of the step)", _in(0, 64))
+                           "an integer from 0 to 64 (batches held in memory ahead of the step)", within(0, 64))
 
 
 @dataclass
 class TrainSection:
-    """[train] the optimisation loop."""
+    """[train] the optimisation loop (the options shared with ``OptimizedTrainer`` are ``syncwise.schema``'s)."""
 
-    steps: int = option(200, "optimizer steps to run", f"an integer from 1 to {_MAX_STEPS:,}", _in(1, _MAX_STEPS))
+    steps: int = option(200, "optimizer steps to run", f"an integer from 1 to {MAX_STEPS:,}", within(1, MAX_STEPS))
     lr: float = option(2e-3, "peak learning rate (AdamW)",
                        "a number from 1e-9 to 10 (AdamW moves every weight by about lr per step: more always "
-                       "diverges, less moves nothing a float32 weight can hold)", _in(1e-9, 10))
+                       "diverges, less moves nothing a float32 weight can hold)", within(1e-9, 10))
     min_lr_ratio: float = option(0.1, "final LR of the cosine decay, as a fraction of the peak", "a number in [0, 1]",
-                                 _in(0, 1))
-    warmup_steps: int = option(20, "linear LR warm-up steps", f"an integer from 0 to {_MAX_STEPS:,}",
-                               _in(0, _MAX_STEPS))
+                                 within(0, 1))
+    warmup_steps: int = option(20, "linear LR warm-up steps", f"an integer from 0 to {MAX_STEPS:,}",
+                               within(0, MAX_STEPS))
     weight_decay: float = option(0.1, "AdamW weight decay (matrices only)",
                                  "a number in [0, 10] with lr × weight_decay < 1 (AdamW scales the weights by "
-                                 "1 − lr × weight_decay every step)", _in(0, 10))
-    grad_accum: int = option(1, "micro-batches per optimizer step (only the last one communicates)",
-                             "an integer from 1 to 65,536", _in(1, 65536))
-    clip_grad: float = option(1.0, "gradient-norm clipping threshold (0 = off)",
-                              "0 (off) or a number from 1e-6 to 1e6 (a smaller threshold scales every gradient to "
-                              "nothing)", lambda v: v == 0 or 1e-6 <= v <= 1e6)
-    mixed_precision: str = option("auto", "autocast dtype: auto (bf16 on a GPU that has it, else none), none, bf16, "
-                                  "fp16 (GPU, with GradScaler)",
-                                  *_one_of("none", "bf16", "fp16", "auto"))
-    compile: bool = option(False, "torch.compile the model (kernel fusion; on a GPU see docs/gpu.md for what it "
-                                  "gains per preset)", "true or false")
+                                 "1 − lr × weight_decay every step)", within(0, 10))
+    grad_accum: int = schema.GRAD_ACCUM.field()
+    clip_grad: float = schema.CLIP_GRAD.field()
+    mixed_precision: str = schema.MIXED_PRECISION.field()
+    compile: bool = schema.COMPILE.field()
     dynamic_batch: bool = option(False, "find the largest micro-batch (≤ data.batch_size) that fits in memory and "
                                  "accumulate micro-batches up to data.batch_size (the loss curve is unchanged); "
                                  "back off on out-of-memory (docs/dynamic-batch.md)", "true or false")
-    memory_threshold: float = option(0.9, "with dynamic_batch: the share of device memory (GPU) or of the memory "
-                                     "limit (CPU: cgroup/RAM) a step may peak at before the micro-batch shrinks",
-                                     "a number in (0, 1] (1 = only a real out-of-memory counts)",
-                                     lambda v: 0 < v <= 1)
-    activation_checkpointing: bool = option(False, "recompute each block's activations in backward",
-                                            "true or false")
+    memory_threshold: float = schema.MEMORY_THRESHOLD.field()
+    activation_checkpointing: bool = schema.ACTIVATION_CHECKPOINTING.field()
     seed: int = option(1337, "random seed (model init and data order)",
-                       "an integer from 0 to 4,294,967,295 (2³² − 1: numpy's seed range)", _in(0, 2**32 - 1))
-    val_interval: int = option(50, "validate every N steps (0 = only at the end)",
-                               f"an integer from 0 to {_MAX_STEPS:,}", _in(0, _MAX_STEPS))
-    val_batches: int = option(4, "batches per validation", "an integer from 1 to 10,000", _in(1, 10_000))
-    log_interval: int = option(10, "plain output (not a terminal: a log file, a pipe, CI): a progress line every N "
-                               "steps, and always for the first step and the last",
-                               f"an integer from 1 to {_MAX_STEPS:,}", _in(1, _MAX_STEPS))
+                       "an integer from 0 to 4,294,967,295 (2³² − 1: numpy's seed range)", within(0, 2**32 - 1))
+    val_interval: int = schema.VAL_INTERVAL.field()
+    val_batches: int = option(4, "batches per validation", "an integer from 1 to 10,000", within(1, 10_000))
+    log_interval: int = schema.LOG_INTERVAL.field()
     deterministic: bool = option(False, "deterministic algorithms (bit-exact resume)", "true or false")
 
 
@@ -221,7 +187,7 @@ class DistSection:
                         "default job is data-parallel with the same global batch everywhere: with fewer GPUs than "
                         "workers they share the GPUs over gloo (--nproc = the GPU count for NCCL)",
                         f"an integer from 1 to {_MAX_LOCAL_WORKERS} (4 × this machine's cores); with "
-                        "dist.backend=nccl at most the visible GPUs", _in(1, _MAX_LOCAL_WORKERS))
+                        "dist.backend=nccl at most the visible GPUs", within(1, _MAX_LOCAL_WORKERS))
     device: str = option("auto", "where workers compute: auto (CUDA when a GPU is visible, else the CPU), cpu, cuda; "
                          "local worker r uses GPU r mod (visible GPUs)",
                          "one of: auto, cpu, cuda (cuda only where a GPU is visible)",
@@ -230,22 +196,16 @@ class DistSection:
                           "else gloo: ranks sharing a GPU, or the CPU), gloo, nccl",
                           "one of: auto, gloo, nccl (nccl only on CUDA with one GPU per local worker)",
                           lambda v: v in ("auto", "gloo", "nccl"))
-    # Lower bound 0.001 MB (1 KB, 256 fp32 values): DDP rounds the cap to bytes and a smaller one puts every
-    # gradient in a bucket of its own (1e-300 is 0 bytes), one collective per tensor; the tests' smallest is 0.01.
-    bucket_cap_mb: float = option(BUCKET_CAP_MB, "DDP gradient bucket size in MB", "a number in [0.001, 10000] (1 KB "
-                                  "at least: below that every tensor is a bucket of its own)",
-                                  lambda v: 0.001 <= v <= 10_000)
+    bucket_cap_mb: float = schema.BUCKET_CAP.field()
     hierarchical: str = option("auto", "gradient sync across nodes: on = reduce inside each node at full precision, "
                                "run compress.method only across nodes (each local rank owns part of every bucket), "
                                "gather inside the node; auto = on when the job has > 1 node and > 1 worker per node "
                                "and a syncwise compressor that all-gathers (fp8, int8, sign, topk, demo) runs every "
-                               "step on DDP replicas; off = the flat sync (docs/compression.md)", *_one_of(*HIERARCHICAL))
-    timeout_s: float = option(300.0, "a collective that takes longer fails with a message",
-                              f"a number of seconds from 1 to {_seconds(_MAX_TIMEOUT_S)} (one week)",
-                              _in(1, _MAX_TIMEOUT_S))
+                               "step on DDP replicas; off = the flat sync (docs/compression.md)", *one_of(*HIERARCHICAL))
+    timeout_s: float = schema.COLLECTIVE_TIMEOUT.field()
     lab: bool = option(False, "run across the network lab's nodes (`syncwise cluster up` first)", "true or false")
     max_restarts: int = option(0, "worker-group restarts torchrun's agent may do after a failure (each resumes "
-                               "from the newest valid checkpoint)", "an integer from 0 to 1,000", _in(0, 1000))
+                               "from the newest valid checkpoint)", "an integer from 0 to 1,000", within(0, 1000))
     nnodes: str = option("1", "nodes of the elastic job, 'N' or 'MIN:MAX' as torchrun's --nnodes",
                          f"'N' or 'MIN:MAX' with 1 ≤ MIN ≤ MAX ≤ {_MAX_NODES}; MIN = 1 on a local run (no other "
                          "node can join it) and '1' with --lab (the lab sets its nodes)",
@@ -266,40 +226,40 @@ class ParallelSection:
     dp_replicate: int = option(0, "data-parallel replicas: DDP (with syncwise's compressed gradient sync), or HSDP's "
                                "replica groups when dp_shard > 1; 0 = the ranks dp_shard × tp leave",
                                "an integer from 0 to 65,536 (dp_replicate × dp_shard × tp = the world size)",
-                               _in(0, 65536))
+                               within(0, 65536))
     dp_shard: int = option(1, "fully-sharded data parallel (FSDP2): parameters, gradients and AdamW state split over "
                            "this many ranks; all-gathered per block in forward and backward",
-                           "an integer from 1 to 65,536", _in(1, 65536))
+                           "an integer from 1 to 65,536", within(1, 65536))
     tp: int = option(1, "tensor (+ sequence) parallel: attention heads, MLP widths, embedding and head split over "
                      "this many neighbouring ranks (the innermost dimension: keep it within a node)",
-                     "an integer from 1 to 65,536 dividing the model's heads and widths", _in(1, 65536))
+                     "an integer from 1 to 65,536 dividing the model's heads and widths", within(1, 65536))
     pp: int = option(1, "pipeline parallel: the model's layers cut into this many stages (balanced by FLOPs; the "
                      "embedding on the first, norm + head + loss on the last), the outermost dimension",
-                     "an integer from 1 to 65,536, at most the model's layers", _in(1, 65536))
+                     "an integer from 1 to 65,536, at most the model's layers", within(1, 65536))
     pp_schedule: str = option("1f1b", "the pipeline schedule (torch.distributed.pipelining): gpipe, 1f1b, "
                               "interleaved-1f1b, looped-bfs (need stages_per_rank ≥ 2), interleaved-zb, zbv, dualpipev "
                               "(zero-bubble / DualPipe-style; zbv and dualpipev: stages_per_rank = 2); all run on "
                               "gloo with torch 2.13 (docs/parallelism.md)",
-                              *_one_of(*SCHEDULES))
+                              *one_of(*SCHEDULES))
     microbatches: int = option(0, "pipeline microbatches per step (each rank's batch is split into them; they "
                                "replace train.grad_accum under pp); 0 = 2 × pp × stages_per_rank",
-                               "an integer from 0 to 65,536 dividing the per-rank batch (1f1b: ≥ pp)", _in(0, 65536))
+                               "an integer from 0 to 65,536 dividing the per-rank batch (1f1b: ≥ pp)", within(0, 65536))
     stages_per_rank: int = option(1, "pipeline stages each rank holds (interleaving: fewer bubbles, more messages)",
-                                  "an integer from 1 to 64 (the schedule's rule: docs/parallelism.md)", _in(1, 64))
+                                  "an integer from 1 to 64 (the schedule's rule: docs/parallelism.md)", within(1, 64))
     ep: int = option(1, "expert parallel: each MoE layer's routed experts split over this many data-parallel ranks "
                      "(borrowed from dp_replicate, not extra ranks); tokens travel by all-to-all",
-                     "an integer from 1 to 65,536 dividing the routed experts and dp_replicate", _in(1, 65536))
+                     "an integer from 1 to 65,536 dividing the routed experts and dp_replicate", within(1, 65536))
     ep_dispatch: str = option("fp32", "precision of expert parallel's token dispatch: fp8 (e4m3, 1x128 scales, "
                               "DeepSeek-V3's choice, bf16 combine), bf16, fp32 (exact)",
-                              *_one_of(*DISPATCH))
+                              *one_of(*DISPATCH))
     fsdp_gather: str = option("fp32", "precision of FSDP2's parameter all-gathers (dp_shard > 1): fp32 = FSDP2's own "
                               "(in the parameter dtype); bf16 = a cast; fp8 / int8 = blocks of 128 with an fp32 scale "
                               "each (ZeRO++'s qwZ), dequantized into FSDP2's buffer; master weights stay fp32 and "
-                              "sharded (docs/parallelism.md)", *_one_of(*FSDP_GATHER))
+                              "sharded (docs/parallelism.md)", *one_of(*FSDP_GATHER))
     fsdp_reshard: str = option("all", "what each FSDP2 unit keeps after its forward (dp_shard > 1): all = resharded "
                                "over every shard rank (ZeRO-3); node = over its node's ranks, so backward's "
                                "all-gather never crosses nodes (ZeRO++'s hpZ); none = unsharded until its backward",
-                               *_one_of(*FSDP_RESHARD))
+                               *one_of(*FSDP_RESHARD))
 
 
 @dataclass
@@ -310,8 +270,7 @@ class CompressSection:
                          "topk:ratio=0.01 (list below); torch-fp16, torch-powersgd:rank=4 ... use PyTorch's own hooks; auto = the one "
                          "predicted to reach fp32 DDP's loss soonest on this cluster (docs/plan.md), chosen at start-up",
                          "a compressor spec (list below)")
-    min_numel: int = option(MIN_NUMEL, "tensors with fewer elements (norms, biases) are sent uncompressed",
-                            "an integer from 0 to 2,147,483,647", _in(0, 2**31 - 1))
+    min_numel: int = schema.MIN_NUMEL_OPTION.field()
     auto_cluster: str = option("", "with compress.method or parallel.sync = auto: the cluster TOML the strategies are "
                                "priced on (`syncwise plan --calibrate` writes one); '' = this job's: the catalog's "
                                "CPU worker over loopback, or the running network lab's link rate with --lab",
@@ -324,21 +283,15 @@ class CheckpointSection:
 
     interval: str = option("dynamic", "save every N steps, every '300s' / '5m' / '2h', or 'dynamic' (Young/Daly "
                            "from the measured save cost and mtbf_s); 0 = only at the end",
-                           f"0, N steps, a duration like '300s', '5m' or '2h' (at most {_MAX_STEPS:,} steps or "
+                           f"0, N steps, a duration like '300s', '5m' or '2h' (at most {MAX_STEPS:,} steps or "
                            f"{_seconds(_MAX_SECONDS)}), or 'dynamic'", _interval_ok)
     keep: int = option(3, "checkpoints kept (the newest valid one is never deleted)", "an integer from 1 to 1,000",
-                       _in(1, 1000))
+                       within(1, 1000))
     async_save: bool = option(True, "write checkpoints in the background while training goes on", "true or false")
     compression: bool = option(False, "compress checkpoint files", "true or false")
     mtbf_s: float = option(14400.0, "mean time between failures for the 'dynamic' interval",
-                           f"a number of seconds from 1 to {_seconds(_MAX_SECONDS)}", _in(1, _MAX_SECONDS))
-    preempt_grace_s: float = option(60.0, "on SIGTERM or SIGUSR1 (a scheduler's preemption or time-limit warning) "
-                                    "every worker finishes its step, saves a checkpoint and exits with code 83 "
-                                    "within this many seconds, else exits with 84 (docs/launch.md); 0 = the "
-                                    "signals end the run at once, unsaved",
-                                    "a number of seconds from 0 to 86,400 (keep it below the scheduler's own grace: "
-                                    "Slurm's KillWait or --signal lead time, Kubernetes' terminationGracePeriodSeconds)",
-                                    _in(0, 86_400))
+                           f"a number of seconds from 1 to {_seconds(_MAX_SECONDS)}", within(1, _MAX_SECONDS))
+    preempt_grace_s: float = schema.PREEMPT_GRACE.field()
 
 
 @dataclass
@@ -357,26 +310,13 @@ class MetricsSection:
     wandb_project: str = option("syncwise", "the W&B project", "a non-empty string", lambda v: bool(v.strip()))
 
 
-def _profile_ok(check: Callable[[Any], Any]) -> Callable[[Any], bool]:
-    """A [profile] field's check by the profiling grammar's own parser (syncwise.profiling)."""
-    def ok(v: Any) -> bool:
-        try:
-            check(v)
-        except ConfigError:
-            return False
-        return True
-    return ok
-
-
 @dataclass
 class ProfileSection:
     """[profile] torch profiler traces of chosen steps on every rank, into RUN_DIR/traces (docs/doctor.md); off by
     default."""
 
-    steps: str = option("", "record steps A to B ('A:B', or 'A' for one step) with torch.profiler; '' = off",
-                        STEPS_ACCEPTED, _profile_ok(parse_steps))
-    every: int = option(0, "record one step in N (steps N, 2N, ...) over a long run; 0 = off",
-                        EVERY_ACCEPTED, _profile_ok(check_every))
+    steps: str = schema.PROFILE_STEPS.field()
+    every: int = schema.PROFILE_EVERY.field()
 
 
 def _address_ok(v: str) -> bool:
@@ -411,21 +351,21 @@ class FaultToleranceSection:
                            "peer (no checkpoint read); 0 = off", "0 (off) or an integer from 2 to 1,024",
                            lambda v: v == 0 or 2 <= v <= 1024)
     min_replicas: int = option(1, "replica groups that must take part for a step to commit (fewer: the step waits "
-                               "and is redone)", "an integer from 1 to ft.replicas", _in(1, 1024))
+                               "and is redone)", "an integer from 1 to ft.replicas", within(1, 1024))
     lighthouse: str = option("", "the torchft lighthouse (quorum server) as HOST:PORT; '' = syncwise train starts "
                              "one next to the replica groups", "'' or HOST:PORT", _host_port_ok)
     quorum_timeout_s: float = option(60.0, "how long a replica waits for the others to form a step's quorum",
-                                     "a number of seconds from 1 to 86,400", _in(1, 86_400))
+                                     "a number of seconds from 1 to 86,400", within(1, 86_400))
     heartbeat_timeout_s: float = option(1.0, "how late a replica group's heartbeat (torchft's manager beats every 0.1 "
                                         "s) may be before the lighthouse drops it from the next quorum: the survivors "
                                         "of a killed replica wait this long (at most ft.timeout_s)",
-                                        "a number of seconds from 0.2 to 600", _in(0.2, 600))
+                                        "a number of seconds from 0.2 to 600", within(0.2, 600))
     timeout_s: float = option(30.0, "the cross-replica all-reduce's and the healing transfer's timeout: a replica "
                               "stopped (not dead) this long is dropped from the step",
-                              "a number of seconds from 1 to 86,400", _in(1, 86_400))
+                              "a number of seconds from 1 to 86,400", within(1, 86_400))
     replica_restarts: int = option(3, "how often each replica group's torchrun restarts its workers after a failure "
                                    "(each restart rejoins and heals from a live peer)", "an integer from 0 to 1,000",
-                                   _in(0, 1000))
+                                   within(0, 1000))
 
 
 @dataclass
@@ -496,18 +436,9 @@ def _sections() -> dict[str, type]:
             if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)}
 
 
-def _type_of(cls: type, name: str) -> type:
-    hints = typing.get_type_hints(cls)
-    t = hints[name]
-    if typing.get_origin(t) in (typing.Union, types.UnionType):
-        t = next(a for a in typing.get_args(t) if a is not type(None))
-    return typing.get_origin(t) or t
-
-
-def _coerce(path: str, value: Any, typ: type, from_text: bool) -> Any:
-    """Convert ``value`` to ``typ``; text from the command line is parsed, TOML values must already fit."""
-    accepted = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
-                list: "a list"}[typ]
+def _coerce(path: str, value: Any, typ: type, from_text: bool, accepted: str) -> Any:
+    """Convert ``value`` to ``typ``; text from the command line is parsed, TOML values must already fit (refused
+    with ``accepted``, the field's own text)."""
     if from_text and isinstance(value, str):
         text = value.strip()
         try:
@@ -537,13 +468,6 @@ def _coerce(path: str, value: Any, typ: type, from_text: bool) -> Any:
     return value
 
 
-def _validate(path: str, f: dataclasses.Field, value: Any) -> None:
-    check = f.metadata.get("check")
-    finite = not isinstance(value, float) or math.isfinite(value)  # no NaN or ±inf, in any float field
-    if not finite or (check is not None and not check(value)):
-        raise ConfigError(path, value, _accepted(f) or "see `syncwise train --help`")
-
-
 def _set(cfg: RunConfig, key: str, value: Any, from_text: bool) -> None:
     parts = key.split(".")
     sections = _sections()
@@ -565,12 +489,12 @@ def _set(cfg: RunConfig, key: str, value: Any, from_text: bool) -> None:
         hint = difflib.get_close_matches(name, fields, n=1)
         raise ConfigError(key, value, f"a key of [{parts[0]}]: " + ", ".join(fields)
                           + (f" (did you mean {parts[0]}.{hint[0]}?)" if hint else ""))
-    typ = _type_of(type(target), name)
-    value = _coerce(key, value, typ, from_text)
+    opt = option_of(fields[name])
+    typ = type_of(type(target), name)[0]
+    value = _coerce(key, value, typ, from_text, opt.accepted_text() or TYPE_WORDS[typ])
     if typ is list and from_text and name == "inject_fault":  # repeatable flag: append
         value = getattr(target, name) + value
-    _validate(key, fields[name], value)
-    setattr(target, name, value)
+    setattr(target, name, opt.validate(key, value))  # its one rule (schema.Option), as the Python API asks it
 
 
 def _unknown_key(name: str, cfg: RunConfig) -> str:
@@ -1092,14 +1016,10 @@ def describe_fields() -> str:
     return "\n".join(lines)
 
 
-def _accepted(f: dataclasses.Field) -> str:
-    accepted = f.metadata.get("accepted", "")
-    return accepted() if callable(accepted) else accepted
-
-
 def _help(f: dataclasses.Field) -> str:
-    doc, accepted = f.metadata.get("doc", ""), _accepted(f)
-    return f"{doc} [{accepted}]" if accepted and accepted != "true or false" else doc
+    opt = option_of(f)
+    accepted = opt.accepted_text()
+    return f"{opt.doc} [{accepted}]" if accepted and accepted != "true or false" else opt.doc
 
 
 # Named flags of `syncwise train` and the config key each one sets.

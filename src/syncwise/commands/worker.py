@@ -34,6 +34,7 @@ from ..models import build_model, count_params, flops_per_token, lm_loss
 from ..rundir import RunDir, RunDirLock, held_by_launcher
 from ..train.arguments import join_torchrun
 from ..train.dynamic_batch import DynamicBatcher
+from ..train.options import shared_keywords
 from ..train.preemption import Preempted
 from ..train.schedule import adamw, warmup_cosine
 from ..train.trainer import OptimizedTrainer
@@ -227,17 +228,15 @@ def train_worker(cfg: RunConfig) -> dict[str, Any]:
                 max_checkpoints=cfg.ckpt.keep, compression=cfg.ckpt.compression, async_save=cfg.ckpt.async_save,
                 mtbf_s=cfg.ckpt.mtbf_s, layout=parallel.describe, shared=live is not None)
         trainer = OptimizedTrainer(
-            model, optimizer, _loss_fn(model), compress_gradients=specs.compress, mixed_precision=cfg.train.mixed_precision,
-            grad_accum_steps=cfg.train.grad_accum, clip_grad_norm=cfg.train.clip_grad, lr_scheduler=scheduler,
-            compile=cfg.train.compile, activation_checkpointing=cfg.train.activation_checkpointing,
-            bucket_cap_mb=cfg.dist.bucket_cap_mb, min_numel=cfg.compress.min_numel, device=device,
-            val_loader=val, val_interval=cfg.train.val_interval, run_dir=run_dir,
-            flops_per_token=model_flops_per_token(model), checkpointer=checkpointer,
-            inject_faults=faults, collective_timeout_s=cfg.dist.timeout_s, live_recovery=live,
-            sync=specs.sync, parallel=parallel, preempt_grace_s=cfg.ckpt.preempt_grace_s, tp_plan=_tp_plan(model, parallel),
-            log_interval=cfg.train.log_interval, profile_steps=cfg.profile.steps, profile_every=cfg.profile.every,
+            model, optimizer, _loss_fn(model), compress_gradients=specs.compress, lr_scheduler=scheduler,
+            device=device, val_loader=val, run_dir=run_dir, flops_per_token=model_flops_per_token(model),
+            checkpointer=checkpointer, inject_faults=faults, live_recovery=live, sync=specs.sync, parallel=parallel,
+            tp_plan=_tp_plan(model, parallel),
             dynamic_batch=DynamicBatcher(1, cfg.data.batch_size, memory_threshold=cfg.train.memory_threshold,
-                                         device=device) if cfg.train.dynamic_batch else None)
+                                         device=device) if cfg.train.dynamic_batch else None,
+            # the options behind both doors (grad_accum → grad_accum_steps, dist.timeout_s → collective_timeout_s,
+            # ...): each section field that is a group field's syncwise.schema.Option
+            **shared_keywords(cfg))
         if live is not None:  # a kill fires once per run, not once per replica-group attempt
             trainer.faults.marker_dir = Path(cfg.run_dir) / "faults" / f"replica{live.replica}"
         trainer.metric_sinks = open_sinks(cfg, rank, checkpointer)  # [metrics]: Prometheus, W&B

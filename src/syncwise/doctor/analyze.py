@@ -610,7 +610,7 @@ def _bucket_and_link_findings(d: Diagnosis, model: "Optional[_Model]", removed) 
     grad_mb = (f["grad_bytes"] or 0) / 2**20
     # the gradient collectives the ranks issued per step (flight recorder), else the buckets the cap makes
     calls = f.get("grad_calls_per_step") or buckets
-    target = 25.0
+    target = BUCKET_CAP_MB  # DDP's default bucket, the one syncwise's options default to
     after_calls = max(1, math.ceil(grad_mb / target)) if grad_mb else 1
     too_small = calls is not None and calls > max(SMALL_CALLS, 2 * after_calls)
     if too_small:

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from ..errors import SyncwiseError
 from ..rundir import RunDir
+from ..schema import LOG_INTERVAL
 
 
 def read_jsonl(path: str | Path, damaged: Optional[list[tuple[int, str]]] = None) -> list[dict[str, Any]]:
@@ -72,7 +73,7 @@ class MetricsLogger:
 
     def __init__(self, run_dir: str | Path | None, total_steps: int, enabled: bool = True, start_step: int = 0,
                  tensorboard: bool = True, console: Optional[Console] = None, show: bool = True,
-                 log_interval: int = 10):
+                 log_interval: int = LOG_INTERVAL.default):
         # Files whenever enabled (rank 0) with a run directory; progress, notes and the summary table also need
         # ``show`` (OptimizedTrainer's show_progress=False keeps the files and silences the console).
         self.enabled = enabled

@@ -14,36 +14,14 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .. import devices
+from .. import devices, schema
 from ..comm import ops
 from ..errors import ConfigError
 
-_NO_AMP = {"none", "no", "fp32", "float32", "off", "false"}
-_AMP = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16", "auto": "auto",
-        "true": "auto"}
-
-
 def mixed_precision_mode(value: Any) -> str:
-    """'none' | 'bf16' | 'fp16' | 'auto' from False/None/'fp32'/'no', True ('auto': bf16 on a GPU that has it),
-    names and torch dtypes."""
-    if value is None or value is False:
-        return "none"
-    if value is True:
-        return "auto"
-    if isinstance(value, torch.dtype) and value == torch.bfloat16:
-        return "bf16"
-    if isinstance(value, torch.dtype) and value == torch.float16:
-        return "fp16"
-    if isinstance(value, torch.dtype) and value == torch.float32:
-        return "none"
-    if isinstance(value, str):
-        low = value.strip().lower()
-        if low in _NO_AMP:
-            return "none"
-        if low in _AMP:
-            return _AMP[low]
-    raise ConfigError("mixed_precision", value, "False/None/'fp32'/'none' (full precision), True or 'auto' (bf16 "
-                      "where the GPU supports it), 'bf16'/torch.bfloat16, 'fp16'/torch.float16 (CUDA only)")
+    """'none' | 'bf16' | 'fp16' | 'auto' from any of its spellings (False/None/'fp32'/'no', True ('auto': bf16 on a
+    GPU that has it), names and torch dtypes): ``syncwise.schema.MIXED_PRECISION``'s rule, the command line's too."""
+    return schema.MIXED_PRECISION.validate("mixed_precision", value)
 
 
 def resume_mode(value: Any) -> Optional[str]:

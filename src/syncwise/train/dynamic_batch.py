@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
 import torch
 
 from ..errors import ConfigError, SyncwiseError
+from ..schema import MEMORY_THRESHOLD
 from ..specs import count
 
 __all__ = ["DynamicBatcher", "DynamicBatchOOMError", "SizeChange", "is_oom_error"]
@@ -151,7 +152,8 @@ class DynamicBatcher:
             (device memory on CUDA; cgroup limit / RAM / RLIMIT_AS on CPU).
     """
 
-    def __init__(self, initial_size: int, max_size: int, growth_factor: float = 2.0, memory_threshold: float = 0.9,
+    def __init__(self, initial_size: int, max_size: int, growth_factor: float = 2.0,
+                 memory_threshold: float = MEMORY_THRESHOLD.default,
                  device: Any = None, *, mode: str = "binsearch", grow_after: int = 0,
                  memory_limit_bytes: Optional[int] = None):
         self.initial_size = count("initial_size", initial_size)
@@ -163,11 +165,8 @@ class DynamicBatcher:
         if not ok:
             raise ConfigError("growth_factor", growth_factor, "a finite number > 1")
         self.growth_factor = float(growth_factor)
-        ok = isinstance(memory_threshold, (int, float)) and not isinstance(memory_threshold, bool) \
-            and math.isfinite(memory_threshold) and 0 < memory_threshold <= 1
-        if not ok:
-            raise ConfigError("memory_threshold", memory_threshold, "a number in (0, 1] (1 turns it off)")
-        self.memory_threshold = float(memory_threshold)
+        # the command line's train.memory_threshold too: one rule (syncwise.schema)
+        self.memory_threshold = float(MEMORY_THRESHOLD.validate("memory_threshold", memory_threshold, float))
         if mode not in _MODES:
             raise ConfigError("mode", mode, "'binsearch' (exact largest size) or 'power' (largest power of "
                               "growth_factor times initial_size)")

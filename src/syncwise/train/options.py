@@ -9,27 +9,23 @@
 Every field is also a keyword of ``OptimizedTrainer`` itself, with the same name and default (the seed's
 ``OptimizedTrainer(model, optimizer, loss_fn, compress_gradients=..., mixed_precision=..., dynamic_batch=...)``);
 a keyword set to something other than its default together with the group that holds it is refused (it would be
-given twice). Each group checks its own fields when it is made, with the error naming the field as the keyword
-does; what depends on the device or the layout (fp16 needs CUDA, dynamic batching needs replicas) is checked by
-the trainer.
+given twice). Every field is a ``syncwise.schema.Option`` (default, doc, accepted values, rule), checked when its
+group is made with the error naming the field as the keyword does; a field that the command line has too is the
+same Option as ``syncwise train``'s section field (written once, in ``syncwise.schema``). What depends on the
+device or the layout (fp16 needs CUDA, dynamic batching needs replicas) is checked by the trainer.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Callable, Iterable, Optional
 
+from .. import schema
 from ..errors import ConfigError
 from ..profiling import check_pair
-from ..specs import count
+from ..schema import option
 from . import arguments
 from .dynamic_batch import DynamicBatcher
 from .faults import Fault
-from .preemption import DEFAULT_GRACE_S
-from ..layout import BUCKET_CAP_MB, MIN_NUMEL
-
-
-def _num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _compressor_like(v: Any) -> bool:
@@ -60,125 +56,91 @@ def _fault_list(v: Any) -> bool:
     return isinstance(v, (list, tuple)) and all(isinstance(x, (str, Fault)) for x in v)
 
 
-# Each keyword's accepted *types* (its values are checked by the group or the trainer): a wrong type is refused
-# here, in one line naming the keyword, before anything is built (not a traceback deep inside, nor a silent
-# truthiness test: show_progress='no' is not True).
-TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "compress_gradients": (lambda v: v is None or isinstance(v, (bool, str)) or _compressor_like(v),
-                           "None/False/'none', True, a spec string ('powersgd:rank=4', 'torch-fp16') or a "
-                           "syncwise Compressor"),
-    "sync": (lambda v: v is None or isinstance(v, str) or _sync_like(v),
-             "None (every step), a spec string ('localsgd:period=8', 'diloco:...') or a syncwise SyncSpec"),
-    "parallel": (lambda v: v is None or isinstance(v, dict) or _layout_like(v),
-                 "None (DDP replicas), a dict of ParallelSpec fields or a syncwise.parallel.ParallelSpec"),
-    "tp_plan": (lambda v: v is None or isinstance(v, dict), "None or a dict (parallelize_module's plan)"),
-    "pipeline_split": (lambda v: v is None or callable(v), "None or a function split_fn(model, stage, n_stages)"),
-    "bucket_cap_mb": (_num, "a finite number > 0"),
-    "min_numel": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer ≥ 0"),
-    "mixed_precision": (lambda v: True, ""),  # every spelling is checked by arguments.mixed_precision_mode
-    "grad_accum_steps": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer ≥ 1"),
-    "clip_grad_norm": (_num, "a finite number ≥ 0 (0: measure the norm only)"),
-    "lr_scheduler": (lambda v: v is None or callable(getattr(v, "step", None)),
-                     "None or a learning-rate scheduler (an object with .step())"),
-    "dynamic_batch": (lambda v: True, ""),  # checked by StepOptions
-    "compile": (lambda v: isinstance(v, bool), "True or False"),
-    "activation_checkpointing": (lambda v: isinstance(v, bool), "True or False"),
-    "tf32": (lambda v: isinstance(v, bool), "True or False"),
-    "device": (lambda v: v is None or isinstance(v, (str, __import__("torch").device)) or (
-        isinstance(v, int) and not isinstance(v, bool)), "None (the model's), a torch.device, 'cpu', 'cuda' or "
-               "'cuda:N'"),
-    "run_dir": (lambda v: True, ""),  # arguments.as_path
-    "val_loader": (lambda v: v is None or _iterable_not_text(v), "None or an iterable of batches (a DataLoader)"),
-    "val_interval": (lambda v: True, ""),  # count()
-    "log_interval": (lambda v: True, ""),
-    "show_progress": (lambda v: isinstance(v, bool), "True or False"),
-    "flops_per_token": (lambda v: v is None or _num(v), "None or a finite number > 0"),
-    "checkpointer": (lambda v: v is None or (hasattr(v, "save") and hasattr(v, "load") and hasattr(v, "directory")),
-                     "None or a syncwise SmartCheckpointer (or train(checkpoint_dir=...))"),
-    "data_seed": (lambda v: True, ""),
-    "profile_steps": (lambda v: v is None or isinstance(v, str), "None or 'A:B' (steps A to B, 1-based)"),
-    "profile_every": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer: 0 (off) or N ≥ 2"),
-    "collective_timeout_s": (lambda v: v is None or _num(v), "None or a finite number of seconds > 0"),
-    "preempt_grace_s": (lambda v: v is None or _num(v), "None/0 (signals alone) or a finite number of seconds ≥ 0"),
-    "inject_faults": (lambda v: v is None or isinstance(v, str) or _fault_list(v),
-                      "None or a list of fault specs ('kill:rank=R,step=S', 'nan:step=S', ...)"),
-    "live_recovery": (lambda v: v is None or (hasattr(v, "attach") and hasattr(v, "join")),
-                      "None or a syncwise.train.live_recovery.LiveRecovery"),
-}
+def _device_like(v: Any) -> bool:
+    import torch
+
+    return v is None or isinstance(v, (str, torch.device)) or (isinstance(v, int) and not isinstance(v, bool))
 
 
-def _check_types(group: Any) -> None:
-    for f in fields(group):
-        ok, accepted = TYPES[f.name]
-        value = getattr(group, f.name)
-        if not ok(value):
-            raise ConfigError(f.name, value, accepted)
+# Every field is a syncwise.schema.Option: its default, doc, accepted values and rule in one place. Those the command
+# line has too are schema's (one definition for both doors); the Python API's own are written here. A wrong value is
+# refused when the group is made, in one line naming the keyword, before anything is built (not a traceback deep
+# inside, nor a silent truthiness test: show_progress='no' is not True); what depends on the device or the layout is
+# the trainer's and layout.check_step's.
 
 
 @dataclass
 class CommOptions:
     """How the ranks communicate: the layout, gradient compression, reduced sync and DDP's buckets."""
 
-    compress_gradients: Any = None   # None/'none', a spec ('powersgd:rank=4', 'torch-fp16'), True, or a Compressor
-    sync: Any = None                 # None (every step) or 'localsgd:period=H' / 'diloco:...' / 'pipesgd' (a SyncSpec)
-    parallel: Any = None             # a syncwise.parallel.ParallelSpec or a dict of its fields; None: DDP replicas
-    tp_plan: Optional[dict] = None   # a user model's tensor-parallel plan (parallelize_module's dict)
-    pipeline_split: Optional[Callable[[Any, int, int], Any]] = None  # split_fn(model, stage, n_stages) -> stage
-    bucket_cap_mb: float = BUCKET_CAP_MB     # DDP's gradient bucket size
-    min_numel: int = MIN_NUMEL           # tensors smaller than this are sent uncompressed
+    compress_gradients: Any = option(
+        None, "gradient compression (docs/compression.md); True: powersgd:rank=4",
+        "None/False/'none', True, a spec string ('powersgd:rank=4', 'torch-fp16') or a syncwise Compressor",
+        lambda v: v is None or isinstance(v, (bool, str)) or _compressor_like(v))
+    sync: Any = option(None, "reduced sync: local SGD / DiLoCo every H steps, Pipe-SGD, ... (None: every step)",
+                       "None (every step), a spec string ('localsgd:period=8', 'diloco:...') or a syncwise SyncSpec",
+                       lambda v: v is None or isinstance(v, str) or _sync_like(v))
+    parallel: Any = option(None, "the layout: FSDP2 / HSDP / tensor / pipeline / expert degrees (None: every rank a "
+                           "DDP replica)", "None (DDP replicas), a dict of ParallelSpec fields or a "
+                           "syncwise.parallel.ParallelSpec", lambda v: v is None or isinstance(v, dict) or _layout_like(v))
+    tp_plan: Optional[dict] = option(None, "a user model's tensor-parallel plan (parallelize_module's dict)",
+                                     "None or a dict (parallelize_module's plan)")
+    pipeline_split: Optional[Callable[[Any, int, int], Any]] = option(
+        None, "a user model's pipeline split: split_fn(model, stage, n_stages) -> the stage's module",
+        "None or a function split_fn(model, stage, n_stages)")
+    bucket_cap_mb: float = schema.BUCKET_CAP.field(api=True)
+    min_numel: int = schema.MIN_NUMEL_OPTION.field(api=True)
 
     def __post_init__(self) -> None:
-        _check_types(self)
-        arguments.finite("bucket_cap_mb", self.bucket_cap_mb, inclusive=False)
+        schema.validate_fields(self)
 
 
 @dataclass
 class StepOptions:
     """What one optimizer step does: precision, accumulation, clipping, micro-batching, compile, recompute."""
 
-    mixed_precision: Any = "auto"    # 'auto' (bf16 on a GPU that has it), 'bf16', 'fp16' (CUDA), 'none'/False
-    grad_accum_steps: int = 1        # loader batches per optimizer step (only the last one communicates)
-    clip_grad_norm: float = 1.0      # 0: measure the norm only
-    lr_scheduler: Any = None         # stepped after each applied update
-    dynamic_batch: Optional[DynamicBatcher] = None  # micro-batches that fit in memory (docs/dynamic-batch.md)
-    compile: bool = False            # torch.compile the wrapped module
-    activation_checkpointing: bool = False
-    tf32: bool = True                # fp32 matmuls on tensor cores (CUDA)
+    mixed_precision: Any = schema.MIXED_PRECISION.field(api=True)
+    grad_accum_steps: int = schema.GRAD_ACCUM.field(api=True)
+    clip_grad_norm: float = schema.CLIP_GRAD.field(api=True)
+    lr_scheduler: Any = option(None, "stepped after each applied update",
+                               "None or a learning-rate scheduler (an object with .step())",
+                               lambda v: v is None or callable(getattr(v, "step", None)))
+    dynamic_batch: Optional[DynamicBatcher] = option(None, "micro-batches that fit in memory (docs/dynamic-batch.md)",
+                                                     "None or a syncwise.train.DynamicBatcher")
+    compile: bool = schema.COMPILE.field(api=True)
+    activation_checkpointing: bool = schema.ACTIVATION_CHECKPOINTING.field(api=True)
+    tf32: bool = option(True, "fp32 matmuls on tensor cores (CUDA)", "True or False")
 
     def __post_init__(self) -> None:
-        _check_types(self)
-        arguments.mixed_precision_mode(self.mixed_precision)  # the trainer keeps the spelling for its errors
-        self.grad_accum_steps = count("grad_accum_steps", self.grad_accum_steps)
-        self.clip_grad_norm = arguments.finite("clip_grad_norm", self.clip_grad_norm)
-        if self.dynamic_batch is not None and not isinstance(self.dynamic_batch, DynamicBatcher):
-            raise ConfigError("dynamic_batch", self.dynamic_batch, "None or a syncwise.train.DynamicBatcher")
+        schema.validate_fields(self)  # (the trainer keeps mixed_precision's spelling for its errors)
 
 
 @dataclass
 class RunOptions:
     """Where the run lives and what it reports: device, run directory, validation, progress, checkpoints."""
 
-    device: Any = None               # default: the model's
-    run_dir: Any = None              # metrics.jsonl, summary.json, ranks/, heartbeats/
-    val_loader: Optional[Iterable] = None
-    val_interval: int = 0            # validate every N steps (and at the end); 0: at the end only
-    log_interval: int = 10           # plain output: a progress line every N steps
-    show_progress: bool = True       # False silences the console only; files are still written
-    flops_per_token: Optional[float] = None  # for MFU
-    checkpointer: Any = None         # a SmartCheckpointer (or train(checkpoint_dir=...))
-    data_seed: int = 0               # shuffle order of a sharded loader
-    profile_steps: Any = None        # 'A:B': a torch profiler trace of steps A..B into run_dir/traces (docs/doctor.md)
-    profile_every: int = 0           # N ≥ 2: a trace of one step in N; 0: off
+    device: Any = option(None, "where the model trains (None: the model's)",
+                         "None (the model's), a torch.device, 'cpu', 'cuda' or 'cuda:N'", _device_like)
+    run_dir: Any = option(None, "metrics.jsonl, summary.json, ranks/, heartbeats/ (None: no files); its rule is "
+                          "arguments.as_path's, as train(checkpoint_dir=)'s")
+    val_loader: Optional[Iterable] = option(None, "validation batches", "None or an iterable of batches (a DataLoader)",
+                             lambda v: v is None or _iterable_not_text(v))
+    val_interval: int = schema.VAL_INTERVAL.field(api=True)
+    log_interval: int = schema.LOG_INTERVAL.field(api=True)
+    show_progress: bool = option(True, "False silences the console only; files are still written", "True or False")
+    flops_per_token: Optional[float] = option(None, "the model's FLOPs per token, for MFU",
+                                              "None or a finite number > 0", lambda v: v > 0)
+    checkpointer: Any = option(None, "a SmartCheckpointer (or train(checkpoint_dir=...))",
+                               "None or a syncwise SmartCheckpointer (or train(checkpoint_dir=...))",
+                               lambda v: v is None or all(hasattr(v, a) for a in ("save", "load", "directory")))
+    data_seed: int = option(0, "shuffle order of a sharded loader", "an integer ≥ 0", lambda v: v >= 0)
+    profile_steps: Optional[str] = schema.PROFILE_STEPS.field(api=True)
+    profile_every: int = schema.PROFILE_EVERY.field(api=True)
 
     def __post_init__(self) -> None:
-        _check_types(self)
-        self.val_interval = count("val_interval", self.val_interval, minimum=0)
-        self.log_interval = count("log_interval", self.log_interval)
-        self.data_seed = count("data_seed", self.data_seed, minimum=0)
+        schema.validate_fields(self)
         self.run_dir = arguments.as_path("run_dir", self.run_dir)
         check_pair(self.profile_steps, self.profile_every)
-        if self.flops_per_token is not None:
-            arguments.finite("flops_per_token", self.flops_per_token, inclusive=False)
         if self.device is not None:  # a torch.device from here on (the trainer reads .type)
             from ..devices import resolve
 
@@ -189,18 +151,19 @@ class RunOptions:
 class FaultOptions:
     """When something goes wrong: hung collectives, preemption signals, and injected faults for tests and demos."""
 
-    collective_timeout_s: Optional[float] = None  # a collective that takes longer is reported as a hang
-    preempt_grace_s: Optional[float] = DEFAULT_GRACE_S  # SIGTERM/SIGUSR1: stop, save, exit 83; None/0: signals alone
-    inject_faults: Optional[list] = None          # 'kill:rank=R,step=S', 'nan:step=S', ... (train/faults.py)
-    live_recovery: Any = None                     # a train.live_recovery.LiveRecovery: this replica group's torchft side
+    collective_timeout_s: Optional[float] = schema.COLLECTIVE_TIMEOUT.field(api=True)
+    preempt_grace_s: Optional[float] = schema.PREEMPT_GRACE.field(api=True)
+    inject_faults: Any = option(None, "faults to inject (train/faults.py), parsed once, here",
+                                "None or a list of fault specs ('kill:rank=R,step=S', 'nan:step=S', ...)",
+                                lambda v: v is None or isinstance(v, str) or _fault_list(v))
+    live_recovery: Any = option(None, "a train.live_recovery.LiveRecovery: this replica group's torchft side",
+                                "None or a syncwise.train.live_recovery.LiveRecovery",
+                                lambda v: v is None or (hasattr(v, "attach") and hasattr(v, "join")))
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        schema.validate_fields(self)
         if isinstance(self.inject_faults, str):  # one spec
             self.inject_faults = [self.inject_faults]
-        if self.collective_timeout_s is not None:
-            arguments.finite("collective_timeout_s", self.collective_timeout_s, inclusive=False)
-        arguments.finite("preempt_grace_s", self.preempt_grace_s or 0.0)
         # parsed once, here: the trainer's FaultPlan gets Fault objects (a bad spec fails before anything is built)
         self.inject_faults = [Fault.parse(x) if isinstance(x, str) else x for x in self.inject_faults or []]
 
@@ -270,3 +233,19 @@ def signature(init: Callable) -> Any:
         params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
                    for f in fields(kind)]
     return base.replace(parameters=params)
+
+
+def shared_keywords(config: Any) -> dict[str, Any]:
+    """``OptimizedTrainer``'s keywords from the values of a tree of dataclasses (``syncwise train``'s RunConfig and
+    its sections): every field that is the same ``syncwise.schema.Option`` as a group field gives that field's
+    keyword (``[train] grad_accum`` → ``grad_accum_steps``). The worker hands a job's options to the trainer so: the
+    pairing is the schema's, written nowhere else."""
+    keyword = {schema.option_of(f): f.name for kind in GROUPS.values() for f in fields(kind) if schema.option_of(f)}
+    out: dict[str, Any] = {}
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if is_dataclass(value):
+            out.update(shared_keywords(value))
+        elif schema.option_of(f) in keyword:
+            out[keyword[schema.option_of(f)]] = value
+    return out

@@ -62,7 +62,6 @@ EXIT_INTERRUPTED = 130
 SAME_CTRL_C_S = 1.0
 #: The file rank 0 writes into the run directory when it stopped for preemption (removed when a run starts).
 MARKER = RunDir(".").preempted.name  # the file name alone, for shell scripts (launch/slurm.py)
-DEFAULT_GRACE_S = 60.0
 
 
 class Preempted(SystemExit):
