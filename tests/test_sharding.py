@@ -125,8 +125,10 @@ def test_resume_at_epoch_end_starts_next_epoch():
 
 def test_state_survives_weights_only_checkpoint_and_workers(tmp_path):
     def make():
+        # workers from a forkserver: a worker forked from a pytest-xdist process that earlier tests left with
+        # threads once deadlocked in its first collate (a lock held at fork time), and the suite waited on it
         src = DataLoader(dataset(), batch_size=3, shuffle=True, num_workers=1, persistent_workers=True,
-                         prefetch_factor=2)
+                         prefetch_factor=2, multiprocessing_context="forkserver")
         return shard_loader(src, 1, 2, seed=4)
     a = make()
     assert a.loader.num_workers == 1 and a.loader.persistent_workers and a.loader.prefetch_factor == 2
