@@ -529,6 +529,7 @@ def _gloo_groups_fds(rank, world, groups):
         made = [ops.new_group(backend="gloo", desc=f"g{i}") for i in range(groups)]
         dist.barrier()
         out[lazy] = _socket_fds() - before
+        dist.barrier()  # every rank counted before any uses a lazy group (a peer's first collective connects to it)
         if lazy:
             t = torch.ones(1)
             ops.all_reduce(t, "sum", group=made[0], stats=None)
