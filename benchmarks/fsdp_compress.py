@@ -24,7 +24,10 @@ to its loss, within 1 % of its validation loss at matched tokens, sooner than ev
     python benchmarks/fsdp_compress.py --dry-run                    # validate every configuration, run nothing
     python benchmarks/fsdp_compress.py --lab 200mbit --nproc 2 --preset small --steps 600 --cap 1200 --repeats 3
 
-Not run yet (see docs/parallelism.md): no figures in RESULTS.md come from it so far.
+Run once so far, small (RESULTS.md §3, results/fsdp-compress-tiny-50mbit.json):
+
+    python benchmarks/fsdp_compress.py --lab 50mbit --nproc 2 --preset tiny --steps 150 --cap 300 --val-interval 15 \
+        --configs qgZ,qgZ+qwZ,qgZ+qwZ+hpZ --peers torch-fsdp2-bf16,hsdp-fp8
 """
 from __future__ import annotations
 
