@@ -285,7 +285,7 @@ class OptimizedTrainer:
         # can be seen without iterating the loader (a list, a map-style DataLoader); otherwise at the first step.
         first = batch_shapes.peek(loader)
         if first is not None:
-            batch_shapes.as_pair(first, pipeline=self.par.pipeline is not None)
+            batch_shapes.as_pair(first, pipeline=not self.par.accepts_mappings)
         loader = shard_loader(loader, *self._data_shard(), seed=self.data_seed)
         total = self.total_steps = self._total_steps(loader, epochs, steps)
         state, redone = self._open(loader, checkpoint_dir, resume)
@@ -293,7 +293,7 @@ class OptimizedTrainer:
             return self._already_finished(total)
         logger, rank_log = self._start_logs(total, redone)
         # every loader batch as an (inputs, targets) pair; a mapping is (its dict, KWARGS): syncwise.train.batches
-        batches = batch_shapes.pairs(_forever(loader), pipeline=self.par.pipeline is not None)
+        batches = batch_shapes.pairs(_forever(loader), pipeline=not self.par.accepts_mappings)
         batches, layout_check = self._first_batches(batches, logger, cloud_config)
         callbacks = self._step_callbacks(state, logger)
         started = time.perf_counter()
