@@ -174,17 +174,10 @@ def group_of(event: dict, groups: dict[str, tuple[str, int]]) -> tuple[Optional[
     return DIM_OF_GROUP.get(desc, desc[len("mesh_"):] if desc.startswith("mesh_") else desc), size
 
 
-#: bus bandwidth = algorithm bandwidth × this factor (nccl-tests' definition; n the group's size, bytes a rank's input)
-def bus_factor(kind: str, n: int) -> float:
-    if n <= 1:
-        return 0.0
-    if kind == "allreduce":
-        return 2 * (n - 1) / n
-    if kind == "allgather":  # a rank's input is its shard: n shards gathered, n - 1 of them crossed
-        return float(n - 1)
-    if kind in ("reducescatter", "alltoall", "alltoallbase"):
-        return (n - 1) / n
-    return 1.0
+#: the trace's collective kinds under the cost model's names (``syncwise.plan.whatif.moved_bytes``: the bytes a rank
+#: moves for its input, nccl-tests' bus factors); other kinds move their input once
+_COST_OPS = {"allreduce": "all_reduce", "allgather": "all_gather", "reducescatter": "reduce_scatter",
+             "alltoall": "all_to_all", "alltoallbase": "all_to_all"}
 
 
 # ---- one trace -------------------------------------------------------------------------------------------------
@@ -315,6 +308,8 @@ def summarize(run_dir: "str | Path", priced_bytes_s: Optional[float] = None) -> 
     collective kind (per step, the mean rank; its bus bandwidth, and that over ``priced_bytes_s``, the link the run
     was priced on, where given), per parallel dimension where the trace names the groups, overlap achieved, and the
     slowest rank by phase."""
+    from ..plan.whatif import moved_bytes  # torch-free, as this module is
+
     traces = load_traces(run_dir)
     ranks: dict[int, dict[str, Any]] = {}
     kinds: dict[str, dict[str, list]] = {}
@@ -349,8 +344,9 @@ def summarize(run_dir: "str | Path", priced_bytes_s: Optional[float] = None) -> 
                "ms_per_step": sum(v["ms"]) / samples}
         sizes = [g for g in v["group_size"] if g]
         n = max(sizes) if sizes else world  # the trace's own group size, else the run's ranks
-        bus = (bus_factor(kind, n) * row["bytes_per_step"] / (row["ms_per_step"] / 1e3)
-               if row["bytes_per_step"] and row["ms_per_step"] > 0 and bus_factor(kind, n) else None)
+        moved = moved_bytes(_COST_OPS.get(kind, kind), row["bytes_per_step"], n) if (
+            row["bytes_per_step"] and n > 1) else 0.0
+        bus = moved / (row["ms_per_step"] / 1e3) if moved and row["ms_per_step"] > 0 else None
         row.update({"group_size": n, "bus_bytes_s": bus,
                     "of_priced": bus / priced_bytes_s if bus and priced_bytes_s else None})
         per_kind[kind] = row
