@@ -101,9 +101,9 @@ class FaultPlan:
         self._backward_sleep = 0.0  # slow with phase=backward: what the backward hook sleeps this step
         self._slept = 0.0           # ... and what it slept (left out of the measured time)
 
-    def has(self, kind: str) -> bool:
-        """Whether the plan holds a fault of ``kind`` (on any rank, at any step)."""
-        return any(f.kind == kind for f in self.faults)
+    def has(self, *kinds: str) -> bool:
+        """Whether the plan holds a fault of any of ``kinds`` (on any rank, at any step)."""
+        return any(f.kind in kinds for f in self.faults)
 
     def poison_loss(self, step: int, rank: int) -> bool:
         """True if the loss of ``step`` must be NaN on this rank."""

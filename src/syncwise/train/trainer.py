@@ -373,8 +373,7 @@ class OptimizedTrainer:
     def _step_callbacks(self, state: TrainState, logger: MetricsLogger) -> list[StepCallback]:
         """The loop's collaborators for this run, in the order the loop calls them (train/callbacks.py): each is in
         the list only when its feature is on; the sync strategy's (live recovery's quorum) first, a user's last."""
-        callbacks: list[StepCallback] = [InjectedKills(self.faults)] if (
-            self.faults.has("kill") or self.faults.has("hang")) else []
+        callbacks: list[StepCallback] = [InjectedKills(self.faults)] if self.faults.has("kill", "hang") else []
         callbacks += self._sync_callbacks
         if self.world_size > 1:
             callbacks.append(Arrivals(ArrivalLog(self.run_dir, self.rank, start_step=self.step)))
