@@ -65,6 +65,9 @@ def _kinds_worker(rank, world):
         out[name] = (type(par).__name__, describe_layout(par), par.holds_all_layers, par.accepts_mappings,
                      par.distributed)
         par.close()
+    # rank 0 holds the store: it must not tear the group down while rank 1 still builds its last mesh (CI once saw
+    # rank 1's gloo group creation reset by peer)
+    torch.distributed.barrier()
     return out
 
 
