@@ -405,16 +405,19 @@ class RunConfig:
         """The run's spec strings parsed by their owners' parsers (``syncwise.specs`` syntax), typed: what
         workers hand to the trainer. Each call builds fresh objects (a compressor carries per-run state); a
         bad spec raises its owner's ConfigError under this config's key, with the value as given."""
-        lay = run_layout(self)  # compress.method and parallel.sync parsed here, once (syncwise.layout; no torch yet:
-        from .parallel.data_parallel import compressor_of  # a misspelt compressor is refused in well under a second)
+        # The torch-free parsers first (compress.method and parallel.sync in syncwise.layout, the fault specs), so
+        # that a misspelt spec is refused in well under a second; then the compressor's instance, which needs torch.
+        lay = run_layout(self)
         from .train.faults import Fault
 
-        with _as_field("compress.method", self.compress.method):  # the instance: the compressor's own bounds
-            compress = compressor_of(lay.compress)
         faults = []
         for spec in self.inject_fault:
             with _as_field("inject_fault", spec):
                 faults.append(Fault.parse(spec))
+        from .parallel.data_parallel import compressor_of
+
+        with _as_field("compress.method", self.compress.method):  # the instance: the compressor's own bounds
+            compress = compressor_of(lay.compress)
         return RunSpecs(compress, lay.sync, faults, lay)
 
 
