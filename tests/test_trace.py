@@ -7,6 +7,7 @@ checked on a synthetic trace with known overlapping intervals.
 from __future__ import annotations
 
 import datetime
+import re
 import json
 
 import pytest
@@ -265,3 +266,39 @@ def test_a_rank_that_stops_inside_a_tensor_parallel_step_is_named_by_doctor(tmp_
     assert m["op"] and m["seq"] is not None and m["frame"]
     assert set(m["missing"]) | set(m["no_dump"]) == {1} and 0 in hang["ranks_dumped"]
     assert hang["reports"] and "did not complete" in hang["reports"][0]
+
+
+def _side_by_side():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "hta_side_by_side.py"
+    spec = importlib.util.spec_from_file_location("hta_side_by_side", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_side_by_side_synthetic_trace_splits_as_it_was_built_and_hta_stays_optional(tmp_path):
+    # benchmarks/hta_side_by_side.py's Kineto-format trace, rank 0 (µs per step, by construction): forward 24
+    # GEMMs of 60, backward 24 of 150, optimizer 6 of 50 -> 5,340 of kernels; three 700 µs all-reduces, the last
+    # after the backward (exposed); each forward launch leaves the device idle 13 µs (8 in the call, 5 until the
+    # kernel starts), as does the input copy's -> 25 x 13 = 325 µs of launch overhead
+    bench = _side_by_side()
+    data = bench.synthetic_gpu_trace(0)
+    t = split_trace(data)
+    assert t.device == "gpu" and [s.step for s in t.steps] == [10, 11, 12]
+    for s in t.steps:
+        assert s.comm_ms == pytest.approx(2.1) and s.exposed_ms == pytest.approx(0.7)
+        assert s.launch_ms == pytest.approx(0.325)
+        assert s.compute_ms + s.exposed_ms + s.launch_ms + s.host_ms == pytest.approx(s.step_ms, abs=1e-9)
+        assert s.kinds["allreduce"]["count"] == 3
+    path = tmp_path / "rank0.step10-12.json"
+    path.write_text(json.dumps(data))
+    assert bench.syncwise_side(path)["compute_kernels_only_ms"] == pytest.approx(3 * 5.34)
+    # HTA is optional: syncwise's package never imports it
+    from pathlib import Path
+
+    import syncwise
+    src = Path(syncwise.__file__).parent
+    assert not [p for p in src.rglob("*.py") if re.search(r"^\s*(import|from)\s+hta\b", p.read_text(), re.M)]
