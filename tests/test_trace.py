@@ -113,6 +113,19 @@ def test_launch_overhead_is_the_device_idle_while_a_launch_is_under_way_and_the_
     assert timeline(tmp_path)["ranks"][0]["launch"][1] == pytest.approx((0.42, 0.6))
 
 
+def test_launch_calls_are_the_runtime_and_driver_calls_that_enqueue_device_work():
+    from syncwise.doctor.trace import is_launch
+
+    for name in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
+                 "cudaLaunchCooperativeKernel", "cudaMemcpyAsync", "cudaMemcpy2DAsync", "cuMemcpyHtoDAsync_v2",
+                 "cudaMemsetAsync", "hipLaunchKernel", "hipExtModuleLaunchKernel", "hipMemcpyWithStream"):
+        assert is_launch({"cat": "cuda_runtime", "name": name}) and is_launch({"cat": "cuda_driver", "name": name})
+    for name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaEventRecord",
+                 "cudaStreamWaitEvent", "cudaMalloc", "cudaFuncGetAttributes"):
+        assert not is_launch({"cat": "cuda_runtime", "name": name})
+    assert not is_launch({"cat": "cpu_op", "name": "cudaLaunchKernel"})   # by category as well as name
+
+
 def test_a_cpu_run_says_launch_overhead_is_not_defined(tmp_path):
     traces = RunDir(tmp_path).traces
     traces.mkdir(parents=True)

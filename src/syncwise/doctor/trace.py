@@ -46,7 +46,7 @@ _NCCL_KERNEL = re.compile(r"^nccl(?:Dev)?Kernel_([A-Za-z]+)")
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 _RUNTIME_CATS = ("cuda_runtime", "cuda_driver")
 #: the runtime / driver calls that launch work on the device (CUDA and HIP; not the synchronous copies and waits)
-_LAUNCH = re.compile(r"^(?:cuda|cu|hip)(?:\w*Launch\w*|Memcpy\w*Async\w*|Memset\w*Async\w*)$")
+_LAUNCH = re.compile(r"^(?:cuda|cu|hip)(?:\w*Launch\w*|Memcpy\w*(?:Async|WithStream)\w*|Memset\w*Async\w*)$")
 _DTYPE_BYTES = {"float": 4, "float32": 4, "double": 8, "float64": 8, "c10::half": 2, "half": 2, "float16": 2,
                 "c10::bfloat16": 2, "bfloat16": 2, "long int": 8, "int64": 8, "int": 4, "int32": 4, "short int": 2,
                 "signed char": 1, "unsigned char": 1, "bool": 1, "c10::float8_e4m3fn": 1, "c10::float8_e5m2": 1,
