@@ -508,7 +508,7 @@ def print_traces(t: Optional[dict[str, Any]], console: Any) -> None:
     for col in ("rank", "step", "compute", "exposed comm", "launch", "host-bound", "comm (union)", "overlapped"):
         table.add_column(col, justify="right")
     for r, v in sorted(t["ranks"].items()):  # compute + exposed + launch + host-bound = step
-        table.add_row(str(r), *(f"{v[k]:,.1f}" if v[k] is not None else "n/a (cpu)"
+        table.add_row(str(r), *(f"{v[k]:,.1f}" if v[k] is not None else "n/a"
                                 for k in ("step_ms", "compute_ms", "exposed_ms", "launch_ms", "host_ms", "comm_ms")),
                       f"{100 * v['overlap_share']:.0f} %" if v["overlap_share"] is not None else "-")
     console.print(table)
