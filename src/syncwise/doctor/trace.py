@@ -20,11 +20,12 @@ Per step (the host's ``ProfilerStep#k`` window, trainer step ``first_step + k``)
   - **host-bound** = the rest of idle: Python, the data loader, synchronisation — the host had not yet asked.
   On a CPU (gloo) trace nothing is launched: launch overhead is not defined (``None``) and all of idle is host-bound.
 
-So compute + exposed + idle is the step, exactly, and idle = launch overhead + host-bound. Communication is recognised by what the trace says about an
-event, in this order: a ``Collective name`` argument (torch's ``record_param_comms`` and NCCL kernels carry it), the
-backend's own annotation (``gloo:all_reduce``, ``nccl:all_reduce``, ``ucc:``, ``mpi:``), c10d's operators
-(``c10d::allreduce_``: the host side that issues it), and NCCL's kernels under both names they have had
-(``ncclKernel_*``, ``ncclDevKernel_*``) — the last only where nothing else marks a device event. On a GPU trace
+So compute + exposed + idle is the step, exactly, and idle = launch overhead + host-bound. Communication is
+recognised by what the trace says about an event, in this order: a ``Collective name`` argument (torch's
+``record_param_comms`` and NCCL kernels carry it), the backend's own annotation (``gloo:all_reduce``,
+``nccl:all_reduce``, ``ucc:``, ``mpi:``), c10d's operators (``c10d::allreduce_``: the host side that issues it), and
+NCCL's kernels under both names they have had (``ncclKernel_*``, ``ncclDevKernel_*``) — the last only where nothing
+else marks a device event. On a GPU trace
 whose device events include communication, only those count (the device's time is what is split; the host's
 ``record_param_comms`` and ``nccl:`` annotations around a launch are not the collective running).
 Pure Python over JSON (no torch); HolisticTraceAnalysis's critical-path and overlap analyses follow the same rule
