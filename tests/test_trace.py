@@ -7,16 +7,18 @@ checked on a synthetic trace with known overlapping intervals.
 from __future__ import annotations
 
 import datetime
+import re
 import json
 
 import pytest
 import torch
+from rich.console import Console
 from torch import nn
 
 from syncwise.cli import main
 from syncwise.config import build_config
 from syncwise.doctor import flight as doctor_flight
-from syncwise.doctor.trace import cite, load_traces, split_trace, summarize, timeline
+from syncwise.doctor.trace import cite, load_traces, print_traces, sentences, split_trace, summarize, timeline
 from syncwise.errors import ConfigError
 from syncwise.rundir import RunDir
 from syncwise.train import OptimizedTrainer
@@ -47,6 +49,8 @@ def test_a_synthetic_trace_splits_by_interval_unions_never_summed_durations():
     assert s.exposed_ms == pytest.approx(0.025)       # [35, 60)
     assert s.idle_ms == pytest.approx(0.1 - 0.075)    # [0, 5) ∪ [80, 100)
     assert s.compute_ms + s.exposed_ms + s.idle_ms == pytest.approx(s.step_ms)
+    # a CPU trace launches nothing: launch overhead is not defined, all of idle is host-bound
+    assert s.launch_ms is None and s.host_ms == s.idle_ms
     # per kind: its execution (the gloo events) where recorded, not the issue as well
     assert s.kinds["allreduce"]["count"] == 2 and s.kinds["allreduce"]["bytes"] == 4000 + 20
     # an NCCL kernel under either name it has had, and a device trace's compute is its other kernels
@@ -58,6 +62,83 @@ def test_a_synthetic_trace_splits_by_interval_unions_never_summed_durations():
     assert set(g.kinds) == {"allreduce", "allgather"}
     assert g.compute_ms == pytest.approx(0.060) and g.comm_ms == pytest.approx(0.040)
     assert g.exposed_ms == pytest.approx(0.030) and g.idle_ms == pytest.approx(0.010)
+
+
+def _kineto_step():
+    """One GPU step in Kineto's shape: the host's step and runtime calls, the device's kernels (µs), joined by
+    ``correlation``; the step [0, 1000) repeated on the device as a gpu_user_annotation (not a second step)."""
+    host, dev = {"tid": 1}, {"tid": 7}
+    rt = lambda name, ts, dur, c, cat="cuda_runtime": _x(name, ts, dur, cat=cat, correlation=c, **host)  # noqa: E731
+    k = lambda name, ts, dur, c, cat="kernel", tid=7: _x(name, ts, dur, tid=tid, cat=cat, correlation=c)  # noqa: E731
+    return [_x("ProfilerStep#0", 0, 1000, cat="user_annotation", **host),
+            _x("ProfilerStep#0", 100, 800, cat="gpu_user_annotation", **dev),
+            rt("cudaLaunchKernel", 100, 20, 1), k("sm90_xmma_gemm", 130, 270, 1),          # waits [100, 130)
+            rt("cudaLaunchKernelExC", 200, 10, 4), k("vectorized_elementwise", 300, 50, 4, tid=8),  # device busy
+            # the host side of an all-reduce (record_param_comms, the nccl: annotation) around its launch: not the
+            # collective running; the kernel starts 160 µs after its launch returned, the device idle meanwhile
+            _x("record_param_comms", 400, 50, **{"Collective name": "allreduce"}, **host),
+            _x("nccl:all_reduce", 410, 30, cat="user_annotation", **host),
+            rt("cudaLaunchKernel", 420, 20, 2), k("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 600, 200, 2, tid=9),
+            rt("cudaMemcpyAsync", 850, 10, 3), k("Memcpy DtoH (Device -> Pinned)", 870, 10, 3, cat="gpu_memcpy"),
+            rt("cudaStreamSynchronize", 880, 60, 5),                                       # a wait, not a launch
+            rt("cuLaunchKernel", 950, 10, 9, cat="cuda_driver")]                           # its kernel not traced
+
+
+def test_launch_overhead_is_the_device_idle_while_a_launch_is_under_way_and_the_parts_sum_to_the_step(tmp_path):
+    [s] = split_trace({"traceEvents": _kineto_step()}).steps
+    assert s.step_ms == pytest.approx(1.0)                  # one step: the device's copy of the window is not one
+    assert s.compute_ms == pytest.approx(0.280)             # [130, 400) ∪ [870, 880): kernels and the copy
+    assert s.comm_ms == pytest.approx(0.200) and s.exposed_ms == pytest.approx(0.200)  # the kernel only
+    assert s.kinds["allreduce"]["count"] == 1
+    # launch: [100, 130) + [420, 600) (inside the call, then the kernel not yet started) + [850, 870) + [950, 960);
+    # the launch at 200 adds nothing (the device was busy), cudaStreamSynchronize is host-bound
+    assert s.launch_ms == pytest.approx(0.240)
+    assert s.host_ms == pytest.approx(0.280)                # [0, 100) [400, 420) [880, 950) [960, 1000)
+    assert s.compute_ms + s.exposed_ms + s.launch_ms + s.host_ms == pytest.approx(s.step_ms, abs=1e-9)
+    assert s.spans["launch"] == [(0.1, 0.13), (0.42, 0.6), (0.85, 0.87), (0.95, 0.96)]
+    # doctor's summary, its table and sentence, and report's timeline carry it
+    traces = RunDir(tmp_path).traces
+    traces.mkdir(parents=True)
+    for rank in (0, 1):
+        (traces / f"rank{rank}.step4-4.json").write_text(json.dumps(
+            {"traceEvents": _kineto_step(), "syncwise": {"rank": rank, "first_step": 4}}))
+    t = summarize(tmp_path)
+    assert t["ranks"][0]["launch_ms"] == pytest.approx(0.24) and t["ranks"][1]["host_ms"] == pytest.approx(0.28)
+    assert t["launch_share"] == pytest.approx(0.24) and "launch overhead" in t["slowest_rank"]
+    assert any("0.2 ms is launch overhead" in line for line in sentences(t))
+    console = Console(record=True, width=200)
+    print_traces(t, console)
+    out = console.export_text()
+    assert "launch" in out and "host-bound" in out and "0.2 ms is launch overhead" in out
+    assert timeline(tmp_path)["ranks"][0]["launch"][1] == pytest.approx((0.42, 0.6))
+
+
+def test_launch_calls_are_the_runtime_and_driver_calls_that_enqueue_device_work():
+    from syncwise.doctor.trace import is_launch
+
+    for name in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
+                 "cudaLaunchCooperativeKernel", "cudaMemcpyAsync", "cudaMemcpy2DAsync", "cuMemcpyHtoDAsync_v2",
+                 "cudaMemsetAsync", "hipLaunchKernel", "hipExtModuleLaunchKernel", "hipMemcpyWithStream"):
+        assert is_launch({"cat": "cuda_runtime", "name": name}) and is_launch({"cat": "cuda_driver", "name": name})
+    for name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaEventRecord",
+                 "cudaStreamWaitEvent", "cudaMalloc", "cudaFuncGetAttributes"):
+        assert not is_launch({"cat": "cuda_runtime", "name": name})
+    assert not is_launch({"cat": "cpu_op", "name": "cudaLaunchKernel"})   # by category as well as name
+
+
+def test_a_cpu_run_says_launch_overhead_is_not_defined(tmp_path):
+    traces = RunDir(tmp_path).traces
+    traces.mkdir(parents=True)
+    cpu = [_x("ProfilerStep#0", 0, 100, cat="user_annotation"), _x("aten::mm", 0, 40),
+           _x("gloo:all_reduce", 40, 30, tid=2, cat="user_annotation")]
+    (traces / "rank0.step1-1.json").write_text(json.dumps({"traceEvents": cpu, "syncwise": {"first_step": 1}}))
+    t = summarize(tmp_path)
+    assert t["ranks"][0]["launch_ms"] is None and t["launch_share"] is None
+    assert t["ranks"][0]["host_ms"] == pytest.approx(0.03)
+    assert any("not defined on a CPU trace" in line for line in sentences(t))
+    console = Console(record=True, width=200)
+    print_traces(t, console)
+    assert "n/a" in console.export_text()
 
 
 def test_a_gpu_trace_that_names_its_groups_splits_by_dimension_with_bus_bandwidth_and_a_timeline(tmp_path):
@@ -113,6 +194,7 @@ def test_profile_steps_traces_every_rank_and_doctor_splits_the_real_step(tmp_pat
             assert 0 < s.comm_ms and 0 <= s.exposed_ms <= s.comm_ms + 1e-9 and s.compute_ms > 0
             # parts sum to the step within the trace's resolution (1 ns)
             assert abs(s.compute_ms + s.exposed_ms + s.idle_ms - s.step_ms) < 1e-6
+            assert s.launch_ms is None and s.host_ms == s.idle_ms     # a CPU trace: nothing launched
             assert s.kinds["allreduce"]["count"] >= 1 and s.kinds["allreduce"]["bytes"] > 0
     capsys.readouterr()
     assert main(["doctor", str(run_dir), "--json", "-", "--no-predict"]) == 0
@@ -197,3 +279,39 @@ def test_a_rank_that_stops_inside_a_tensor_parallel_step_is_named_by_doctor(tmp_
     assert m["op"] and m["seq"] is not None and m["frame"]
     assert set(m["missing"]) | set(m["no_dump"]) == {1} and 0 in hang["ranks_dumped"]
     assert hang["reports"] and "did not complete" in hang["reports"][0]
+
+
+def _side_by_side():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "hta_side_by_side.py"
+    spec = importlib.util.spec_from_file_location("hta_side_by_side", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_side_by_side_synthetic_trace_splits_as_it_was_built_and_hta_stays_optional(tmp_path):
+    # benchmarks/hta_side_by_side.py's Kineto-format trace, rank 0 (µs per step, by construction): forward 24
+    # GEMMs of 60, backward 24 of 150, optimizer 6 of 50 -> 5,340 of kernels; three 700 µs all-reduces, the last
+    # after the backward (exposed); each forward launch leaves the device idle 13 µs (8 in the call, 5 until the
+    # kernel starts), as does the input copy's -> 25 x 13 = 325 µs of launch overhead
+    bench = _side_by_side()
+    data = bench.synthetic_gpu_trace(0)
+    t = split_trace(data)
+    assert t.device == "gpu" and [s.step for s in t.steps] == [10, 11, 12]
+    for s in t.steps:
+        assert s.comm_ms == pytest.approx(2.1) and s.exposed_ms == pytest.approx(0.7)
+        assert s.launch_ms == pytest.approx(0.325)
+        assert s.compute_ms + s.exposed_ms + s.launch_ms + s.host_ms == pytest.approx(s.step_ms, abs=1e-9)
+        assert s.kinds["allreduce"]["count"] == 3
+    path = tmp_path / "rank0.step10-12.json"
+    path.write_text(json.dumps(data))
+    assert bench.syncwise_side(path)["compute_kernels_only_ms"] == pytest.approx(3 * 5.34)
+    # HTA is optional: syncwise's package never imports it
+    from pathlib import Path
+
+    import syncwise
+    src = Path(syncwise.__file__).parent
+    assert not [p for p in src.rglob("*.py") if re.search(r"^\s*(import|from)\s+hta\b", p.read_text(), re.M)]

@@ -134,12 +134,13 @@ def _names(runs: list[dict[str, Any]]) -> None:
 
 #: how the timeline draws a step's intervals (syncwise.doctor.trace.timeline): lane, colour, label
 LANES = (("compute", "C0", "compute"), ("overlapped", "C1", "communication beside compute"),
-         ("exposed", "C3", "exposed communication"))
+         ("exposed", "C3", "exposed communication"), ("launch", "C2", "launch overhead (GPU)"))
 
 
 def _draw_timeline(ax: Any, r: dict[str, Any]) -> None:
     """One profiled step of one run, a row per rank: compute, communication (exposed / beside compute), and under
-    it, per parallel dimension where the trace names the groups; what is left blank is idle (host-bound)."""
+    it, per parallel dimension where the trace names the groups; launch overhead on a GPU trace (the device idle
+    while a kernel launch was under way); what is left blank is host-bound."""
     t = r["timeline"]
     ranks = sorted(t["ranks"])
     ticks = []
@@ -157,7 +158,7 @@ def _draw_timeline(ax: Any, r: dict[str, Any]) -> None:
         ticks.append((base + 0.4, f"rank {rank}"))
     ax.set_yticks([a for a, _ in ticks], [b for _, b in ticks])
     ax.invert_yaxis()
-    ax.set_title(f"{r['name']}: step {t['step']} inside (torch profiler trace; blank = idle, host-bound)")
+    ax.set_title(f"{r['name']}: step {t['step']} inside (torch profiler trace; blank = host-bound)")
     ax.set_xlabel("ms from the step's start")
 
 
@@ -290,6 +291,6 @@ def run(args: argparse.Namespace) -> int:
     for r in runs:
         if r["timeline"]:
             print(f"{r['name']}: step {r['timeline']['step']} of its profiler traces drawn per rank (compute, "
-                  "exposed and overlapped communication, idle)")
+                  "exposed and overlapped communication, launch overhead on a GPU trace, host-bound)")
     print(f"picture: {png_path}\npage: {html_path}  (open it in a browser)")
     return 0

@@ -10,14 +10,24 @@ Per step (the host's ``ProfilerStep#k`` window, trainer step ``first_step + k``)
   CPU computed; Python between them is not compute);
 - **exposed communication** = |communication \\ compute|: communication nothing computed beside;
 - **overlap** = |communication ∩ compute|; **overlap achieved** = overlap / communication;
-- **idle** (host-bound gaps) = the step − |compute ∪ communication|: the device (or the CPU's compute) waited on
-  the host — Python, the data loader, launches.
+- **idle** = the step − |compute ∪ communication|: the device (or the CPU's compute) waited on the host; on a GPU
+  (Kineto) trace it splits in two:
+  - **launch overhead** = the idle time during which a kernel launch was under way: the host inside a launch call
+    of the CUDA/HIP runtime or driver (``cudaLaunchKernel``, ``cudaLaunchKernelExC``, ``cuLaunchKernel``,
+    ``cudaGraphLaunch``, ``cudaMemcpyAsync``, ``cudaMemsetAsync``, ...; category ``cuda_runtime``/``cuda_driver``)
+    or, after the call returned, the work it launched not yet started on the device (the call's ``correlation`` id
+    names its kernel) — the device had been given work and was waiting for it to arrive;
+  - **host-bound** = the rest of idle: Python, the data loader, synchronisation — the host had not yet asked.
+  On a CPU (gloo) trace nothing is launched: launch overhead is not defined (``None``) and all of idle is host-bound.
 
-So compute + exposed + idle is the step, exactly. Communication is recognised by what the trace says about an
-event, in this order: a ``Collective name`` argument (torch's ``record_param_comms`` and NCCL kernels carry it), the
-backend's own annotation (``gloo:all_reduce``, ``nccl:all_reduce``, ``ucc:``, ``mpi:``), c10d's operators
-(``c10d::allreduce_``: the host side that issues it), and NCCL's kernels under both names they have had
-(``ncclKernel_*``, ``ncclDevKernel_*``) — the last only where nothing else marks a device event.
+So compute + exposed + idle is the step, exactly, and idle = launch overhead + host-bound. Communication is
+recognised by what the trace says about an event, in this order: a ``Collective name`` argument (torch's
+``record_param_comms`` and NCCL kernels carry it), the backend's own annotation (``gloo:all_reduce``,
+``nccl:all_reduce``, ``ucc:``, ``mpi:``), c10d's operators (``c10d::allreduce_``: the host side that issues it), and
+NCCL's kernels under both names they have had (``ncclKernel_*``, ``ncclDevKernel_*``) — the last only where nothing
+else marks a device event. On a GPU trace
+whose device events include communication, only those count (the device's time is what is split; the host's
+``record_param_comms`` and ``nccl:`` annotations around a launch are not the collective running).
 Pure Python over JSON (no torch); HolisticTraceAnalysis's critical-path and overlap analyses follow the same rule
 (interval unions of the kernels of the communication and compute streams).
 """
@@ -35,6 +45,9 @@ _FILE = re.compile(r"^rank(\d+)\.step(\d+)-(\d+)\.json$")
 _BACKENDS = ("gloo:", "nccl:", "ucc:", "mpi:", "xccl:")
 _NCCL_KERNEL = re.compile(r"^nccl(?:Dev)?Kernel_([A-Za-z]+)")
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+_RUNTIME_CATS = ("cuda_runtime", "cuda_driver")
+#: the runtime / driver calls that launch work on the device (CUDA and HIP; not the synchronous copies and waits)
+_LAUNCH = re.compile(r"^(?:cuda|cu|hip)(?:\w*Launch\w*|Memcpy\w*(?:Async|WithStream)\w*|Memset\w*Async\w*)$")
 _DTYPE_BYTES = {"float": 4, "float32": 4, "double": 8, "float64": 8, "c10::half": 2, "half": 2, "float16": 2,
                 "c10::bfloat16": 2, "bfloat16": 2, "long int": 8, "int64": 8, "int": 4, "int32": 4, "short int": 2,
                 "signed char": 1, "unsigned char": 1, "bool": 1, "c10::float8_e4m3fn": 1, "c10::float8_e5m2": 1,
@@ -72,15 +85,20 @@ def intersect(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> lis
 
 
 def _minus(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """``x`` without ``y`` (``y`` ⊆ ``x``'s span, both disjoint sorted unions)."""
-    out = []
+    """``x`` without ``y`` (both disjoint sorted unions), in one pass over each."""
+    out, j = [], 0
     for a, b in x:
-        for c, d in y:
-            if d <= a or c >= b:
-                continue
+        while j < len(y) and y[j][1] <= a:  # y's intervals wholly before this one are done with
+            j += 1
+        k = j
+        while k < len(y) and y[k][0] < b:
+            c, d = y[k]
             if c > a:
                 out.append((a, c))
             a = max(a, d)
+            if d >= b:
+                break
+            k += 1
         if a < b:
             out.append((a, b))
     return out
@@ -113,6 +131,11 @@ def _norm(kind: str) -> str:
     for suffix in ("_coalesced", "_tensor", "_base", "_into_tensor", "_base_"):
         k = k.replace(suffix, "")
     return k.replace("_", "")
+
+
+def is_launch(event: dict) -> bool:
+    """A kernel-launch call of the CUDA/HIP runtime or driver (the host enqueuing device work)."""
+    return event.get("cat") in _RUNTIME_CATS and bool(_LAUNCH.match(str(event.get("name", ""))))
 
 
 def _is_issue(event: dict) -> bool:
@@ -191,13 +214,16 @@ class StepSplit:
     comm_ms: float          # |union of communication|
     exposed_ms: float       # |communication \ compute|
     overlap_ms: float       # |communication ∩ compute|
-    idle_ms: float          # step − |compute ∪ communication|
+    idle_ms: float          # step − |compute ∪ communication| = launch_ms + host_ms
     kinds: dict[str, dict[str, float]] = field(default_factory=dict)  # kind -> count, bytes, ms (union of its events)
     # dimension -> ms (union of its collectives) and exposed_ms (of those, nothing computed beside): only where the
     # trace names the process groups (NCCL); {} on a gloo CPU trace
     dims: dict[str, dict[str, float]] = field(default_factory=dict)
     # the step's intervals in ms from its start: compute, exposed and overlapped communication, and per dimension
     spans: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    # of idle, the device waiting on a kernel launch under way (GPU trace); None on a CPU trace: nothing is launched
+    launch_ms: Optional[float] = None
+    host_ms: float = 0.0    # of idle, the rest: host-bound (all of idle on a CPU trace)
 
 
 @dataclass
@@ -222,16 +248,39 @@ def _leaves(events: list[dict]) -> list[tuple[float, float]]:
     return out
 
 
+def _launch_windows(events: list[dict], device: list[dict]) -> list[tuple[float, float]]:
+    """Per kernel-launch call, from its start until the work it launched starts on the device (the earliest device
+    event with its ``correlation`` id), or until the call returns where that is later or no device event is known."""
+    starts: dict[Any, float] = {}
+    for e in device:
+        c = (e.get("args") or {}).get("correlation")
+        if c is not None:
+            starts[c] = min(starts.get(c, float("inf")), float(e["ts"]))
+    out = []
+    for e in events:
+        if is_launch(e):
+            a = float(e["ts"])
+            b = a + float(e.get("dur", 0.0))
+            k = starts.get((e.get("args") or {}).get("correlation"))
+            out.append((a, max(b, k) if k is not None and k >= a else b))
+    return out
+
+
 def split_trace(data: dict, rank: int = 0, path: Path = Path("-")) -> RankTrace:
     """Every profiled step of one rank's trace, split as the module's docstring says."""
     meta = data.get("syncwise") or {}
     first = int(meta.get("first_step", 0))
     events = [e for e in data.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e]
-    steps = sorted((e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")), key=lambda e: e["ts"])
+    # the host's step windows (Kineto repeats them on the GPU's streams as gpu_user_annotation: not steps)
+    steps = sorted((e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")
+                    and e.get("cat") != "gpu_user_annotation"), key=lambda e: e["ts"])
     main = {(e.get("pid"), e.get("tid")) for e in steps}
     device = [e for e in events if e.get("cat") in _DEVICE_CATS]
     comm = [(e, comm_kind(e)) for e in events]
     comm = [(e, k) for e, k in comm if k is not None]
+    if device and any(e.get("cat") in _DEVICE_CATS for e, _ in comm):
+        comm = [(e, k) for e, k in comm if e.get("cat") in _DEVICE_CATS]  # the collective running, not its issue
+    launches = _launch_windows(events, device) if device else []
     groups = process_groups(data)
     labels = {id(e): group_of(e, groups) for e, _ in comm}
     comm_ids = {id(e) for e, _ in comm}
@@ -273,11 +322,17 @@ def split_trace(data: dict, rank: int = 0, path: Path = Path("-")) -> RankTrace:
                 dim_spans[dim] = mine_u
         rel = lambda xs: [((a - lo) / 1e3, (b - lo) / 1e3) for a, b in xs]  # noqa: E731
         exposed = _minus(comms, both)
+        idle = (hi - lo - busy) / 1e3
         spans = {"compute": rel(compute), "exposed": rel(exposed), "overlapped": rel(both),
                  **{f"dim:{d}": rel(v) for d, v in dim_spans.items()}}
+        launch = None
+        if device:  # idle ∩ launches under way
+            waiting = _minus(union(clip(launches, lo, hi)), union(compute + comms))
+            launch = min(length(waiting) / 1e3, idle)
+            spans["launch"] = rel(waiting)
         out.append(StepSplit(number, (hi - lo) / 1e3, length(compute) / 1e3, length(comms) / 1e3,
-                             (length(comms) - length(both)) / 1e3, length(both) / 1e3, (hi - lo - busy) / 1e3,
-                             kinds, dims, spans))
+                             (length(comms) - length(both)) / 1e3, length(both) / 1e3, idle,
+                             kinds, dims, spans, launch, idle - (launch or 0.0)))
     return RankTrace(int(meta.get("rank", rank)), path, "gpu" if device else "cpu", out)
 
 
@@ -300,7 +355,8 @@ def load_traces(run_dir: "str | Path") -> dict[int, list[RankTrace]]:
 
 
 # ---- the run ---------------------------------------------------------------------------------------------------
-PHASES = {"compute_ms": "compute", "exposed_ms": "exposed communication", "idle_ms": "idle (host-bound)"}
+PHASES = {"compute_ms": "compute", "exposed_ms": "exposed communication", "launch_ms": "launch overhead",
+          "host_ms": "host-bound"}
 
 
 def summarize(run_dir: "str | Path", priced_bytes_s: Optional[float] = None) -> Optional[dict[str, Any]]:
@@ -320,7 +376,10 @@ def summarize(run_dir: "str | Path", priced_bytes_s: Optional[float] = None) -> 
             continue
         n = len(steps)
         mean = {k: sum(getattr(s, k) for s in steps) / n
-                for k in ("step_ms", "compute_ms", "comm_ms", "exposed_ms", "overlap_ms", "idle_ms")}
+                for k in ("step_ms", "compute_ms", "comm_ms", "exposed_ms", "overlap_ms", "idle_ms", "host_ms")}
+        # launch overhead: defined on a GPU trace only (None on a CPU one: nothing is launched)
+        mean["launch_ms"] = (sum(s.launch_ms for s in steps) / n
+                             if all(s.launch_ms is not None for s in steps) else None)
         mean["overlap_share"] = mean["overlap_ms"] / mean["comm_ms"] if mean["comm_ms"] > 0 else None
         ranks[rank] = {"device": files[0].device, "steps": [s.step for s in steps], **mean,
                        "files": [str(t.path) for t in files]}
@@ -351,17 +410,23 @@ def summarize(run_dir: "str | Path", priced_bytes_s: Optional[float] = None) -> 
                     "of_priced": bus / priced_bytes_s if bus and priced_bytes_s else None})
         per_kind[kind] = row
     comm = sum(r["comm_ms"] for r in ranks.values())
-    slowest = {PHASES[k]: max(ranks, key=lambda r: ranks[r][k]) for k in PHASES} if len(ranks) > 1 else {}
+    slowest = {PHASES[k]: max(ranks, key=lambda r: ranks[r][k]) for k in PHASES
+               if all(v[k] is not None for v in ranks.values())} if len(ranks) > 1 else {}
+    launch = [r["launch_ms"] for r in ranks.values()]
     return {"ranks": ranks, "collectives": per_kind, "slowest_rank": slowest, "priced_bytes_s": priced_bytes_s,
             "dimensions": {d: {k: x / samples for k, x in v.items()} for d, v in sorted(dims.items())},
             "overlap_share": sum(r["overlap_ms"] for r in ranks.values()) / comm if comm > 0 else None,
             "exposed_share": (sum(r["exposed_ms"] for r in ranks.values())
-                              / max(sum(r["step_ms"] for r in ranks.values()), 1e-9))}
+                              / max(sum(r["step_ms"] for r in ranks.values()), 1e-9)),
+            # launch overhead's share of the steps: None where a rank's trace is a CPU one (nothing launched)
+            "launch_share": (sum(launch) / max(sum(r["step_ms"] for r in ranks.values()), 1e-9)
+                             if None not in launch else None)}
 
 
 def timeline(run_dir: "str | Path") -> Optional[dict[str, Any]]:
     """One step every rank profiled (the last such: the steadiest), per rank its intervals in ms from the step's
-    start (compute, exposed and overlapped communication, per dimension where the trace names the groups) —
+    start (compute, exposed and overlapped communication, launch overhead on a GPU trace, per dimension where the
+    trace names the groups) —
     what ``syncwise report`` draws; None without traces or without a step common to every rank."""
     traces = load_traces(run_dir)
     by_rank = {r: {s.step: s for t in files for s in t.steps} for r, files in traces.items()}
@@ -395,6 +460,14 @@ def sentences(t: dict[str, Any]) -> list[str]:
         dim, v = max(t["dimensions"].items(), key=lambda kv: kv[1]["exposed_ms"])
         out.append(f"by parallel dimension, {dim}'s collectives are the most exposed: {v['exposed_ms']:,.1f} of their "
                    f"{v['ms']:,.1f} ms per step")
+    if t.get("launch_share") is not None:
+        most = max(ranks, key=lambda r: ranks[r]["launch_ms"])
+        m = ranks[most]
+        out.append(f"rank {most}: of its {m['idle_ms']:,.1f} ms of device idle per step, {m['launch_ms']:,.1f} ms is "
+                   f"launch overhead (a kernel launch under way) and {m['host_ms']:,.1f} ms host-bound (nothing yet "
+                   "asked of the device)")
+    elif ranks:
+        out.append("launch overhead: not defined on a CPU trace (nothing is launched); all idle is host-bound")
     if t["slowest_rank"]:
         out.append("slowest rank by phase: " + ", ".join(f"{p} rank {r}" for p, r in t["slowest_rank"].items()))
     return out
@@ -419,6 +492,7 @@ def cite(finding: Any, t: Optional[dict[str, Any]]) -> None:
                          "computed beside" + (f", the longest collective {top[0]} ({top[1]['ms_per_step']:,.1f} ms "
                                              "per step)" if top else ""))
     finding.details["trace"] = {"rank": worst, "exposed_ms": w["exposed_ms"], "step_ms": w["step_ms"],
+                                "launch_ms": w["launch_ms"], "host_ms": w["host_ms"],
                                 "steps": steps, "collective": top[0] if top else None}
 
 
@@ -432,11 +506,11 @@ def print_traces(t: Optional[dict[str, Any]], console: Any) -> None:
     table = Table(title=f"inside the profiled step(s) {', '.join(map(str, steps[:8]))}"
                   + (" ..." if len(steps) > 8 else "") + " (torch profiler traces, ms, mean per step)",
                   show_edge=False)
-    for col in ("rank", "step", "compute", "exposed comm", "idle (host)", "comm (union)", "overlapped"):
+    for col in ("rank", "step", "compute", "exposed comm", "launch", "host-bound", "comm (union)", "overlapped"):
         table.add_column(col, justify="right")
-    for r, v in sorted(t["ranks"].items()):
-        table.add_row(str(r), *(f"{v[k]:,.1f}" for k in ("step_ms", "compute_ms", "exposed_ms", "idle_ms",
-                                                           "comm_ms")),
+    for r, v in sorted(t["ranks"].items()):  # compute + exposed + launch + host-bound = step
+        table.add_row(str(r), *(f"{v[k]:,.1f}" if v[k] is not None else "n/a"
+                                for k in ("step_ms", "compute_ms", "exposed_ms", "launch_ms", "host_ms", "comm_ms")),
                       f"{100 * v['overlap_share']:.0f} %" if v["overlap_share"] is not None else "-")
     console.print(table)
     if t["collectives"]:
