@@ -136,7 +136,7 @@ def replicas_of(where: str) -> Optional[int]:
     workers ...'); None when it does not say."""
     import re
 
-    grid = re.search(r"(\d+)\s*nodes?\s*[×x]\s*(\d+)", where)
+    grid = re.search(r"(\d+)\s*(?:lab\s+)?nodes?\s*[×x]\s*(\d+)", where)
     if grid:
         return int(grid.group(1)) * int(grid.group(2))
     one = re.search(r"(\d+)\s*(?:local\s+)?workers?", where)
