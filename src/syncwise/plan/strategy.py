@@ -565,8 +565,9 @@ def render(ranked: Sequence[Ranked], cloud: CloudConfig, table: "ConvergenceTabl
               f"steps: {convergence_words(table, horizon, replicas)} (benchmarks/convergence_fit.py)")
               + f"; step time: the planner's cost model on {link_words(cloud)}, {basis.words()}; "
               "sooner than none: the prediction and the band the measured ratio is expected in; "
-              "'=': a tie at the precision shown (time to fp32's loss), ordered by the exact prediction, then the "
-              "shorter step")
+              "'=': a tie at the precision shown (time to fp32's loss), ordered by the exact prediction"
+              + ("" if measured else " (the expected time over the steps band: the log-normal mean)")
+              + ", then the shorter step")
     for col in ("#", "strategy", "step (predicted)", f"steps to fp32's loss ({'measured' if measured else 'model'})",
                 "time to fp32's loss",
                 "sooner than none", "not a candidate"):
