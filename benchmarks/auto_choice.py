@@ -52,14 +52,14 @@ def main(argv=None) -> int:
     from syncwise.lab.cluster import parse_rate
     from syncwise.layout import Layout
     from syncwise.plan import load_model
-    from syncwise.plan.strategy import job_cloud, load_table, resolve_auto
+    from syncwise.plan.strategy import job_cloud, load_convergence, resolve_auto
     import time_to_loss
 
     rates = [r.strip() for r in args.rates.split(",") if r.strip()]
     for r in rates:
         parse_rate(r, "--rates")
     out_dir = Path(args.out_dir or Path("runs") / time.strftime("auto-choice-%Y%m%d-%H%M%S"))
-    table = load_table()
+    table = load_convergence()   # the convergence model, asked at --steps and the lab's replicas
     model = load_model(args.preset, args.seq_len)
     created = False
     if lab.status(prefix=args.prefix) is None:
@@ -72,7 +72,8 @@ def main(argv=None) -> int:
             cloud = job_cloud(state.num_nodes, 1, state.inter_node_bps, burst_bytes=state.burst)
             lay, line, ranked = resolve_auto(Layout.of(compress="auto", sync="auto"), cloud, model,
                                              args.batch_size * state.num_nodes, args.seq_len, table,
-                                             micro_batch=args.batch_size)
+                                             micro_batch=args.batch_size, horizon=args.steps,
+                                             replicas=state.num_nodes)
             pick = str(lay.sync) if lay.sync is not None else lay.compress.text
             print(f"{rate}: {line}", flush=True)
             cands = [r.spec for r in ranked if not r.why_not]
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
             ratio = auto_t / reached[best] if auto_t and best else None
             results.append({"rate": rate, "line": line, "pick": pick, "predicted": [
                                 {"spec": r.spec, "step_time_s": r.step_time_s, "steps_ratio": r.steps_ratio,
-                                 "time_ratio": r.time_ratio, "not_a_candidate": r.why_not} for r in ranked],
+                                 "steps_band": [r.steps_low, r.steps_high], "time_ratio": r.time_ratio, "not_a_candidate": r.why_not} for r in ranked],
                             "ran": ["none"] + run, "time_to_target_s": measured, "best_measured": best,
                             "auto_over_best": ratio, "within_10pct": ratio is not None and ratio <= 1.10,
                             "time_to_loss_results": str(per_rate), "time_to_loss_command": ttl["command"],
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
         if created:
             lab.down(prefix=args.prefix)
     out = {"command": "python benchmarks/auto_choice.py " + " ".join(sys.argv[1:] if argv is None else argv),
-           "convergence_table": table.source, "machine": "2-core VM shared with other jobs: times are comparable "
+           "convergence_model": table.source, "machine": "2-core VM shared with other jobs: times are comparable "
            "only within one rate's run", "rates": results}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=2) + "\n")

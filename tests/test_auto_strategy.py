@@ -33,6 +33,13 @@ def table(tmp_path, monkeypatch):
     src.write_text(json.dumps(_results(STEPS)))
     dest = S.write_table(src, tmp_path / "convergence.json")
     monkeypatch.setattr(S, "TABLE_PATH", dest)
+    # what auto reads by default: the convergence model, here fitted on the same results (one horizon)
+    from syncwise.plan import convergence_model as CM
+
+    points, _ = CM.points_from_results(_results(STEPS), "ttl.json")
+    model = tmp_path / "convergence-model.json"
+    model.write_text(json.dumps(CM.fit(points).to_json()))
+    monkeypatch.setattr(S, "MODEL_PATH", model)
     return S.load_table(dest)
 
 

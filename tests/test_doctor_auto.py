@@ -44,3 +44,19 @@ def test_the_cause_named_matches_the_recommendation(tmp_path):
     f = next(x for x in d.findings if x.cause == "buckets_too_large")
     assert f.details["verdict"] == "slower" and "bucket_cap_mb" not in f.flag
     assert "too large" not in f.title and "exposed after the backward" in f.title, f.title
+
+
+def test_predicted_to_help_carries_its_band_and_basis(tmp_path):
+    """Issue 41 item 4: doctor's recommendation prints, like auto's line, a band on the time ratio and on the steps,
+    and what the steps stand on (the convergence model, the run's horizon and replicas)."""
+    d = _run(tmp_path, "none")
+    model = _Model(d)
+    recs = [f for f in d.findings if f.flag.startswith("--compress")]
+    assert recs, [f.flag for f in d.findings]
+    for f in recs:
+        spec = f.flag.split()[1]
+        lo, hi = model.steps_band(spec)
+        assert lo <= model.steps_ratio(spec) <= hi and lo < hi
+        text = f.recommendation
+        assert "the run's time to fp32 DDP's loss" in text and "× (band " in text and "the steps (band " in text
+        assert "convergence model fitted on" in text and f"predicted at {model.horizon()} steps" in text

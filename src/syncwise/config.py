@@ -631,7 +631,8 @@ def resolve_auto(cfg: RunConfig) -> str:
     inner = lay.dp_shard * lay.tp * lay.pp
     dp = (lay.dp_replicate or max(1, world // inner)) * lay.dp_shard
     chosen, line, _ = choose(lay, cloud, model, cfg.data.batch_size * cfg.train.grad_accum * dp, cfg.data.seq_len,
-                             micro_batch=cfg.data.batch_size, microbatches=cfg.train.grad_accum, basis=basis)
+                             micro_batch=cfg.data.batch_size, microbatches=cfg.train.grad_accum, basis=basis,
+                             horizon=cfg.train.steps, replicas=dp)
     cfg.compress.method = chosen.compress.text
     cfg.parallel.sync = str(chosen.sync) if chosen.sync is not None else "every-step"
     if line not in _auto_said:

@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     st.add_argument("--strategy", action="store_true", help="rank the communication strategies by predicted time to "
                     "fp32 DDP's loss: the planner's step time × the steps each needed in benchmarks/time_to_loss.py "
                     "(the convergence table); with --layout, on that layout's degrees")
+    st.add_argument("--horizon", type=int, default=None, metavar="STEPS", help="with --strategy: the job's steps, "
+                    "at which the convergence model predicts each strategy's steps to fp32 DDP's loss (default: the "
+                    "model's reference horizon)")
     st.add_argument("--convergence-from", default=None, metavar="RESULTS.json", help="regenerate the convergence "
                     "table (syncwise/plan/convergence.json, or --out) from a benchmarks/time_to_loss.py results file")
     cal = parser.add_argument_group("calibration (--calibrate: measure, write a cluster TOML; about 10-60 s)")
@@ -107,7 +110,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def _strategy(args: argparse.Namespace, cloud, model, training) -> int:
     from ..layout import Layout as Owner
-    from ..plan.strategy import basis_of, choose, explain, load_table, priced_fit, rank, render
+    from ..plan.strategy import basis_of, choose, explain, load_convergence, priced_fit, rank, render
 
     if args.compress or args.sync:
         raise ConfigError("--compress" if args.compress else "--sync", args.compress or args.sync,
@@ -115,24 +118,31 @@ def _strategy(args: argparse.Namespace, cloud, model, training) -> int:
     lay = parse_layout(args.layout, cloud.world_size) if args.layout else None
     owner = Owner(**({k: getattr(lay, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "ep")} if lay else {}),
                   compress="auto", sync="auto")
-    table = load_table()
+    table = load_convergence()
+    horizon = getattr(args, "horizon", None)
+    replicas = lay.dp_replicate * lay.dp_shard if lay else cloud.world_size
     ranked = rank(cloud, model, owner, args.global_batch, args.seq_len, table, training,
-                  micro_batch=lay.micro_batch if lay else 0, microbatches=lay.microbatches if lay else 0)
+                  micro_batch=lay.micro_batch if lay else 0, microbatches=lay.microbatches if lay else 0,
+                  horizon=horizon, replicas=replicas)
     unfit = priced_fit(cloud, model, owner, args.global_batch, args.seq_len, training,
                        micro_batch=lay.micro_batch if lay else 0, microbatches=lay.microbatches if lay else 0)
     if unfit:
         print(f"note: {unfit}" + ("" if lay else "; pass the layout you will run with --layout (`syncwise plan` "
                                   "without --strategy lists layouts that fit)"))
     render(ranked, cloud, table, f"{model.describe()}\non {cloud.describe()}, global batch {args.global_batch} × "
-           f"{args.seq_len} tokens: time to fp32 DDP's loss, best first")
-    print(explain(ranked, cloud, table) if any(not r.why_not for r in ranked) else "no candidate can run here")
+           f"{args.seq_len} tokens: time to fp32 DDP's loss, best first", horizon=horizon, replicas=replicas)
+    print(explain(ranked, cloud, table, horizon=horizon, replicas=replicas) if any(not r.why_not for r in ranked)
+          else "no candidate can run here")
     if args.json:
         Path(args.json).write_text(json.dumps({"cluster": cloud.describe(), "model": model.describe(),
-                                               "convergence_table": table.source, "chosen": choose(ranked).spec,
+                                               "convergence_model": table.source, "horizon": horizon or table.h_ref,
+                                               "replicas": replicas, "chosen": choose(ranked).spec,
                                                "basis": basis_of(cloud).words(),
                                                "does_not_fit": unfit or None,
                                                "rows": [{"spec": r.spec, "step_time_s": r.step_time_s,
-                                                         "steps_ratio": r.steps_ratio, "time_ratio": r.time_ratio,
+                                                         "steps_ratio": r.steps_ratio,
+                                                         "steps_band": [r.steps_low, r.steps_high],
+                                                         "time_ratio": r.time_ratio,
                                                          "sooner_band": basis_of(cloud).band(r) if r.sooner else None,
                                                          "not_a_candidate": r.why_not} for r in ranked]},
                                               indent=2) + "\n")

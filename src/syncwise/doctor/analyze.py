@@ -888,16 +888,29 @@ class _Model:
         return best
 
     def _table(self):
+        """The convergence model auto ranks with (``plan.strategy.load_convergence``); None when it cannot be read."""
         if not hasattr(self, "_convergence"):
-            from ..plan.strategy import load_table
+            from ..plan.strategy import load_convergence
             try:
-                self._convergence = load_table()
+                self._convergence = load_convergence()
             except SyncwiseError:
                 self._convergence = None
         return self._convergence
 
+    def horizon(self) -> int:
+        """The run's configured steps (its ``train.steps``; else the steps it ran): where the steps are predicted."""
+        train = self.d.run.config.get("train", {}) if isinstance(self.d.run.config, dict) else {}
+        return int(train.get("steps") or self.d.run.summary.get("steps") or 0) or 0
+
+    def replicas(self) -> Optional[int]:
+        """The run's data-parallel replicas (None: not described to the cost model)."""
+        if self.measured is None:
+            return None
+        lay = self.measured.layout
+        return max(1, lay.dp_replicate * lay.dp_shard)
+
     def _table_compressors(self) -> tuple[str, ...]:
-        """The convergence table's compressors syncwise's hook runs (not its sync strategies, nor torch's hooks)."""
+        """The convergence model's compressors syncwise's hook runs (not its sync strategies, nor torch's hooks)."""
         from ..layout import METHODS
         from ..plan.cost import CODEC_COST
 
@@ -905,30 +918,53 @@ class _Model:
         if table is None:
             return COMPRESSORS
         # (CODEC_COST prices syncwise's codecs and torch's hooks; torchft's strategies are not in it)
-        return tuple(spec for spec in table.costs if spec_name(spec) not in METHODS
+        return tuple(spec for spec in sorted(table.a) if spec_name(spec) not in METHODS
                      and spec_name(spec) in CODEC_COST and not names_torch_hook(spec))
 
-    def steps_ratio(self, spec: str) -> Optional[float]:
-        """Steps to fp32 DDP's loss relative to fp32 DDP's (the convergence table; ``none``: 1); None when the
-        table did not reach the loss with it or does not list it (a spec with other options: its name's entry)."""
-        if spec_name(spec) == "none":
-            return 1.0
+    def _prediction(self, spec: str):
         table = self._table()
         if table is None:
+            return None
+        key = spec if spec in table.a else next((k for k in sorted(table.a) if spec_name(k) == spec_name(spec)),
+                                                None)
+        return table.predict(key, self.horizon() or None, self.replicas()) if key is not None else None
+
+    def steps_ratio(self, spec: str) -> Optional[float]:
+        """Steps to fp32 DDP's loss relative to fp32 DDP's at the run's horizon and replicas (the convergence model;
+        ``none``: 1); None when the model has no point prediction for it (never reached, or not in its data; a spec
+        with other options: its name's entry)."""
+        if spec_name(spec) == "none":
+            return 1.0
+        if self._table() is None:
             return 1.0 if spec in COMPRESSORS else None
-        cost = table.costs.get(spec) or next((c for k, c in table.costs.items()
-                                              if spec_name(k) == spec_name(spec)), None)
-        return cost.steps_ratio if cost is not None and cost.reached else None
+        pr = self._prediction(spec)
+        return pr.ratio if pr is not None and pr.reached else None
+
+    def steps_band(self, spec: str) -> tuple[float, float]:
+        """The convergence model's 90 % band of :meth:`steps_ratio` (the point both ways when it has none)."""
+        r = self.steps_ratio(spec) or 1.0
+        pr = self._prediction(spec) if spec_name(spec) != "none" else None
+        return (pr.low, pr.high) if pr is not None and pr.reached else (r, r)
 
     def to_loss_words(self, spec: str, step: float) -> str:
-        """'(predicted 0.80× the run's time to fp32 DDP's loss: 412 ms per step × 1.00× the steps; convergence
-        table: tiny preset)' — the terms the recommendation was chosen by."""
+        """'(predicted 0.80× (band 0.70–0.93×) the run's time to fp32 DDP's loss: 412 ms per step × 1.00× the steps
+        (band 0.97–1.03); basis: the cost model on this run's measurements, convergence model fitted on ...)' — the
+        terms the recommendation was chosen by, with what they rest on and how far they may be off."""
+        from ..plan.strategy import convergence_words
+
         mine = self.steps_ratio(self.d.facts["compressor"]) or 1.0
         r = self.steps_ratio(spec) or 1.0
+        lo_r, hi_r = self.steps_band(spec)
+        fast, slow = self.span(compress=spec) or (step, step)
+        base = self.d.wall_s * mine
         table = self._table()
-        where = f"; convergence: {table.reference}" if table is not None else ""
-        return (f" (predicted {step * r / (self.d.wall_s * mine):.2f}× the run's time to fp32 DDP's loss: "
-                f"{_ms(step)} per step × {r:.2f}× the steps{where}; the rule of --compress auto)")
+        where = (f"; convergence: {convergence_words(table, self.horizon() or None, self.replicas())}"
+                 if table is not None else "")
+        steps_band = f" (band {lo_r:.2f}–{hi_r:.2f})" if hi_r > lo_r else ""
+        return (f" (predicted {step * r / base:.2f}× (band {fast * lo_r / base:.2f}–{slow * hi_r / base:.2f}×) the "
+                f"run's time to fp32 DDP's loss: {_ms(step)} per step × {r:.2f}× the steps{steps_band}; step: the "
+                f"cost model on this run's measurements, the band over what they leave open{where}; the rule of "
+                "--compress auto)")
 
 
 def _measured(d: Diagnosis):

@@ -9,16 +9,19 @@ Time to fp32 DDP's target loss, relative to fp32 DDP, is predicted as
                                                                               — MEASURED by
                                                                                 benchmarks/time_to_loss.py
 
-The second factor is the *convergence cost* of each strategy: data, not a guess, in ``convergence.json`` next to
-this module, with the results file and the command it came from. ``python -m syncwise.plan.strategy RESULTS.json``
-(or ``syncwise plan --convergence-from RESULTS.json``) regenerates it from a time-to-loss results file. A strategy
-that never reached the target within the benchmark's step cap is listed (its cap is a lower bound on its cost) but
-never chosen: its time to the target is unknown. A strategy the table does not list is not a candidate.
+The second factor is the *convergence cost* of each strategy: data, not a guess. By default it is the convergence
+model (``syncwise.plan.convergence_model``, parameters in ``convergence-model.json`` next to this module), fitted by
+``python benchmarks/convergence_fit.py`` on every committed time-to-loss result: the steps ratio as a function of the
+horizon (the job's steps), with a band from its leave-one-out errors; ranking uses the expected time over that band.
+A strategy measured never to reach the target within its cap at the job's horizon or a longer one is listed but not
+chosen; one that "never" reached within a *shorter* horizon is a candidate when the model predicts it reaches at the
+job's. The single measured table (``convergence.json``; ``python -m syncwise.plan.strategy RESULTS.json`` or
+``syncwise plan --convergence-from RESULTS.json`` regenerates it) is still read when passed explicitly, and by doctor.
 
-Assumption, stated in the start-up line's table reference: the step ratio measured on the benchmark's model, batch
-and run length carries over to the job (it does at equal batch and similar length; DiLoCo-style methods' ratio
-shrinks with longer runs in the literature). The choice is resolved here, once, before any worker starts
-(``resolve_auto``); the layout owner (``syncwise.layout``) parses ``auto`` and refuses conflicting options.
+Assumption, stated in the start-up line: the steps ratios fitted on the benchmark's model (``tiny``), batch and
+2 replicas carry over to the job (at other replica counts the band is widened, a stated rule). The choice is
+resolved here, once, before any worker starts (``resolve_auto``); the layout owner (``syncwise.layout``) parses
+``auto`` and refuses conflicting options.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from .. import layout as owner
 from ..layout import METHODS, SyncSpec, parse_compress, parse_sync
 from ..specs import spec_name
 from .cloud import CloudConfig
+from .convergence_model import MODEL_PATH, ConvergenceModel, load_model as load_convergence_model
 from .cost import CODEC_COST, predict
 from .layout import SYNCWISE, Layout, Training
 from .model import ModelSpec
@@ -136,7 +140,7 @@ def replicas_of(where: str) -> Optional[int]:
     workers ...'); None when it does not say."""
     import re
 
-    grid = re.search(r"(\d+)\s*nodes?\s*[×x]\s*(\d+)", where)
+    grid = re.search(r"(\d+)\s*(?:lab\s+)?nodes?\s*[×x]\s*(\d+)", where)
     if grid:
         return int(grid.group(1)) * int(grid.group(2))
     one = re.search(r"(\d+)\s*(?:local\s+)?workers?", where)
@@ -216,6 +220,10 @@ class Basis:
         low = sooner * (1 - e) / (1 + e) if self.calibrated else sooner / CATALOG_SPREAD
         high = sooner * (1 + e) / (1 - e)
         top = ceiling(r)
+        if r.steps_ratio and r.steps_low and r.steps_high:   # the convergence model's band on the steps, too
+            low *= r.steps_ratio / r.steps_high
+            high *= r.steps_ratio / r.steps_low
+            top = top * r.steps_ratio / r.steps_low if top else top
         return low, min(high, top) if top else high
 
     def words(self) -> str:
@@ -258,6 +266,17 @@ class Ranked:
     cap_ratio: float = 0.0
     why_not: str = ""      # why it is not a candidate (never reached the target / cannot run on this layout)
     floor_s: float = 0.0   # the step's compute floor (no communication): what no strategy can beat
+    steps_low: Optional[float] = None    # the convergence model's band of the steps ratio (None: a measured table)
+    steps_high: Optional[float] = None
+    steps_sigma: float = 0.0             # its log-space spread: ranking uses the expected ratio, exp(sigma^2/2) up
+    steps_note: str = ""                 # what the steps prediction extrapolates ('' inside the fitted data)
+
+    @property
+    def expected_time_ratio(self) -> Optional[float]:
+        """The time ratio at the steps band's mean (log-normal): what candidates are ranked by."""
+        import math
+
+        return self.time_ratio * math.exp(self.steps_sigma ** 2 / 2) if self.time_ratio else None
 
     @property
     def sooner(self) -> Optional[float]:
@@ -279,12 +298,16 @@ def _allowed(lay: owner.Layout, c: owner.Compress, s: Optional[SyncSpec], world:
 
 
 def rank(cloud: CloudConfig, model: ModelSpec, lay: owner.Layout, global_batch: int, seq_len: Optional[int] = None,
-         table: Optional[ConvergenceTable] = None, training: Training = SYNCWISE, micro_batch: int = 0,
-         microbatches: int = 0) -> list[Ranked]:
+         table: "Optional[ConvergenceTable | ConvergenceModel]" = None, training: Training = SYNCWISE,
+         micro_batch: int = 0, microbatches: int = 0, horizon: Optional[int] = None,
+         replicas: Optional[int] = None) -> list[Ranked]:
     """Every strategy of the convergence table that syncwise can run (PyTorch's hooks included, torchft's DiLoCo not),
     best first: candidates (in auto's space for ``lay``, reached the target) by predicted time to fp32 DDP's target,
     then the others with ``why_not``. fp32 DDP (``none``) is always first among equals at ratio 1."""
-    table = table or load_table()
+    table = table or load_convergence()
+    if isinstance(table, ConvergenceModel):
+        return _rank_model(cloud, model, lay, global_batch, seq_len, table, training, micro_batch, microbatches,
+                           horizon, replicas)
     if "none" not in table.costs:
         raise SyncwiseError(f"the convergence table ({table.source}) has no fp32 DDP ('none') row")
     world = cloud.world_size
@@ -318,6 +341,64 @@ def rank(cloud: CloudConfig, model: ModelSpec, lay: owner.Layout, global_batch: 
     out.sort(key=lambda r: (bool(r.why_not), r.time_ratio if r.time_ratio is not None else float("inf"),
                             r.step_time_s, r.spec))
     return out
+
+
+def _stepper(cloud: CloudConfig, model: ModelSpec, lay: owner.Layout, global_batch: int, seq_len: Optional[int],
+             training: Training, micro_batch: int, microbatches: int):
+    base = dataclasses.replace(lay, compress=owner.NO_COMPRESS, sync=None)
+
+    def step(c: owner.Compress, s: Optional[SyncSpec]) -> tuple[float, float]:
+        planned = Layout.of_owner(dataclasses.replace(base, compress=c, sync=s).resolve(cloud.world_size),
+                                  micro_batch=micro_batch, microbatches=microbatches)
+        pred = predict(cloud, model, planned, global_batch, seq_len, training=training, syncwise_rules=False)
+        return pred.step_time_s, sum(pred.breakdown.get(k, 0.0) for k in FLOOR_TERMS)
+    return step
+
+
+def _rank_model(cloud: CloudConfig, model: ModelSpec, lay: owner.Layout, global_batch: int, seq_len: Optional[int],
+                conv: ConvergenceModel, training: Training, micro_batch: int, microbatches: int,
+                horizon: Optional[int], replicas: Optional[int]) -> list[Ranked]:
+    """:func:`rank` with the convergence model: each strategy's steps ratio predicted at ``horizon`` (fp32 DDP's
+    steps; default the model's reference) and ``replicas``, with its band. Not a candidate: a strategy measured never
+    to reach the loss within its cap at this horizon or a longer one (the data beat the model), or one that never
+    reached it in any fitted run (the model then has only a lower bound). A strategy that 'never' reached within a
+    *shorter* horizon is a candidate when the model predicts it reaches at this one."""
+    step = _stepper(cloud, model, lay, global_batch, seq_len, training, micro_batch, microbatches)
+    t_none = step(owner.NO_COMPRESS, None)[0]
+    h = int(horizon or conv.h_ref)
+    out: list[Ranked] = []
+    for name in sorted(set(conv.a) | {"none"}):
+        if spec_name(name) in NOT_RUNNABLE:
+            continue
+        cost = ConvergenceCost(name, None, 0.0, 0, 0)
+        try:
+            c, s = cost.parsed()
+        except ConfigError:
+            continue
+        if c.name not in CODEC_COST:
+            continue
+        pr = conv.predict(name, h, replicas)
+        why = _allowed(lay, c, s, cloud.world_size)
+        never = [p for p in conv.measured(name) if not p.reached and pr.measured_never == p.horizon]
+        if not why and pr.measured_never is not None and never:
+            why = (f"never reached fp32 DDP's loss within {never[0].cap_ratio:.1f}× its steps in a "
+                   f"{never[0].horizon}-step run")
+        elif not why and pr.ratio is None:
+            why = ("never reached fp32 DDP's loss in any fitted run"
+                   + (f" (at least {pr.at_least:.1f}× its steps at {h} steps)" if pr.at_least else ""))
+        t, floor = step(c, s)
+        ratio = t * pr.ratio / t_none if pr.ratio is not None and not why.startswith("never") else None
+        out.append(Ranked(name, c, s, t, pr.ratio, ratio, 0.0, why, floor, pr.low, pr.high, pr.sigma,
+                          pr.extrapolated))
+    # ranked by the expected time to the loss over the steps band (log-normal mean), then as rank() breaks ties
+    out.sort(key=lambda r: (bool(r.why_not), r.expected_time_ratio if r.time_ratio is not None else float("inf"),
+                            r.step_time_s, r.spec))
+    return out
+
+
+def load_convergence() -> ConvergenceModel:
+    """The convergence model auto ranks with (``convergence-model.json``, :data:`MODEL_PATH`)."""
+    return load_convergence_model(MODEL_PATH)
 
 
 def priced_fit(cloud: CloudConfig, model: ModelSpec, lay: owner.Layout, global_batch: int,
@@ -377,7 +458,7 @@ def choose(ranked: Sequence[Ranked]) -> Ranked:
         raise ConfigError("compress.method", owner.AUTO, "a strategy chosen explicitly: no strategy of the "
                           "convergence table can run on this layout")
     none = next((r for r in candidates if r.spec == "none"), None)
-    if none is not None and candidates[0].time_ratio > MIN_GAIN:
+    if none is not None and candidates[0].expected_time_ratio > MIN_GAIN:
         return none
     return candidates[0]
 
@@ -392,8 +473,19 @@ def ratio_words(r: Ranked, basis: Basis, what: str = "") -> str:
     return f"{point}{what} (band {lo:.2g}–{hi:.2g}×)"
 
 
-def explain(ranked: Sequence[Ranked], cloud: CloudConfig, table: ConvergenceTable,
-            basis: Optional[Basis] = None) -> str:
+def convergence_words(table: "ConvergenceTable | ConvergenceModel", horizon: Optional[int] = None,
+                      replicas: Optional[int] = None) -> str:
+    """What the steps ratios stand on: the table's one measurement, or the model's fitted points and the horizon and
+    replicas it was asked at."""
+    if isinstance(table, ConvergenceModel):
+        h = int(horizon or table.h_ref)
+        return (f"{table.basis()}; predicted at {h} steps" + (f", {replicas} replicas" if replicas else "")
+                + ("" if horizon else " (the model's reference horizon: the job's was not given)"))
+    return table.basis()
+
+
+def explain(ranked: Sequence[Ranked], cloud: CloudConfig, table: "ConvergenceTable | ConvergenceModel",
+            basis: Optional[Basis] = None, horizon: Optional[int] = None, replicas: Optional[int] = None) -> str:
     """The one start-up line: what auto chose and why, with its basis and uncertainty, e.g. 'auto: fp8 (predicted
     ~2.4× sooner (band 0.48–2.8×) to fp32 DDP's loss than none on 45 Mbit/s ...; basis: catalog figure ...; 4 workers
     share 2 cores ...; ceiling 2.8×; next: int8 ~2.2× ...; convergence: ..., 300-step horizon ..., 2 replicas)'."""
@@ -402,7 +494,11 @@ def explain(ranked: Sequence[Ranked], cloud: CloudConfig, table: ConvergenceTabl
     others = [r for r in ranked if not r.why_not and r is not best][:2]
 
     def steps(r: Ranked) -> str:
-        return f", needs {r.steps_ratio:.2f}× the steps" if r.steps_ratio and abs(r.steps_ratio - 1) >= 0.005 else ""
+        if not r.steps_ratio or (abs(r.steps_ratio - 1) < 0.005 and not r.steps_high):
+            return ""
+        band = (f" (band {r.steps_low:.2f}–{r.steps_high:.2f}"
+                + (f"; {r.steps_note}" if r.steps_note else "") + ")") if r.steps_low and r.steps_high else ""
+        return f", needs {r.steps_ratio:.2f}× the steps{band}" if r.spec != "none" else ""
 
     def part(r: Ranked) -> str:
         return f"{r.spec} {ratio_words(r, basis)}" + steps(r)
@@ -416,24 +512,28 @@ def explain(ranked: Sequence[Ranked], cloud: CloudConfig, table: ConvergenceTabl
             + (f"; ceiling {top:.2g}× (compute floor, communication free)" if top and best.spec != "none" else "")
             + "; next: " + ("; ".join(part(r) for r in others) or "-")
             + (f"; {excluded} never reached the loss" if excluded else "")
-            + f"; convergence: {table.basis()})")
+            + f"; convergence: {convergence_words(table, horizon, replicas)})")
 
 
 def resolve_auto(lay: owner.Layout, cloud: CloudConfig, model: ModelSpec, global_batch: int,
-                 seq_len: Optional[int] = None, table: Optional[ConvergenceTable] = None,
+                 seq_len: Optional[int] = None, table: "Optional[ConvergenceTable | ConvergenceModel]" = None,
                  training: Training = SYNCWISE, micro_batch: int = 0, microbatches: int = 0,
-                 basis: Optional[Basis] = None) -> tuple[owner.Layout, str, list[Ranked]]:
+                 basis: Optional[Basis] = None, horizon: Optional[int] = None,
+                 replicas: Optional[int] = None) -> tuple[owner.Layout, str, list[Ranked]]:
     """The one place ``auto`` is resolved: (the layout with the chosen compressor and sync strategy, the start-up
     line, the ranked candidates). A layout without ``auto`` comes back as it is. ``basis``: what ``cloud`` stands
-    on (default: :func:`basis_of`), said in the line with the band it gives."""
+    on (default: :func:`basis_of`), said in the line with the band it gives. ``table``: default the convergence
+    model (:func:`load_convergence`), asked at ``horizon`` (the job's steps) and ``replicas``; a measured
+    :class:`ConvergenceTable` is used as it is (one horizon)."""
     if not lay.auto:
         return lay, "", []
     lay.auto_choices()   # a conflicting explicit option: ConfigError naming it
-    table = table or load_table()
-    ranked = rank(cloud, model, lay, global_batch, seq_len, table, training, micro_batch, microbatches)
+    table = table or load_convergence()
+    ranked = rank(cloud, model, lay, global_batch, seq_len, table, training, micro_batch, microbatches, horizon,
+                  replicas)
     best = choose(ranked)
-    return (dataclasses.replace(lay, compress=best.compress, sync=best.sync), explain(ranked, cloud, table, basis),
-            ranked)
+    return (dataclasses.replace(lay, compress=best.compress, sync=best.sync),
+            explain(ranked, cloud, table, basis, horizon, replicas), ranked)
 
 
 def places(ranked: Sequence[Ranked]) -> list[str]:
@@ -452,23 +552,30 @@ def places(ranked: Sequence[Ranked]) -> list[str]:
     return out
 
 
-def render(ranked: Sequence[Ranked], cloud: CloudConfig, table: ConvergenceTable, title: str,
-           basis: Optional[Basis] = None) -> None:
+def render(ranked: Sequence[Ranked], cloud: CloudConfig, table: "ConvergenceTable | ConvergenceModel", title: str,
+           basis: Optional[Basis] = None, horizon: Optional[int] = None, replicas: Optional[int] = None) -> None:
     """``syncwise plan --strategy``'s table."""
     from rich.console import Console
     from rich.table import Table
 
     basis = basis if basis is not None else basis_of(cloud)
-    t = Table(title=title, title_justify="left", caption=f"steps: measured by benchmarks/time_to_loss.py "
-              f"({table.basis()}); step time: the planner's cost model on {link_words(cloud)}, {basis.words()}; "
+    measured = not isinstance(table, ConvergenceModel)
+    t = Table(title=title, title_justify="left", caption=(
+              f"steps: measured by benchmarks/time_to_loss.py ({table.basis()})" if measured else
+              f"steps: {convergence_words(table, horizon, replicas)} (benchmarks/convergence_fit.py)")
+              + f"; step time: the planner's cost model on {link_words(cloud)}, {basis.words()}; "
               "sooner than none: the prediction and the band the measured ratio is expected in; "
-              "'=': a tie at the precision shown (time to fp32's loss), ordered by the exact prediction, then the "
-              "shorter step")
-    for col in ("#", "strategy", "step (predicted)", "steps to fp32's loss (measured)", "time to fp32's loss",
+              "'=': a tie at the precision shown (time to fp32's loss), ordered by the exact prediction"
+              + ("" if measured else " (the expected time over the steps band: the log-normal mean)")
+              + ", then the shorter step")
+    for col in ("#", "strategy", "step (predicted)", f"steps to fp32's loss ({'measured' if measured else 'model'})",
+                "time to fp32's loss",
                 "sooner than none", "not a candidate"):
         t.add_column(col, justify="left" if col in ("strategy", "not a candidate") else "right", overflow="fold")
     for r, place in zip(ranked, places(ranked)):
-        steps = f"{r.steps_ratio:.2f}×" if r.steps_ratio else f"> {r.cap_ratio:.1f}×"
+        steps = f"{r.steps_ratio:.2f}×" if r.steps_ratio else (f"> {r.cap_ratio:.1f}×" if r.cap_ratio else "-")
+        if r.steps_ratio and r.steps_low and r.steps_high and r.spec != "none":
+            steps += f" ({r.steps_low:.2f}–{r.steps_high:.2f})"
         t.add_row(place, r.spec, human_time(r.step_time_s), steps,
                   f"{r.time_ratio:.2f}×" if r.time_ratio else "-", ratio_words(r, basis) if r.sooner else "-",
                   r.why_not)
