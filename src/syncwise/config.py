@@ -597,6 +597,19 @@ def resolve_auto(cfg: RunConfig) -> str:
 
     if not (names_auto(cfg.compress.method) or names_auto(cfg.parallel.sync)):
         return ""   # (nothing parsed here: the specs are parsed once, by check_references)
+    chosen, line, _ = auto_ranking(cfg)
+    cfg.compress.method = chosen.compress.text
+    cfg.parallel.sync = str(chosen.sync) if chosen.sync is not None else "every-step"
+    if line not in _auto_said:
+        _auto_said.add(line)
+        print(f"syncwise: {line}", file=sys.stderr, flush=True)
+    return line
+
+
+def auto_ranking(cfg: RunConfig) -> tuple[Any, str, list]:
+    """What ``auto`` resolves to for this job, without changing ``cfg``: (the layout with the chosen compressor and
+    sync strategy, the start-up line, the ranked candidates: ``syncwise.plan.strategy.Ranked``). The one pricing of
+    a job's auto (``resolve_auto``; ``benchmarks/auto_choice.py`` asks it too)."""
     lay = run_layout(cfg)   # auto is a parsed value of the layout owner; a conflicting option is refused there
     lay.auto_choices()
     from .plan import load_cluster, load_model
@@ -630,15 +643,9 @@ def resolve_auto(cfg: RunConfig) -> str:
         model = load_model(cfg.model.preset, cfg.data.seq_len)
     inner = lay.dp_shard * lay.tp * lay.pp
     dp = (lay.dp_replicate or max(1, world // inner)) * lay.dp_shard
-    chosen, line, _ = choose(lay, cloud, model, cfg.data.batch_size * cfg.train.grad_accum * dp, cfg.data.seq_len,
-                             micro_batch=cfg.data.batch_size, microbatches=cfg.train.grad_accum, basis=basis,
-                             horizon=cfg.train.steps, replicas=dp)
-    cfg.compress.method = chosen.compress.text
-    cfg.parallel.sync = str(chosen.sync) if chosen.sync is not None else "every-step"
-    if line not in _auto_said:
-        _auto_said.add(line)
-        print(f"syncwise: {line}", file=sys.stderr, flush=True)
-    return line
+    return choose(lay, cloud, model, cfg.data.batch_size * cfg.train.grad_accum * dp, cfg.data.seq_len,
+                  micro_batch=cfg.data.batch_size, microbatches=cfg.train.grad_accum, basis=basis,
+                  horizon=cfg.train.steps, replicas=dp)
 
 
 def _visible_gpus() -> bool:
