@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from .errors import ConfigError, SyncwiseError
-from .layout import CLI_STEP_FIELDS, DISPATCH, FSDP_GATHER, FSDP_RESHARD, HIERARCHICAL, SCHEDULES, check_step
+from .layout import DISPATCH, FSDP_GATHER, FSDP_RESHARD, HIERARCHICAL, SCHEDULES, check_step
 from .specs import parse_bool
 from .profiling import check_pair
 from .rundir import RunDir
@@ -168,7 +168,8 @@ class TrainSection:
     compile: bool = schema.COMPILE.field()
     dynamic_batch: bool = option(False, "find the largest micro-batch (≤ data.batch_size) that fits in memory and "
                                  "accumulate micro-batches up to data.batch_size (the loss curve is unchanged); "
-                                 "back off on out-of-memory (docs/dynamic-batch.md)", "true or false")
+                                 "back off on out-of-memory (docs/dynamic-batch.md)", "true or false",
+                                 rule="dynamic_batch")
     memory_threshold: float = schema.MEMORY_THRESHOLD.field()
     activation_checkpointing: bool = schema.ACTIVATION_CHECKPOINTING.field()
     seed: int = option(1337, "random seed (model init and data order)",
@@ -222,7 +223,7 @@ class ParallelSection:
                        "with the next step), sparseloco:period=16 (top-k + 2-bit pseudo-gradients, error feedback), "
                        "streaming:period=16,fragments=4 (Streaming DiLoCo); see docs/compression.md. Formerly "
                        "compress.sync (still read, with a note)",
-                       "a sync spec (see docs/compression.md)")
+                       "a sync spec (see docs/compression.md)", rule="sync")
     dp_replicate: int = option(0, "data-parallel replicas: DDP (with syncwise's compressed gradient sync), or HSDP's "
                                "replica groups when dp_shard > 1; 0 = the ranks dp_shard × tp leave",
                                "an integer from 0 to 65,536 (dp_replicate × dp_shard × tp = the world size)",
@@ -434,6 +435,11 @@ class RunSpecs:
 def _sections() -> dict[str, type]:
     return {f.name: f.default_factory for f in dataclasses.fields(RunConfig)
             if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)}
+
+
+#: The training fields ``layout.check_step`` involves, as config keys ({rule: 'section.field'}): read off the
+#: sections' fields whose Option carries that rule (``schema.rule_fields``; the Python API's: ``train.options``).
+CLI_STEP_FIELDS = schema.rule_fields(_sections(), qualified=True)
 
 
 def _coerce(path: str, value: Any, typ: type, from_text: bool, accepted: str) -> Any:
@@ -898,7 +904,7 @@ def _check_layout(cfg: RunConfig, lay: Any, fewest: int, most: int) -> None:
                 raise ConfigError(e.field, _get(cfg, e.field), e.accepted) from None
             raise
     check_step(lay, dynamic_batch=cfg.train.dynamic_batch, grad_accum=cfg.train.grad_accum,
-               fp16=cfg.train.mixed_precision == "fp16",
+               fp16=cfg.train.mixed_precision == "fp16", names=CLI_STEP_FIELDS,
                given={k: _get(cfg, key) for k, key in CLI_STEP_FIELDS.items()})
     if lay.replicas_only:
         return
