@@ -21,7 +21,7 @@ import sys
 import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from .errors import ConfigError, SyncwiseError
 from .layout import DISPATCH, FSDP_GATHER, FSDP_RESHARD, HIERARCHICAL, SCHEDULES, check_step
@@ -975,16 +975,23 @@ def _check_data_and_memory(cfg: RunConfig, local: int, fewest: int, where: "Plac
                           "batch_size or seq_len, or turn on train.activation_checkpointing")
 
 
-def format_config(cfg: RunConfig) -> str:
-    """The resolved configuration as TOML: what `syncwise train --check` prints, and `--config` reads back."""
+def format_config(cfg: RunConfig, keys: Optional[Iterable[str]] = None,
+                  header: str = "syncwise train: resolved configuration (validated; nothing was started or written)"
+                  ) -> str:
+    """The configuration as TOML, every key named by its field: what `syncwise train --check` prints (all of it),
+    `syncwise plan --emit-config` writes (``keys``: only those, 'section.field' or a top-level field, in the
+    config's order; a section none is in is left out) and `--config` reads back. ``header``: a comment."""
     sections = _sections()
-    lines = ["# syncwise train: resolved configuration (validated; nothing was started or written)"]
-    lines += [f"{f.name} = {_toml(getattr(cfg, f.name))}" for f in dataclasses.fields(cfg) if f.name not in sections]
+    wanted = None if keys is None else set(keys)
+    lines = [f"# {line}" for line in header.splitlines()]
+    lines += [f"{f.name} = {_toml(getattr(cfg, f.name))}" for f in dataclasses.fields(cfg)
+              if f.name not in sections and (wanted is None or f.name in wanted)]
     for name in sections:
         section = getattr(cfg, name)
-        lines += ["", f"[{name}]"] + [f"{f.name} = {_toml(getattr(section, f.name))}"
-                                     for f in dataclasses.fields(section)]
-    return "\n".join(lines)
+        table = [f"{f.name} = {_toml(getattr(section, f.name))}" for f in dataclasses.fields(section)
+                 if wanted is None or f"{name}.{f.name}" in wanted]
+        lines += ["", f"[{name}]"] + table if table else []
+    return "\n".join(lines).lstrip("\n")
 
 
 def _toml(value: Any) -> str:
