@@ -52,12 +52,14 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from syncwise.live_env import REPLICA
+
 RESULTS = Path(__file__).resolve().parent / "results"
 WARMUP = 3  # a process's first steps (allocator, DDP bucket rebuild) are left out of step-time medians
 RESUMED_RE = re.compile(r"resumed from step (\d+)")
 AGENT_MARKS = (b"torch.distributed.run", b"syncwise.launch.agent", b"torchrun", b"netns", b"torchft_lighthouse")
 LAB_PREFIX = ["swfb"]  # the lab `syncwise train --lab` runs on (set from --prefix)
-REPLICA_ENV = (b"SYNCWISE_FT_REPLICA", b"REPLICA_GROUP_ID", b"TORCHFT_REPLICA_ID")
+REPLICA_ENV = (REPLICA.encode(), b"REPLICA_GROUP_ID", b"TORCHFT_REPLICA_ID")  # ours, then torchft's own names
 
 
 # ----------------------------------------------------------------------------------------------- the job

@@ -66,6 +66,7 @@ def run(cfg: Any, period: int, replicas: int, threads: int, lab_prefix: "str | N
             from syncwise.lab.cluster import PREFIX, require
             from syncwise.launch.ft import _lighthouse_program
             from syncwise.launch.ft_lab import in_node, wait_listening
+            from syncwise.live_env import HOST
 
             state = require(lab_prefix or PREFIX)
             if replicas != state.num_nodes:
@@ -91,7 +92,7 @@ def run(cfg: Any, period: int, replicas: int, threads: int, lab_prefix: "str | N
             argv = [sys.executable, __file__, "--worker", "--run-dir", str(run_dir), "--replica", str(r),
                     "--replicas", str(replicas), "--period", str(period), "--lighthouse", address]
             renv = env if state is None else {**env, "GLOO_SOCKET_IFNAME": state.node(r).ifname,
-                                               "SYNCWISE_FT_HOST": state.node(r).namespace}
+                                               HOST: state.node(r).namespace}
             procs.append(subprocess.Popen(argv if state is None else in_node(state, r, argv), env=renv,
                                           stdout=logs[-1], stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                           start_new_session=state is not None))
@@ -149,6 +150,7 @@ def worker(args: argparse.Namespace) -> None:
     from syncwise.data import TokenBatchLoader, evaluation_batches, load_corpus
     from syncwise.models import build_model, count_params
     from syncwise.train import adamw, warmup_cosine
+    from syncwise.live_env import HOST
     from syncwise.train.trainer import lm_loss
 
     run_dir, r, replicas = Path(args.run_dir), args.replica, args.replicas
@@ -163,7 +165,7 @@ def worker(args: argparse.Namespace) -> None:
     val = evaluation_batches(corpus.val, cfg.data.batch_size, cfg.data.seq_len, cfg.train.val_batches, r, replicas)
     # the peers reach this replica's store at its advertised host (the lab node's name; torchft's manager
     # hands store_addr to the other replicas for the cross-replica process group)
-    host = os.environ.get("SYNCWISE_FT_HOST", "localhost")
+    host = os.environ.get(HOST, "localhost")
     store = dist.TCPStore(host_name=host, port=0, is_master=True, wait_for_workers=False)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=120)), min_replica_size=replicas, use_async_quorum=False,

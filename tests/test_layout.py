@@ -221,7 +221,8 @@ def test_live_recovery_layout_rule_is_one_rule_for_both_front_ends():
 
 
 # ------------------------------------------------------------------- the step's rules: one owner, both doors
-STEP_CASES = [  # (layout, the step fields that break a rule) -> the rule's key in layout.CLI/API_STEP_FIELDS
+STEP_CASES = [  # (layout, the step fields that break a rule) -> the rule's key in config.CLI_STEP_FIELDS /
+    # train.options.API_STEP_FIELDS
     ({"dp_shard": 2}, {"dynamic_batch": True}, "dynamic_batch"),
     ({"pp": 2}, {"grad_accum": 2}, "grad_accum"),
     ({"dp_shard": 2}, {"grad_accum": 2}, None),   # accumulation is fine without a pipeline
@@ -256,8 +257,8 @@ def test_the_step_rules_are_one_rule_for_both_front_ends():
     """dynamic batching needs replicas and a pipeline takes no accumulation: the command line refused them and the
     Python API did not (and fp16 × pipeline the other way round); both now ask layout.check_step."""
     from distributed import run_workers
-    from syncwise.config import build_config
-    from syncwise.layout import API_STEP_FIELDS, CLI_STEP_FIELDS
+    from syncwise.config import CLI_STEP_FIELDS, build_config
+    from syncwise.train.options import API_STEP_FIELDS
 
     cli = []
     for degrees, fields, _ in STEP_CASES:
@@ -278,6 +279,28 @@ def test_the_step_rules_are_one_rule_for_both_front_ends():
         build_config(None, {"dist.nproc": "2", "parallel.pp": "2", "model.preset": "tiny",
                             "train.mixed_precision": "fp16"}, here=False)
     assert e.value.field == "train.mixed_precision" and "pipeline" in str(e.value)
+
+
+def test_the_step_rules_field_names_are_read_off_each_doors_fields():
+    """check_step's fields, as each door spells them, come from the dataclass fields whose Option carries the rule
+    (schema.rule_fields): every rule field is behind both doors, and a shared Option gives both spellings."""
+    from syncwise import schema
+    from syncwise.config import CLI_STEP_FIELDS, _sections
+    from syncwise.layout import STEP_FIELDS
+    from syncwise.train.options import API_STEP_FIELDS, GROUPS
+
+    assert set(CLI_STEP_FIELDS) == set(API_STEP_FIELDS) == set(STEP_FIELDS)
+    assert CLI_STEP_FIELDS == {"dynamic_batch": "train.dynamic_batch", "grad_accum": "train.grad_accum",
+                               "mixed_precision": "train.mixed_precision", "sync": "parallel.sync"}
+    assert API_STEP_FIELDS == {"dynamic_batch": "dynamic_batch", "grad_accum": "grad_accum_steps",
+                               "mixed_precision": "mixed_precision", "sync": "sync"}
+    for rule, key in CLI_STEP_FIELDS.items():  # each spelling is a real field of that door, carrying that rule
+        section, name = key.split(".")
+        cli = next(f for f in dataclasses.fields(_sections()[section]) if f.name == name)
+        api = next(f for kind in GROUPS.values() for f in dataclasses.fields(kind) if f.name == API_STEP_FIELDS[rule])
+        assert schema.option_of(cli).rule == schema.option_of(api).rule == rule
+    with pytest.raises(ValueError, match="carried twice"):
+        schema.rule_fields({"a": _sections()["train"], "b": _sections()["train"]}, qualified=True)
 
 
 # ------------------------------------------------------ the training fields' own rules: one Option, both doors

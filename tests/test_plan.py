@@ -13,7 +13,7 @@ import pytest
 from syncwise.errors import ConfigError
 from syncwise.plan import (ACCELERATORS, FABRICS, MEGATRON, SYNCWISE, Layout, ModelSpec, bus_factor, cloud_from_dict,
                            cluster, compressor_wire, from_hf_config, load_cluster, load_model, memory_per_rank,
-                           parse_layout, predict, search, syncwise_refusal, train_config_toml)
+                           parse_layout, predict, search, syncwise_refusal)
 from syncwise.plan.cost import collective_time, group
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -445,14 +445,51 @@ def test_published_runs_have_sources():
 
 
 # ------------------------------------------------------------------------------------------------ config + CLI
+@pytest.mark.parametrize("text", ["dp=2,dp_shard=2,microbatch=2,recompute=full,compress=powersgd:rank=2",
+                                  "dp=4,microbatch=1,microbatches=4,sync=diloco:period=8",
+                                  "dp=2,tp=2,microbatch=2,compress=fp16",
+                                  "dp=2,pp=2,microbatch=2,schedule=gpipe"])
+def test_emitted_config_loads_back_as_the_planned_layout_and_options(tmp_path, text):
+    """plan --emit-config's file, read by the config loader (load_file + build_config, every check syncwise train
+    runs), gives the planned layout (the owner's Layout, specs parsed) and the planned batch, accumulation,
+    recomputation and workers; every key in it is a field of config's sections (none written by hand)."""
+    import dataclasses
+
+    from syncwise.commands.plan import emit_config
+    from syncwise.config import _sections, build_config, load_file, run_layout
+    from syncwise.plan.emit import train_config
+    from syncwise.plan.layout import owner_layout
+
+    c = load_cluster(ROOT / "examples/clusters/cpu-lab-2x2.toml")
+    m = load_model("tiny", 64)
+    p = predict(c, m, parse_layout(text, 4), 16, 64)
+    path = tmp_path / "train.toml"
+    path.write_text(emit_config(p, c, "tiny", 64))
+    values = load_file(path)
+    fields = {name: {f.name for f in dataclasses.fields(kind)} for name, kind in _sections().items()}
+    assert values and all(set(table) <= fields[name] for name, table in values.items())
+    cfg = build_config(values, here=False)
+    planned = train_config(p, c, "tiny", 64)
+    got, want = run_layout(cfg), owner_layout(planned.layout)
+    assert {f.name: getattr(got, f.name) for f in dataclasses.fields(got)} == \
+        {f.name: getattr(want, f.name) for f in dataclasses.fields(want)}
+    assert (cfg.model.preset, cfg.data.seq_len, cfg.data.batch_size, cfg.train.grad_accum,
+            cfg.train.activation_checkpointing, cfg.dist.nproc, cfg.dist.nnodes, cfg.dist.lab) == \
+        (planned.preset, planned.seq_len, planned.batch_size, planned.grad_accum, planned.activation_checkpointing,
+         planned.nproc, planned.nnodes, planned.lab) == \
+        ("tiny", 64, p.micro_batch * (p.microbatches if p.layout.pp > 1 else 1),
+         1 if p.layout.pp > 1 else p.microbatches, p.layout.recompute == "full", 2, "1", True)
+
+
 def test_emitted_config_loads_with_syncwise_config(tmp_path, monkeypatch):
+    from syncwise.commands.plan import emit_config
     from syncwise.config import build_config, load_file
 
     c = load_cluster(ROOT / "examples/clusters/cpu-lab-2x2.toml")
     m = load_model("small", 128)
     p = predict(c, m, parse_layout("dp=2,dp_shard=2,microbatch=2", 4), 16, 128)
     path = tmp_path / "train.toml"
-    path.write_text(train_config_toml(p, c, "small", 128))
+    path.write_text(emit_config(p, c, "small", 128))
     cfg = build_config(load_file(path))
     assert (cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.data.batch_size, cfg.train.grad_accum) == (2, 2, 2, 2)
     assert cfg.dist.lab and cfg.dist.nproc == 2 and cfg.model.preset == "small"
@@ -461,7 +498,7 @@ def test_emitted_config_loads_with_syncwise_config(tmp_path, monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     g = cluster("h100-sxm", 2, 8)
     p = predict(g, m, parse_layout("dp=8,pp=2,microbatch=2", 16), 64, 128)
-    path.write_text(train_config_toml(p, g, "small", 128))
+    path.write_text(emit_config(p, g, "small", 128))
     cfg = build_config(load_file(path))
     assert (cfg.parallel.pp, cfg.parallel.microbatches, cfg.data.batch_size, cfg.dist.nnodes) == (2, 4, 8, "2")
 

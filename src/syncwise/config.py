@@ -21,10 +21,10 @@ import sys
 import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from .errors import ConfigError, SyncwiseError
-from .layout import CLI_STEP_FIELDS, DISPATCH, FSDP_GATHER, FSDP_RESHARD, HIERARCHICAL, SCHEDULES, check_step
+from .layout import DISPATCH, FSDP_GATHER, FSDP_RESHARD, HIERARCHICAL, SCHEDULES, check_step
 from .specs import parse_bool
 from .profiling import check_pair
 from .rundir import RunDir
@@ -168,7 +168,8 @@ class TrainSection:
     compile: bool = schema.COMPILE.field()
     dynamic_batch: bool = option(False, "find the largest micro-batch (≤ data.batch_size) that fits in memory and "
                                  "accumulate micro-batches up to data.batch_size (the loss curve is unchanged); "
-                                 "back off on out-of-memory (docs/dynamic-batch.md)", "true or false")
+                                 "back off on out-of-memory (docs/dynamic-batch.md)", "true or false",
+                                 rule="dynamic_batch")
     memory_threshold: float = schema.MEMORY_THRESHOLD.field()
     activation_checkpointing: bool = schema.ACTIVATION_CHECKPOINTING.field()
     seed: int = option(1337, "random seed (model init and data order)",
@@ -222,7 +223,7 @@ class ParallelSection:
                        "with the next step), sparseloco:period=16 (top-k + 2-bit pseudo-gradients, error feedback), "
                        "streaming:period=16,fragments=4 (Streaming DiLoCo); see docs/compression.md. Formerly "
                        "compress.sync (still read, with a note)",
-                       "a sync spec (see docs/compression.md)")
+                       "a sync spec (see docs/compression.md)", rule="sync")
     dp_replicate: int = option(0, "data-parallel replicas: DDP (with syncwise's compressed gradient sync), or HSDP's "
                                "replica groups when dp_shard > 1; 0 = the ranks dp_shard × tp leave",
                                "an integer from 0 to 65,536 (dp_replicate × dp_shard × tp = the world size)",
@@ -437,6 +438,11 @@ class RunSpecs:
 def _sections() -> dict[str, type]:
     return {f.name: f.default_factory for f in dataclasses.fields(RunConfig)
             if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)}
+
+
+#: The training fields ``layout.check_step`` involves, as config keys ({rule: 'section.field'}): read off the
+#: sections' fields whose Option carries that rule (``schema.rule_fields``; the Python API's: ``train.options``).
+CLI_STEP_FIELDS = schema.rule_fields(_sections(), qualified=True)
 
 
 def _coerce(path: str, value: Any, typ: type, from_text: bool, accepted: str) -> Any:
@@ -909,7 +915,7 @@ def _check_layout(cfg: RunConfig, lay: Any, fewest: int, most: int) -> None:
                 raise ConfigError(e.field, _get(cfg, e.field), e.accepted) from None
             raise
     check_step(lay, dynamic_batch=cfg.train.dynamic_batch, grad_accum=cfg.train.grad_accum,
-               fp16=cfg.train.mixed_precision == "fp16",
+               fp16=cfg.train.mixed_precision == "fp16", names=CLI_STEP_FIELDS,
                given={k: _get(cfg, key) for k, key in CLI_STEP_FIELDS.items()})
     if lay.replicas_only:
         return
@@ -980,16 +986,23 @@ def _check_data_and_memory(cfg: RunConfig, local: int, fewest: int, where: "Plac
                           "batch_size or seq_len, or turn on train.activation_checkpointing")
 
 
-def format_config(cfg: RunConfig) -> str:
-    """The resolved configuration as TOML: what `syncwise train --check` prints, and `--config` reads back."""
+def format_config(cfg: RunConfig, keys: Optional[Iterable[str]] = None,
+                  header: str = "syncwise train: resolved configuration (validated; nothing was started or written)"
+                  ) -> str:
+    """The configuration as TOML, every key named by its field: what `syncwise train --check` prints (all of it),
+    `syncwise plan --emit-config` writes (``keys``: only those, 'section.field' or a top-level field, in the
+    config's order; a section none is in is left out) and `--config` reads back. ``header``: a comment."""
     sections = _sections()
-    lines = ["# syncwise train: resolved configuration (validated; nothing was started or written)"]
-    lines += [f"{f.name} = {_toml(getattr(cfg, f.name))}" for f in dataclasses.fields(cfg) if f.name not in sections]
+    wanted = None if keys is None else set(keys)
+    lines = [f"# {line}" for line in header.splitlines()]
+    lines += [f"{f.name} = {_toml(getattr(cfg, f.name))}" for f in dataclasses.fields(cfg)
+              if f.name not in sections and (wanted is None or f.name in wanted)]
     for name in sections:
         section = getattr(cfg, name)
-        lines += ["", f"[{name}]"] + [f"{f.name} = {_toml(getattr(section, f.name))}"
-                                     for f in dataclasses.fields(section)]
-    return "\n".join(lines)
+        table = [f"{f.name} = {_toml(getattr(section, f.name))}" for f in dataclasses.fields(section)
+                 if wanted is None or f"{name}.{f.name}" in wanted]
+        lines += ["", f"[{name}]"] + table if table else []
+    return "\n".join(lines).lstrip("\n")
 
 
 def _toml(value: Any) -> str:

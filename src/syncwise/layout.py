@@ -942,20 +942,20 @@ def check_live_compress(compress: Any, group_world: int = 1, field: str = "compr
 
 
 # ============================================================================================ the step's rules
-#: The training fields :func:`check_step` involves, as each door spells them: the command line's config keys and
-#: ``OptimizedTrainer``'s keywords. Both doors ask the same rules; only the names in the message differ.
-CLI_STEP_FIELDS = {"dynamic_batch": "train.dynamic_batch", "grad_accum": "train.grad_accum",
-                   "mixed_precision": "train.mixed_precision", "sync": "parallel.sync"}
-API_STEP_FIELDS = {"dynamic_batch": "dynamic_batch", "grad_accum": "grad_accum_steps",
-                   "mixed_precision": "mixed_precision", "sync": "sync"}
+#: The training fields :func:`check_step` involves, by their ``schema.Option.rule``. Each door's spelling is read off
+#: the dataclass fields that carry those options: ``config.CLI_STEP_FIELDS`` (``train.grad_accum``, ...) and
+#: ``train.options.API_STEP_FIELDS`` (``grad_accum_steps``, ...). Both doors ask the same rules; only the names in
+#: the message differ.
+STEP_FIELDS = ("dynamic_batch", "grad_accum", "mixed_precision", "sync")
 
 
 def check_step(lay: Layout, *, dynamic_batch: Any, grad_accum: int, fp16: bool, given: dict[str, Any],
-               names: dict[str, str] = CLI_STEP_FIELDS) -> None:
+               names: dict[str, str]) -> None:
     """The rules between a layout and the step's training fields, written once and asked by the command line
-    (``syncwise.config``, ``names=CLI_STEP_FIELDS``) and the Python API (``OptimizedTrainer``,
-    ``API_STEP_FIELDS``). ``given`` holds the values as the caller wrote them (echoed in the error), keyed like
-    ``names``; ``fp16`` is whether the mixed precision resolves to fp16."""
+    (``syncwise.config``, ``names=config.CLI_STEP_FIELDS``) and the Python API (``OptimizedTrainer``,
+    ``train.options.API_STEP_FIELDS``). ``names`` maps each of :data:`STEP_FIELDS` to the field as that door
+    spells it; ``given`` holds the values as the caller wrote them (echoed in the error), keyed like ``names``;
+    ``fp16`` is whether the mixed precision resolves to fp16."""
     if fp16 and lay.sync is not None and lay.sync.method == "pipesgd":
         raise ConfigError(names["sync"], given["sync"], "every-step or localsgd/diloco with fp16 mixed precision (a "
                           "loss-scaled gradient applied one step late would meet another scale)")

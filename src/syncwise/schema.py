@@ -34,7 +34,9 @@ class Option:
     """One option: ``default`` (the command line's, and ``OptimizedTrainer``'s unless ``api_default`` says
     otherwise), ``doc``, ``accepted`` (the text every refusal shows; a function when the list lives elsewhere and is
     read only when shown) and ``check`` (False: refused). ``parse`` maps a spelling to its canonical value before
-    the check ('half' → 'fp16'); the command line keeps the canonical value, the Python API the value as given."""
+    the check ('half' → 'fp16'); the command line keeps the canonical value, the Python API the value as given.
+    ``rule``: the name the rules between fields (``syncwise.layout.check_step``) call this option by, whichever
+    door's field carries it; each door's spelling of it is read off its dataclasses (:func:`rule_fields`)."""
 
     default: Any
     doc: str
@@ -42,6 +44,7 @@ class Option:
     check: Optional[Callable[[Any], bool]] = None
     parse: Optional[Callable[[Any], Any]] = None
     api_default: Any = _SAME
+    rule: str = ""
 
     def field(self, api: bool = False) -> Any:
         """This option as a dataclass field (``api=True``: with ``OptimizedTrainer``'s default)."""
@@ -76,6 +79,22 @@ def option(default: Any, doc: str, accepted: Union[str, Callable[[], str]] = "",
 
 def option_of(f: dataclasses.Field) -> Optional[Option]:
     return f.metadata.get("option")
+
+
+def rule_fields(groups: dict[str, type], qualified: bool) -> dict[str, str]:
+    """{an Option's ``rule``: its field as one door spells it} over that door's dataclasses ``groups`` (name →
+    class): ``qualified`` gives ``section.field`` (the command line's config keys), else the field's own name
+    (``OptimizedTrainer``'s flat keywords). What the rules' messages name is so read off the fields that carry
+    the options, written nowhere else."""
+    out: dict[str, str] = {}
+    for group, kind in groups.items():
+        for f in dataclasses.fields(kind):
+            opt = option_of(f)
+            if opt is not None and opt.rule:
+                if opt.rule in out:
+                    raise ValueError(f"rule field {opt.rule!r} is carried twice: {out[opt.rule]} and {f.name}")
+                out[opt.rule] = f"{group}.{f.name}" if qualified else f.name
+    return out
 
 
 TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list"}
@@ -162,7 +181,7 @@ def precision_mode(value: Any) -> Any:
 # ================================================================== the options behind both doors, by section
 # [train]  (OptimizedTrainer: StepOptions, RunOptions)
 GRAD_ACCUM = Option(1, "micro-batches per optimizer step (only the last one communicates)",
-                    "an integer from 1 to 65,536", within(1, 65536))
+                    "an integer from 1 to 65,536", within(1, 65536), rule="grad_accum")
 CLIP_GRAD = Option(1.0, "gradient-norm clipping threshold (0 = off: the norm is only measured)",
                    "0 (off) or a number from 1e-6 to 1e6 (a smaller threshold scales every gradient to nothing)",
                    lambda v: v == 0 or 1e-6 <= v <= 1e6)
@@ -170,7 +189,8 @@ MIXED_PRECISION = Option("auto", "autocast dtype: auto (bf16 on a GPU that has i
                          "(GPU, with GradScaler)",
                          "one of: none, bf16, fp16, auto (also spelled false/fp32/no/off, bfloat16, float16/half, "
                          "true = auto; in Python also None and torch.bfloat16 / torch.float16 / torch.float32)",
-                         lambda v: isinstance(v, str) and v in PRECISIONS, parse=precision_mode)
+                         lambda v: isinstance(v, str) and v in PRECISIONS, parse=precision_mode,
+                         rule="mixed_precision")
 COMPILE = Option(False, "torch.compile the model (kernel fusion; on a GPU see docs/gpu.md for what it gains per "
                  "preset)", "true or false")
 ACTIVATION_CHECKPOINTING = Option(False, "recompute each block's activations in backward", "true or false")

@@ -14,10 +14,12 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import Any, Optional
 
 from ..errors import ConfigError, SyncwiseError
-from ..plan import (MEGATRON, SYNCWISE, explain, load_cluster, load_model, parse_layout, predict, search,
-                    train_config_toml, not_a_preset)
+from ..plan import (MEGATRON, SYNCWISE, PlannedRun, explain, load_cluster, load_model, parse_layout, predict,
+                    search, train_config, not_a_preset)
+from ..plan.emit import header
 from ..plan.search import DEFAULT_COMPRESS, LABELS, human_time, wrap_layout
 from ..plan.uncertainty import QUANTILES, band_for, basis, describe
 
@@ -215,10 +217,40 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--emit-config", args.emit_config, f"a layout syncwise can run; "
                               f"{best.layout.text()} is not: {best.not_runnable}")
         preset = args.model if model.source == "syncwise preset" else None
-        Path(args.emit_config).write_text(train_config_toml(best, cloud, preset, args.seq_len, model.name))
+        Path(args.emit_config).write_text(emit_config(best, cloud, preset, args.seq_len, model.name))
         print(f"wrote {args.emit_config}: syncwise train --config {args.emit_config}"
               + ("" if preset else f"\nnote: {not_a_preset(model.name)}"))
     return 0
+
+
+def planned_config(run: PlannedRun) -> tuple[Any, list[str]]:
+    """The ``syncwise train`` configuration (a ``config.RunConfig``) that runs a planned layout, and the keys the plan
+    sets ('section.field'): what ``--emit-config`` writes. Every key is a field of config's sections (their
+    constructors refuse any other name); ``[parallel]`` is the whole layout, each of ParallelSection's fields read
+    off the Layout's field of the same name (the specs as their text)."""
+    from .. import config
+
+    lay = run.layout
+    parallel = {f.name: lay.sync_text if f.name == "sync" else getattr(lay, f.name)
+                for f in dataclasses.fields(config.ParallelSection)}
+    given = {config.ModelSection: dict(preset=run.preset),
+             config.DataSection: dict(seq_len=run.seq_len, batch_size=run.batch_size),
+             config.TrainSection: dict(grad_accum=run.grad_accum, activation_checkpointing=run.activation_checkpointing),
+             config.DistSection: dict(nproc=run.nproc, nnodes=run.nnodes, lab=run.lab),
+             config.ParallelSection: parallel,
+             config.CompressSection: dict(method=lay.compress.text)}
+    section_of = {kind: name for name, kind in config._sections().items()}
+    cfg = config.RunConfig(**{section_of[kind]: kind(**values) for kind, values in given.items()})
+    return cfg, [f"{section_of[kind]}.{key}" for kind, values in given.items() for key in values]
+
+
+def emit_config(pred: Any, cloud: Any, preset: Optional[str], seq_len: int, model_name: str = "") -> str:
+    """``--emit-config``'s TOML: the planned run (``plan.emit.train_config``) in config's sections, written by
+    ``config.format_config`` (key names from the fields), under a header naming the prediction and how to run it."""
+    from ..config import format_config
+
+    cfg, keys = planned_config(train_config(pred, cloud, preset, seq_len, model_name))
+    return format_config(cfg, keys, header(pred, cloud, preset, model_name)) + "\n"
 
 
 def _print(cloud, model, preds, args) -> None:

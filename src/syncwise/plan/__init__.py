@@ -7,7 +7,7 @@ docs/plan.md. ``import syncwise.plan`` loads no torch; deciding whether syncwise
 """
 from .cloud import ACCELERATORS, FABRICS, Accelerator, CloudConfig, Fabric, cloud_from_dict, cluster, load_cluster
 from .cost import Prediction, bus_factor, collective_time, compressor_wire, predict
-from .emit import not_a_preset, train_config, train_config_toml
+from .emit import PlannedRun, not_a_preset, train_config
 from .layout import MEGATRON, SYNCWISE, Layout, Training, parse_layout, syncwise_refusal
 from .memory import Memory, memory_per_rank
 from .model import ModelSpec, from_hf_config, from_model_config, from_preset, from_toml_dict, load_model
@@ -23,5 +23,5 @@ __all__ = [
     "ModelSpec", "load_model", "from_hf_config", "from_preset", "from_model_config", "from_toml_dict",
     "Layout", "parse_layout", "Training", "SYNCWISE", "MEGATRON", "syncwise_refusal",
     "Memory", "memory_per_rank", "Prediction", "predict", "bus_factor", "collective_time", "compressor_wire",
-    "search", "explain", "train_config", "train_config_toml", "not_a_preset",
+    "search", "explain", "train_config", "PlannedRun", "not_a_preset",
 ]

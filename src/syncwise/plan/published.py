@@ -84,7 +84,14 @@ def _selene(gpus: int) -> CloudConfig:
 
 
 def runs() -> list[PublishedRun]:
-    """The published runs, with sources."""
+    """The published runs, with sources (one function per source, in this order)."""
+    return [run for source in (_megatron_weak_scaling, _mt_nlg, _llama3, _bloom,
+                               _mpt_held_out, _qwen3_moe_zoo, _mixtral, _torchtitan_deepseek)
+            for run in source()]
+
+
+def _megatron_weak_scaling() -> list[PublishedRun]:
+    """Megatron-LM's weak-scaling table (Narayanan et al. SC'21, Table 1)."""
     out: list[PublishedRun] = []
     # ---- 1. Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
     #      Megatron-LM", SC'21 (arXiv:2104.04473), Table 1 (weak scaling): TFLOP/s per GPU by eq. (3)
@@ -100,6 +107,12 @@ def runs() -> list[PublishedRun]:
                                sequence_parallel=False), B, 2048, "tflops_per_gpu", tf,
             flops=lambda B=B, L=L, h=h: megatron_flops(B, 2048, L, h, 51200),
             assumed="micro-batch 1, non-interleaved 1F1B (the table gives neither); full recomputation (§5)"))
+    return out
+
+
+def _mt_nlg() -> list[PublishedRun]:
+    """MT-NLG 530B's iteration times (Smith et al. 2022)."""
+    out: list[PublishedRun] = []
     # ---- 2. Smith et al., "Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B" (arXiv:2201.11990),
     #      §3 system performance: 280 / 350 / 420 DGX A100 nodes, tp 8 × pp 35, batch 1920, seconds per iteration
     for nodes, dp, sec in ((280, 8, 60.1), (350, 10, 50.2), (420, 12, 44.4)):
@@ -111,6 +124,12 @@ def runs() -> list[PublishedRun]:
             assumed="iteration times 60.1 / 50.2 / 44.4 s (also quoted with 126 / 121 / 113 TFLOP/s per GPU in "
                     "llm-analysis's MT-NLG example, github.com/cli99/llm-analysis); micro-batch 1, 1F1B, full "
                     "recomputation assumed; vocabulary 51,200 assumed"))
+    return out
+
+
+def _llama3() -> list[PublishedRun]:
+    """Llama 3 405B's TFLOP/s per GPU (Dubey et al. 2024, Table 4)."""
+    out: list[PublishedRun] = []
     # ---- 3. Dubey et al., "The Llama 3 Herd of Models" (arXiv:2407.21783), Table 4: Llama 3 405B on H100
     #      (8 per node, RoCE 400 Gb/s per GPU), 8,192-token sequences, 16 M tokens per batch, BF16 TFLOP/s per GPU
     llama405 = ModelSpec("llama-3-405b", 128256, 16384, 126, 128, 53248, seq_len=8192, n_kv_heads=8)
@@ -123,6 +142,12 @@ def runs() -> list[PublishedRun]:
             assumed="FLOP convention taken as 6N + full attention (Meta's own count is not given: a causal "
                     "discount would lower ours by ~4 %); interleaved 1F1B with 2 stages per rank, micro-batch 1, "
                     "no recomputation; sharded optimizer state as ZeRO-1"))
+    return out
+
+
+def _bloom() -> list[PublishedRun]:
+    """BLOOM 176B (BigScience 2022, §3.4)."""
+    out: list[PublishedRun] = []
     # ---- 4. BigScience, "BLOOM: A 176B-Parameter Open-Access Multilingual Language Model" (arXiv:2211.05100),
     #      §3.4: 48 nodes × 8 A100 80 GB, tp 4 × pp 12 × dp 8, ZeRO-1, "156 TFLOPs" in the fastest configuration
     out.append(PublishedRun(
@@ -134,6 +159,12 @@ def runs() -> list[PublishedRun]:
         confident=False,
         assumed="156 TFLOP/s quoted from memory (the BigScience project page says 'about 150'); Megatron's "
                 "eq. (3) assumed as their count; 4 Omni-Path 100 Gb/s links per node (Jean Zay), micro-batch 2, full recomputation assumed; ALiBi treated as RoPE-free MHA"))
+    return out
+
+
+def _mpt_held_out() -> list[PublishedRun]:
+    """MosaicML llm-foundry's MPT benchmarks (held out)."""
+    out: list[PublishedRun] = []
     # ---- 5. Held out (never used to choose a constant): MosaicML llm-foundry's MPT training benchmarks, one node
     #      of 8 GPUs, FSDP FULL_SHARD, amp_bf16, no activation checkpointing, sequence 2048. The step time is the
     #      table's GlobalBatchSize (T) / Throughput (T/s). MPT's benchmark shapes: learned positions, tied
@@ -155,6 +186,12 @@ def runs() -> list[PublishedRun]:
                 assumed=f"step = {batch * 2048:,} tokens / {tok_s:,} tokens/s; heads {a} as the llm-foundry yaml "
                         "(heads do not change the FLOPs); Composer's amp_bf16 + FSDP DEFAULT mixed precision as "
                         "LLM_FOUNDRY"))
+    return out
+
+
+def _qwen3_moe_zoo() -> list[PublishedRun]:
+    """Megatron-Core's Qwen3-235B-A22B rows (NVIDIA's MoE model zoo)."""
+    out: list[PublishedRun] = []
     # ---- 6. MoE: Megatron-Core's Qwen3-235B-A22B on 256 H100 (NVIDIA's Megatron-MoE-ModelZoo, Qwen3 best
     #      practice, "Intra-node EP strategy" row): TP 2, EP 8, PP 1, FSDP on 128 data-parallel ranks, MBS 4, GBS
     #      2048, seq 4096, full recomputation, DeepEP dispatcher, BF16: 17.6 s per step, 276 TFLOP/s per GPU.
@@ -194,6 +231,12 @@ def runs() -> list[PublishedRun]:
             Layout(dp_replicate=dp, pp=8, pp_schedule="interleaved-1f1b", stages_per_rank=4, micro_batch=1,
                    ep_dispatch="bf16", ep_fold=True, zero1=True, **lay), 2048, 4096,
             "step_time_s", step, training=MODERN, group="moe", assumed=zoo_note + recompute))
+    return out
+
+
+def _mixtral() -> list[PublishedRun]:
+    """Mixtral 8x7B on 64 H100 (Megatron-Core v0.8's MoE README)."""
+    out: list[PublishedRun] = []
     # ---- Mixtral 8x7B on 64 H100, Megatron-Core v0.8 (NVIDIA/Megatron-LM megatron/core/transformer/moe/README.md
     #      at 0b981f9c53, 2024-08): "This boosts Mixtral 8X7B bf16 training to achieve 438 TFLOPS as of MCore v0.8",
     #      beside the README's "reference parallel mappings of MCore v0.8": TP 1, EP 8, PP 4, VP 8, MBS 1, GBS 256,
@@ -214,6 +257,12 @@ def runs() -> list[PublishedRun]:
         assumed="the README does not print 438 TFLOPS next to the mapping (pairing them is our reading); no "
                 "recomputation (not stated); Megatron's distributed optimizer as zero1; balanced routing; the "
                 "all-to-all dispatcher as the planner's bf16 all-to-all"))
+    return out
+
+
+def _torchtitan_deepseek() -> list[PublishedRun]:
+    """DeepSeek-V3-16B on 8 H100 (torchtitan, a user's log)."""
+    out: list[PublishedRun] = []
     # ---- torchtitan's DeepSeek-V3-16B on 8 H100 (pytorch/torchtitan issue #1789, 2025-10-02: "tps: 11,636 ...
     #      11,758 ... 11,533" tokens/s per GPU at steps 10-30), the default train config of that date
     #      (deepseek_v3_16b.toml at 8ec37d2b): FSDP 8, EP 8, seq 4096, selective activation checkpointing ('op'),

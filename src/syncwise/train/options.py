@@ -79,7 +79,7 @@ class CommOptions:
         lambda v: v is None or isinstance(v, (bool, str)) or _compressor_like(v))
     sync: Any = option(None, "reduced sync: local SGD / DiLoCo every H steps, Pipe-SGD, ... (None: every step)",
                        "None (every step), a spec string ('localsgd:period=8', 'diloco:...') or a syncwise SyncSpec",
-                       lambda v: v is None or isinstance(v, str) or _sync_like(v))
+                       lambda v: v is None or isinstance(v, str) or _sync_like(v), rule="sync")
     parallel: Any = option(None, "the layout: FSDP2 / HSDP / tensor / pipeline / expert degrees (None: every rank a "
                            "DDP replica)", "None (DDP replicas), a dict of ParallelSpec fields or a "
                            "syncwise.parallel.ParallelSpec", lambda v: v is None or isinstance(v, dict) or _layout_like(v))
@@ -106,7 +106,7 @@ class StepOptions:
                                "None or a learning-rate scheduler (an object with .step())",
                                lambda v: v is None or callable(getattr(v, "step", None)))
     dynamic_batch: Optional[DynamicBatcher] = option(None, "micro-batches that fit in memory (docs/dynamic-batch.md)",
-                                                     "None or a syncwise.train.DynamicBatcher")
+                                                     "None or a syncwise.train.DynamicBatcher", rule="dynamic_batch")
     compile: bool = schema.COMPILE.field(api=True)
     activation_checkpointing: bool = schema.ACTIVATION_CHECKPOINTING.field(api=True)
     tf32: bool = option(True, "fp32 matmuls on tensor cores (CUDA)", "True or False")
@@ -180,6 +180,9 @@ class TrainerOptions:
 
 GROUPS = {"comm": CommOptions, "step": StepOptions, "run": RunOptions, "faults": FaultOptions}
 KEYWORDS = frozenset(f.name for kind in GROUPS.values() for f in fields(kind))  # OptimizedTrainer's flat keywords
+#: The training fields ``layout.check_step`` involves, as ``OptimizedTrainer``'s keywords ({rule: keyword}): read
+#: off the groups' fields whose Option carries that rule (``schema.rule_fields``; the command line's: ``config``).
+API_STEP_FIELDS = schema.rule_fields(GROUPS, qualified=False)
 
 
 def gather(keywords: dict[str, Any], **groups: Any) -> TrainerOptions:

@@ -196,7 +196,6 @@ class OptimizedTrainer:
         except ConfigError as e:
             raise ConfigError(e.field, given, e.accepted) from None
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype == torch.float16)
-        self._given_precision = given
 
     def _lay_out(self, c: CommOptions, s: StepOptions, optimizer: torch.optim.Optimizer, loss_fn: Any) -> None:
         """The compressor and everything parallel, behind one seam (syncwise.parallel.parallelize, in its order)."""
@@ -232,7 +231,7 @@ class OptimizedTrainer:
         """The rules between the layout and the step's fields (layout.check_step, the same the command line asks),
         on the layout as given, before parallelize builds any group: a refusal then leaves no rank inside a group
         another rank never joins. A layout that does not parse here is parallelize's to refuse, in its words."""
-        from ..layout import API_STEP_FIELDS, Layout, check_step
+        from ..layout import Layout, check_step
 
         try:
             given = c.parallel if isinstance(c.parallel, Layout) else Layout.of(**(c.parallel or {}))
@@ -240,9 +239,9 @@ class OptimizedTrainer:
         except (ConfigError, TypeError):
             return
         check_step(lay, dynamic_batch=s.dynamic_batch, grad_accum=s.grad_accum_steps,
-                   fp16=self.amp_dtype == torch.float16, names=API_STEP_FIELDS,
-                   given={"dynamic_batch": s.dynamic_batch, "grad_accum": s.grad_accum_steps,
-                          "mixed_precision": self._given_precision, "sync": c.sync})
+                   fp16=self.amp_dtype == torch.float16, names=options.API_STEP_FIELDS,  # the groups keep the
+                   given={k: getattr(s if hasattr(s, kw) else c, kw)        # values as given ('half', not 'fp16')
+                          for k, kw in options.API_STEP_FIELDS.items()})
 
     def _attach_live_recovery(self, live: Any) -> None:
         """Live recovery (train/live_recovery.py) drives the step as a sync strategy on the exchange seam: the
