@@ -33,6 +33,7 @@ def main(argv=None) -> int:
     p.add_argument("--prefix", default="swau", help="lab name prefix (default swau)")
     p.add_argument("--subnet", default="10.77.35.0/24", help="lab subnet (when this script brings the lab up)")
     p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--nproc", type=int, default=1, help="workers per lab node (default 1)")
     p.add_argument("--preset", default="tiny")
     p.add_argument("--steps", type=int, default=300, help="fp32 DDP's steps (time_to_loss --steps)")
     p.add_argument("--cap", type=int, default=600, help="step cap of the others (time_to_loss --cap)")
@@ -48,11 +49,12 @@ def main(argv=None) -> int:
     if args.top < 1:
         raise ConfigError("--top", args.top, "an integer ≥ 1")
 
+    import os
+    os.environ["SYNCWISE_LAB_PREFIX"] = args.prefix   # the lab syncwise's own auto reads (lab.cluster.PREFIX)
     from syncwise import lab
+    from syncwise.config import auto_ranking, build_config
     from syncwise.lab.cluster import parse_rate
-    from syncwise.layout import Layout
-    from syncwise.plan import load_model
-    from syncwise.plan.strategy import job_cloud, load_convergence, resolve_auto
+    from syncwise.plan.strategy import load_convergence
     import time_to_loss
 
     rates = [r.strip() for r in args.rates.split(",") if r.strip()]
@@ -60,7 +62,6 @@ def main(argv=None) -> int:
         parse_rate(r, "--rates")
     out_dir = Path(args.out_dir or Path("runs") / time.strftime("auto-choice-%Y%m%d-%H%M%S"))
     table = load_convergence()   # the convergence model, asked at --steps and the lab's replicas
-    model = load_model(args.preset, args.seq_len)
     created = False
     if lab.status(prefix=args.prefix) is None:
         lab.up(args.nodes, rates[0], subnet=args.subnet, prefix=args.prefix)
@@ -68,12 +69,15 @@ def main(argv=None) -> int:
     results = []
     try:
         for rate in rates:
-            state = lab.shape(inter_node=rate, prefix=args.prefix)
-            cloud = job_cloud(state.num_nodes, 1, state.inter_node_bps, burst_bytes=state.burst)
-            lay, line, ranked = resolve_auto(Layout.of(compress="auto", sync="auto"), cloud, model,
-                                             args.batch_size * state.num_nodes, args.seq_len, table,
-                                             micro_batch=args.batch_size, horizon=args.steps,
-                                             replicas=state.num_nodes)
+            lab.shape(inter_node=rate, prefix=args.prefix)
+            # auto resolved exactly as `syncwise train --lab --compress auto --sync auto` resolves it for this job
+            # (config.auto_ranking: the lab's link and bucket, workers sharing this host's cores, the convergence
+            # model at the job's steps and replicas)
+            cfg = build_config(None, {"dist.lab": "true", "dist.nproc": str(args.nproc), "model.preset": args.preset,
+                                      "data.batch_size": str(args.batch_size), "data.seq_len": str(args.seq_len),
+                                      "train.steps": str(args.steps)})
+            cfg.compress.method, cfg.parallel.sync = "auto", "auto"
+            lay, line, ranked = auto_ranking(cfg)
             pick = str(lay.sync) if lay.sync is not None else lay.compress.text
             print(f"{rate}: {line}", flush=True)
             cands = [r.spec for r in ranked if not r.why_not]
@@ -81,6 +85,7 @@ def main(argv=None) -> int:
             run = list(dict.fromkeys(run))[:args.top]
             per_rate = Path(args.json).with_name(f"{Path(args.json).stem}-{rate}.json")   # next to the summary
             argv2 = ["--lab", rate, "--lab-prefix", args.prefix, "--nodes", str(args.nodes), "--preset", args.preset,
+                     "--nproc", str(args.nproc),
                      "--steps", str(args.steps), "--cap", str(args.cap), "--val-interval", str(args.val_interval),
                      "--val-batches", str(args.val_batches), "--repeats", str(args.repeats), "--configs", ",".join(run), "--peers", "",
                      "--set", f"data.batch_size={args.batch_size}", "--set", f"data.seq_len={args.seq_len}",
@@ -95,11 +100,27 @@ def main(argv=None) -> int:
             best = min(reached, key=reached.get) if reached else None
             auto_t = measured.get(pick)
             ratio = auto_t / reached[best] if auto_t and best else None
+            fp32_t = measured.get("none")
+            steps = {r["name"]: r.get("steps_to_target") for r in ttl["rows"]}
+            picked = next((r for r in ranked if r.spec == pick), None)
+            # the pick's printed "× sooner" against what came: predicted time ratio vs measured (goal ±30 %)
+            measured_ratio = auto_t / fp32_t if auto_t and fp32_t else None
+            predicted_ratio = picked.time_ratio if picked is not None else None
+            # the convergence model's steps against the measured steps, for every strategy that ran
+            model_steps = [{"spec": r.spec, "predicted_steps_ratio": r.steps_ratio,
+                            "band": [r.steps_low, r.steps_high],
+                            "measured_steps_ratio": (steps[r.spec] / steps["none"]
+                                                     if steps.get(r.spec) and steps.get("none") else None)}
+                           for r in ranked if r.spec in steps and r.spec != "none"]
             results.append({"rate": rate, "line": line, "pick": pick, "predicted": [
                                 {"spec": r.spec, "step_time_s": r.step_time_s, "steps_ratio": r.steps_ratio,
                                  "steps_band": [r.steps_low, r.steps_high], "time_ratio": r.time_ratio, "not_a_candidate": r.why_not} for r in ranked],
                             "ran": ["none"] + run, "time_to_target_s": measured, "best_measured": best,
                             "auto_over_best": ratio, "within_10pct": ratio is not None and ratio <= 1.10,
+                            "predicted_time_ratio": predicted_ratio, "measured_time_ratio": measured_ratio,
+                            "prediction_error": (predicted_ratio / measured_ratio - 1
+                                                 if predicted_ratio and measured_ratio else None),
+                            "steps_to_target": steps, "convergence_model": model_steps,
                             "time_to_loss_results": str(per_rate), "time_to_loss_command": ttl["command"],
                             "efficiency": {r["name"]: r["parallel_efficiency"] for r in ttl["rows"]}})
             print(f"{rate}: auto picked {pick}; best measured {best}; auto / best = "
