@@ -112,12 +112,31 @@ def dedupe(points: Iterable[Point]) -> list[Point]:
     return sorted(out, key=lambda p: (p.preset, p.horizon, p.replicas, p.spec))
 
 
+def replicas_of(where: str) -> Optional[int]:
+    """Data-parallel replicas from a results file's ``where`` ('2 local workers over loopback', 'lab: 2 nodes × 2
+    workers ...'); None when it does not say."""
+    import re
+
+    grid = re.search(r"(\d+)\s*(?:lab\s+)?nodes?\s*[×x]\s*(\d+)", where)
+    if grid:
+        return int(grid.group(1)) * int(grid.group(2))
+    one = re.search(r"(\d+)\s*(?:local\s+)?workers?", where)
+    return int(one.group(1)) if one else None
+
+
+def _option(command: str, flag: str) -> Any:
+    """The value after ``flag`` in a results file's command line (an int where it is one), or None."""
+    parts = command.split()
+    if flag in parts and parts.index(flag) + 1 < len(parts):
+        value = parts[parts.index(flag) + 1]
+        return int(value) if value.isdigit() else value
+    return None
+
+
 def points_from_results(data: Any, source: str) -> tuple[list[Point], str]:
     """The points of one benchmarks/time_to_loss.py results file (``rows`` with fp32 DDP first and
     ``rounds[].steps_to_target``; horizon = fp32 DDP's ``--steps``, cap = ``--cap`` or twice it, replicas from
     ``where``), or ([], why it carries none). Rounds are paired: a strategy's round against fp32 DDP's same round."""
-    from .strategy import _option, replicas_of
-
     rows = data.get("rows") if isinstance(data, dict) else None
     if not isinstance(rows, list) or not rows or not isinstance(rows[0], dict):
         return [], "no per-strategy rows"

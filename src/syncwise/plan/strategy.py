@@ -37,7 +37,7 @@ from .. import layout as owner
 from ..layout import METHODS, SyncSpec, parse_compress, parse_sync
 from ..specs import spec_name
 from .cloud import CloudConfig
-from .convergence_model import MODEL_PATH, ConvergenceModel, load_model as load_convergence_model
+from .convergence_model import MODEL_PATH, ConvergenceModel, _option, load_model as load_convergence_model, replicas_of
 from .cost import CODEC_COST, predict
 from .layout import SYNCWISE, Layout, Training
 from .model import ModelSpec
@@ -133,26 +133,6 @@ def table_from_results(results: dict[str, Any], source: str) -> dict[str, Any]:
             "preset": _option(command, "--preset") or "small", "target_val_loss": results.get("target_val_loss"),
             "replicas": replicas_of(results.get("where", "")),
             "fp32_steps_to_target": fp32_steps, "costs": costs}
-
-
-def replicas_of(where: str) -> Optional[int]:
-    """Data-parallel replicas from a results file's ``where`` ('2 local workers over loopback', 'lab: 2 nodes × 2
-    workers ...'); None when it does not say."""
-    import re
-
-    grid = re.search(r"(\d+)\s*(?:lab\s+)?nodes?\s*[×x]\s*(\d+)", where)
-    if grid:
-        return int(grid.group(1)) * int(grid.group(2))
-    one = re.search(r"(\d+)\s*(?:local\s+)?workers?", where)
-    return int(one.group(1)) if one else None
-
-
-def _option(command: str, flag: str) -> Any:
-    parts = command.split()
-    if flag in parts and parts.index(flag) + 1 < len(parts):
-        value = parts[parts.index(flag) + 1]
-        return int(value) if value.isdigit() else value
-    return None
 
 
 def load_table(path: "str | Path | None" = None) -> ConvergenceTable:
