@@ -128,3 +128,86 @@ def test_a_replica_group_that_dies_on_every_start_fails_the_launch_and_is_named_
     assert summary["live_recovery"]["data_skipped_by_replica"] == {"replica1": ["1-4"]}
     assert [r["step"] for r in _rows(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
     assert getattr(e.value, "exit_code", 2) != 0
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@pytest.mark.slow
+def test_a_live_recovery_run_has_rows_and_answers_its_start_up_hint_while_it_trains(tmp_path):
+    """`syncwise train --ft.replicas=2`: once both replica groups trained a step, the test stops the lighthouse
+    (SIGSTOP), so no replica gets past its next quorum and the run cannot end while the test looks. Then the run's
+    metrics.jsonl holds rows (before: none until the end), and each command of the start-up line works on the live
+    run: `syncwise report RUN_DIR` (steps so far), `syncwise doctor --follow RUN_DIR` (a diagnosis line; it ends
+    by itself when the run finishes). After SIGCONT the run ends normally with one row per step."""
+    steps = 12
+    run_dir = tmp_path / "ft"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "syncwise.cli", "train", "--run-dir", str(run_dir), "--preset", "tiny", "--nproc", "1",
+         "--steps", str(steps), "--data.seq_len=32", "--train.val_interval=0", "--train.val_batches=1",
+         "--ckpt.interval=0", "--ft.replicas=2", "--ft.quorum_timeout_s=600", "--ft.timeout_s=60"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    hint = proc.stdout.readline()
+    output = [hint]
+    reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
+    reader.start()
+    lighthouse = None
+    follow = None
+    try:
+        # the hint names tail -f, doctor --follow and report on the run directory
+        assert hint.startswith(f"run directory: {run_dir}") and f"syncwise doctor --follow {run_dir}" in hint
+        assert f"syncwise report {run_dir}" in hint and f"tail -f {run_dir / 'metrics.jsonl'}" in hint
+
+        def both_trained() -> bool:
+            return all(_rows(d / "metrics.jsonl") for d in (run_dir / "ft").glob("replica*.0")) and \
+                len(list((run_dir / "ft").glob("replica*.0"))) == 2
+        _wait_for(both_trained, "a step trained by both replica groups", lambda: proc.poll() is None)
+        lighthouse = next(p for p in _children(proc.pid) if "torchft_lighthouse" in _cmdline(p))
+        os.kill(lighthouse, signal.SIGSTOP)  # every replica now waits in its next quorum: the run cannot end
+        metrics = run_dir / "metrics.jsonl"
+        _wait_for(lambda: _rows(metrics), "a row in the run's metrics.jsonl", lambda: proc.poll() is None)
+        seen = _rows(metrics)
+        assert proc.poll() is None and not (run_dir / "summary.json").exists()  # still running
+        assert 0 < len(seen) < steps and [r["step"] for r in seen] == list(range(1, len(seen) + 1))
+
+        report = subprocess.run([sys.executable, "-m", "syncwise.cli", "report", str(run_dir), "--out",
+                                 str(tmp_path / "report")], capture_output=True, text=True, timeout=WAIT_S)
+        assert report.returncode == 0, report.stderr
+        table = report.stdout.splitlines()
+        assert table[0].split()[:2] == ["run", "steps"] and table[1].split()[0] == run_dir.name
+
+        follow = subprocess.Popen([sys.executable, "-m", "syncwise.cli", "doctor", "--follow", str(run_dir),
+                                   "--interval", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        first = follow.stdout.readline()  # its first look at the live run
+        assert first.startswith("[") and " step " in first and "efficiency" in first, first
+        assert proc.poll() is None and not (run_dir / "summary.json").exists()
+    except BaseException:
+        for p in (follow, proc):
+            if p is not None and p.poll() is None:
+                p.kill()
+        raise
+    finally:
+        if lighthouse is not None:
+            os.kill(lighthouse, signal.SIGCONT)
+    assert proc.wait(timeout=600) == 0, "".join(output)[-3000:]
+    assert follow.wait(timeout=WAIT_S) == 0  # doctor --follow ended by itself: the run finished
+    rows = _rows(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert json.loads((run_dir / "summary.json").read_text())["live_recovery"]["steps_missing"] == []
