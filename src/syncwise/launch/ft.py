@@ -167,7 +167,7 @@ def run_replicas(module_args: Sequence[str], run_dir: str | Path, replicas: int,
                                           start_new_session=True))
         while any(p.poll() is None for p in procs):
             if server is not None and server.proc.poll() is not None:
-                raise _lighthouse_died(server, run_dir)
+                raise lighthouse_died(server.proc, server.address, run_dir)
             rows.poll()
             time.sleep(0.2)
         return [p.wait() for p in procs]
@@ -189,12 +189,13 @@ def run_replicas(module_args: Sequence[str], run_dir: str | Path, replicas: int,
         rows.close()  # (the groups' last rows too: a run that ends in failure keeps every row its groups logged)
 
 
-def _lighthouse_died(server: "Lighthouse", run_dir: Path) -> LighthouseDied:
+def lighthouse_died(proc: subprocess.Popen, address: str, run_dir: Path) -> LighthouseDied:
     """Say at once (one line on stderr, before the groups are stopped, which takes up to their grace period) that
-    the lighthouse died, and make the error the launcher ends with."""
-    code = server.proc.returncode
+    the lighthouse this launcher started (``proc``, at ``address``) died, and make the error the launcher ends
+    with."""
+    code = proc.returncode
     how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-    line = (f"live recovery: torchft's lighthouse (pid {server.proc.pid}, {server.address}) {how}; no quorum can "
+    line = (f"live recovery: torchft's lighthouse (pid {proc.pid}, {address}) {how}; no quorum can "
             f"form without it, so every replica group is stopped (its log: {run_dir / FT_DIR / 'lighthouse.log'}). "
             f"Each group's rows and the checkpoints are kept: relaunch with --resume auto")
     print(f"syncwise: {line}", file=sys.stderr, flush=True)

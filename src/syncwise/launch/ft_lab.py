@@ -29,7 +29,7 @@ from ..errors import ConfigError, SyncwiseError
 from ..lab.cluster import PREFIX, LabLock, LabState, node_command, require
 from ..lab.launch import omp_threads
 from .ft import (FT_DIR, HEARTBEAT_TIMEOUT_S, LiveRows, _attempts, _lighthouse_program, heartbeat_ms,
-                 replica_command, replica_env)
+                 lighthouse_died, replica_command, replica_env)
 from ..secret import ENV_SECRET_FILE, create_secret
 from .. import live_env
 
@@ -130,6 +130,8 @@ def _run(state: LabState, module_args: list[str], run_dir: Path, replicas: int, 
         codes: dict[int, int] = {}
         procs = {r: start(r, 0) for r in range(replicas)}
         while len(codes) < replicas:
+            if lighthouse.poll() is not None:  # (named at once, as run_replicas does: no quorum forms without it)
+                raise lighthouse_died(lighthouse, address, run_dir)
             for r, p in list(procs.items()):
                 code = p.poll()
                 if code is None or r in codes:
