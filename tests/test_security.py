@@ -267,6 +267,67 @@ def test_torchft_http_transport_would_unpickle(tmp_path):
     assert marker.exists()
 
 
+MANAGER = """
+import sys, time
+from datetime import timedelta
+from torchft import Manager, ProcessGroupGloo
+from syncwise import bind
+from syncwise.train.live_recovery import _bind_host, _manager_bound_to
+
+store = bind.tcp_store(_bind_host(), 0, is_master=True, wait_for_workers=False)
+with _manager_bound_to(_bind_host()):
+    m = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=5)), min_replica_size=1, load_state_dict=lambda sd: None,
+                state_dict=lambda: {}, use_async_quorum=False, replica_id="replica_0", store_addr=_bind_host(),
+                store_port=store.port, rank=0, world_size=1, lighthouse_addr=sys.argv[1], hostname=_bind_host(),
+                timeout=timedelta(seconds=30), quorum_timeout=timedelta(seconds=60),
+                connect_timeout=timedelta(seconds=30))
+m.start_quorum()
+m.wait_quorum()
+print("in quorum", flush=True)
+time.sleep(300)
+"""
+
+
+def test_torchft_lighthouse_dashboard_kills_a_replica_without_authentication(tmp_path):
+    """What docs/security.md says torchft 0.2.0's lighthouse lets anyone who reaches it do: its dashboard's
+    /status names every replica's id, and POST /replica/ID/kill makes that replica's process exit (through its
+    manager's Kill) — no secret asked. Binding (loopback here) is what keeps it to this machine's users."""
+    pytest.importorskip("torchft")
+    import re
+    import subprocess
+    import sys
+    import urllib.request
+
+    from syncwise.launch.ft import Lighthouse
+
+    lh = Lighthouse(1, tmp_path / "lighthouse.log")
+    script = tmp_path / "manager.py"
+    script.write_text(MANAGER)
+    replica = subprocess.Popen([sys.executable, str(script), lh.address], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env={**os.environ, "TORCHFT_LIGHTHOUSE": lh.address})
+    try:
+        lines = []
+        for line in replica.stdout:  # (torchft's log lines, then ours)
+            lines.append(line)
+            if line.startswith("in quorum"):
+                break
+        assert lines and lines[-1].startswith("in quorum"), "".join(lines)[-2000:]
+        status = urllib.request.urlopen(f"{lh.address}/status", timeout=30).read().decode()
+        ids = re.findall(r"replica_0:[0-9a-f-]+", status)
+        assert ids, status[:2000]
+        try:
+            urllib.request.urlopen(urllib.request.Request(f"{lh.address}/replica/{ids[0]}/kill", method="POST"),
+                                   timeout=30).read()
+        except OSError:
+            pass  # (the lighthouse's answer may fail: the manager's process ended under the call)
+        assert replica.wait(timeout=120) == 1  # the replica's process exited: nobody was asked for a secret
+    finally:
+        if replica.poll() is None:
+            replica.kill()
+            replica.wait()
+        lh.shutdown()
+
+
 def test_quorum_with_a_replica_the_job_never_started_is_refused():
     """A member whose replica id is not one of replica_0 .. replica_{R-1} (something that joined the lighthouse)."""
     pytest.importorskip("torchft")

@@ -253,10 +253,11 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     except RunFinished as e:
         print(f"syncwise: {e}", file=sys.stderr)
         return 0
-    # Where to look while it runs (metrics.jsonl grows a row per step; `syncwise doctor` and `syncwise report`
-    # read the directory at any time).
+    # Where to look while it runs: metrics.jsonl grows a row per step (a live-recovery run's too: its launcher
+    # appends each step as a replica group logs it); `syncwise doctor --follow` and `syncwise report` read the
+    # directory at any time (plain `syncwise doctor` wants the finished run's summary.json).
     print(f"run directory: {cfg.run_dir}  (during the run: tail -f {Path(cfg.run_dir) / 'metrics.jsonl'}; "
-          f"syncwise doctor {cfg.run_dir}; syncwise report {cfg.run_dir})", flush=True)
+          f"syncwise doctor --follow {cfg.run_dir}; syncwise report {cfg.run_dir})", flush=True)
     try:
         summary = launch(cfg)
     except KeyboardInterrupt:

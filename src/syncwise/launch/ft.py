@@ -6,9 +6,14 @@ others through the lighthouse's quorum and heal from a live peer. The other repl
 lighthouse (``torchft._torchft.LighthouseServer``, Rust, in the torchft wheel) runs in this process unless an
 address is given (a cluster runs one lighthouse for the job: the Slurm/Kubernetes files say where).
 
-After the replica groups end, :func:`merge_metrics` writes the run's ``metrics.jsonl`` (one row per step, taken
-from the replica group that trained it, first by replica index then attempt) and ``summary.json`` (the summary of
-a replica group that finished, with every attempt's live-recovery record and the data each lost replica skipped).
+While the replica groups train, this launcher is the one writer of the run's ``metrics.jsonl``
+(:class:`LiveRows`): each step's row is appended as soon as a replica group attempt has logged it in its own
+``RUN_DIR/ft/replica{R}.{attempt}/metrics.jsonl``, one line per step written and flushed at once (as a plain run's
+rows are), so ``tail -f``, ``syncwise report`` and ``syncwise doctor --follow`` read a live run as they read a plain
+one. After the replica groups end, :func:`merge_metrics` rewrites the run's ``metrics.jsonl`` once by its rule (one
+row per step, from the latest attempt that logged it, then the lowest replica) and writes ``summary.json`` (the
+summary of a replica group that finished, with every attempt's live-recovery record and the data each lost replica
+skipped).
 """
 from __future__ import annotations
 
@@ -148,6 +153,7 @@ def run_replicas(module_args: Sequence[str], run_dir: str | Path, replicas: int,
         lighthouse = f"http://{lighthouse}"
     procs: list[subprocess.Popen] = []
     logs = []
+    rows = LiveRows(run_dir)
     try:
         for r in range(replicas):
             env = replica_env(r, replicas, lighthouse, nproc, min_replicas, quorum_timeout_s, timeout_s,
@@ -161,7 +167,8 @@ def run_replicas(module_args: Sequence[str], run_dir: str | Path, replicas: int,
                                           start_new_session=True))
         while any(p.poll() is None for p in procs):
             if server is not None and server.proc.poll() is not None:
-                raise _lighthouse_died(server, run_dir)
+                raise lighthouse_died(server.proc, server.address, run_dir)
+            rows.poll()
             time.sleep(0.2)
         return [p.wait() for p in procs]
     finally:
@@ -179,18 +186,107 @@ def run_replicas(module_args: Sequence[str], run_dir: str | Path, replicas: int,
             log.close()
         if server is not None:
             server.shutdown()
+        rows.close()  # (the groups' last rows too: a run that ends in failure keeps every row its groups logged)
 
 
-def _lighthouse_died(server: "Lighthouse", run_dir: Path) -> LighthouseDied:
+def lighthouse_died(proc: subprocess.Popen, address: str, run_dir: Path) -> LighthouseDied:
     """Say at once (one line on stderr, before the groups are stopped, which takes up to their grace period) that
-    the lighthouse died, and make the error the launcher ends with."""
-    code = server.proc.returncode
+    the lighthouse this launcher started (``proc``, at ``address``) died, and make the error the launcher ends
+    with."""
+    code = proc.returncode
     how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-    line = (f"live recovery: torchft's lighthouse (pid {server.proc.pid}, {server.address}) {how}; no quorum can "
+    line = (f"live recovery: torchft's lighthouse (pid {proc.pid}, {address}) {how}; no quorum can "
             f"form without it, so every replica group is stopped (its log: {run_dir / FT_DIR / 'lighthouse.log'}). "
             f"Each group's rows and the checkpoints are kept: relaunch with --resume auto")
     print(f"syncwise: {line}", file=sys.stderr, flush=True)
     return LighthouseDied(line)
+
+
+class LiveRows:
+    """The run's ``metrics.jsonl`` while its replica groups train; the launcher that waits for them is its one
+    writer (the groups write only their own attempt directories). :meth:`poll` appends each step the file does not
+    hold yet as soon as a replica group attempt has logged it — one line per step, written and flushed at once, in
+    step order; where several attempts logged a new step by then, the row :func:`merge_metrics` would take (the
+    latest attempt, then the lowest replica), with its ``attempt``. Steps already in the file (a resumed run's
+    earlier launch) are not written again; :func:`merge_metrics` rewrites the file once at the end (a step redone
+    after every replica was lost then shows the latest attempt's row). A write that fails (a full disk) stops
+    the copying with one line; the groups' own rows are kept and merged at the end."""
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        self.path = RunDir(self.run_dir).metrics
+        self.last = max((s for s in map(_step_of, _read_rows(self.path)) if s is not None), default=0)
+        self._offsets: dict[Path, int] = {}  # each attempt's metrics.jsonl: the bytes of whole lines read so far
+        self._file: Any = None
+        self._stopped = False
+
+    def poll(self) -> int:
+        """Copy the steps logged since the last call; returns how many rows were appended."""
+        if self._stopped:
+            return 0
+        new: dict[int, tuple[tuple[int, int], dict]] = {}
+        for r, a, d in _attempts(self.run_dir):
+            for row in self._new_rows(RunDir(d).metrics):
+                step = _step_of(row)
+                if step is None or step <= self.last:
+                    continue
+                if step not in new or (-a, r) < new[step][0]:
+                    new[step] = ((-a, r), {**row, "attempt": a})
+        if not new:
+            return 0
+        try:
+            if self._file is None:
+                self._file = open(self.path, "a", buffering=1)  # line-buffered: each row reaches the file at once
+            for step in sorted(new):
+                self._file.write(json.dumps(new[step][1]) + "\n")
+                self.last = step
+        except OSError as e:
+            self._stopped = True
+            print(f"syncwise: live recovery: writing {self.path} failed ({e.strerror or e}); the replica groups' own "
+                  f"rows are kept under {self.run_dir / FT_DIR} and merged into it at the end", file=sys.stderr,
+                  flush=True)
+        return len(new)
+
+    def _new_rows(self, path: Path) -> list[dict]:
+        """The whole lines appended to ``path`` since the last look (a line being written waits for its end)."""
+        offset = self._offsets.get(path, 0)
+        try:
+            with open(path, "rb") as f:
+                if os.fstat(f.fileno()).st_size < offset:
+                    offset = 0  # (rewritten: read it again; steps already copied are skipped by number)
+                f.seek(offset)
+                data = f.read()
+        except OSError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self._offsets[path] = offset + end
+        rows = []
+        for line in data[:end].splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a damaged line: skipped, never the rows after it
+            if isinstance(row, dict):
+                rows.append(row)
+        return rows
+
+    def close(self) -> None:
+        """A last :meth:`poll` (the rows logged since the previous one), then the file is closed."""
+        try:
+            self.poll()
+        finally:
+            if self._file is not None:
+                try:
+                    self._file.close()
+                except OSError:
+                    pass
+                self._file = None
+            self._stopped = True
+
+
+def _step_of(row: dict) -> Optional[int]:
+    step = row.get("step") if isinstance(row, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def _read_rows(path: Path) -> list[dict]:
@@ -217,8 +313,10 @@ def _attempts(run_dir: Path) -> list[tuple[int, int, Path]]:
     return sorted(found)
 
 
-def merge_metrics(run_dir: str | Path, total_steps: int) -> dict[str, Any]:
-    """``RUN_DIR/metrics.jsonl`` (one row per step) and ``summary.json`` from the replica groups' own files."""
+def merge_metrics(run_dir: str | Path, total_steps: int, replicas: Optional[int] = None) -> dict[str, Any]:
+    """``RUN_DIR/metrics.jsonl`` (one row per step) and ``summary.json`` from the replica groups' own files.
+    ``replicas``: the configured replica groups (a group that never logged a step, e.g. one that died on every
+    start, then skipped every step's data); None: those that left an attempt directory."""
     run_dir = Path(run_dir)
     attempts = _attempts(run_dir)
     by_step: dict[int, dict] = {}
@@ -230,15 +328,17 @@ def merge_metrics(run_dir: str | Path, total_steps: int) -> dict[str, Any]:
             trained.setdefault(r, set()).add(step)
             by_step.setdefault(step, {**row, "attempt": a})
     rows = [by_step[s] for s in sorted(by_step)]
-    RunDir(run_dir).metrics.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    metrics = RunDir(run_dir).metrics
+    tmp = metrics.with_name(metrics.name + ".merging")  # (replaced in one step: a reader never sees half a file)
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    os.replace(tmp, metrics)
     summaries = [(r, a, json.loads(RunDir(d).summary.read_text())) for r, a, d in attempts
                  if RunDir(d).summary.exists()]
     # the summary of the attempt that got furthest (the latest such attempt, then the lowest replica)
     best = min(summaries, key=lambda t: (-int(t[2].get("steps") or 0), -t[1], t[0]), default=None)
     summary: dict[str, Any] = dict(best[2]) if best else {"steps": max(by_step, default=0)}
-    replicas = sorted({r for r, _, _ in attempts})
     missed = {}
-    for r in replicas:
+    for r in sorted({r for r, _, _ in attempts} | set(range(replicas or 0))):
         steps = sorted(set(range(1, total_steps + 1)) - trained.get(r, set()))
         if steps:
             missed[f"replica{r}"] = _ranges(steps)

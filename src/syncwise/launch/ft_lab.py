@@ -28,8 +28,8 @@ from typing import Optional, Sequence
 from ..errors import ConfigError, SyncwiseError
 from ..lab.cluster import PREFIX, LabLock, LabState, node_command, require
 from ..lab.launch import omp_threads
-from .ft import (FT_DIR, HEARTBEAT_TIMEOUT_S, _attempts, _lighthouse_program, heartbeat_ms, replica_command,
-                 replica_env)
+from .ft import (FT_DIR, HEARTBEAT_TIMEOUT_S, LiveRows, _attempts, _lighthouse_program, heartbeat_ms,
+                 lighthouse_died, replica_command, replica_env)
 from ..secret import ENV_SECRET_FILE, create_secret
 from .. import live_env
 
@@ -107,6 +107,7 @@ def _run(state: LabState, module_args: list[str], run_dir: Path, replicas: int, 
         env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")})
     procs: dict[int, subprocess.Popen] = {}
     logs = []
+    rows = LiveRows(run_dir)  # the run's metrics.jsonl as the groups train (as run_replicas writes it)
     try:
         wait_listening(state, 0, port, lighthouse, ft_dir / "lighthouse.log")
         address = f"http://{state.node(0).namespace}:{port}"
@@ -129,6 +130,8 @@ def _run(state: LabState, module_args: list[str], run_dir: Path, replicas: int, 
         codes: dict[int, int] = {}
         procs = {r: start(r, 0) for r in range(replicas)}
         while len(codes) < replicas:
+            if lighthouse.poll() is not None:  # (named at once, as run_replicas does: no quorum forms without it)
+                raise lighthouse_died(lighthouse, address, run_dir)
             for r, p in list(procs.items()):
                 code = p.poll()
                 if code is None or r in codes:
@@ -140,6 +143,7 @@ def _run(state: LabState, module_args: list[str], run_dir: Path, replicas: int, 
                     procs[r] = start(r, launches[r])
                 else:
                     codes[r] = code
+            rows.poll()
             time.sleep(0.2)
         return [codes[r] for r in range(replicas)]
     finally:
@@ -158,3 +162,4 @@ def _run(state: LabState, module_args: list[str], run_dir: Path, replicas: int, 
                 p.wait()
         for log in (*logs, lh_log):
             log.close()
+        rows.close()

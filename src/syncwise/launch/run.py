@@ -259,7 +259,7 @@ def _live_training(job: Job, worker: Worker, steps: int) -> dict:
     print(f"syncwise: live recovery: {live.replicas} replica groups of {job.nproc} worker(s), lighthouse "
           f"{live.lighthouse or 'started here'}; replica logs in {Path(job.run_dir) / 'ft'}", flush=True)
     codes = start(job, worker).codes
-    summary = merge_metrics(job.run_dir, steps)
+    summary = merge_metrics(job.run_dir, steps, live.replicas)
     summary["live_recovery"]["exit_codes"] = codes
     try:  # a replica group that failed for good is named, in summary.json and the exit code
         check_outcome(summary, codes, steps, job.run_dir)
