@@ -53,7 +53,9 @@ def prepare_run_dir(cfg: RunConfig) -> RunDirLock:
     # Lock first, look second: two runs started together cannot both find the directory empty.
     lock = RunDirLock(run_dir).acquire()
     try:
-        check_run_dir(cfg, run_dir)
+        dead = check_run_dir(cfg, run_dir)
+        if dead:  # a start that never finished a step: set aside whole, never deleted
+            print(rundir.set_aside_note(run_dir, dead, rundir.set_aside(run_dir, dead)), file=sys.stderr, flush=True)
         cfg.save(RunDir(run_dir).config)
     except BaseException:
         lock.release()
@@ -61,10 +63,15 @@ def prepare_run_dir(cfg: RunConfig) -> RunDirLock:
     return lock
 
 
-def check_run_dir(cfg: RunConfig, run_dir: Path) -> None:
+def check_run_dir(cfg: RunConfig, run_dir: Path) -> list[str]:
+    """Refuse a run directory this run may not use; return what a start that never finished a step left there (to be
+    set aside by :func:`prepare_run_dir`; empty: nothing to set aside). Reads only."""
     previous = rundir.contents(run_dir)
-    if previous and cfg.resume == "none":
-        # Even config.json + logs/ alone (a run that died at start-up) are someone's: never overwritten.
+    dead = rundir.dead_start(run_dir) if previous else None
+    if dead is not None and dead != [name for name in previous if name != "checkpoints"]:
+        dead = None  # something besides what a start writes (someone's own files): not ours to move
+    if previous and cfg.resume == "none" and dead is None:
+        # A run's rows, checkpoints or summary, or files syncwise did not write: never overwritten.
         raise SyncwiseError(rundir.holds_a_run(run_dir, previous))
     summary = _read_json(RunDir(run_dir).summary)
     if cfg.resume == "auto" and summary and int(summary.get("steps") or 0) >= cfg.train.steps:
@@ -72,7 +79,7 @@ def check_run_dir(cfg: RunConfig, run_dir: Path) -> None:
             f"the run in {run_dir} already finished at step {summary['steps']} (its summary.json); nothing to "
             f"resume. To train it further, pass --resume auto with --steps larger than {summary['steps']}.")
     before = _read_json(RunDir(run_dir).config)
-    if previous and before:
+    if previous and before and dead is None:  # (a dead start has no checkpoint whose state a change would drop)
         # The model/data layout must match the checkpoints; so must the compressor / sync strategy, whose
         # per-rank state (residuals, PowerSGD's Q, replicas) the checkpoints hold: changing them would drop it.
         # (model.moe_impl only changes how experts compute, not what: free to change.)
@@ -92,6 +99,7 @@ def check_run_dir(cfg: RunConfig, run_dir: Path) -> None:
                             "its checkpoints cannot continue under a different model, data layout or gradient "
                             "sync (their state would be dropped). Resume without that flag (the run's saved "
                             "setting is used), or start a new run with another --run-dir.")
+    return dead or []
 
 
 # What a resumed run does not take from its saved config.json: where it runs, how, and the faults of the
@@ -240,7 +248,11 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
                 busy = rundir.holder(cfg.run_dir)
                 if busy:
                     raise SyncwiseError(f"it is in use by another syncwise run ({busy})")
-                check_run_dir(cfg, Path(cfg.run_dir))
+                dead = check_run_dir(cfg, Path(cfg.run_dir))
+                if dead:
+                    note = (f"\n# note: {cfg.run_dir} holds only what a start that never finished a step left "
+                            f"({', '.join(dead)}): `syncwise train` moves it to {RunDir(cfg.run_dir).failed_starts}/ "
+                            "and starts afresh")
         except RunFinished as e:
             note = f"\n# note: {e}"  # valid; `syncwise train` would say so and exit 0
         except SyncwiseError as e:
