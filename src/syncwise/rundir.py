@@ -266,7 +266,21 @@ def set_aside(run_dir: str | os.PathLike, names: list[str]) -> Path:
     return dest
 
 
-def set_aside_note(run_dir: str | os.PathLike, names: list[str], dest: Path) -> str:
-    """The one line that says a dead start was set aside (both doors)."""
-    return (f"syncwise: {run_dir} held only what a start that never finished a step left ({', '.join(names)}); "
-            f"moved it to {dest} (nothing deleted), starting afresh")
+DEAD_START = "only what a start that never finished a step left"
+NO_CHECKPOINT = "a run with no checkpoint to continue from"
+
+
+def set_aside_note(run_dir: str | os.PathLike, names: list[str], dest: Path, what: str = DEAD_START) -> str:
+    """The one line that says a dead start (or, with ``--resume auto``, a run with no checkpoint) was set aside."""
+    return f"syncwise: {run_dir} held {what} ({', '.join(names)}); moved it to {dest} (nothing deleted), starting afresh"
+
+
+def run_entries(run_dir: str | os.PathLike, names: tuple[str, ...] = START_NAMES) -> list[str]:
+    """What a run wrote in ``run_dir``: its entries among ``names``, summary.json and preempted.json (an empty or
+    checkpoint-less checkpoints/ is not listed). ``--resume auto`` with no checkpoint to continue from starts afresh:
+    these are set aside (:func:`set_aside`) rather than replaced."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        return []
+    keep = set(names) | {RunDir.SUMMARY, "preempted.json"}
+    return sorted(e.name for e in root.iterdir() if e.name in keep and e.name != "checkpoints")

@@ -64,6 +64,13 @@ def claim(run_dir: Optional[str], checkpoint_dir: Optional[str | Path], resume: 
                         other="run_dir=" if run_dir is not None else "checkpoint_dir="))
             if run_dir is not None and not continuing and not launcher:
                 set_aside_dead_start(run_dir)
+                if resume == "auto" and checkpoint_dir is not None and not published_checkpoints(checkpoint_dir):
+                    # nothing to continue: the run starts afresh, so an earlier run's rows are set aside, not replaced
+                    aside = rundir.run_entries(run_dir, rundir.TRAINER_START_NAMES)
+                    if aside:
+                        dest = rundir.set_aside(run_dir, aside)
+                        print(rundir.set_aside_note(run_dir, aside, dest, rundir.NO_CHECKPOINT), file=sys.stderr,
+                              flush=True)
         except SyncwiseError as e:
             error = str(e)
             if lock is not None and lock is not held:
