@@ -272,7 +272,8 @@ NO_CHECKPOINT = "a run with no checkpoint to continue from"
 
 def set_aside_note(run_dir: str | os.PathLike, names: list[str], dest: Path, what: str = DEAD_START) -> str:
     """The one line that says a dead start (or, with ``--resume auto``, a run with no checkpoint) was set aside."""
-    return f"syncwise: {run_dir} held {what} ({', '.join(names)}); moved it to {dest} (nothing deleted), starting afresh"
+    return (f"syncwise: {run_dir} held {what} ({', '.join(names)}); moved it to {dest} (nothing deleted), "
+            "starting afresh")
 
 
 def run_entries(run_dir: str | os.PathLike, names: tuple[str, ...] = START_NAMES) -> list[str]:
