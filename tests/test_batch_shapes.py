@@ -1,13 +1,15 @@
 """Batches as users have them (issue 43, row 1): ``(inputs, targets)``, a mapping passed as ``model(**batch)``, and a
 model that returns its own loss — through the Python API, accumulation, dynamic batching, token counting, validation,
 the pipeline's refusal, two ranks under torchrun with a compressor and a resume, and a run that dies before step 1."""
+import json
+
 import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
-from syncwise import ConfigError, OptimizedTrainer
+from syncwise import ConfigError, OptimizedTrainer, SyncwiseError
 from syncwise.train import batches
 from syncwise.train.dynamic_batch import DynamicBatcher
 
@@ -145,6 +147,60 @@ def test_a_run_that_dies_before_step_1_does_not_block_the_rerun(tmp_path):
     summary = _trainer(nn.Linear(6, 6), loss_fn=F.mse_loss, run_dir=str(run)).train(
         DataLoader(Stream((x, x)), batch_size=None), steps=2)
     assert summary["steps"] == 2
+
+
+def test_a_model_that_raises_on_its_first_batch_leaves_its_files_aside_not_in_the_way(tmp_path, capsys):
+    """The Python API's door: what the dead start wrote (an empty metrics.jsonl, ranks/, tb/ ...) is moved to
+    run_dir/failed-starts/<time>/ with one line, the fixed rerun's files hold that run alone, and a run that
+    finished a step is still refused."""
+    run = tmp_path / "run"
+    x = torch.randn(4, 6)
+
+    class Broken(nn.Linear):
+        def forward(self, inputs):
+            raise RuntimeError("the user's bug")
+
+    with pytest.raises(RuntimeError, match="the user's bug"):
+        _trainer(Broken(6, 6), loss_fn=F.mse_loss, run_dir=str(run)).train([(x, x)], steps=2)
+    left = sorted(p.name for p in run.iterdir() if p.name != ".syncwise.lock")
+    assert "metrics.jsonl" in left and not (run / "metrics.jsonl").read_text().strip()
+    capsys.readouterr()
+    summary = _trainer(nn.Linear(6, 6), loss_fn=F.mse_loss, run_dir=str(run)).train([(x, x)], steps=2)
+    assert summary["steps"] == 2
+    (aside,) = (run / "failed-starts").iterdir()
+    assert sorted(p.name for p in aside.iterdir()) == left  # moved whole, nothing deleted
+    err = capsys.readouterr().err
+    assert f"syncwise: {run} held only what a start that never finished a step left ({', '.join(left)}); moved it " \
+        f"to {aside} (nothing deleted), starting afresh" in err.splitlines(), err
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    with pytest.raises(SyncwiseError, match="already holds a run"):
+        _trainer(nn.Linear(6, 6), loss_fn=F.mse_loss, run_dir=str(run)).train([(x, x)], steps=2)
+    assert len(list((run / "failed-starts").iterdir())) == 1
+
+
+def test_a_run_that_fails_after_its_first_rows_is_not_overwritten_by_a_rerun_in_the_same_process(tmp_path):
+    """A notebook's next cell: the failed run's lock (and the variable saying a launcher holds it) must not outlive
+    it, or the rerun skips the claim and replaces the rows."""
+    run = tmp_path / "run"
+    x = torch.randn(4, 6)
+
+    class FailsAtStep3(nn.Linear):
+        calls = 0
+
+        def forward(self, inputs):
+            FailsAtStep3.calls += 1
+            if FailsAtStep3.calls == 3:
+                raise RuntimeError("the user's bug at step 3")
+            return super().forward(inputs)
+
+    with pytest.raises(RuntimeError, match="step 3"):
+        _trainer(FailsAtStep3(6, 6), loss_fn=F.mse_loss, run_dir=str(run)).train([(x, x)], steps=6)
+    rows = (run / "metrics.jsonl").read_text()
+    assert rows.strip()  # the steps that finished were logged
+    with pytest.raises(SyncwiseError, match="already holds a run \\(metrics.jsonl\\)"):
+        _trainer(nn.Linear(6, 6), loss_fn=F.mse_loss, run_dir=str(run)).train([(x, x)], steps=2)
+    assert (run / "metrics.jsonl").read_text() == rows
+    assert not (run / "failed-starts").exists()
 
 
 def test_a_mapping_model_without_a_loss_names_loss_fn():

@@ -1,4 +1,7 @@
 """A user's first day (issue 43): what `--resume auto` found, data pitfalls, the install's extras."""
+import json
+
+import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -92,3 +95,55 @@ def test_drawing_without_matplotlib_names_the_extra_in_one_line(monkeypatch):
         draw([])
     assert str(e.value) == ("syncwise report (its picture) needs matplotlib, which is not installed: "
                             "pip install 'syncwise[report]'")
+
+
+def test_resume_auto_with_rows_but_no_checkpoint_sets_the_rows_aside_on_the_command_line(tmp_path, capsys):
+    """A run that died after some steps but before its first checkpoint: --resume auto has nothing to continue and
+    starts afresh; the rows it would have replaced are set aside, never deleted."""
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = '{"step": 1, "loss": 3.0}\n{"step": 2, "loss": 2.5}\n'
+    (run / "metrics.jsonl").write_text(rows)
+    (run / "config.json").write_text("{}\n")
+    assert main(["train", "--nproc", "1", "--preset", "tiny", "--steps", "1", "--run-dir", str(run),
+                 "--resume", "auto", "--data.seq_len=32", "--train.val_batches=1"]) == 0
+    captured = capsys.readouterr()
+    (aside,) = (run / "failed-starts").iterdir()
+    assert f"syncwise: {run} held a run with no checkpoint to continue from (config.json, metrics.jsonl); moved it " \
+        f"to {aside} (nothing deleted), starting afresh" in captured.err.splitlines(), captured.err
+    assert f"syncwise: resume auto found no checkpoint in {run / 'checkpoints'}; starting a fresh run from step 0" \
+        in captured.out.splitlines(), captured.out
+    assert (aside / "metrics.jsonl").read_text() == rows
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def test_resume_auto_with_rows_but_no_checkpoint_sets_the_rows_aside_in_the_python_api(tmp_path, capsys):
+    run = tmp_path / "run"
+    x = torch.randn(8, 4)
+
+    class FailsAtStep3(nn.Linear):
+        calls = 0
+
+        def forward(self, inputs):
+            FailsAtStep3.calls += 1
+            if FailsAtStep3.calls == 3:
+                raise RuntimeError("the user's bug at step 3")
+            return super().forward(inputs)
+
+    def trainer(model):
+        return OptimizedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss,
+                                mixed_precision=False, show_progress=False, run_dir=str(run))
+
+    with pytest.raises(RuntimeError, match="step 3"):
+        trainer(FailsAtStep3(4, 4)).train([(x, x)], steps=6, checkpoint_dir=str(run / "ckpt"))
+    rows = (run / "metrics.jsonl").read_text()
+    assert rows.strip() and not list((run / "ckpt").glob("step_*"))  # rows, no checkpoint
+    capsys.readouterr()
+    assert trainer(nn.Linear(4, 4)).train([(x, x)], steps=2, checkpoint_dir=str(run / "ckpt"),
+                                          resume="auto")["steps"] == 2
+    (aside,) = (run / "failed-starts").iterdir()
+    err = capsys.readouterr().err
+    assert f"syncwise: {run} held a run with no checkpoint to continue from (metrics.jsonl, ranks" in err, err
+    assert f"moved it to {aside} (nothing deleted), starting afresh" in err
+    assert (aside / "metrics.jsonl").read_text() == rows
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]

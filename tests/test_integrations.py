@@ -468,3 +468,251 @@ def test_ranked_state_from_another_world_size_starts_fresh_with_a_warning():
         state.load_state_dict(two)
     with pytest.raises(SyncwiseError, match="not a syncwise compressor checkpoint"):
         state.load_state_dict({"compressor": {}})
+
+
+# ---- the three batch shapes through every integration ------------------------------------------------------
+# (inputs, targets) tuples, a mapping passed as model(**batch) whose output carries .loss (a Hugging Face
+# ModelOutput in small), and a model that returns its own loss as a tensor. The integrations only put a compressor on
+# DDP's gradient sync, so each shape must train exactly as the others do (same model, same rows, same loss) with the
+# compressor at work on 2 gloo ranks. transformers.Trainer takes mappings only (its collator and compute_loss call
+# model(**batch)): its shapes are the model's own loss and compute_loss_func(outputs, labels).
+SHAPES = ("tuple", "mapping", "own loss")
+
+
+class _TupleNet(nn.Module):
+    """``model(x)`` → outputs (the parameters under the same names as the other shapes': PowerSGD's state is keyed
+    by name)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = Net()
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class _KwargsNet(nn.Module):
+    """``model(inputs=..., labels=...)`` → an object with ``.loss`` and ``.logits``."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = Net()
+
+    def forward(self, inputs, labels=None):
+        import types
+
+        logits = self.net(inputs)
+        return types.SimpleNamespace(loss=None if labels is None else nn.functional.mse_loss(logits, labels),
+                                     logits=logits)
+
+
+class _LossNet(nn.Module):
+    """``model(x, y)`` → its own loss, a scalar tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = Net()
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.net(x), y)
+
+
+def _shape_model(shape):
+    torch.manual_seed(0)
+    return {"tuple": _TupleNet, "mapping": _KwargsNet, "own loss": _LossNet}[shape]()
+
+
+def _shape_rows(shape, n=32):
+    """n rows (a DataLoader's samples) of the given shape; batched by the default collate into the same shape."""
+    g = torch.Generator().manual_seed(11)
+    xs = torch.randn(n, 32, generator=g)
+    ys = xs[:, :8].sum(1, keepdim=True).expand(-1, 8).contiguous()
+    return [{"inputs": x, "labels": y} if shape == "mapping" else (x, y) for x, y in zip(xs, ys)]
+
+
+def _shape_loss(model, shape, batch):
+    if shape == "tuple":
+        x, y = batch
+        return nn.functional.mse_loss(model(x), y)
+    if shape == "mapping":
+        return model(**batch).loss
+    return model(*batch)
+
+
+def _shape_result(model, comp, losses):
+    return {"losses": losses, "params": _flat(model), "bytes": bytes_on_wire(comp), "fp32": _fp32_bytes(model)}
+
+
+def _check_shapes(r0, r1, steps):
+    for shape in SHAPES:
+        assert torch.equal(r0[shape]["params"], r1[shape]["params"]), shape  # replicas identical
+        assert len(r0[shape]["losses"]) == steps, shape
+        # compressed: the warm-up step (start_iter=1) sends fp32, the others far less
+        assert 0 < r0[shape]["bytes"] < r0[shape]["fp32"] * (1 + 0.3 * (steps - 1)), shape
+    for shape in SHAPES[1:]:  # the same training, whatever the shape
+        torch.testing.assert_close(r0[shape]["losses"], r0["tuple"]["losses"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(r0[shape]["params"], r0["tuple"]["params"], rtol=1e-5, atol=1e-6)
+
+
+def _ddp_shapes_worker(rank, world):
+    from syncwise.integrations import ddp as sw_ddp
+
+    out = {}
+    for shape in SHAPES:
+        model = DDP(_shape_model(shape), bucket_cap_mb=0.001)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        comp = sw_ddp.register(model, SPEC, min_numel=MIN_NUMEL)
+        sampler = torch.utils.data.DistributedSampler(_shape_rows(shape), world, rank, shuffle=False)
+        losses = []
+        for batch in torch.utils.data.DataLoader(_shape_rows(shape), batch_size=8, sampler=sampler):
+            loss = _shape_loss(model, shape, batch)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        out[shape] = _shape_result(model, comp, losses)
+    return out
+
+
+def test_ddp_register_trains_tuples_mappings_and_a_model_returning_its_loss_alike():
+    r0, r1 = run_workers(_ddp_shapes_worker, 2)
+    _check_shapes(r0, r1, steps=2)
+
+
+def _accelerate_shapes_worker(rank, world):
+    from accelerate import Accelerator
+
+    from syncwise.integrations import accelerate as sw_accelerate
+
+    out = {}
+    for shape in SHAPES:
+        acc = Accelerator(cpu=True)
+        model = _shape_model(shape)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        # accelerate's own loader shards the rows and moves each batch, whatever its shape
+        loader = torch.utils.data.DataLoader(_shape_rows(shape), batch_size=8)
+        model, opt, loader = acc.prepare(model, opt, loader)
+        comp = sw_accelerate.register(acc, model, SPEC, min_numel=MIN_NUMEL)
+        losses = []
+        for batch in loader:
+            loss = _shape_loss(model, shape, batch)
+            opt.zero_grad()
+            acc.backward(loss)
+            opt.step()
+            losses.append(loss.item())
+        out[shape] = _shape_result(model, comp, losses)
+        acc.free_memory()
+    return out
+
+
+def test_accelerate_register_trains_tuples_mappings_and_a_model_returning_its_loss_alike():
+    pytest.importorskip("accelerate", reason="syncwise.integrations.accelerate needs accelerate (syncwise[accelerate])")
+    r0, r1 = run_workers(_accelerate_shapes_worker, 2)
+    _check_shapes(r0, r1, steps=2)
+
+
+def _lightning_shapes_worker(rank, world, tmp):
+    import logging
+    import warnings
+
+    import lightning.pytorch as L
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from syncwise.integrations.lightning import SyncwiseCallback
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+
+    class Module(L.LightningModule):
+        def __init__(self, shape):
+            super().__init__()
+            self.shape, self.net, self.losses = shape, _shape_model(shape), []
+
+        def training_step(self, batch, i):
+            return _shape_loss(self.net, self.shape, batch)
+
+        def on_train_batch_end(self, outputs, batch, i):
+            self.losses.append(outputs["loss"].item())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    out = {}
+    for shape in SHAPES:
+        module, cb = Module(shape), SyncwiseCallback(SPEC, min_numel=MIN_NUMEL)
+        trainer = L.Trainer(accelerator="cpu", devices=world, strategy=DDPStrategy(process_group_backend="gloo"),
+                            max_epochs=1, callbacks=[cb], logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp)
+        # Lightning's distributed sampler shards the rows; its batch transfer moves a tuple or a mapping alike
+        trainer.fit(module, torch.utils.data.DataLoader(_shape_rows(shape), batch_size=8))
+        assert cb.registered
+        out[shape] = _shape_result(module.net, cb, module.losses)
+    return out
+
+
+def test_lightning_callback_trains_tuples_mappings_and_a_model_returning_its_loss_alike(tmp_path):
+    pytest.importorskip("lightning", reason="syncwise.integrations.lightning needs lightning (syncwise[lightning])")
+    r0, r1 = run_workers(_lightning_shapes_worker, 2, str(tmp_path))
+    _check_shapes(r0, r1, steps=2)
+
+
+def _hf_shapes_worker(rank, world, tmp):
+    import dataclasses
+    import logging
+    import warnings
+    from typing import Optional
+
+    import transformers
+    from transformers import Trainer, TrainingArguments
+    from transformers.utils import ModelOutput
+
+    from syncwise.integrations.transformers import attach
+
+    transformers.logging.set_verbosity_error()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+
+    @dataclasses.dataclass
+    class Output(ModelOutput):
+        loss: Optional[torch.Tensor] = None
+        logits: Optional[torch.Tensor] = None
+
+    class HFNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = Net()
+
+        def forward(self, inputs, labels=None):
+            logits = self.net(inputs)
+            return Output(loss=None if labels is None else nn.functional.mse_loss(logits, labels), logits=logits)
+
+    def compute_loss(outputs, labels, num_items_in_batch=None):  # the Trainer's loss_fn(outputs, labels)
+        return nn.functional.mse_loss(outputs.logits, labels)
+
+    out = {}
+    for shape, loss_func in (("model's loss", None), ("compute_loss_func", compute_loss)):
+        model = HFNet()
+        args = TrainingArguments(output_dir=os.path.join(tmp, shape.replace(" ", "_")), max_steps=2,
+                                 per_device_train_batch_size=8, learning_rate=0.05, optim="sgd", use_cpu=True,
+                                 ddp_backend="gloo", save_strategy="no", logging_steps=1, report_to=[], seed=0,
+                                 dataloader_num_workers=0, disable_tqdm=True, lr_scheduler_type="constant",
+                                 weight_decay=0.0, ddp_find_unused_parameters=False)
+        trainer = Trainer(model=model, args=args, train_dataset=_shape_rows("mapping"), compute_loss_func=loss_func)
+        cb = attach(trainer, SPEC, min_numel=MIN_NUMEL)
+        with contextlib.redirect_stdout(io.StringIO()):
+            trainer.train()
+        assert cb.registered
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        out[shape] = _shape_result(model.net, cb, losses)
+    return out
+
+
+def test_transformers_callback_trains_with_the_models_loss_and_with_compute_loss_func_alike(tmp_path):
+    pytest.importorskip("transformers", reason="syncwise.integrations.transformers needs transformers (syncwise[hf])")
+    r0, r1 = run_workers(_hf_shapes_worker, 2, str(tmp_path))
+    for shape in ("model's loss", "compute_loss_func"):
+        assert torch.equal(r0[shape]["params"], r1[shape]["params"]), shape
+        assert len(r0[shape]["losses"]) == 2, shape
+        assert 0 < r0[shape]["bytes"] < r0[shape]["fp32"] * 1.3, shape
+    torch.testing.assert_close(r0["compute_loss_func"]["params"], r0["model's loss"]["params"], rtol=1e-5, atol=1e-6)

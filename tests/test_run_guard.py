@@ -55,14 +55,75 @@ def test_two_runs_started_together_into_one_directory(tmp_path):
     assert json.loads((run / "summary.json").read_text())["steps"] == 150
 
 
-def test_directory_of_a_run_that_died_at_start_up_is_not_overwritten(tmp_path, capsys):
+def test_what_a_start_that_died_at_start_up_left_is_set_aside_and_the_run_starts(tmp_path, capsys):
     run = tmp_path / "run"
     (run / "logs").mkdir(parents=True)
+    (run / "logs" / "rank0.log").write_text("Traceback: the reason it died\n")
     (run / "config.json").write_text('{"model": {"preset": "mine"}}\n')
-    assert main(["train", "--run-dir", str(run), "--nproc", "1", "--steps", "2", *TINY]) == 2
+    (run / "metrics.jsonl").write_text("")  # opened, no row: no step finished
+    assert main(["train", "--check", "--run-dir", str(run), "--nproc", "1", "--steps", "2", *TINY]) == 0
+    assert "# note: " + f"{run} holds only what a start that never finished a step left (config.json, logs, " \
+        "metrics.jsonl)" in capsys.readouterr().out
+    assert main(["train", "--run-dir", str(run), "--nproc", "1", "--steps", "2", *TINY]) == 0
     err = capsys.readouterr().err
-    assert "already holds a run (config.json, logs)" in err and "--resume auto" in err
-    assert (run / "config.json").read_text() == '{"model": {"preset": "mine"}}\n'
+    (aside,) = (run / "failed-starts").iterdir()
+    assert f"syncwise: {run} held only what a start that never finished a step left (config.json, logs, " \
+        f"metrics.jsonl); moved it to {aside} (nothing deleted), starting afresh" in err.splitlines(), err
+    assert (aside / "config.json").read_text() == '{"model": {"preset": "mine"}}\n'  # kept, byte for byte
+    assert (aside / "logs" / "rank0.log").read_text() == "Traceback: the reason it died\n"
+    assert [r["step"] for r in _rows(run)] == [1, 2]
+    assert json.loads((run / "config.json").read_text())["model"]["preset"] == "tiny"
+
+
+def test_a_directory_with_rows_checkpoints_or_files_of_its_own_is_still_refused(tmp_path, capsys):
+    for name, make in [("rows", lambda r: (r / "metrics.jsonl").write_text('{"step": 1}\n')),
+                       ("checkpoint", lambda r: (r / "checkpoints" / "step_00000002").mkdir(parents=True)),
+                       ("rank rows", lambda r: ((r / "ranks").mkdir(), (r / "ranks" / "rank1.jsonl").write_text(
+                           '{"step": 1}\n'))),
+                       ("own file", lambda r: (r / "notes.txt").write_text("mine\n"))]:
+        run = tmp_path / name
+        run.mkdir()
+        (run / "config.json").write_text("{}\n")
+        make(run)
+        before = sorted(p.relative_to(run) for p in run.rglob("*"))
+        assert main(["train", "--run-dir", str(run), "--nproc", "1", "--steps", "2", *TINY]) == 2, name
+        assert "already holds a run" in capsys.readouterr().err, name
+        assert sorted(p.relative_to(run) for p in run.rglob("*") if p.name != ".syncwise.lock") == before, name
+
+
+def test_a_build_that_crashes_leaves_nothing_that_blocks_the_rerun(tmp_path, capsys, monkeypatch):
+    """A real start that dies before its first step (a Hugging Face model whose weights file is damaged: it passes
+    --check, and transformers fails to read it while the workers build the model), then the fixed rerun into the
+    same --run-dir; then a third start over that finished run is refused."""
+    pytest.importorskip("transformers")
+    folder, run = tmp_path / "llama", tmp_path / "run"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 320, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+        "max_position_embeddings": 64}))
+    (folder / "model.safetensors").write_bytes(b"not a safetensors file")
+    corpus = tmp_path / "notes.txt"
+    corpus.write_text("a line of the user's own notes\n" * 400)
+    monkeypatch.chdir(tmp_path)
+    args = ["train", "--run-dir", str(run), "--nproc", "1", "--model", f"hf:{folder}", "--data.corpus",
+            str(corpus), "--data.seq_len=32", "--steps", "2", "--train.val_interval=0", "--train.val_batches=1"]
+    with pytest.raises(Exception, match="header"):  # transformers' own error, raised while building the model
+        main(args)
+    assert not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip()
+    capsys.readouterr()
+    (folder / "model.safetensors").unlink()  # the fix: no weights file, the model starts from its config
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    (aside,) = (run / "failed-starts").iterdir()
+    assert f"moved it to {aside} (nothing deleted), starting afresh" in err, err
+    assert json.loads((aside / "config.json").read_text())["model"]["preset"] == f"hf:{folder}"
+    assert [r["step"] for r in _rows(run)] == [1, 2]
+    rows = (run / "metrics.jsonl").read_text()
+    assert main(args) == 2  # a run that finished steps is never set aside
+    assert "already holds a run" in capsys.readouterr().err
+    assert (run / "metrics.jsonl").read_text() == rows
+    assert len(list((run / "failed-starts").iterdir())) == 1
 
 
 def test_resume_auto_on_a_finished_run_says_so_and_keeps_its_files(tmp_path, capsys):

@@ -25,6 +25,7 @@ from typing import Optional
 from .errors import SyncwiseError
 
 LOCK_FILE = ".syncwise.lock"
+FAILED_STARTS = "failed-starts"  # RUN_DIR/failed-starts/<time>/: what a start that never finished a step left
 LOCKED_ENV = "SYNCWISE_RUN_DIR_LOCKED"  # set for workers: the launcher holds the lock of this directory
 
 
@@ -43,6 +44,9 @@ class RunDir:
         traces/          profiler traces of the steps --profile.* chose (rank{R}.step{A}-{B}.json, Chrome/Kineto)
         flight/          each rank's flight-recorder dump, written when a collective hung (rank{R}.json)
         job.secret       the per-job secret (mode 0600) that signs live recovery's heal transfers (secret.py)
+        tb/              TensorBoard's events (when tensorboard is installed)
+        faults/          which planted faults fired already (--inject-fault)
+        failed-starts/   each start that ended before its first step, set aside whole by the next start
     """
 
     METRICS, SUMMARY = "metrics.jsonl", "summary.json"  # (their names alone, for messages about a run with no directory)
@@ -68,6 +72,9 @@ class RunDir:
     traces = property(lambda self: self.root / "traces")
     flight = property(lambda self: self.root / "flight")
     secret = property(lambda self: self.root / "job.secret")
+    tb = property(lambda self: self.root / "tb")
+    faults = property(lambda self: self.root / "faults")
+    failed_starts = property(lambda self: self.root / FAILED_STARTS)
     lock = property(lambda self: self.root / LOCK_FILE)
 
     def rank_log(self, rank: int) -> Path:
@@ -178,8 +185,103 @@ def holds_a_run(where: str | os.PathLike, found: list[str], resume: str = "--res
 
 
 def contents(run_dir: str | os.PathLike) -> list[str]:
-    """What a run directory holds besides its lock file (sorted names)."""
+    """What a run directory holds besides its lock file and the starts set aside before (sorted names)."""
     p = Path(run_dir)
     if not p.is_dir():
         return []
-    return sorted(e.name for e in p.iterdir() if e.name != LOCK_FILE)
+    return sorted(e.name for e in p.iterdir() if e.name not in (LOCK_FILE, FAILED_STARTS))
+
+
+# What a start writes before its first step: the launcher's (config.json, the workers' logs) and the trainer's.
+# (summary.json and preempted.json are written only after a step: never a dead start's.)
+TRAINER_START_NAMES = ("metrics.jsonl", "ranks", "heartbeats", "tb", "flight", "traces", "faults", "checkpoints")
+START_NAMES = ("config.json", "logs", "job.secret", "ft") + TRAINER_START_NAMES
+
+
+def finished_a_step(run_dir: str | os.PathLike) -> bool:
+    """Whether what syncwise wrote in ``run_dir`` (:data:`START_NAMES`) shows a step that finished: a summary.json or
+    preempted.json, a row in a metrics.jsonl or a rank's own rank{R}.jsonl (live recovery's replica directories under
+    ft/ included), or anything under a checkpoints/ directory (a published save, or one being written)."""
+    root = Path(run_dir)
+    if any((root / name).exists() for name in (RunDir.SUMMARY, "preempted.json")):
+        return True
+    for top in START_NAMES:
+        if (root / top).is_file():
+            if top == RunDir.METRICS and _has_rows(root / top):
+                return True
+            continue
+        for here, dirs, files in os.walk(root / top):
+            name = os.path.basename(here)
+            if name == "checkpoints" and (dirs or files):
+                return True
+            for f in files:
+                if f in (RunDir.SUMMARY, "preempted.json"):
+                    return True
+                if (f == RunDir.METRICS or (name == "ranks" and f.startswith("rank") and f.endswith(".jsonl"))) \
+                        and _has_rows(Path(here) / f):
+                    return True
+    return False
+
+
+def _has_rows(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return any(line.strip() for line in f)
+    except OSError:
+        return True  # unreadable: not known to be empty
+
+
+def dead_start(run_dir: str | os.PathLike, names: tuple[str, ...] = START_NAMES) -> Optional[list[str]]:
+    """The entries of ``run_dir`` (among ``names``) that a start which never finished a step left, to be set aside
+    by :func:`set_aside`; None when anything there shows a finished step (:func:`finished_a_step`). Entries that are
+    not among ``names`` (someone's own files) are neither listed nor looked at here, nor is an empty checkpoints/
+    (a checkpointer may hold it already; a non-empty one is a finished step's)."""
+    root = Path(run_dir)
+    if not root.is_dir() or finished_a_step(root):
+        return None
+    return sorted(e.name for e in root.iterdir() if e.name in names and e.name != "checkpoints")
+
+
+def set_aside(run_dir: str | os.PathLike, names: list[str]) -> Path:
+    """Move ``names`` (a dead start's entries, :func:`dead_start`) into ``RUN_DIR/failed-starts/<time>/``, whole
+    (renamed, never copied or deleted); returns that folder."""
+    root = Path(run_dir)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    try:
+        (root / FAILED_STARTS).mkdir(exist_ok=True)
+        dest, n = root / FAILED_STARTS / stamp, 1
+        while True:  # two starts set aside within one second get -2, -3, ...
+            try:
+                dest.mkdir()
+                break
+            except FileExistsError:
+                n += 1
+                dest = root / FAILED_STARTS / f"{stamp}-{n}"
+        for name in names:
+            os.rename(root / name, dest / name)
+    except OSError as e:
+        raise SyncwiseError(f"cannot set aside what a start that never finished a step left in {root} "
+                            f"({', '.join(names)}) under {root / FAILED_STARTS}: {e.strerror or e}. Nothing was "
+                            "started; move those entries away yourself, or choose another run directory.") from None
+    return dest
+
+
+DEAD_START = "only what a start that never finished a step left"
+NO_CHECKPOINT = "a run with no checkpoint to continue from"
+
+
+def set_aside_note(run_dir: str | os.PathLike, names: list[str], dest: Path, what: str = DEAD_START) -> str:
+    """The one line that says a dead start (or, with ``--resume auto``, a run with no checkpoint) was set aside."""
+    return (f"syncwise: {run_dir} held {what} ({', '.join(names)}); moved it to {dest} (nothing deleted), "
+            "starting afresh")
+
+
+def run_entries(run_dir: str | os.PathLike, names: tuple[str, ...] = START_NAMES) -> list[str]:
+    """What a run wrote in ``run_dir``: its entries among ``names``, summary.json and preempted.json (an empty or
+    checkpoint-less checkpoints/ is not listed). ``--resume auto`` with no checkpoint to continue from starts afresh:
+    these are set aside (:func:`set_aside`) rather than replaced."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        return []
+    keep = set(names) | {RunDir.SUMMARY, "preempted.json"}
+    return sorted(e.name for e in root.iterdir() if e.name in keep and e.name != "checkpoints")

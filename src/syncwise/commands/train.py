@@ -53,7 +53,10 @@ def prepare_run_dir(cfg: RunConfig) -> RunDirLock:
     # Lock first, look second: two runs started together cannot both find the directory empty.
     lock = RunDirLock(run_dir).acquire()
     try:
-        check_run_dir(cfg, run_dir)
+        aside, what = check_run_dir(cfg, run_dir)
+        if aside:  # a start that never finished a step, or nothing to resume: set aside whole, never deleted
+            dest = rundir.set_aside(run_dir, aside)
+            print(rundir.set_aside_note(run_dir, aside, dest, what), file=sys.stderr, flush=True)
         cfg.save(RunDir(run_dir).config)
     except BaseException:
         lock.release()
@@ -61,16 +64,29 @@ def prepare_run_dir(cfg: RunConfig) -> RunDirLock:
     return lock
 
 
-def check_run_dir(cfg: RunConfig, run_dir: Path) -> None:
+def check_run_dir(cfg: RunConfig, run_dir: Path) -> tuple[list[str], str]:
+    """Refuse a run directory this run may not use. Reads only; returns what :func:`prepare_run_dir` sets aside (into
+    RUN_DIR/failed-starts/<time>/; empty: nothing) and why: what a start that never finished a step left, or, with
+    ``--resume auto``, the files of a run that has no checkpoint to continue from (the fresh run would replace them)."""
     previous = rundir.contents(run_dir)
-    if previous and cfg.resume == "none":
-        # Even config.json + logs/ alone (a run that died at start-up) are someone's: never overwritten.
+    dead = rundir.dead_start(run_dir) if previous else None
+    if dead is not None and dead != [name for name in previous if name != "checkpoints"]:
+        dead = None  # something besides what a start writes (someone's own files): not ours to move
+    if previous and cfg.resume == "none" and dead is None:
+        # A run's rows, checkpoints or summary, or files syncwise did not write: never overwritten.
         raise SyncwiseError(rundir.holds_a_run(run_dir, previous))
     summary = _read_json(RunDir(run_dir).summary)
     if cfg.resume == "auto" and summary and int(summary.get("steps") or 0) >= cfg.train.steps:
         raise RunFinished(
             f"the run in {run_dir} already finished at step {summary['steps']} (its summary.json); nothing to "
             f"resume. To train it further, pass --resume auto with --steps larger than {summary['steps']}.")
+    if dead:
+        return dead, rundir.DEAD_START
+    if previous and cfg.resume == "auto":
+        from ..checkpoint.storage import published_checkpoints
+
+        if not published_checkpoints(RunDir(run_dir).checkpoints):  # the trainer starts afresh: keep the rows aside
+            return rundir.run_entries(run_dir), rundir.NO_CHECKPOINT
     before = _read_json(RunDir(run_dir).config)
     if previous and before:
         # The model/data layout must match the checkpoints; so must the compressor / sync strategy, whose
@@ -92,6 +108,7 @@ def check_run_dir(cfg: RunConfig, run_dir: Path) -> None:
                             "its checkpoints cannot continue under a different model, data layout or gradient "
                             "sync (their state would be dropped). Resume without that flag (the run's saved "
                             "setting is used), or start a new run with another --run-dir.")
+    return [], ""
 
 
 # What a resumed run does not take from its saved config.json: where it runs, how, and the faults of the
@@ -240,7 +257,10 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
                 busy = rundir.holder(cfg.run_dir)
                 if busy:
                     raise SyncwiseError(f"it is in use by another syncwise run ({busy})")
-                check_run_dir(cfg, Path(cfg.run_dir))
+                aside, what = check_run_dir(cfg, Path(cfg.run_dir))
+                if aside:
+                    note = (f"\n# note: {cfg.run_dir} holds {what} ({', '.join(aside)}): `syncwise train` moves it "
+                            f"to {RunDir(cfg.run_dir).failed_starts}/ and starts afresh")
         except RunFinished as e:
             note = f"\n# note: {e}"  # valid; `syncwise train` would say so and exit 0
         except SyncwiseError as e:

@@ -4,10 +4,12 @@ refusal to start a fresh run over a previous one's files.
 ``OptimizedTrainer.train(..., resume=None)`` in a directory that holds a finished or stopped run used to replace
 its ``metrics.jsonl`` and ``summary.json`` and set its checkpoints aside as ``.abandoned``; now, as on the command
 line, nothing is started and nothing is overwritten. Rank 0 decides (it owns the files) and every rank raises the
-same error, so no rank waits in a collective for a rank that stopped.
+same error, so no rank waits in a collective for a rank that stopped. What a start that never finished a step left
+there is set aside (``RUN_DIR/failed-starts/<time>/``, never deleted) and does not block the rerun.
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -31,6 +33,17 @@ def previous_run(run_dir: Optional[Path], checkpoint_dir: Optional[Path]) -> lis
     return found
 
 
+def set_aside_dead_start(run_dir: str) -> None:
+    """Move what a start that never finished a step left in ``run_dir`` (the files this trainer writes there: a
+    metrics.jsonl with no rows, ranks/, tb/, ...) into ``run_dir/failed-starts/<time>/``, with one line saying so:
+    the new run's files then hold this run alone (TensorBoard's events included). Nothing when a step finished
+    there (rows, checkpoints: the refusal above, or a resume); entries this trainer does not write stay as they are
+    (a run directory of the Python API may be a folder with other things in it)."""
+    dead = rundir.dead_start(run_dir, rundir.TRAINER_START_NAMES)
+    if dead:
+        print(rundir.set_aside_note(run_dir, dead, rundir.set_aside(run_dir, dead)), file=sys.stderr, flush=True)
+
+
 def claim(run_dir: Optional[str], checkpoint_dir: Optional[str | Path], resume: Optional[str], continuing: bool,
           rank: int, world_size: int, held: Optional[RunDirLock] = None) -> Optional[RunDirLock]:
     """Lock ``run_dir`` (rank 0; not when ``syncwise train``'s launcher holds it) and refuse a fresh run
@@ -49,6 +62,15 @@ def claim(run_dir: Optional[str], checkpoint_dir: Optional[str | Path], resume: 
                     raise SyncwiseError(rundir.holds_a_run(
                         where, found, resume="resume='auto' to train()",
                         other="run_dir=" if run_dir is not None else "checkpoint_dir="))
+            if run_dir is not None and not continuing and not launcher:
+                set_aside_dead_start(run_dir)
+                if resume == "auto" and checkpoint_dir is not None and not published_checkpoints(checkpoint_dir):
+                    # nothing to continue: the run starts afresh, so an earlier run's rows are set aside, not replaced
+                    aside = rundir.run_entries(run_dir, rundir.TRAINER_START_NAMES)
+                    if aside:
+                        dest = rundir.set_aside(run_dir, aside)
+                        print(rundir.set_aside_note(run_dir, aside, dest, rundir.NO_CHECKPOINT), file=sys.stderr,
+                              flush=True)
         except SyncwiseError as e:
             error = str(e)
             if lock is not None and lock is not held:

@@ -278,6 +278,18 @@ class OptimizedTrainer:
         ``layout_check``; docs/plan.md). ``trainer.callbacks`` takes step callbacks of your own
         (``syncwise.train.callbacks.StepCallback``), called after the trainer's at each point of the loop.
         """
+        try:
+            return self._train(loader, epochs, steps, checkpoint_dir, resume, cloud_config)
+        except BaseException:
+            # The run directory's lock ends with the run, however it ends: held on (with the environment variable that
+            # says a launcher holds it), a rerun in this process (a notebook's next cell) would skip the claim and
+            # overwrite the rows of the run that failed.
+            if getattr(self, "_run_dir_lock", None) is not None:
+                self._run_dir_lock.release()
+            raise
+
+    def _train(self, loader: Iterable, epochs: Optional[int], steps: Optional[int], checkpoint_dir: Optional[str],
+               resume: Optional[str], cloud_config: Any) -> dict[str, Any]:
         resume = arguments.resume_mode(resume)
         checkpoint_dir = arguments.as_path("checkpoint_dir", checkpoint_dir)
         # A batch shape the trainer cannot use is refused before the run directory is claimed, where the first batch
