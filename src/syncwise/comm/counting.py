@@ -73,16 +73,30 @@ class DimensionTimes:
         self._lock = threading.Lock()
         self._step: list = []  # (dim, Interval, exposed seconds or None)
         self.bytes: dict[str, int] = defaultdict(int)  # what the timed callers counted this step (FSDP2's comms)
+        self.hops: dict[str, int] = defaultdict(int)  # the part of those bytes whose hop is known: 'intra', 'cross'
+        self._taken_hops: dict[str, int] = {}
 
-    def count(self, dim: str, nbytes: int) -> None:
+    def count(self, dim: str, nbytes: int, hops: Optional[dict] = None) -> None:
+        """Count ``nbytes`` of ``dim``; ``hops``: the same bytes split ``{'intra': .., 'cross': ..}``
+        (``comm.ops.split_bytes``), None where the topology is not known."""
         with self._lock:
             self.bytes[dim] += int(nbytes)
+            for h, n in (hops or {}).items():
+                self.hops[h] += int(n)
 
     def take_bytes(self) -> dict[str, int]:
-        """The bytes counted since the last call, per dimension; resets."""
+        """The bytes counted since the last call, per dimension; resets (their split per hop is kept for
+        :meth:`taken_hops`)."""
         with self._lock:
             out, self.bytes = dict(self.bytes), defaultdict(int)
+            self._taken_hops, self.hops = dict(self.hops), defaultdict(int)
         return out
+
+    def taken_hops(self) -> dict[str, int]:
+        """The split per hop of the bytes the last :meth:`take_bytes` handed back (``'intra'``, ``'cross'``; bytes
+        with no known hop are in neither)."""
+        with self._lock:
+            return dict(self._taken_hops)
 
     def add(self, dim: str, interval: Interval, exposed: Optional[float] = None) -> None:
         with self._lock:

@@ -234,13 +234,19 @@ def attach_timing(model: nn.Module, times: Any, labels: dict[str, str]) -> None:
     from ..comm.counting import uncounted
     from ..comm.timing import Interval
 
+    labels = dict(labels)
+
     def timed(call: Any, output: torch.Tensor, payload: torch.Tensor, group: Any, async_op: bool,
               inner: Any = None) -> Any:
         label = labels.get(group.group_name)
         if label is None:
             return call()
         wire = getattr(inner, "wire_bytes", None)  # a quantized collective: what it puts on the wire
-        times.count(label, wire(payload, group) if wire else payload.numel() * payload.element_size())
+        nbytes = wire(payload, group) if wire else payload.numel() * payload.element_size()
+        # split per hop by the collective's pattern over its group (comm.ops.cross_share: a ring's N_g / W, an
+        # all-to-all's chunks for other nodes); a quantized reduce-scatter says its own (all-to-all, hierarchical)
+        split = getattr(inner, "split_bytes", None)
+        times.count(label, nbytes, split(nbytes, payload, group) if split else ops.split_bytes(nbytes, group, "ring"))
         iv = Interval(payload.device).start()
         with uncounted():
             work = call()
@@ -276,6 +282,14 @@ def attach_timing(model: nn.Module, times: Any, labels: dict[str, str]) -> None:
             return timed(lambda: self.inner(output_tensor, input_tensor, group, op, async_op),
                          output_tensor, input_tensor, group, async_op, self.inner)
 
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # fsdp_reshard=node: backward re-gathers over the post-forward group (a node's ranks), the same dimension
+            for pg in _param_groups(module):
+                post, main = getattr(pg, "post_forward_mesh_info", None), pg.mesh_info
+                main_label = labels.get(main.shard_process_group.group_name)
+                if post is not None and main_label is not None:
+                    labels.setdefault(post.shard_process_group.group_name, main_label)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # around the unit's own collectives: FSDP2's, or the quantized ones apply_fsdp set (fsdp_quant)

@@ -184,6 +184,11 @@ class QuantizedReduceScatter(_Alloc):
         w = group.size()
         return w * self.codec.payload(input_tensor.numel() // w)
 
+    def split_bytes(self, nbytes: int, input_tensor: torch.Tensor, group: Any) -> Optional[dict]:
+        """``nbytes`` per hop (``comm.ops.split_bytes``): one all-to-all, its chunks for other nodes cross."""
+        from ..comm import ops
+        return ops.split_bytes(nbytes, group, "all_to_all")
+
     def _generator(self, device: torch.device, rank: int) -> Optional[torch.Generator]:
         if not self.codec.stochastic:
             return None

@@ -77,6 +77,8 @@ class Parallelized:
     _counted: dict = field(default_factory=dict)
     _last_tp: Optional[tuple] = None  # the last timed step's tensor-parallel (seconds, exposed seconds)
     _timing_tp: bool = False           # whether this step's tensor-parallel collectives are timed
+    #: the part of the last counted_bytes() whose hop is known ({'intra', 'cross'}: FSDP2's timed comms)
+    counted_hops: dict = field(default_factory=dict)
 
     # ---- what the trainer asks of the model's shape ---------------------------------------------------------
     @property
@@ -172,6 +174,7 @@ class Parallelized:
             self._steps_counted += 1
             self._counting = False
         timed = self._times.take_bytes()  # FSDP2's all-gathers and reduce-scatters, every step
+        self.counted_hops = self._times.taken_hops()  # the part of them split per hop (comm.ops.cross_share)
         out = {"dp": self._counted.get("dp", 0) + timed.get("dp", 0), **self._shard_bytes(timed)}
         if self.spec.tp > 1:
             out["tp"] = self._counted.get("tp", 0)

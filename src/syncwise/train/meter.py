@@ -161,8 +161,10 @@ class StepBytes:
 
     Per hop (:attr:`hops`, after :meth:`end`): the same bytes split by the link they crossed — ``intra`` (a group
     inside one node), ``cross`` (a group spanning nodes), as the ledger classified them (``comm.ops.hop_of``), and
-    ``unsplit`` for bytes with no known hop (the layout's own counters: FSDP2's and DTensor's collectives; no
-    topology known). None when some dimension's bytes are not counted at all.
+    ``unsplit`` for bytes with no known hop (DTensor's collectives, HSDP's own all-reduce, a pipeline's sends; no
+    topology known). FSDP2's all-gathers and reduce-scatters are split by their pattern over their group
+    (``comm.ops.cross_share``: a ring's N_g / W of the bytes cross, an all-to-all's chunks for other nodes;
+    ``Parallelized.counted_hops``). None when some dimension's bytes are not counted at all.
     """
 
     def __init__(self, par: Any):
@@ -197,9 +199,10 @@ class StepBytes:
         self.hops = None
         if all(n is not None for n in out.values()):
             now = self._hops_now()
-            hops = {h: now.get(h, 0) - self._hop_marks.get(h, 0) for h in ("intra", "cross")}
+            split = getattr(self.par, "counted_hops", None) or {}  # FSDP2's comms, split by their pattern
+            hops = {h: now.get(h, 0) - self._hop_marks.get(h, 0) + split.get(h, 0) for h in ("intra", "cross")}
             hops["unsplit"] = now.get(UNKNOWN_HOP, 0) - self._hop_marks.get(UNKNOWN_HOP, 0) + sum(
-                n for dim, n in counted.items() if n)  # the layout's counters carry no hop
+                n for dim, n in counted.items() if n) - split.get("intra", 0) - split.get("cross", 0)
             self.hops = hops
         return out
 

@@ -1,0 +1,69 @@
+"""FSDP2's bytes per hop (issue 40): its all-gathers and reduce-scatters, torch's and the quantized ones, are split
+into intra-node and cross-node bytes by their pattern over their group (``comm.ops.cross_share``), so a run on
+2 nodes reports what its FSDP2 traffic puts on the link between nodes.
+
+The formulas (``ops.ring_cross_share`` / ``ops.all_to_all_cross_share``): a ring through a group's W ranks in rank
+order (node-major) leaves each of its N_g nodes once, so N_g of its W equal links cross: N_g / W of the bytes; an
+all-to-all's chunks for ranks on other nodes cross. On 2 nodes × 2 ranks, FSDP2 over all 4: a ring 2/4, an
+all-to-all 2/4 for every rank, a node's group 0.
+"""
+import pytest
+import torch
+
+from distributed import run_workers
+from syncwise.comm import ops
+
+STEPS, PER_RANK, SEQ = 3, 2, 16
+
+
+def test_ring_and_all_to_all_cross_shares_follow_the_topology():
+    ring, a2a = ops.ring_cross_share, ops.all_to_all_cross_share
+    assert ring([0, 1, 2, 3], 2) == 0.5           # 2 nodes × 2: 2 of 4 ring links leave a node
+    assert ring([0, 1, 2, 3, 4, 5, 6, 7], 4) == 0.25
+    assert ring([0, 1], 2) == 0.0 and ring([2, 3], 2) == 0.0   # a node's group
+    assert ring([0, 2], 2) == 1.0 and ring([1, 3], 2) == 1.0   # one rank per node: every byte crosses (hop_of's 'cross')
+    assert ring([0, 1, 2, 3, 4, 5], 2) == 0.5     # 3 nodes × 2
+    assert ring([0], 2) == 0.0
+    assert a2a([0, 1, 2, 3], 2, 0) == 0.5 and a2a([0, 1, 2, 3], 2, 3) == 0.5
+    assert a2a([0, 1, 2, 3, 4, 5, 6, 7], 2, 5) == 0.75   # 4 nodes × 2: 6 of 8 chunks leave the node
+    assert a2a([0, 1], 2, 1) == 0.0 and a2a([0, 2], 2, 0) == 0.5
+    with pytest.raises(ValueError):
+        ops.cross_share(None, "tree")
+
+
+def _worker(rank, world, layout, compress):
+    from syncwise.models import build_model
+    from syncwise.train import OptimizedTrainer
+
+    torch.manual_seed(0)
+    model = build_model("tiny", seq_len=SEQ)
+    g = torch.Generator().manual_seed(7 + rank)
+    data = torch.randint(0, 256, (STEPS, PER_RANK, SEQ + 1), generator=g)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = OptimizedTrainer(model, opt, parallel=layout, compress_gradients=compress, mixed_precision=False,
+                               show_progress=False)
+    summary = trainer.train([(d[:, :-1], d[:, 1:]) for d in data], steps=STEPS)
+    return {k: v for k, v in summary.items() if k.startswith(("hop_bytes", "comm_hops", "comm_bytes"))}
+
+
+@pytest.mark.slow  # 2 runs of 4 workers
+def test_fsdp2_on_two_nodes_reports_cross_node_bytes_and_zeropp_sends_fewer():
+    """fp32 FSDP2 over 2 nodes × 2 ranks: every byte is split (none 'unsplit'), half of it across nodes (rings over
+    the 4 ranks: 2/4). qgZ + qwZ + hpZ (int8 reduce-scatter by all-to-all, int8 forward gathers, backward's gathers
+    inside the node): per unit fp32 sends 24·S bytes per rank (two 4·S gathers, one 16·S reduce-scatter input,
+    S the shard's elements), 12·S across; the quantized run ≈ 1.03·S (int8 + one fp32 scale per 128) across in
+    half of forward's gather and 4·1.03·S in half of the all-to-all: 2.6·S, 4.6× fewer (the root and the last
+    unit, gathered once: 3.9×). Asserted: more than 3.5× fewer cross-node bytes."""
+    fp32 = run_workers(_worker, 4, {"dp_shard": 4}, None, local_world_size=2, timeout=400)[0]
+    zpp = run_workers(_worker, 4, {"dp_shard": 4, "fsdp_gather": "int8", "fsdp_reshard": "node"}, "int8",
+                      local_world_size=2, timeout=400)[0]
+    for s in (fp32, zpp):
+        assert s["comm_hops"].startswith("2 nodes"), s
+        assert "hop_bytes_per_step_unsplit" not in s, s   # FSDP2's bytes all have a hop now
+    cross, intra = fp32["hop_bytes_per_step_cross"], fp32["hop_bytes_per_step_intra"]
+    assert cross > 0
+    assert abs(cross - intra) <= 1e-3 * (cross + intra), fp32   # ring over 2 nodes × 2: half crosses
+    assert zpp["hop_bytes_per_step_cross"] > 0
+    assert 3.5 * zpp["hop_bytes_per_step_cross"] < cross, (zpp, fp32)
+    # hpZ's backward gathers inside the node are counted too (intra): more intra than cross in the quantized run
+    assert zpp["hop_bytes_per_step_intra"] > zpp["hop_bytes_per_step_cross"]
