@@ -43,27 +43,33 @@ def _worker(rank, world, layout, compress):
     trainer = OptimizedTrainer(model, opt, parallel=layout, compress_gradients=compress, mixed_precision=False,
                                show_progress=False)
     summary = trainer.train([(d[:, :-1], d[:, 1:]) for d in data], steps=STEPS)
-    return {k: v for k, v in summary.items() if k.startswith(("hop_bytes", "comm_hops", "comm_bytes"))}
+    return {k: v for k, v in summary.items() if k.startswith(("hop_bytes", "comm_hops", "comm_bytes", "layout"))}
 
 
-@pytest.mark.slow  # 2 runs of 4 workers
+@pytest.mark.slow  # 3 runs of 4 workers
 def test_fsdp2_on_two_nodes_reports_cross_node_bytes_and_zeropp_sends_fewer():
     """fp32 FSDP2 over 2 nodes × 2 ranks: every byte is split (none 'unsplit'), half of it across nodes (rings over
-    the 4 ranks: 2/4). qgZ + qwZ + hpZ (int8 reduce-scatter by all-to-all, int8 forward gathers, backward's gathers
-    inside the node): per unit fp32 sends 24·S bytes per rank (two 4·S gathers, one 16·S reduce-scatter input,
-    S the shard's elements), 12·S across; the quantized run ≈ 1.03·S (int8 + one fp32 scale per 128) across in
-    half of forward's gather and 4·1.03·S in half of the all-to-all: 2.6·S, 4.6× fewer (the root and the last
-    unit, gathered once: 3.9×). Asserted: more than 3.5× fewer cross-node bytes."""
+    the 4 ranks: 2/4). qgZ + qwZ + hpZ with the flat reduce-scatter (dist.hierarchical=off: int8 all-to-all over
+    the 4 ranks, int8 forward gathers, backward's gathers inside the node): per unit fp32 sends 24·S bytes per rank
+    (two 4·S gathers, one 16·S reduce-scatter input, S the shard's elements), 12·S across; the quantized run
+    ≈ 1.03·S (int8 + one fp32 scale per 128) across in half of forward's gather and 4·1.03·S in half of the
+    all-to-all: 2.6·S, 4.6× fewer (the root and the last unit, gathered once: 3.9×). Asserted: more than 3.5×
+    fewer. The hierarchical reduce-scatter (auto on 2 nodes × 2) sends one int8 payload per node across instead of
+    one per rank of the other node: fewer cross-node bytes again (2·1.03·S → 1.03·S per unit), more inside."""
     fp32 = run_workers(_worker, 4, {"dp_shard": 4}, None, local_world_size=2, timeout=400)[0]
-    zpp = run_workers(_worker, 4, {"dp_shard": 4, "fsdp_gather": "int8", "fsdp_reshard": "node"}, "int8",
-                      local_world_size=2, timeout=400)[0]
-    for s in (fp32, zpp):
+    zpp_layout = {"dp_shard": 4, "fsdp_gather": "int8", "fsdp_reshard": "node"}
+    flat = run_workers(_worker, 4, {**zpp_layout, "hierarchical": "off"}, "int8", local_world_size=2, timeout=400)[0]
+    zpp = run_workers(_worker, 4, zpp_layout, "int8", local_world_size=2, timeout=400)[0]
+    assert "hierarchical" in zpp["layout"] and "hierarchical" not in flat["layout"]
+    assert zpp["hop_bytes_per_step_cross"] < flat["hop_bytes_per_step_cross"]
+    assert zpp["hop_bytes_per_step_intra"] > flat["hop_bytes_per_step_intra"]
+    for s in (fp32, flat, zpp):
         assert s["comm_hops"].startswith("2 nodes"), s
         assert "hop_bytes_per_step_unsplit" not in s, s   # FSDP2's bytes all have a hop now
     cross, intra = fp32["hop_bytes_per_step_cross"], fp32["hop_bytes_per_step_intra"]
     assert cross > 0
     assert abs(cross - intra) <= 1e-3 * (cross + intra), fp32   # ring over 2 nodes × 2: half crosses
-    assert zpp["hop_bytes_per_step_cross"] > 0
-    assert 3.5 * zpp["hop_bytes_per_step_cross"] < cross, (zpp, fp32)
+    assert flat["hop_bytes_per_step_cross"] > 0
+    assert 3.5 * flat["hop_bytes_per_step_cross"] < cross, (flat, fp32)
     # hpZ's backward gathers inside the node are counted too (intra): more intra than cross in the quantized run
-    assert zpp["hop_bytes_per_step_intra"] > zpp["hop_bytes_per_step_cross"]
+    assert flat["hop_bytes_per_step_intra"] > flat["hop_bytes_per_step_cross"]

@@ -534,7 +534,18 @@ def hierarchical_applies(lay: "Layout", nodes: int, procs_per_node: int) -> bool
     hierarchical one about one — fp8 1.63× faster at the same loss; top-k 1 % 1.03× (its payload is already
     small). An all-reducing compressor only trades the ring's 1.5 payloads for one and pays the fp32 hops inside
     the node: PowerSGD rank 4 was 0.93×, so auto leaves it (and the casts, randomk) flat; 'on' still applies.
-    fp32 'none' keeps DDP's built-in all-reduce under auto: the baseline stays PyTorch's."""
+    fp32 'none' keeps DDP's built-in all-reduce under auto: the baseline stays PyTorch's.
+
+    FSDP2's quantized reduce-scatter (:func:`fsdp_quantized_reduce`) is hierarchical — fp32 inside a node, quantized
+    across nodes (ZeRO++'s hierarchical qgZ) — under 'auto' when its shard group spans nodes with more than one of
+    its ranks on each (:func:`fsdp_node_ranks`): the cross-node all-to-all then carries one payload per node instead
+    of one per rank of every other node; 'on' wherever the shard group fills whole nodes (one node: an exact fp32
+    sum; one rank per node: the flat path)."""
+    if fsdp_quantized_reduce(lay.compress, lay.dp_replicate, lay.dp_shard, lay.pp):
+        k = fsdp_node_ranks(lay, procs_per_node)
+        if lay.hierarchical == "on":
+            return k > 0
+        return lay.hierarchical == "auto" and 1 < k < lay.dp_shard
     if lay.hierarchical == "on":
         return True
     return (lay.hierarchical == "auto" and nodes > 1 and procs_per_node > 1 and lay.replicas_only
@@ -706,11 +717,13 @@ class Layout:
         if self.hierarchical == "on":
             # The hierarchical sync replaces DDP's per-bucket gradient average: whole replicas, every step, with a
             # syncwise compressor (or none: an fp32 hierarchical all-reduce); PyTorch's hooks issue their own.
+            quantized = fsdp_quantized_reduce(c, lay.dp_replicate, lay.dp_shard, lay.pp)  # FSDP2's qgZ: node first
             why = ("parallel.sync=" + _text(s) if s is not None else f"compress.method={c.text}" if c.torch_hook
-                   else lay._split_by() if not lay.replicas_only else "")
+                   else lay._split_by() if not (lay.replicas_only or quantized) else "")
             if why:
                 raise ConfigError("dist.hierarchical", "on", f"auto or off with {why}: the hierarchical gradient sync "
-                                  "needs DDP replicas synced every step with a syncwise compressor (or none)")
+                                  "needs DDP replicas synced every step with a syncwise compressor (or none), or "
+                                  "FSDP2's quantized reduce-scatter (int8 / fp8, dp_shard > 1, one replica)")
         lay._check_fsdp_options()
         if lay.replicas_only:
             return lay
@@ -829,6 +842,15 @@ def check_fsdp_compress(c: Compress, dp_replicate: int, field_name: str = "compr
                           "hook), and with one replica FSDP2's reduce-scatter is the only gradient collective; set "
                           "parallel.dp_replicate ≥ 2 to run it" + why)
     return True
+
+
+def fsdp_node_ranks(lay: "Layout", procs_per_node: int) -> int:
+    """How many ranks of one dp_shard group share a node (tp is innermost: procs_per_node / tp, at most dp_shard);
+    0 when they do not fill whole nodes evenly (tp not dividing the node, or that count not dividing dp_shard)."""
+    if procs_per_node < 1 or procs_per_node % lay.tp:
+        return 0
+    k = min(procs_per_node // lay.tp, lay.dp_shard)
+    return k if lay.dp_shard % k == 0 else 0
 
 
 def node_reshard(lay: "Layout", procs_per_node: int) -> "bool | int":

@@ -131,7 +131,7 @@ def _dp_mesh(mesh: Any, dp_dims: Sequence[str]) -> Any:
 def apply_fsdp(model: nn.Module, mesh: Any, dp_dims: Sequence[str] = ("dp_shard",),
                param_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = torch.float32,
                reshard_after_forward: Union[bool, int] = True, reduce_codec: Any = None,
-               gather_codec: Any = None, seed: int = 0) -> nn.Module:
+               gather_codec: Any = None, seed: int = 0, hierarchical_reduce: bool = False) -> nn.Module:
     """Shard ``model`` in place with FSDP2 (``dp_dims=("dp_shard",)``) or HSDP
     (``("dp_replicate", "dp_shard")``) over ``mesh`` (``syncwise.parallel.mesh.build_mesh``; None: the
     whole world); returns the model (now also an ``FSDPModule``).
@@ -151,7 +151,9 @@ def apply_fsdp(model: nn.Module, mesh: Any, dp_dims: Sequence[str] = ("dp_shard"
     ``reduce_codec`` / ``gather_codec`` (``syncwise.parallel.fsdp_quant.BlockCodec``, None: FSDP2's own
     collectives): every unit's gradient reduce-scatter and parameter all-gather quantized in blocks
     (``QuantizedReduceScatter``: all-to-all and an fp32 sum in rank order; ``QuantizedAllGather``: dequantized into
-    FSDP2's buffer). ``seed``: stochastic rounding's (per unit and rank).
+    FSDP2's buffer). ``seed``: stochastic rounding's (per unit and rank). ``hierarchical_reduce``
+    (``dist.hierarchical``, ``syncwise.layout.hierarchical_applies``): the quantized reduce-scatter sums inside each
+    node at full precision and quantizes only across nodes (the topology: ``comm.ops.procs_per_node``).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -165,8 +167,27 @@ def apply_fsdp(model: nn.Module, mesh: Any, dp_dims: Sequence[str] = ("dp_shard"
     if getattr(model, "awaiting_shards", False):  # built on the meta device (models.hf_model, sharded=True)
         _materialise_shards(model)
     if reduce_codec is not None or gather_codec is not None:
-        _attach_quantized(model, dp_mesh, reduce_codec, gather_codec, seed)
+        _attach_quantized(model, dp_mesh, reduce_codec, gather_codec, seed,
+                          _reduce_hierarchy(dp_mesh) if hierarchical_reduce and reduce_codec is not None else None)
     return model
+
+
+def _reduce_hierarchy(dp_mesh: Any) -> Any:
+    """(node_group, cross_group) of this rank's shard group (``fsdp_quant.node_groups``) on the job's topology."""
+    import torch.distributed as dist
+
+    from .fsdp_quant import node_groups
+
+    per = ops.procs_per_node()
+    if per is None:
+        raise ConfigError("dist.hierarchical", "on", "a known topology (torchrun's LOCAL_WORLD_SIZE or a CommContext) "
+                          "for the hierarchical quantized reduce-scatter")
+    if dp_mesh is None:
+        ranks = list(range(dist.get_world_size()))
+        device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+    else:
+        ranks, device_type = dp_mesh.mesh.flatten().tolist(), dp_mesh.device_type
+    return node_groups(ranks, per, device_type)
 
 
 @torch.no_grad()
@@ -200,7 +221,8 @@ def _shard_size(dp_mesh: Any) -> int:
     return dp_mesh.size(-1)  # HSDP: (dp_replicate, dp_shard); FSDP: (dp_shard,)
 
 
-def _attach_quantized(model: nn.Module, dp_mesh: Any, reduce_codec: Any, gather_codec: Any, seed: int) -> None:
+def _attach_quantized(model: nn.Module, dp_mesh: Any, reduce_codec: Any, gather_codec: Any, seed: int,
+                      hierarchy: Any = None) -> None:
     """Set every unit's custom collectives (``fsdp_quant``); ``attach_timing`` wraps them later (it reads
     ``_syncwise_comms``)."""
     from torch.distributed.fsdp import FSDPModule
@@ -214,7 +236,7 @@ def _attach_quantized(model: nn.Module, dp_mesh: Any, reduce_codec: Any, gather_
             comms["all_gather"] = QuantizedAllGather(gather_codec, world)
             module.set_custom_all_gather(comms["all_gather"])
         if reduce_codec is not None:
-            comms["reduce_scatter"] = QuantizedReduceScatter(reduce_codec, seed=seed, unit=i)
+            comms["reduce_scatter"] = QuantizedReduceScatter(reduce_codec, seed=seed, unit=i, hierarchy=hierarchy)
             module.set_custom_reduce_scatter(comms["reduce_scatter"])
         module._syncwise_comms = comms
 

@@ -372,6 +372,9 @@ class Sharded(Parallelized):
 
     @property
     def kind_label(self) -> Optional[str]:
+        if self.spec.dp_replicate == 1 and getattr(self, "hierarchical_reduce", False):
+            return (f"FSDP2, {self.spec.compress.name} reduce-scatter hierarchical: fp32 inside a node, "
+                    f"{self.spec.compress.name} across")
         return "FSDP2" if self.spec.dp_replicate == 1 else "HSDP, local steps" if self.sync is not None else \
             "HSDP" if self.spec.sharded else "FSDP2 replicas"
 
@@ -390,6 +393,9 @@ class Sharded(Parallelized):
                  "gather_codec": gather_codec(spec.fsdp_gather),
                  "reshard_after_forward": _fsdp_reshard(spec, given.world),
                  "seed": int(spec.compress.options.get("seed", 0) or 0)}
+        # dist.hierarchical: the quantized reduce-scatter sums inside a node in fp32, quantizes across nodes
+        quant["hierarchical_reduce"] = quant["reduce_codec"] is not None and _hierarchical_here(spec, given.world)
+        self.hierarchical_reduce = quant["hierarchical_reduce"]
         if given.sync is not None:
             # Local steps over HSDP's replica groups (Layout.check allows dp_shard × dp_replicate ≥ 2 only): FSDP2
             # inside each replica group, no gradient all-reduce across the groups; every period the sync strategy
