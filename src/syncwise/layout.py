@@ -809,6 +809,33 @@ def fsdp_quantized_reduce(c: Compress, dp_replicate: int, dp_shard: int, pp: int
     return c.name in FSDP_QUANTIZED and dp_shard > 1 and dp_replicate == 1 and pp == 1
 
 
+def fsdp_reduce_bytes_per_element(c: Compress) -> float:
+    """Bytes per gradient element FSDP2's quantized reduce-scatter sends (``parallel.fsdp_quant.codec_of``'s codec):
+    int8 codes (4-bit, two per byte, with ``levels`` ≤ 7) plus one fp32 scale per ``chunk``; fp8 one byte plus one
+    scale per ``block``. Torch-free (the planner prices it)."""
+    o = c.options
+    if c.name == "int8":
+        return (0.5 if int(o["levels"]) <= 7 else 1.0) + 4 / int(o["chunk"])
+    if c.name == "fp8":
+        return 1.0 + 4 / int(o["block"])
+    raise ValueError(f"no quantized reduce-scatter for {c.name!r}")
+
+
+#: parallel.fsdp_gather's blocks (``parallel.fsdp_quant.gather_codec``: one fp32 scale per 128 weights)
+FSDP_GATHER_BLOCK = 128
+
+
+def fsdp_gather_bytes_per_element(gather: str, param_bytes: float) -> float:
+    """Bytes per weight element a ``parallel.fsdp_gather`` all-gather sends, FSDP2's all-gather dtype being
+    ``param_bytes`` wide (4: fp32, 2: bf16 mixed precision): fp32 → that dtype, bf16 → 2, int8 / fp8 → 1 + one fp32
+    scale per block of 128."""
+    if gather == "fp32":
+        return param_bytes
+    if gather == "bf16":
+        return min(2.0, param_bytes)
+    return 1.0 + 4 / FSDP_GATHER_BLOCK
+
+
 def check_fsdp_compress(c: Compress, dp_replicate: int, field_name: str = "compress.method", why: str = "",
                         dp_shard: int = 1, pp: int = 1) -> bool:
     """The compressor a layout that FSDP2 holds (dp_shard > 1 or tp > 1) can run: True when it runs across the
