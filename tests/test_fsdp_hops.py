@@ -73,3 +73,19 @@ def test_fsdp2_on_two_nodes_reports_cross_node_bytes_and_zeropp_sends_fewer():
     assert 3.5 * flat["hop_bytes_per_step_cross"] < cross, (flat, fp32)
     # hpZ's backward gathers inside the node are counted too (intra): more intra than cross in the quantized run
     assert flat["hop_bytes_per_step_intra"] > flat["hop_bytes_per_step_cross"]
+
+
+@pytest.mark.slow  # 2 runs of 4 workers
+def test_hsdp_and_tensor_parallel_bytes_are_split_by_their_groups():
+    """2 nodes × 2: HSDP (dp_replicate 2 × dp_shard 2) shards inside the node (rings over a node's 2 ranks: intra)
+    and all-reduces across replicas one rank per node (every byte across: the dispatch counter's share, 2/2); tensor
+    parallel 2 × dp_shard 2 keeps tp inside the node and shards across (one rank per node: all across). No byte is
+    left without a hop."""
+    hsdp = run_workers(_worker, 4, {"dp_replicate": 2, "dp_shard": 2}, None, local_world_size=2, timeout=400)[0]
+    assert "hop_bytes_per_step_unsplit" not in hsdp, hsdp
+    assert hsdp["hop_bytes_per_step_cross"] == pytest.approx(hsdp["comm_bytes_per_step_dp"])
+    assert hsdp["hop_bytes_per_step_intra"] == pytest.approx(hsdp["comm_bytes_per_step_fsdp"])
+    tp = run_workers(_worker, 4, {"tp": 2, "dp_shard": 2}, None, local_world_size=2, timeout=400)[0]
+    assert "hop_bytes_per_step_unsplit" not in tp, tp
+    assert tp["hop_bytes_per_step_intra"] == pytest.approx(tp["comm_bytes_per_step_tp"])
+    assert tp["hop_bytes_per_step_cross"] == pytest.approx(tp["comm_bytes_per_step_fsdp"])

@@ -148,6 +148,9 @@ class CollectiveCounter(TorchDispatchMode):
         self.times, self.timed = times, tuple(timed)
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
+        #: the same bytes per hop where the topology is known ('intra', 'cross'; ``comm.ops.split_bytes`` of the
+        #: collective's group: a ring's N_g / W across, an all-to-all's chunks for other nodes)
+        self.hops: dict[str, int] = defaultdict(int)
         self._issued: dict[int, tuple] = {}  # id(output) -> (label, Interval, host seconds blocked so far)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
@@ -165,8 +168,11 @@ class CollectiveCounter(TorchDispatchMode):
         label = group if self.groups is None else self.groups.get(group)
         if label is None:
             return func(*args, **kwargs)
-        self.bytes[label] += _nbytes(args[index])
+        nbytes = _nbytes(args[index])
+        self.bytes[label] += nbytes
         self.calls[label] += 1
+        for h, n in (_split(group, name, nbytes) or {}).items():
+            self.hops[h] += n
         if self.times is None or label not in self.timed or ns == "c10d":
             return func(*args, **kwargs)
         payload = args[index]
@@ -209,7 +215,23 @@ class CollectiveCounter(TorchDispatchMode):
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
+        self.hops.clear()
         self._issued.clear()
+
+
+def _split(group_name: Optional[str], op: str, nbytes: int) -> Optional[dict]:
+    """``nbytes`` of collective ``op`` over the group named ``group_name``, per hop (None: not known)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    from . import ops
+
+    if group_name is None:
+        return None
+    try:
+        pg = c10d._resolve_process_group(group_name)
+    except (RuntimeError, ValueError, KeyError, AttributeError):
+        return None
+    return ops.split_bytes(nbytes, pg, "all_to_all" if op.startswith(("alltoall", "all_to_all")) else "ring")
 
 
 def mesh_groups(mesh: Any, labels: dict[str, str]) -> dict[str, str]:

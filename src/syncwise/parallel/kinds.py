@@ -171,13 +171,22 @@ class Parallelized:
         attributes them."""
         if self._counting:
             self._counted = dict(self._counter.bytes)
+            self._counted_split = dict(self._counter.hops)  # the same per hop (repeated with the bytes)
             self._steps_counted += 1
             self._counting = False
         timed = self._times.take_bytes()  # FSDP2's all-gathers and reduce-scatters, every step
-        self.counted_hops = self._times.taken_hops()  # the part of them split per hop (comm.ops.cross_share)
+        hops = self._times.taken_hops()   # the part of them split per hop (comm.ops.cross_share)
         out = {"dp": self._counted.get("dp", 0) + timed.get("dp", 0), **self._shard_bytes(timed)}
+        counted_dims = ["dp"]
         if self.spec.tp > 1:
             out["tp"] = self._counted.get("tp", 0)
+            counted_dims.append("tp")
+        # the dispatch counter's split covers the labels it counted (dp: HSDP's all-reduce; tp: DTensor's); when it
+        # counted other labels too (none today), their bytes stay unsplit rather than be misattributed
+        if set(self._counted) <= set(counted_dims):
+            for h, n in getattr(self, "_counted_split", {}).items():
+                hops[h] = hops.get(h, 0) + n
+        self.counted_hops = hops
         return out
 
     def _shard_bytes(self, timed: dict[str, int]) -> dict[str, int]:

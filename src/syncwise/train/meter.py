@@ -161,10 +161,10 @@ class StepBytes:
 
     Per hop (:attr:`hops`, after :meth:`end`): the same bytes split by the link they crossed — ``intra`` (a group
     inside one node), ``cross`` (a group spanning nodes), as the ledger classified them (``comm.ops.hop_of``), and
-    ``unsplit`` for bytes with no known hop (DTensor's collectives, HSDP's own all-reduce, a pipeline's sends; no
-    topology known). FSDP2's all-gathers and reduce-scatters are split by their pattern over their group
-    (``comm.ops.cross_share``: a ring's N_g / W of the bytes cross, an all-to-all's chunks for other nodes;
-    ``Parallelized.counted_hops``). None when some dimension's bytes are not counted at all.
+    ``unsplit`` for bytes with no known hop (a pipeline's sends; no topology known). FSDP2's all-gathers and
+    reduce-scatters and the dispatch counter's collectives (HSDP's all-reduce, DTensor's) are split by their pattern
+    over their group (``comm.ops.cross_share``: a ring's N_g / W of the bytes cross, an all-to-all's chunks for other
+    nodes; ``Parallelized.counted_hops``). None when some dimension's bytes are not counted at all.
     """
 
     def __init__(self, par: Any):
