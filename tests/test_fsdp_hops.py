@@ -31,18 +31,23 @@ def test_ring_and_all_to_all_cross_shares_follow_the_topology():
         ops.cross_share(None, "tree")
 
 
-def _worker(rank, world, layout, compress):
+def _trainer(rank, layout, compress, steps, **kw):
     from syncwise.models import build_model
     from syncwise.train import OptimizedTrainer
 
     torch.manual_seed(0)
     model = build_model("tiny", seq_len=SEQ)
     g = torch.Generator().manual_seed(7 + rank)
-    data = torch.randint(0, 256, (STEPS, PER_RANK, SEQ + 1), generator=g)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.randint(0, 256, (steps, PER_RANK, SEQ + 1), generator=g)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     trainer = OptimizedTrainer(model, opt, parallel=layout, compress_gradients=compress, mixed_precision=False,
-                               show_progress=False)
-    summary = trainer.train([(d[:, :-1], d[:, 1:]) for d in data], steps=STEPS)
+                               show_progress=False, **kw)
+    return trainer, [(d[:, :-1], d[:, 1:]) for d in data]
+
+
+def _worker(rank, world, layout, compress):
+    trainer, batches = _trainer(rank, layout, compress, STEPS)
+    summary = trainer.train(batches, steps=STEPS)
     return {k: v for k, v in summary.items() if k.startswith(("hop_bytes", "comm_hops", "comm_bytes", "layout"))}
 
 
@@ -89,3 +94,39 @@ def test_hsdp_and_tensor_parallel_bytes_are_split_by_their_groups():
     assert "hop_bytes_per_step_unsplit" not in tp, tp
     assert tp["hop_bytes_per_step_intra"] == pytest.approx(tp["comm_bytes_per_step_tp"])
     assert tp["hop_bytes_per_step_cross"] == pytest.approx(tp["comm_bytes_per_step_fsdp"])
+
+
+def _resume_worker(rank, world, layout, compress, root):
+    """A straight 4-step run, and the same run stopped after step 2's checkpoint and resumed: rank 0's losses."""
+    import json
+    from pathlib import Path
+
+    from syncwise.checkpoint import SmartCheckpointer
+
+    root = Path(root)
+    trainer, batches = _trainer(rank, layout, compress, 4, run_dir=str(root / "straight"))
+    trainer.train(batches, steps=4)
+    trainer, batches = _trainer(rank, layout, compress, 4, run_dir=str(root / "resumed"),
+                                checkpointer=SmartCheckpointer(root / "ck", interval=2, async_save=False))
+    trainer.train(batches, steps=2)
+    trainer, batches = _trainer(rank, layout, compress, 4, run_dir=str(root / "resumed"),
+                                checkpointer=SmartCheckpointer(root / "ck", interval=2, async_save=False))
+    shown = trainer.train(batches, steps=4, resume="auto")["layout"]
+    started = trainer._start_step  # the step the resumed train() began after (0: a fresh start)
+
+    def losses(name):
+        return [(r["step"], r["loss"]) for r in map(json.loads, (root / name / "metrics.jsonl").read_text().splitlines())]
+    return losses("straight"), losses("resumed"), started, shown, sorted(p.name for p in (root / "ck").glob("step_*"))
+
+
+@pytest.mark.slow  # 3 runs of 4 workers
+def test_hierarchical_qgz_with_qwz_and_hpz_resumes_bit_exact_on_two_nodes(tmp_path):
+    """The hierarchical reduce-scatter keeps no state (nearest rounding, sums in a fixed order): stopped after step 2's
+    checkpoint and resumed, steps 3 and 4 repeat the straight run's losses bit for bit (2 nodes × 2 gloo ranks)."""
+    layout = {"dp_shard": 4, "fsdp_gather": "int8", "fsdp_reshard": "node"}
+    straight, resumed, started, shown, saved = run_workers(_resume_worker, 4, layout, "int8", str(tmp_path),
+                                                 local_world_size=2, timeout=600)[0]
+    assert [s for s, _ in straight] == [1, 2, 3, 4] and [s for s, _ in resumed] == [1, 2, 3, 4], (straight, resumed)
+    assert "step_00000002" in saved and started == 2   # it resumed after step 2's checkpoint
+    assert "reduce-scatter hierarchical" in shown, shown
+    assert resumed == straight
