@@ -78,6 +78,18 @@ def test_fsdp2_on_two_nodes_reports_cross_node_bytes_and_zeropp_sends_fewer():
     assert 3.5 * flat["hop_bytes_per_step_cross"] < cross, (flat, fp32)
     # hpZ's backward gathers inside the node are counted too (intra): more intra than cross in the quantized run
     assert flat["hop_bytes_per_step_intra"] > flat["hop_bytes_per_step_cross"]
+    # the planner prices the same bytes per hop (plan.cost.fsdp_hop_bytes, the runtime's rules): within the issue's
+    # 10 % planner criterion of what the run counted (it ignores that the root and the last unit are gathered once
+    # and the padding of shards and blocks: measured +2.0 % fp32, -6.5 % / +7.9 % flat, -5.6 % / +3.5 % hierarchical)
+    from syncwise.plan import Layout, load_model, predict
+    from syncwise.plan.strategy import job_cloud
+
+    for run, kw in ((fp32, {"dp_shard": 4}), (flat, {**zpp_layout, "compress": "int8", "hierarchical": "off"}),
+                    (zpp, {**zpp_layout, "compress": "int8"})):
+        priced = predict(job_cloud(2, 2), load_model("tiny", SEQ), Layout(micro_batch=PER_RANK, **kw),
+                         4 * PER_RANK, SEQ).info["fsdp_bytes_per_step"]
+        for hop in ("cross", "intra"):
+            assert priced[hop] == pytest.approx(run[f"hop_bytes_per_step_{hop}"], rel=0.10), (kw, hop, priced, run)
 
 
 @pytest.mark.slow  # 2 runs of 4 workers
