@@ -72,6 +72,8 @@ def test_fsdp2_on_two_nodes_reports_cross_node_bytes_and_zeropp_sends_fewer():
         assert s["comm_hops"].startswith("2 nodes"), s
         assert "hop_bytes_per_step_unsplit" not in s, s   # FSDP2's bytes all have a hop now
     cross, intra = fp32["hop_bytes_per_step_cross"], fp32["hop_bytes_per_step_intra"]
+    for s in (fp32, flat, zpp):   # per dimension: FSDP2's are all the run's
+        assert s["hop_bytes_per_step_cross_fsdp"] == s["hop_bytes_per_step_cross"], s
     assert cross > 0
     assert abs(cross - intra) <= 1e-3 * (cross + intra), fp32   # ring over 2 nodes × 2: half crosses
     assert flat["hop_bytes_per_step_cross"] > 0
@@ -102,10 +104,14 @@ def test_hsdp_and_tensor_parallel_bytes_are_split_by_their_groups():
     assert "hop_bytes_per_step_unsplit" not in hsdp, hsdp
     assert hsdp["hop_bytes_per_step_cross"] == pytest.approx(hsdp["comm_bytes_per_step_dp"])
     assert hsdp["hop_bytes_per_step_intra"] == pytest.approx(hsdp["comm_bytes_per_step_fsdp"])
+    assert hsdp["hop_bytes_per_step_cross_dp"] == pytest.approx(hsdp["comm_bytes_per_step_dp"])   # per dimension
+    assert hsdp["hop_bytes_per_step_cross_fsdp"] == 0
     tp = run_workers(_worker, 4, {"tp": 2, "dp_shard": 2}, None, local_world_size=2, timeout=400)[0]
     assert "hop_bytes_per_step_unsplit" not in tp, tp
     assert tp["hop_bytes_per_step_intra"] == pytest.approx(tp["comm_bytes_per_step_tp"])
     assert tp["hop_bytes_per_step_cross"] == pytest.approx(tp["comm_bytes_per_step_fsdp"])
+    assert tp["hop_bytes_per_step_cross_tp"] == 0
+    assert tp["hop_bytes_per_step_cross_fsdp"] == pytest.approx(tp["comm_bytes_per_step_fsdp"])
 
 
 def _resume_worker(rank, world, layout, compress, root):

@@ -73,8 +73,9 @@ class DimensionTimes:
         self._lock = threading.Lock()
         self._step: list = []  # (dim, Interval, exposed seconds or None)
         self.bytes: dict[str, int] = defaultdict(int)  # what the timed callers counted this step (FSDP2's comms)
-        self.hops: dict[str, int] = defaultdict(int)  # the part of those bytes whose hop is known: 'intra', 'cross'
-        self._taken_hops: dict[str, int] = {}
+        #: the part of those bytes whose hop is known, per dimension: {dim: {'intra': .., 'cross': ..}}
+        self.hops: dict[str, dict[str, int]] = {}
+        self._taken_hops: dict[str, dict[str, int]] = {}
 
     def count(self, dim: str, nbytes: int, hops: Optional[dict] = None) -> None:
         """Count ``nbytes`` of ``dim``; ``hops``: the same bytes split ``{'intra': .., 'cross': ..}``
@@ -82,21 +83,22 @@ class DimensionTimes:
         with self._lock:
             self.bytes[dim] += int(nbytes)
             for h, n in (hops or {}).items():
-                self.hops[h] += int(n)
+                mine = self.hops.setdefault(dim, {})
+                mine[h] = mine.get(h, 0) + int(n)
 
     def take_bytes(self) -> dict[str, int]:
         """The bytes counted since the last call, per dimension; resets (their split per hop is kept for
         :meth:`taken_hops`)."""
         with self._lock:
             out, self.bytes = dict(self.bytes), defaultdict(int)
-            self._taken_hops, self.hops = dict(self.hops), defaultdict(int)
+            self._taken_hops, self.hops = self.hops, {}
         return out
 
-    def taken_hops(self) -> dict[str, int]:
-        """The split per hop of the bytes the last :meth:`take_bytes` handed back (``'intra'``, ``'cross'``; bytes
-        with no known hop are in neither)."""
+    def taken_hops(self) -> dict[str, dict[str, int]]:
+        """The split per hop of the bytes the last :meth:`take_bytes` handed back, per dimension
+        (``{dim: {'intra': .., 'cross': ..}}``; bytes with no known hop are in neither)."""
         with self._lock:
-            return dict(self._taken_hops)
+            return {d: dict(h) for d, h in self._taken_hops.items()}
 
     def add(self, dim: str, interval: Interval, exposed: Optional[float] = None) -> None:
         with self._lock:
@@ -150,7 +152,7 @@ class CollectiveCounter(TorchDispatchMode):
         self.calls: dict[str, int] = defaultdict(int)
         #: the same bytes per hop where the topology is known ('intra', 'cross'; ``comm.ops.split_bytes`` of the
         #: collective's group: a ring's N_g / W across, an all-to-all's chunks for other nodes)
-        self.hops: dict[str, int] = defaultdict(int)
+        self.hops: dict[str, dict[str, int]] = {}  # per label: {'intra': .., 'cross': ..}
         self._issued: dict[int, tuple] = {}  # id(output) -> (label, Interval, host seconds blocked so far)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
@@ -172,7 +174,8 @@ class CollectiveCounter(TorchDispatchMode):
         self.bytes[label] += nbytes
         self.calls[label] += 1
         for h, n in (_split(group, name, nbytes) or {}).items():
-            self.hops[h] += n
+            mine = self.hops.setdefault(label, {})
+            mine[h] = mine.get(h, 0) + n
         if self.times is None or label not in self.timed or ns == "c10d":
             return func(*args, **kwargs)
         payload = args[index]

@@ -77,7 +77,8 @@ class Parallelized:
     _counted: dict = field(default_factory=dict)
     _last_tp: Optional[tuple] = None  # the last timed step's tensor-parallel (seconds, exposed seconds)
     _timing_tp: bool = False           # whether this step's tensor-parallel collectives are timed
-    #: the part of the last counted_bytes() whose hop is known ({'intra', 'cross'}: FSDP2's timed comms)
+    #: the part of the last counted_bytes() whose hop is known, per dimension ({dim: {'intra', 'cross'}}: FSDP2's
+    #: timed comms, the dispatch counter's)
     counted_hops: dict = field(default_factory=dict)
 
     # ---- what the trainer asks of the model's shape ---------------------------------------------------------
@@ -171,7 +172,7 @@ class Parallelized:
         attributes them."""
         if self._counting:
             self._counted = dict(self._counter.bytes)
-            self._counted_split = dict(self._counter.hops)  # the same per hop (repeated with the bytes)
+            self._counted_split = {d: dict(h) for d, h in self._counter.hops.items()}  # per hop, repeated too
             self._steps_counted += 1
             self._counting = False
         timed = self._times.take_bytes()  # FSDP2's all-gathers and reduce-scatters, every step
@@ -181,11 +182,12 @@ class Parallelized:
         if self.spec.tp > 1:
             out["tp"] = self._counted.get("tp", 0)
             counted_dims.append("tp")
-        # the dispatch counter's split covers the labels it counted (dp: HSDP's all-reduce; tp: DTensor's); when it
-        # counted other labels too (none today), their bytes stay unsplit rather than be misattributed
-        if set(self._counted) <= set(counted_dims):
-            for h, n in getattr(self, "_counted_split", {}).items():
-                hops[h] = hops.get(h, 0) + n
+        # the dispatch counter's split of the labels reported (dp: HSDP's all-reduce; tp: DTensor's)
+        for dim, split in getattr(self, "_counted_split", {}).items():
+            if dim in counted_dims:
+                mine = hops.setdefault(dim, {})
+                for h, n in split.items():
+                    mine[h] = mine.get(h, 0) + n
         self.counted_hops = hops
         return out
 
