@@ -48,7 +48,8 @@ def _trainer(rank, layout, compress, steps, **kw):
 def _worker(rank, world, layout, compress):
     trainer, batches = _trainer(rank, layout, compress, STEPS)
     summary = trainer.train(batches, steps=STEPS)
-    return {k: v for k, v in summary.items() if k.startswith(("hop_bytes", "comm_hops", "comm_bytes", "layout"))}
+    return {k: v for k, v in summary.items() if k.startswith(("hop_bytes", "comm_hops", "comm_bytes", "layout",
+                                                                "final_loss"))}
 
 
 @pytest.mark.slow  # 3 runs of 4 workers
@@ -148,3 +149,17 @@ def test_hierarchical_qgz_with_qwz_and_hpz_resumes_bit_exact_on_two_nodes(tmp_pa
     assert "step_00000002" in saved and started == 2   # it resumed after step 2's checkpoint
     assert "reduce-scatter hierarchical" in shown, shown
     assert resumed == straight
+
+
+@pytest.mark.slow  # 2 runs of 4 workers
+def test_hierarchical_reduce_scatter_builds_every_shard_groups_subgroups_under_tensor_parallel():
+    """tp 2 × dp_shard 2 on one node of 4 with dist.hierarchical=on: two shard groups ([0, 2], [1, 3]) whose node and
+    cross subgroups every rank creates alike (a rank building only its own would mismatch new_group's collective
+    order); on one node nothing crosses and nothing is rounded: the fp32 sum inside the node, in rank order, against
+    FSDP2's own reduce-scatter (gloo: an all-reduce, another summation order) — the same losses up to fp32 reordering
+    over 2 summands (≤ 2⁻²³ relative per element; 1e-5 on the loss allows the steps' growth)."""
+    layout = {"tp": 2, "dp_shard": 2}
+    ref = run_workers(_worker, 4, layout, None, local_world_size=4, timeout=400)[0]
+    hier = run_workers(_worker, 4, {**layout, "hierarchical": "on"}, "int8", local_world_size=4, timeout=400)[0]
+    assert "hierarchical" in hier["layout"], hier["layout"]
+    assert hier["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-5), (hier, ref)

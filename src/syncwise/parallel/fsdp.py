@@ -168,12 +168,14 @@ def apply_fsdp(model: nn.Module, mesh: Any, dp_dims: Sequence[str] = ("dp_shard"
         _materialise_shards(model)
     if reduce_codec is not None or gather_codec is not None:
         _attach_quantized(model, dp_mesh, reduce_codec, gather_codec, seed,
-                          _reduce_hierarchy(dp_mesh) if hierarchical_reduce and reduce_codec is not None else None)
+                          _reduce_hierarchy(mesh, dp_mesh) if hierarchical_reduce and reduce_codec is not None
+                          else None)
     return model
 
 
-def _reduce_hierarchy(dp_mesh: Any) -> Any:
-    """(node_group, cross_group) of this rank's shard group (``fsdp_quant.node_groups``) on the job's topology."""
+def _reduce_hierarchy(mesh: Any, dp_mesh: Any) -> Any:
+    """(node_group, cross_group) of this rank's shard group (``fsdp_quant.node_groups``) on the job's topology: every
+    shard group of the job's mesh (one per tp rank) is split alike, on every rank."""
     import torch.distributed as dist
 
     from .fsdp_quant import node_groups
@@ -183,11 +185,14 @@ def _reduce_hierarchy(dp_mesh: Any) -> Any:
         raise ConfigError("dist.hierarchical", "on", "a known topology (torchrun's LOCAL_WORLD_SIZE or a CommContext) "
                           "for the hierarchical quantized reduce-scatter")
     if dp_mesh is None:
-        ranks = list(range(dist.get_world_size()))
-        device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+        groups = [list(range(dist.get_world_size()))]
+    elif mesh is not None and "dp_shard" in (mesh.mesh_dim_names or ()) and dp_mesh.ndim == 1:
+        names = list(mesh.mesh_dim_names)
+        full = mesh.mesh.movedim(names.index("dp_shard"), -1)   # every shard group, the same on every rank
+        groups = full.reshape(-1, full.shape[-1]).tolist()
     else:
-        ranks, device_type = dp_mesh.mesh.flatten().tolist(), dp_mesh.device_type
-    return node_groups(ranks, per, device_type)
+        groups = [dp_mesh.mesh.flatten().tolist()]              # a 1-D mesh given alone: the whole job's group
+    return node_groups(groups, per, dist.get_rank())
 
 
 @torch.no_grad()

@@ -212,7 +212,9 @@ class QuantizedReduceScatter(_Alloc):
         w = group.size()
         n = input_tensor.numel() // w
         if self._hierarchical(group):  # the node's all-to-all in the input's dtype, the nodes' one quantized
-            return input_tensor.numel() * input_tensor.element_size() + self.hierarchy[1].size() * self.codec.payload(n)
+            nodes = self.hierarchy[1].size()
+            return input_tensor.numel() * input_tensor.element_size() + (nodes * self.codec.payload(n) if nodes > 1
+                                                                         else 0)
         return w * self.codec.payload(n)
 
     def split_bytes(self, nbytes: int, input_tensor: torch.Tensor, group: Any) -> Optional[dict]:
@@ -276,8 +278,11 @@ class QuantizedReduceScatter(_Alloc):
         partial = got[0].to(torch.float32, copy=True)                     # (N, n): the node's sum for (j, my l)
         for r in range(1, p):                                             # local-rank order
             partial.add_(got[r])
+        self.bytes_sent += got.numel() * got.element_size()
+        if nodes == 1:                                                    # one node: nothing crosses, nothing rounds
+            return partial[0]
         sent = self.codec.encode(partial, self._generator(input_tensor.device, group.rank()))
-        self.bytes_sent += got.numel() * got.element_size() + sent.numel()
+        self.bytes_sent += sent.numel()
         received = torch.empty_like(sent)
         dist.all_to_all_single(received, sent, group=cross)              # row j: node j's partial sum for us
         parts = self.codec.decode(received, n)
@@ -287,22 +292,32 @@ class QuantizedReduceScatter(_Alloc):
         return acc
 
 
-def node_groups(ranks: Sequence[int], procs_per_node: int, device_type: str) -> tuple[Any, Any]:
-    """``(node_group, cross_group)`` of this rank for a shard group of global ``ranks`` (in group order) on nodes of
-    ``procs_per_node`` ranks: the group's ranks must fill whole rows of nodes × k (k ranks of the group on each node,
-    node-major, as ``syncwise.parallel.mesh`` numbers them). Built as FSDP2 builds ``reshard_after_forward=k``'s
-    groups (a DeviceMesh of the ranks viewed as N × k): call it on every rank of the group, in the same order."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    nodes = [r // procs_per_node for r in ranks]
-    distinct = list(dict.fromkeys(nodes))
-    k = len(ranks) // max(len(distinct), 1)
-    rows = [nodes[i * k:(i + 1) * k] for i in range(len(distinct))]
-    if k * len(distinct) != len(ranks) or any(row != [distinct[i]] * k for i, row in enumerate(rows)):
-        raise ValueError(f"shard group {list(ranks)} on nodes of {procs_per_node} ranks: not whole nodes × the same "
-                         "number of ranks each, node-major (the hierarchical reduce-scatter needs them)")
-    mesh = DeviceMesh(device_type, torch.tensor(list(ranks), dtype=torch.int).view(len(distinct), k))
-    return mesh.get_group(1), mesh.get_group(0)
+def node_groups(groups: Sequence[Sequence[int]], procs_per_node: int, rank: int) -> tuple[Any, Any]:
+    """``(node_group, cross_group)`` of global ``rank`` for the hierarchical reduce-scatter. ``groups``: every shard
+    group of the job (global ranks, each in group order; the same list on every rank), on nodes of
+    ``procs_per_node`` ranks. Each group's ranks must fill whole rows of nodes × k (k of its ranks on each node,
+    node-major, as ``syncwise.parallel.mesh`` numbers them). Every rank creates every group's node and cross
+    subgroups, in the same order (``new_group`` is collective over the whole job; ``apply_fsdp`` runs on every
+    rank)."""
+    mine: Optional[tuple[Any, Any]] = None
+    for ranks in groups:
+        ranks = list(ranks)
+        nodes = [r // procs_per_node for r in ranks]
+        distinct = list(dict.fromkeys(nodes))
+        k = len(ranks) // max(len(distinct), 1)
+        rows = [ranks[i * k:(i + 1) * k] for i in range(len(distinct))]
+        if k * len(distinct) != len(ranks) or any(nodes[i * k:(i + 1) * k] != [distinct[i]] * k
+                                                   for i in range(len(distinct))):
+            raise ValueError(f"shard group {ranks} on nodes of {procs_per_node} ranks: not whole nodes × the same "
+                             "number of ranks each, node-major (the hierarchical reduce-scatter needs them)")
+        node_pgs = [dist.new_group(row) for row in rows]
+        cross_pgs = [dist.new_group([row[j] for row in rows]) for j in range(k)]
+        if rank in ranks:
+            i = ranks.index(rank)
+            mine = (node_pgs[i // k], cross_pgs[i % k])
+    if mine is None:
+        raise ValueError(f"rank {rank} is in none of the shard groups {groups}")
+    return mine
 
 
 class QuantizedAllGather(_Alloc):
