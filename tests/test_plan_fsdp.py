@@ -110,3 +110,13 @@ def test_plan_layout_reads_and_writes_the_fsdp_options():
     assert parse_layout(lay.text(), 4).text() == lay.text() and "fsdp_reshard=node" in lay.text()
     with pytest.raises(ConfigError):
         parse_layout("dp_shard=4,fsdp_gather=int4", 4)
+
+
+def test_hierarchical_on_one_node_is_priced_as_the_fp32_sum_inside_it():
+    """dist.hierarchical=on with every shard rank on one node: the runtime sums in fp32 inside the node and encodes
+    nothing (fsdp_quant: one node rounds nothing); the planner prices the fp32 all-to-all and no codec time."""
+    one = job_cloud(1, 4, None)
+    on = _p(one, compress="int8", hierarchical="on")
+    assert on.breakdown["compress_compute"] == 0
+    assert on.info["fsdp_bytes_per_step"]["cross"] == 0
+    assert _p(one, compress="int8").breakdown["compress_compute"] > 0        # auto on one node: the flat all-to-all

@@ -482,7 +482,8 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
                 k, nodes_ = fsdp.shard_per_node, layout.dp_shard // fsdp.shard_per_node
                 dp_total += collective_time(cloud, "all_to_all", local * training.grad_reduce_bytes, k, k)
                 dp_total += collective_time(cloud, "all_to_all", local / k * fsdp.reduce_bpe, nodes_, 1, traffic)
-                compress_compute += _codec_time(cloud, _reduce_wire(fsdp), local / k, 1, tensors)
+                if nodes_ > 1:                   # (one node: nothing crosses, nothing is encoded)
+                    compress_compute += _codec_time(cloud, _reduce_wire(fsdp), local / k, 1, tensors)
             else:
                 dp_total += dim_time(cloud, layout, "dp_shard", "reduce_scatter", local * red, traffic)
             if layout.dp_replicate > 1 and sync_name not in (EVERY_STEP, "pipesgd"):
@@ -752,8 +753,7 @@ def fsdp_plan(cloud: CloudConfig, layout: Layout, training: Training) -> FsdpPla
     reduce, bpe = "", 0.0
     if fsdp_quantized_reduce(c, layout.dp_replicate, layout.dp_shard, layout.pp):
         bpe = fsdp_reduce_bytes_per_element(c)
-        reduce = "hierarchical" if 1 < k < layout.dp_shard and hierarchical_applies(
-            own, cloud.nodes, cloud.gpus_per_node) else "flat"
+        reduce = "hierarchical" if 1 < k and hierarchical_applies(own, cloud.nodes, cloud.gpus_per_node) else "flat"
     return FsdpPlan(fsdp_gather_bytes_per_element(layout.fsdp_gather, training.gather_bytes), bwd, k, reduce, bpe,
                     c.name if reduce else "")
 
