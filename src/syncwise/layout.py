@@ -717,7 +717,8 @@ class Layout:
         if self.hierarchical == "on":
             # The hierarchical sync replaces DDP's per-bucket gradient average: whole replicas, every step, with a
             # syncwise compressor (or none: an fp32 hierarchical all-reduce); PyTorch's hooks issue their own.
-            quantized = fsdp_quantized_reduce(c, lay.dp_replicate, lay.dp_shard, lay.pp)  # FSDP2's qgZ: node first
+            # FSDP2's qgZ: node first (dp_replicate 0: not resolved yet, the replica rule is checked once it is)
+            quantized = fsdp_quantized_reduce(c, lay.dp_replicate or 1, lay.dp_shard, lay.pp)
             why = ("parallel.sync=" + _text(s) if s is not None else f"compress.method={c.text}" if c.torch_hook
                    else lay._split_by() if not (lay.replicas_only or quantized) else "")
             if why:
