@@ -24,6 +24,12 @@ to its loss, within 1 % of its validation loss at matched tokens, sooner than ev
     python benchmarks/fsdp_compress.py --dry-run                    # validate every configuration, run nothing
     python benchmarks/fsdp_compress.py --lab 200mbit --nproc 2 --preset small --steps 600 --cap 1200 --repeats 3
 
+On 2 nodes × 2 the quantized reduce-scatter is hierarchical under ``dist.hierarchical=auto`` (fp32 inside the node,
+int8 across; ``--set dist.hierarchical=off`` for the flat one), and the rows' cross-node bytes are split per hop
+(``hop_bytes_cross``: FSDP2's rings count N_g / W of their bytes across, its all-to-alls their chunks for other
+nodes; before that split FSDP2's bytes had no hop and the "cross B/token" column read 0). The run below predates
+both.
+
 Run once so far, small (RESULTS.md §3, results/fsdp-compress-tiny-50mbit.json):
 
     python benchmarks/fsdp_compress.py --lab 50mbit --nproc 2 --preset tiny --steps 150 --cap 300 --val-interval 15 \

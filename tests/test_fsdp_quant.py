@@ -43,6 +43,13 @@ VARIANTS = {
     "bf16-ag": {"gather_codec": BlockCodec("bf16")},
     "int8-rs+int8-ag": {"reduce_codec": INT8, "gather_codec": INT8},
 }
+#: hierarchical reduce-scatters (dist.hierarchical): 4 ranks as 2 nodes × 2 (run_workers' local_world_size)
+HIER_VARIANTS = {
+    "int8-rs-hier": {"reduce_codec": INT8, "hierarchical_reduce": True},
+    "fp8-rs-hier": {"reduce_codec": FP8, "hierarchical_reduce": True},
+    "int8-rs-hier+int8-ag": {"reduce_codec": INT8, "gather_codec": INT8, "hierarchical_reduce": True},
+}
+ALL_VARIANTS = {**VARIANTS, **HIER_VARIANTS}
 
 
 def _batch(step: int, rank: int) -> torch.Tensor:
@@ -133,7 +140,7 @@ def _loss_worker(rank, world, variants):
     out = {}
     for name in ("fp32", *variants):
         torch.manual_seed(0)
-        kw = {} if name == "fp32" else VARIANTS[name]
+        kw = {} if name == "fp32" else ALL_VARIANTS[name]
         model = apply_fsdp(build_model("tiny", seq_len=SEQ), mesh, ("dp_shard",), **kw)
         comms = [c for m in model.modules() for c in getattr(m, "_syncwise_comms", {}).values()]
         times = DimensionTimes()
@@ -172,6 +179,10 @@ def _loss_worker(rank, world, variants):
                      for u in units]
             out[name]["rs_expected"] = STEPS * world * sum(kw["reduce_codec"].payload(n) for n in shard) \
                 if "reduce_codec" in kw else 0
+            if kw.get("hierarchical_reduce"):  # the node's fp32 all-to-all, then one payload per node across
+                nodes = world // int(os.environ["LOCAL_WORLD_SIZE"])
+                out[name]["rs_expected"] = STEPS * sum(world * 4 * n + nodes * kw["reduce_codec"].payload(n)
+                                                       for n in shard)
             out[name]["rs_fp32"] = STEPS * world * 4 * sum(shard)
     return out
 
@@ -199,7 +210,7 @@ def _check_losses(results, names):
     ref = res["fp32"]
     assert ref["losses"][-1] < ref["losses"][0]  # it trains
     for name in names:
-        kw, got = VARIANTS[name], res[name]
+        kw, got = ALL_VARIANTS[name], res[name]
         bound = _bound(ref, kw)
         diff = [abs(a - b) for a, b in zip(got["losses"], ref["losses"])]
         if os.environ.get("SYNCWISE_MEASURE"):
@@ -211,20 +222,32 @@ def _check_losses(results, names):
             assert diff[0] == 0.0  # the same weights, the same forward
         # bytes: the reduce-scatter's payloads exactly; attach_timing counted what the quantized comms sent
         assert got["sent"].get("QuantizedReduceScatter", 0) == got["rs_expected"]
-        if "reduce_codec" in kw:
+        if "reduce_codec" in kw and not kw.get("hierarchical_reduce"):  # (hierarchical: fewer across, test_fsdp_hops)
             ratio = got["rs_fp32"] / got["rs_expected"]
             assert ratio > (7 if kw["reduce_codec"].code_bits == 4 else 3.5), ratio
         if "gather_codec" in kw:  # attach_timing counted the quantized gathers' payloads, not fp32 shards
             rs = got["sent"].get("QuantizedReduceScatter", got["rs_fp32"])
             assert got["counted"] == got["sent"]["QuantizedAllGather"] + rs
             if kw["gather_codec"].name != "bf16":
-                assert res["int8-rs"]["counted"] - res["int8-rs"]["rs_expected"] > \
+                plain = res["int8-rs-hier" if kw.get("hierarchical_reduce") else "int8-rs"]  # fp32 gathers
+                assert plain["counted"] - plain["rs_expected"] > \
                     3.5 * got["sent"]["QuantizedAllGather"]  # fp32 FSDP2's all-gather bytes
 
 
 def test_quantized_fsdp2_losses_track_fp32_fsdp2_within_the_derived_bound():
     names = list(VARIANTS)
     _check_losses(run_workers(_loss_worker, 2, names, timeout=400), names)
+
+
+@pytest.mark.slow  # 4 workers
+def test_hierarchical_quantized_reduce_scatter_tracks_fp32_fsdp2_on_two_nodes():
+    """dist.hierarchical on 4 gloo ranks as 2 nodes × 2: fp32 all-to-all and sum inside the node, the node's partial
+    sums quantized across. Its error bound is the flat path's (``QuantizedReduceScatter``: a node's partial sum of P
+    contributions rounds by at most P·max_error(max_r ‖g_r‖∞), N of them averaged over N·P ranks), so the same
+    derived loss bound applies; the bytes sent are the hierarchical path's exactly (W·n fp32 inside the node, one
+    payload per node across), so it did run."""
+    names = list(HIER_VARIANTS)
+    _check_losses(run_workers(_loss_worker, 4, names, local_world_size=2, timeout=600), names)
 
 
 # ------------------------------------------------------------------------------------ the rules
@@ -243,6 +266,24 @@ def test_the_layout_accepts_quantized_fsdp_and_refuses_in_one_place():
         with pytest.raises(ConfigError) as e:
             Layout.of(**kw).check(2)
         assert e.value.field == fld, (kw, e.value)
+
+
+def test_dist_hierarchical_decides_the_quantized_reduce_scatter_in_the_owners_rule():
+    from syncwise.layout import fsdp_node_ranks, hierarchical_applies
+
+    auto = Layout.of(dp_shard=4, compress="int8").check(4)
+    assert hierarchical_applies(auto, 2, 2)                  # 2 nodes × 2 shard ranks: fp32 inside, int8 across
+    assert not hierarchical_applies(auto, 1, 4)              # one node: nothing crosses
+    assert not hierarchical_applies(auto, 4, 1)              # one rank per node: the flat path is the same
+    assert not hierarchical_applies(Layout.of(dp_shard=4, compress="int8", hierarchical="off").check(4), 2, 2)
+    assert not hierarchical_applies(Layout.of(dp_shard=2, tp=2, compress="int8").check(4), 2, 2)  # tp fills a node
+    assert fsdp_node_ranks(Layout.of(dp_shard=4, tp=2, compress="int8").check(8), 4) == 2
+    assert fsdp_node_ranks(Layout.of(dp_shard=4, compress="int8").check(4), 3) == 0     # 3 does not divide 4
+    on = Layout.of(dp_shard=4, compress="fp8", hierarchical="on").check(4)            # accepted with FSDP2's qgZ
+    assert hierarchical_applies(on, 1, 4) and hierarchical_applies(on, 4, 1)
+    with pytest.raises(ConfigError) as e:                     # FSDP2 without a quantized reduce-scatter: refused
+        Layout.of(dp_shard=4, compress="bf16", hierarchical="on").check(4)
+    assert e.value.field == "dist.hierarchical"
 
 
 # ------------------------------------------------------------------------------------ the command line, resume

@@ -534,7 +534,18 @@ def hierarchical_applies(lay: "Layout", nodes: int, procs_per_node: int) -> bool
     hierarchical one about one — fp8 1.63× faster at the same loss; top-k 1 % 1.03× (its payload is already
     small). An all-reducing compressor only trades the ring's 1.5 payloads for one and pays the fp32 hops inside
     the node: PowerSGD rank 4 was 0.93×, so auto leaves it (and the casts, randomk) flat; 'on' still applies.
-    fp32 'none' keeps DDP's built-in all-reduce under auto: the baseline stays PyTorch's."""
+    fp32 'none' keeps DDP's built-in all-reduce under auto: the baseline stays PyTorch's.
+
+    FSDP2's quantized reduce-scatter (:func:`fsdp_quantized_reduce`) is hierarchical — fp32 inside a node, quantized
+    across nodes (ZeRO++'s hierarchical qgZ) — under 'auto' when its shard group spans nodes with more than one of
+    its ranks on each (:func:`fsdp_node_ranks`): the cross-node all-to-all then carries one payload per node instead
+    of one per rank of every other node; 'on' wherever the shard group fills whole nodes (one node: an exact fp32
+    sum; one rank per node: the flat path)."""
+    if fsdp_quantized_reduce(lay.compress, lay.dp_replicate, lay.dp_shard, lay.pp):
+        k = fsdp_node_ranks(lay, procs_per_node)
+        if lay.hierarchical == "on":
+            return k > 0
+        return lay.hierarchical == "auto" and 1 < k < lay.dp_shard
     if lay.hierarchical == "on":
         return True
     return (lay.hierarchical == "auto" and nodes > 1 and procs_per_node > 1 and lay.replicas_only
@@ -706,11 +717,14 @@ class Layout:
         if self.hierarchical == "on":
             # The hierarchical sync replaces DDP's per-bucket gradient average: whole replicas, every step, with a
             # syncwise compressor (or none: an fp32 hierarchical all-reduce); PyTorch's hooks issue their own.
+            # FSDP2's qgZ: node first (dp_replicate 0: not resolved yet, the replica rule is checked once it is)
+            quantized = fsdp_quantized_reduce(c, lay.dp_replicate or 1, lay.dp_shard, lay.pp)
             why = ("parallel.sync=" + _text(s) if s is not None else f"compress.method={c.text}" if c.torch_hook
-                   else lay._split_by() if not lay.replicas_only else "")
+                   else lay._split_by() if not (lay.replicas_only or quantized) else "")
             if why:
                 raise ConfigError("dist.hierarchical", "on", f"auto or off with {why}: the hierarchical gradient sync "
-                                  "needs DDP replicas synced every step with a syncwise compressor (or none)")
+                                  "needs DDP replicas synced every step with a syncwise compressor (or none), or "
+                                  "FSDP2's quantized reduce-scatter (int8 / fp8, dp_shard > 1, one replica)")
         lay._check_fsdp_options()
         if lay.replicas_only:
             return lay
@@ -796,6 +810,33 @@ def fsdp_quantized_reduce(c: Compress, dp_replicate: int, dp_shard: int, pp: int
     return c.name in FSDP_QUANTIZED and dp_shard > 1 and dp_replicate == 1 and pp == 1
 
 
+def fsdp_reduce_bytes_per_element(c: Compress) -> float:
+    """Bytes per gradient element FSDP2's quantized reduce-scatter sends (``parallel.fsdp_quant.codec_of``'s codec):
+    int8 codes (4-bit, two per byte, with ``levels`` ≤ 7) plus one fp32 scale per ``chunk``; fp8 one byte plus one
+    scale per ``block``. Torch-free (the planner prices it)."""
+    o = c.options
+    if c.name == "int8":
+        return (0.5 if int(o["levels"]) <= 7 else 1.0) + 4 / int(o["chunk"])
+    if c.name == "fp8":
+        return 1.0 + 4 / int(o["block"])
+    raise ValueError(f"no quantized reduce-scatter for {c.name!r}")
+
+
+#: parallel.fsdp_gather's blocks (``parallel.fsdp_quant.gather_codec``: one fp32 scale per 128 weights)
+FSDP_GATHER_BLOCK = 128
+
+
+def fsdp_gather_bytes_per_element(gather: str, param_bytes: float) -> float:
+    """Bytes per weight element a ``parallel.fsdp_gather`` all-gather sends, FSDP2's all-gather dtype being
+    ``param_bytes`` wide (4: fp32, 2: bf16 mixed precision): fp32 → that dtype, bf16 → 2, int8 / fp8 → 1 + one fp32
+    scale per block of 128."""
+    if gather == "fp32":
+        return param_bytes
+    if gather == "bf16":
+        return min(2.0, param_bytes)
+    return 1.0 + 4 / FSDP_GATHER_BLOCK
+
+
 def check_fsdp_compress(c: Compress, dp_replicate: int, field_name: str = "compress.method", why: str = "",
                         dp_shard: int = 1, pp: int = 1) -> bool:
     """The compressor a layout that FSDP2 holds (dp_shard > 1 or tp > 1) can run: True when it runs across the
@@ -829,6 +870,15 @@ def check_fsdp_compress(c: Compress, dp_replicate: int, field_name: str = "compr
                           "hook), and with one replica FSDP2's reduce-scatter is the only gradient collective; set "
                           "parallel.dp_replicate ≥ 2 to run it" + why)
     return True
+
+
+def fsdp_node_ranks(lay: "Layout", procs_per_node: int) -> int:
+    """How many ranks of one dp_shard group share a node (tp is innermost: procs_per_node / tp, at most dp_shard);
+    0 when they do not fill whole nodes evenly (tp not dividing the node, or that count not dividing dp_shard)."""
+    if procs_per_node < 1 or procs_per_node % lay.tp:
+        return 0
+    k = min(procs_per_node // lay.tp, lay.dp_shard)
+    return k if lay.dp_shard % k == 0 else 0
 
 
 def node_reshard(lay: "Layout", procs_per_node: int) -> "bool | int":

@@ -73,16 +73,32 @@ class DimensionTimes:
         self._lock = threading.Lock()
         self._step: list = []  # (dim, Interval, exposed seconds or None)
         self.bytes: dict[str, int] = defaultdict(int)  # what the timed callers counted this step (FSDP2's comms)
+        #: the part of those bytes whose hop is known, per dimension: {dim: {'intra': .., 'cross': ..}}
+        self.hops: dict[str, dict[str, int]] = {}
+        self._taken_hops: dict[str, dict[str, int]] = {}
 
-    def count(self, dim: str, nbytes: int) -> None:
+    def count(self, dim: str, nbytes: int, hops: Optional[dict] = None) -> None:
+        """Count ``nbytes`` of ``dim``; ``hops``: the same bytes split ``{'intra': .., 'cross': ..}``
+        (``comm.ops.split_bytes``), None where the topology is not known."""
         with self._lock:
             self.bytes[dim] += int(nbytes)
+            for h, n in (hops or {}).items():
+                mine = self.hops.setdefault(dim, {})
+                mine[h] = mine.get(h, 0) + int(n)
 
     def take_bytes(self) -> dict[str, int]:
-        """The bytes counted since the last call, per dimension; resets."""
+        """The bytes counted since the last call, per dimension; resets (their split per hop is kept for
+        :meth:`taken_hops`)."""
         with self._lock:
             out, self.bytes = dict(self.bytes), defaultdict(int)
+            self._taken_hops, self.hops = self.hops, {}
         return out
+
+    def taken_hops(self) -> dict[str, dict[str, int]]:
+        """The split per hop of the bytes the last :meth:`take_bytes` handed back, per dimension
+        (``{dim: {'intra': .., 'cross': ..}}``; bytes with no known hop are in neither)."""
+        with self._lock:
+            return {d: dict(h) for d, h in self._taken_hops.items()}
 
     def add(self, dim: str, interval: Interval, exposed: Optional[float] = None) -> None:
         with self._lock:
@@ -134,6 +150,9 @@ class CollectiveCounter(TorchDispatchMode):
         self.times, self.timed = times, tuple(timed)
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
+        #: the same bytes per hop where the topology is known ('intra', 'cross'; ``comm.ops.split_bytes`` of the
+        #: collective's group: a ring's N_g / W across, an all-to-all's chunks for other nodes)
+        self.hops: dict[str, dict[str, int]] = {}  # per label: {'intra': .., 'cross': ..}
         self._issued: dict[int, tuple] = {}  # id(output) -> (label, Interval, host seconds blocked so far)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
@@ -151,8 +170,12 @@ class CollectiveCounter(TorchDispatchMode):
         label = group if self.groups is None else self.groups.get(group)
         if label is None:
             return func(*args, **kwargs)
-        self.bytes[label] += _nbytes(args[index])
+        nbytes = _nbytes(args[index])
+        self.bytes[label] += nbytes
         self.calls[label] += 1
+        for h, n in (_split(group, name, nbytes) or {}).items():
+            mine = self.hops.setdefault(label, {})
+            mine[h] = mine.get(h, 0) + n
         if self.times is None or label not in self.timed or ns == "c10d":
             return func(*args, **kwargs)
         payload = args[index]
@@ -195,7 +218,23 @@ class CollectiveCounter(TorchDispatchMode):
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
+        self.hops.clear()
         self._issued.clear()
+
+
+def _split(group_name: Optional[str], op: str, nbytes: int) -> Optional[dict]:
+    """``nbytes`` of collective ``op`` over the group named ``group_name``, per hop (None: not known)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    from . import ops
+
+    if group_name is None:
+        return None
+    try:
+        pg = c10d._resolve_process_group(group_name)
+    except (RuntimeError, ValueError, KeyError, AttributeError):
+        return None
+    return ops.split_bytes(nbytes, pg, "all_to_all" if op.startswith(("alltoall", "all_to_all")) else "ring")
 
 
 def mesh_groups(mesh: Any, labels: dict[str, str]) -> dict[str, str]:

@@ -299,6 +299,7 @@ def declare_topology(procs_per_node: Optional[int]) -> None:
     global _procs_per_node
     _procs_per_node = procs_per_node
     _hops.clear()
+    _shares.clear()
 
 
 def procs_per_node() -> Optional[int]:
@@ -338,6 +339,81 @@ def hop_of(group=None) -> Optional[str]:
     except TypeError:
         pass
     return hop
+
+
+#: the traffic patterns :func:`cross_share` knows: a ring (all-gather, reduce-scatter, all-reduce) and an all-to-all
+PATTERNS = ("ring", "all_to_all")
+_shares: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
+
+
+def cross_share(group=None, pattern: str = "ring") -> Optional[float]:
+    """The fraction of this rank's bytes in a ``pattern`` collective over ``group`` that crosses between nodes (the
+    rest stays inside a node); None when the topology is not known (as :func:`hop_of`). A group inside one node: 0.
+
+    - ``ring`` (all-gather, reduce-scatter, all-reduce): the ring through the group's ranks in rank order (node-major
+      numbering, as ``comm.Topology``: each node's ranks are neighbours) has W links, one per rank, and each link
+      carries the same bytes in every step of a ring collective. It leaves a node once per node it visits, so N_g of
+      its W links cross (N_g: the nodes the group spans; the fewest any ring through N_g nodes can have, which is
+      the ring NCCL builds): the share is N_g / W — the group's mean, the same for every rank (a ring's boundary rank
+      sends all of its bytes across, the others none; per node, what the NIC carries is one rank's bytes). One rank
+      per node: 1 (every byte crosses, as :func:`hop_of`'s 'cross').
+    - ``all_to_all``: this rank sends one equal chunk to every rank of the group (its own included): the chunks for
+      ranks on other nodes cross, (W − ranks of the group on this rank's node) / W of its bytes.
+
+    Cached per group and pattern (cleared by :func:`declare_topology`)."""
+    if pattern not in PATTERNS:
+        raise ValueError(f"pattern {pattern!r}: one of {PATTERNS}")
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        cached = _shares.get(pg)
+    except TypeError:
+        cached = None
+    if cached is not None and pattern in cached and cached.get("_per") == procs_per_node():
+        return cached[pattern]
+    per = procs_per_node()
+    if per is None:
+        return None
+    try:
+        ranks = dist.get_process_group_ranks(pg)
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+    share = ring_cross_share(ranks, per) if pattern == "ring" else \
+        all_to_all_cross_share(ranks, per, dist.get_rank())
+    try:
+        _shares.setdefault(pg, {"_per": per})[pattern] = share
+    except TypeError:
+        pass
+    return share
+
+
+def ring_cross_share(ranks: "list[int]", per_node: int) -> float:
+    """:func:`cross_share`'s ring formula on global ``ranks`` (in group order) with ``per_node`` ranks per node: the
+    links r_i → r_{i+1 mod W} that join two nodes, over W."""
+    w = len(ranks)
+    if w <= 1:
+        return 0.0
+    nodes = [r // per_node for r in ranks]
+    return sum(nodes[i] != nodes[(i + 1) % w] for i in range(w)) / w
+
+
+def all_to_all_cross_share(ranks: "list[int]", per_node: int, me: int) -> float:
+    """:func:`cross_share`'s all-to-all formula: the group's ranks on another node than global rank ``me``, over W."""
+    if not ranks:
+        return 0.0
+    mine = me // per_node
+    return sum(r // per_node != mine for r in ranks) / len(ranks)
+
+
+def split_bytes(nbytes: int, group=None, pattern: str = "ring") -> Optional[dict]:
+    """``{'intra': .., 'cross': ..}`` for ``nbytes`` of a ``pattern`` collective over ``group`` (they add up to
+    ``nbytes``); None when the topology is not known."""
+    share = cross_share(group, pattern)
+    if share is None:
+        return None
+    cross = int(round(nbytes * share))
+    return {"intra": int(nbytes) - cross, "cross": cross}
 
 
 def _prune_in_flight() -> None:

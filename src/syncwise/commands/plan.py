@@ -276,6 +276,11 @@ def _print(cloud, model, preds, args) -> None:
         parts = ", ".join(f"{LABELS[k]} {human_time(v)}" for k, v in p.breakdown.items() if v > 0)
         console.print(f"step: {parts}")
         console.print("memory (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in p.memory.items() if v > 0))
+        hops = p.info.get("fsdp_bytes_per_step")
+        if hops:  # as the run's summary counts them (hop_bytes_per_step_cross / _intra), FSDP2's share
+            from ..metrics.units import human_bytes
+            console.print(f"FSDP2 bytes per rank per step: {human_bytes(hops['cross'])} across nodes, "
+                          f"{human_bytes(hops['intra'])} inside a node")
         if not p.fits:
             console.print(f"does not fit: {p.memory_gb_per_gpu:.1f} GiB > {p.memory_limit_gb:.1f} GiB usable")
         if p.runnable is False:

@@ -38,7 +38,7 @@ from typing import Any, Optional
 from . import arrivals as arrival_log
 from .dimensions import DIMENSIONS, WORDS, by_dimension
 from .rundir import Run
-from ..errors import SyncwiseError
+from ..errors import ConfigError, SyncwiseError
 from ..layout import BUCKET_CAP_MB, names_torch_hook
 from ..metrics.figures import hop_means
 from ..specs import spec_name
@@ -742,8 +742,16 @@ def _link_finding(d: Diagnosis, model: "Optional[_Model]", link_lost: float) -> 
     finding = Finding("link", title, link_lost, evidence, rec,
                       details={"effective_bandwidth_bytes_s": bw, "dimension": top,
                                "lost_by_dimension_s": split, "by_dimension": dims})
+    change = _fsdp_change(d, split["fsdp"]) if top == "fsdp" else None
+    if change is not None:
+        finding.details["fsdp_change"] = change
+        finding.evidence += "; " + change["attributed"]
     best = model.best_compressor(exclude=f["compressor"]) if model is not None and top == "dp" else None
-    if best is not None:
+    if change is not None and change.get("flag"):
+        finding.flag, finding.predicted_step_s = change["flag"], change["predicted_step_s"]
+        finding.predicted_by = change["predicted_by"]
+        finding.recommendation = change["words"]
+    elif best is not None:
         spec, step = best
         finding.flag, finding.predicted_step_s, finding.predicted_by = f"--compress {spec}", step, "cost model"
         finding.recommendation = f"compress the gradients: --compress {spec}" + model.to_loss_words(spec, step)
@@ -755,6 +763,86 @@ def _link_finding(d: Diagnosis, model: "Optional[_Model]", link_lost: float) -> 
         finding.predicted_step_s, finding.predicted_by = max(1e-9, wall - link_lost), "measured loss removed"
     finding.predicted_efficiency = p["compute"] / finding.predicted_step_s
     return finding
+
+
+def _fsdp_change(d: Diagnosis, lost_s: float) -> Optional[dict[str, Any]]:
+    """FSDP2's exposed traffic (the link finding's 'fsdp' share, ``lost_s``): its bytes per step by hop as the
+    planner prices them for the run's layout (``plan.cost.fsdp_plan`` / ``fsdp_hop_bytes``, the runtime's rules),
+    and the compression change predicted to help most — the quantized reduce-scatter (``--compress int8``, hierarchical
+    on nodes × ranks), int8 weight gathers (``--parallel.fsdp_gather=int8``), backward's gathers inside the node
+    (``--parallel.fsdp_reshard=node``), or all of them — among those the layout owner accepts. Predicted: the exposed
+    FSDP2 time scales with the bytes on the hop that carries it (cross-node on > 1 node, all bytes on one), the rest
+    of the step as measured; codec time is not priced here (the cost model's on a catalog accelerator is not this
+    run's). Recommended when ≥ 3 % sooner (``plan.strategy.MIN_GAIN``). None when the run's layout is not FSDP2's or
+    cannot be read."""
+    import dataclasses
+
+    from .. import layout as owner
+    from ..plan.cost import fsdp_hop_bytes, fsdp_plan
+    from ..plan.layout import SYNCWISE, Layout
+    from ..plan.strategy import MIN_GAIN, job_cloud
+
+    f, world = d.facts, d.world_size
+    par = d.run.config.get("parallel", {}) or {}
+    keys = {fl.name for fl in dataclasses.fields(owner.Layout)} - {"dp_replicate", "compress", "sync"}
+    try:
+        lay = owner.Layout.of(compress=f["compressor"], **{k: v for k, v in par.items() if k in keys})
+        lay = dataclasses.replace(lay, dp_replicate=max(1, world // (lay.pp * lay.tp * lay.dp_shard))).check(world)
+    except (ConfigError, TypeError, ValueError):
+        return None
+    if lay.dp_shard < 2 or lay.pp > 1:
+        return None
+    hops = str(f.get("comm_hops") or "")
+    nodes = int(hops.split()[0]) if hops[:1].isdigit() and world % int(hops.split()[0]) == 0 else 1
+    cloud = job_cloud(nodes, world // nodes)
+    M = int(f.get("grad_accum") or 1)
+    hop = "cross" if nodes > 1 else None
+
+    def carried(o: owner.Layout) -> float:
+        planned = Layout.of_owner(o)
+        b = fsdp_hop_bytes(fsdp_plan(cloud, planned, SYNCWISE), planned, SYNCWISE, 1.0, M)
+        return b[hop] if hop else b["intra"] + b["cross"]
+
+    before = carried(lay)
+    base = fsdp_hop_bytes(fsdp_plan(cloud, Layout.of_owner(lay), SYNCWISE), Layout.of_owner(lay), SYNCWISE, 1.0, M)
+    where = f"{nodes} nodes × {world // nodes}" if nodes > 1 else "one node"
+    out: dict[str, Any] = {"layout_nodes": nodes, "priced_share_cross": base["cross"] / max(base["cross"] +
+                                                                                           base["intra"], 1e-30)}
+    out["attributed"] = (f"FSDP2 (dp_shard {lay.dp_shard}, {where}): {_pct(out['priced_share_cross'])} of its "
+                         "bytes cross nodes as the planner prices its rings and all-to-alls")
+    steps: dict[str, dict] = {}
+    if lay.dp_replicate == 1 and lay.compress.name in owner.FSDP_REDUCE_DTYPES:
+        steps["--compress int8"] = {"compress": owner.parse_compress("int8")}
+    if lay.fsdp_gather in ("fp32", "bf16"):
+        steps["--parallel.fsdp_gather=int8"] = {"fsdp_gather": "int8"}
+    if nodes > 1 and lay.fsdp_reshard == "all":
+        steps["--parallel.fsdp_reshard=node"] = {"fsdp_reshard": "node"}
+    if len(steps) > 1:
+        steps[" ".join(steps)] = {k: v for c in list(steps.values()) for k, v in c.items()}
+    best = None
+    for flag, kw in steps.items():
+        try:
+            o = dataclasses.replace(lay, **kw).check(world)
+            if kw.get("fsdp_reshard") == "node":
+                owner.node_reshard(o, world // nodes)
+        except ConfigError:
+            continue
+        ratio = carried(o) / before if before > 0 else 1.0
+        step = max(1e-9, d.wall_s - lost_s * (1.0 - ratio))
+        if best is None or step < best[1]:
+            best = (flag, step, ratio)
+    if best is None:
+        return out
+    flag, step, ratio = best
+    out.update(predicted_step_s=step, bytes_ratio=ratio, predicted_by="cost model: the exposed FSDP2 time × the "
+               f"priced {'cross-node ' if hop else ''}byte ratio (plan.cost.fsdp_hop_bytes); codec time not priced")
+    if step <= MIN_GAIN * d.wall_s:
+        out["flag"] = flag
+        out["words"] = (f"compress FSDP2's collectives: {flag} — {1 / ratio:.1f}× fewer "
+                        f"{'cross-node ' if hop else ''}bytes priced for its gathers and reduce-scatter, predicted "
+                        f"{_ms(step)} per step (int8 rounds the gradients and the computed weights once each, with "
+                        "fp32 sums and fp32 master weights: docs/parallelism.md's bounds)")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- the cost model

@@ -131,7 +131,7 @@ def _dp_mesh(mesh: Any, dp_dims: Sequence[str]) -> Any:
 def apply_fsdp(model: nn.Module, mesh: Any, dp_dims: Sequence[str] = ("dp_shard",),
                param_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = torch.float32,
                reshard_after_forward: Union[bool, int] = True, reduce_codec: Any = None,
-               gather_codec: Any = None, seed: int = 0) -> nn.Module:
+               gather_codec: Any = None, seed: int = 0, hierarchical_reduce: bool = False) -> nn.Module:
     """Shard ``model`` in place with FSDP2 (``dp_dims=("dp_shard",)``) or HSDP
     (``("dp_replicate", "dp_shard")``) over ``mesh`` (``syncwise.parallel.mesh.build_mesh``; None: the
     whole world); returns the model (now also an ``FSDPModule``).
@@ -151,7 +151,9 @@ def apply_fsdp(model: nn.Module, mesh: Any, dp_dims: Sequence[str] = ("dp_shard"
     ``reduce_codec`` / ``gather_codec`` (``syncwise.parallel.fsdp_quant.BlockCodec``, None: FSDP2's own
     collectives): every unit's gradient reduce-scatter and parameter all-gather quantized in blocks
     (``QuantizedReduceScatter``: all-to-all and an fp32 sum in rank order; ``QuantizedAllGather``: dequantized into
-    FSDP2's buffer). ``seed``: stochastic rounding's (per unit and rank).
+    FSDP2's buffer). ``seed``: stochastic rounding's (per unit and rank). ``hierarchical_reduce``
+    (``dist.hierarchical``, ``syncwise.layout.hierarchical_applies``): the quantized reduce-scatter sums inside each
+    node at full precision and quantizes only across nodes (the topology: ``comm.ops.procs_per_node``).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -165,8 +167,32 @@ def apply_fsdp(model: nn.Module, mesh: Any, dp_dims: Sequence[str] = ("dp_shard"
     if getattr(model, "awaiting_shards", False):  # built on the meta device (models.hf_model, sharded=True)
         _materialise_shards(model)
     if reduce_codec is not None or gather_codec is not None:
-        _attach_quantized(model, dp_mesh, reduce_codec, gather_codec, seed)
+        _attach_quantized(model, dp_mesh, reduce_codec, gather_codec, seed,
+                          _reduce_hierarchy(mesh, dp_mesh) if hierarchical_reduce and reduce_codec is not None
+                          else None)
     return model
+
+
+def _reduce_hierarchy(mesh: Any, dp_mesh: Any) -> Any:
+    """(node_group, cross_group) of this rank's shard group (``fsdp_quant.node_groups``) on the job's topology: every
+    shard group of the job's mesh (one per tp rank) is split alike, on every rank."""
+    import torch.distributed as dist
+
+    from .fsdp_quant import node_groups
+
+    per = ops.procs_per_node()
+    if per is None:
+        raise ConfigError("dist.hierarchical", "on", "a known topology (torchrun's LOCAL_WORLD_SIZE or a CommContext) "
+                          "for the hierarchical quantized reduce-scatter")
+    if dp_mesh is None:
+        groups = [list(range(dist.get_world_size()))]
+    elif mesh is not None and "dp_shard" in (mesh.mesh_dim_names or ()) and dp_mesh.ndim == 1:
+        names = list(mesh.mesh_dim_names)
+        full = mesh.mesh.movedim(names.index("dp_shard"), -1)   # every shard group, the same on every rank
+        groups = full.reshape(-1, full.shape[-1]).tolist()
+    else:
+        groups = [dp_mesh.mesh.flatten().tolist()]              # a 1-D mesh given alone: the whole job's group
+    return node_groups(groups, per, dist.get_rank())
 
 
 @torch.no_grad()
@@ -200,7 +226,8 @@ def _shard_size(dp_mesh: Any) -> int:
     return dp_mesh.size(-1)  # HSDP: (dp_replicate, dp_shard); FSDP: (dp_shard,)
 
 
-def _attach_quantized(model: nn.Module, dp_mesh: Any, reduce_codec: Any, gather_codec: Any, seed: int) -> None:
+def _attach_quantized(model: nn.Module, dp_mesh: Any, reduce_codec: Any, gather_codec: Any, seed: int,
+                      hierarchy: Any = None) -> None:
     """Set every unit's custom collectives (``fsdp_quant``); ``attach_timing`` wraps them later (it reads
     ``_syncwise_comms``)."""
     from torch.distributed.fsdp import FSDPModule
@@ -214,7 +241,7 @@ def _attach_quantized(model: nn.Module, dp_mesh: Any, reduce_codec: Any, gather_
             comms["all_gather"] = QuantizedAllGather(gather_codec, world)
             module.set_custom_all_gather(comms["all_gather"])
         if reduce_codec is not None:
-            comms["reduce_scatter"] = QuantizedReduceScatter(reduce_codec, seed=seed, unit=i)
+            comms["reduce_scatter"] = QuantizedReduceScatter(reduce_codec, seed=seed, unit=i, hierarchy=hierarchy)
             module.set_custom_reduce_scatter(comms["reduce_scatter"])
         module._syncwise_comms = comms
 
@@ -234,13 +261,19 @@ def attach_timing(model: nn.Module, times: Any, labels: dict[str, str]) -> None:
     from ..comm.counting import uncounted
     from ..comm.timing import Interval
 
+    labels = dict(labels)
+
     def timed(call: Any, output: torch.Tensor, payload: torch.Tensor, group: Any, async_op: bool,
               inner: Any = None) -> Any:
         label = labels.get(group.group_name)
         if label is None:
             return call()
         wire = getattr(inner, "wire_bytes", None)  # a quantized collective: what it puts on the wire
-        times.count(label, wire(payload, group) if wire else payload.numel() * payload.element_size())
+        nbytes = wire(payload, group) if wire else payload.numel() * payload.element_size()
+        # split per hop by the collective's pattern over its group (comm.ops.cross_share: a ring's N_g / W, an
+        # all-to-all's chunks for other nodes); a quantized reduce-scatter says its own (all-to-all, hierarchical)
+        split = getattr(inner, "split_bytes", None)
+        times.count(label, nbytes, split(nbytes, payload, group) if split else ops.split_bytes(nbytes, group, "ring"))
         iv = Interval(payload.device).start()
         with uncounted():
             work = call()
@@ -276,6 +309,14 @@ def attach_timing(model: nn.Module, times: Any, labels: dict[str, str]) -> None:
             return timed(lambda: self.inner(output_tensor, input_tensor, group, op, async_op),
                          output_tensor, input_tensor, group, async_op, self.inner)
 
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # fsdp_reshard=node: backward re-gathers over the post-forward group (a node's ranks), the same dimension
+            for pg in _param_groups(module):
+                post, main = getattr(pg, "post_forward_mesh_info", None), pg.mesh_info
+                main_label = labels.get(main.shard_process_group.group_name)
+                if post is not None and main_label is not None:
+                    labels.setdefault(post.shard_process_group.group_name, main_label)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # around the unit's own collectives: FSDP2's, or the quantized ones apply_fsdp set (fsdp_quant)

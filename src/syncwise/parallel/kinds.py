@@ -77,6 +77,9 @@ class Parallelized:
     _counted: dict = field(default_factory=dict)
     _last_tp: Optional[tuple] = None  # the last timed step's tensor-parallel (seconds, exposed seconds)
     _timing_tp: bool = False           # whether this step's tensor-parallel collectives are timed
+    #: the part of the last counted_bytes() whose hop is known, per dimension ({dim: {'intra', 'cross'}}: FSDP2's
+    #: timed comms, the dispatch counter's)
+    counted_hops: dict = field(default_factory=dict)
 
     # ---- what the trainer asks of the model's shape ---------------------------------------------------------
     @property
@@ -169,12 +172,23 @@ class Parallelized:
         attributes them."""
         if self._counting:
             self._counted = dict(self._counter.bytes)
+            self._counted_split = {d: dict(h) for d, h in self._counter.hops.items()}  # per hop, repeated too
             self._steps_counted += 1
             self._counting = False
         timed = self._times.take_bytes()  # FSDP2's all-gathers and reduce-scatters, every step
+        hops = self._times.taken_hops()   # the part of them split per hop (comm.ops.cross_share)
         out = {"dp": self._counted.get("dp", 0) + timed.get("dp", 0), **self._shard_bytes(timed)}
+        counted_dims = ["dp"]
         if self.spec.tp > 1:
             out["tp"] = self._counted.get("tp", 0)
+            counted_dims.append("tp")
+        # the dispatch counter's split of the labels reported (dp: HSDP's all-reduce; tp: DTensor's)
+        for dim, split in getattr(self, "_counted_split", {}).items():
+            if dim in counted_dims:
+                mine = hops.setdefault(dim, {})
+                for h, n in split.items():
+                    mine[h] = mine.get(h, 0) + n
+        self.counted_hops = hops
         return out
 
     def _shard_bytes(self, timed: dict[str, int]) -> dict[str, int]:
@@ -369,6 +383,9 @@ class Sharded(Parallelized):
 
     @property
     def kind_label(self) -> Optional[str]:
+        if self.spec.dp_replicate == 1 and getattr(self, "hierarchical_reduce", False):
+            return (f"FSDP2, {self.spec.compress.name} reduce-scatter hierarchical: fp32 inside a node, "
+                    f"{self.spec.compress.name} across")
         return "FSDP2" if self.spec.dp_replicate == 1 else "HSDP, local steps" if self.sync is not None else \
             "HSDP" if self.spec.sharded else "FSDP2 replicas"
 
@@ -387,6 +404,9 @@ class Sharded(Parallelized):
                  "gather_codec": gather_codec(spec.fsdp_gather),
                  "reshard_after_forward": _fsdp_reshard(spec, given.world),
                  "seed": int(spec.compress.options.get("seed", 0) or 0)}
+        # dist.hierarchical: the quantized reduce-scatter sums inside a node in fp32, quantizes across nodes
+        quant["hierarchical_reduce"] = quant["reduce_codec"] is not None and _hierarchical_here(spec, given.world)
+        self.hierarchical_reduce = quant["hierarchical_reduce"]
         if given.sync is not None:
             # Local steps over HSDP's replica groups (Layout.check allows dp_shard × dp_replicate ≥ 2 only): FSDP2
             # inside each replica group, no gradient all-reduce across the groups; every period the sync strategy

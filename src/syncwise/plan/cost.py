@@ -390,13 +390,28 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
     local = sp_params.total
     t_fsdp_mb = 0.0
     fsdp_gather_total = 0.0
-    if layout.dp_shard > 1:
-        gather = local * training.gather_bytes
-        ag = dim_time(cloud, layout, "dp_shard", "all_gather", gather, mb_traffic, 2) / 2
-        unit = ag * sp_params.unit / max(local, 1.0)
-        passes = 2
-        fsdp_gather_total = passes * ag
-        t_fsdp_mb = max(unit, ag - t_fwd) + max(unit, ag - (t_bwd - t_extra)) if training.overlap_fsdp else 2 * ag
+    fsdp = fsdp_plan(cloud, layout, training) if layout.dp_shard > 1 else None
+    gather_codec_mb = 0.0
+    if fsdp is not None:
+        # forward's gather over the shard group (parallel.fsdp_gather's bytes); backward's again (all), over the
+        # node's shard ranks at FSDP2's own dtype (node: hpZ), or none (the weights kept from forward)
+        ag_f = dim_time(cloud, layout, "dp_shard", "all_gather", local * fsdp.gather_bpe, mb_traffic)
+        if fsdp.bwd_ranks >= layout.dp_shard:
+            ag_b = dim_time(cloud, layout, "dp_shard", "all_gather", local * fsdp.gather_bpe, mb_traffic)
+        elif fsdp.bwd_ranks > 1:
+            ag_b = collective_time(cloud, "all_gather", local * training.gather_bytes, fsdp.bwd_ranks, fsdp.bwd_ranks)
+        else:
+            ag_b = 0.0
+        share = sp_params.unit / max(local, 1.0)
+        fsdp_gather_total = ag_f + ag_b
+        t_fsdp_mb = max(ag_f * share, ag_f - t_fwd) + (max(ag_b * share, ag_b - (t_bwd - t_extra)) if ag_b else 0.0) \
+            if training.overlap_fsdp else ag_f + ag_b
+        if layout.fsdp_gather != "fp32":   # each quantized gather encodes this rank's shard, decodes W parts
+            passes = 2 if fsdp.bwd_ranks >= layout.dp_shard else 1
+            gw = Wire("all_gather", fsdp.gather_bpe, compute_bytes=CODEC_COST[layout.fsdp_gather][0],
+                      compute_bytes_per_peer=CODEC_COST[layout.fsdp_gather][1], codec=layout.fsdp_gather)
+            gather_codec_mb = passes * _codec_time(cloud, gw, local / layout.dp_shard, layout.dp_shard,
+                                                   model.tensor_count() / pp)
     # ---- per-kernel overheads (per micro-batch): the host issues every kernel (and every collective: tp, ep
     # all-to-alls, pipeline sends) at ``kernel_launch_s`` each at best (eager PyTorch's per-op host time: the
     # catalog's, or `--calibrate`'s measurement); the device runs them with kernel_gap_s between.
@@ -460,7 +475,17 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
             name = layout.compress.name
             cast = name in FSDP_REDUCE_DTYPES and name != "none"    # FSDP2's own 16-bit reduce dtype
             red = 2.0 if cast else training.grad_reduce_bytes
-            dp_total += dim_time(cloud, layout, "dp_shard", "reduce_scatter", local * red, traffic)
+            if fsdp.reduce == "flat":            # qgZ: quantized chunks by one all-to-all, an fp32 sum
+                dp_total += dim_time(cloud, layout, "dp_shard", "all_to_all", local * fsdp.reduce_bpe, traffic)
+                compress_compute += _codec_time(cloud, _reduce_wire(fsdp), local, 1, tensors)
+            elif fsdp.reduce == "hierarchical":  # fp32 all-to-all inside the node, node sums quantized across
+                k, nodes_ = fsdp.shard_per_node, layout.dp_shard // fsdp.shard_per_node
+                dp_total += collective_time(cloud, "all_to_all", local * training.grad_reduce_bytes, k, k)
+                dp_total += collective_time(cloud, "all_to_all", local / k * fsdp.reduce_bpe, nodes_, 1, traffic)
+                if nodes_ > 1:                   # (one node: nothing crosses, nothing is encoded)
+                    compress_compute += _codec_time(cloud, _reduce_wire(fsdp), local / k, 1, tensors)
+            else:
+                dp_total += dim_time(cloud, layout, "dp_shard", "reduce_scatter", local * red, traffic)
             if layout.dp_replicate > 1 and sync_name not in (EVERY_STEP, "pipesgd"):
                 # local steps over HSDP's replica groups: no per-step all-reduce across them; each rank's shard is
                 # averaged with the other groups' every period
@@ -525,6 +550,7 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
             one = _outer_step_time(cloud, layout, sync, local, "dp", traffic)
             dp_total = one / sync.period
             sync_exposed = max(0.0, one - sync.delay * t_pipe) / sync.period
+    compress_compute += M * gather_codec_mb
     t_opt = (local / layout.dp_shard) * training.optimizer_pass_bytes / acc.hbm_bandwidth
     breakdown = {
         "compute": M * (t_matmul + t_elem),
@@ -542,6 +568,10 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
     }
     step = sum(breakdown.values())
     mem = memory_per_rank(model, layout, training, seq_len, mb, M)
+    if fsdp is not None and fsdp.bwd_ranks < layout.dp_shard:
+        # what a unit keeps between its forward and its backward: its weights sharded over the node's shard ranks
+        # (fsdp_reshard=node) or whole (none), in FSDP2's all-gather dtype
+        mem.parts["fsdp_forward_copies"] = local * training.gather_bytes / max(fsdp.bwd_ranks, 1)
     limit = acc.memory_bytes - acc.reserved_bytes
     world = cloud.world_size
     model_flops = f_tok * tokens_step
@@ -555,6 +585,7 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
         memory={k: v / GIB for k, v in mem.parts.items()},
         inter_node_bytes=traffic.inter_bytes, inter_node_messages=traffic.inter_messages,
         info={"dp_comm_total": dp_total, "fsdp_gather_total_per_microbatch": fsdp_gather_total,
+              **({"fsdp_bytes_per_step": fsdp_hop_bytes(fsdp, layout, training, local, M)} if fsdp else {}),
               "layer_share_of_flops": layer_share, "flops_per_token": f_tok, "bubble_fraction":
               bubble_units / (M + bubble_units), "matmul_efficiency": eff, "training": training.name,
               "kernels_per_microbatch": n_kernels, "gemm_shape_s_per_microbatch": shape_fwd + shape_bwd})
@@ -689,6 +720,80 @@ def kernels_per_microbatch(model: ModelSpec, layout: Layout, training: Training,
     edges_fwd = 1 + (2 if model.learned_positions else 0) + 1 + 2
     total += edges_fwd + edges_fwd + 2
     return total / pp
+
+
+@dataclass(frozen=True)
+class FsdpPlan:
+    """How a dp_shard layout's FSDP2 collectives travel (``parallel.fsdp_gather`` / ``fsdp_reshard`` /
+    ``--compress`` as the quantized reduce-scatter, ``dist.hierarchical``): bytes per element of forward's gather,
+    the ranks backward re-gathers over (dp_shard: all; a node's shard ranks: node, at FSDP2's own dtype; 1: none),
+    the reduce-scatter's form ('' FSDP2's own, 'flat' / 'hierarchical' quantized) and its bytes per element."""
+
+    gather_bpe: float
+    bwd_ranks: int
+    shard_per_node: int
+    reduce: str = ""
+    reduce_bpe: float = 0.0
+    codec: str = ""
+
+
+def fsdp_plan(cloud: CloudConfig, layout: Layout, training: Training) -> FsdpPlan:
+    """:class:`FsdpPlan` of ``layout`` on ``cloud`` — the runtime's rules (``syncwise.layout``:
+    ``fsdp_gather_bytes_per_element``, ``node_reshard``, ``fsdp_quantized_reduce``, ``hierarchical_applies``)."""
+    from ..layout import (fsdp_gather_bytes_per_element, fsdp_node_ranks, fsdp_quantized_reduce,
+                          fsdp_reduce_bytes_per_element)
+
+    own = owner_layout(layout)
+    _, _, k = group(cloud, layout, "dp_shard")
+    bwd = {"all": layout.dp_shard, "none": 1}.get(layout.fsdp_reshard)
+    if bwd is None:                      # node: the node's shard ranks (an uneven split runs as all: refused there)
+        kn = fsdp_node_ranks(own, cloud.gpus_per_node)
+        bwd = layout.dp_shard if kn in (0, layout.dp_shard) else kn
+    c = layout.compress
+    reduce, bpe = "", 0.0
+    if fsdp_quantized_reduce(c, layout.dp_replicate, layout.dp_shard, layout.pp):
+        bpe = fsdp_reduce_bytes_per_element(c)
+        reduce = "hierarchical" if 1 < k and hierarchical_applies(own, cloud.nodes, cloud.gpus_per_node) else "flat"
+    return FsdpPlan(fsdp_gather_bytes_per_element(layout.fsdp_gather, training.gather_bytes), bwd, k, reduce, bpe,
+                    c.name if reduce else "")
+
+
+def _reduce_wire(f: FsdpPlan) -> Wire:
+    compute, per_peer, _ = CODEC_COST[f.codec]
+    return Wire("all_to_all", f.reduce_bpe, compute_bytes=compute, compute_bytes_per_peer=per_peer, codec=f.codec)
+
+
+def fsdp_hop_bytes(f: FsdpPlan, layout: Layout, training: Training, local: float, microbatches: int
+                   ) -> dict[str, float]:
+    """The bytes per step one rank's FSDP2 collectives put in, split by hop as the run's summary counts them
+    (``hop_bytes_per_step_intra`` / ``_cross``: each collective's input payload, ``comm.ops.cross_share``): a ring
+    over the shard group's W ranks, k per node, crosses on 1/k of its bytes (N_g / W) when it spans nodes; an
+    all-to-all on (W − k) / W; a group inside one node not at all. Gathers (input: this rank's shard) per
+    micro-batch, the reduce-scatter (input: the whole unsharded gradient) once per step."""
+    W, k = layout.dp_shard, f.shard_per_node
+    ring = 1.0 / k if k < W else 0.0
+    out = {"intra": 0.0, "cross": 0.0}
+
+    def add(nbytes: float, share: float, times: float = 1.0) -> None:
+        out["cross"] += times * nbytes * share
+        out["intra"] += times * nbytes * (1 - share)
+
+    add(local / W * f.gather_bpe, ring, microbatches)                              # forward's gather
+    if f.bwd_ranks >= W:
+        add(local / W * f.gather_bpe, ring, microbatches)                          # backward's, the same
+    elif f.bwd_ranks > 1:
+        add(local / f.bwd_ranks * training.gather_bytes, 0.0, microbatches)        # inside the node
+    if f.reduce == "flat":
+        add(local * f.reduce_bpe, (W - k) / W if k < W else 0.0)
+    elif f.reduce == "hierarchical":
+        nodes = W // k
+        add(local * training.grad_reduce_bytes, 0.0)                               # the node's fp32 all-to-all
+        add(local / k * f.reduce_bpe, (nodes - 1) / nodes)                        # one payload per node across
+    else:
+        name = layout.compress.name
+        red = 2.0 if name in FSDP_REDUCE_DTYPES and name != "none" else training.grad_reduce_bytes
+        add(local * red, ring)
+    return out
 
 
 def _outer_step_time(cloud: Any, layout: Any, sync: Any, shard: float, dim: str, traffic: Any) -> float:

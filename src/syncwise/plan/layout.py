@@ -81,6 +81,9 @@ class Layout(owner.Layout):
             parts.append(f"compress={self.compress.text}")
         if self.sync is not None:
             parts.append(f"sync={self.sync}")
+        for key, default in (("fsdp_gather", "fp32"), ("fsdp_reshard", "all"), ("hierarchical", "auto")):
+            if getattr(self, key) != default:
+                parts.append(f"{key}={getattr(self, key)}")
         if self.zero1:
             parts.append("zero1=yes")
         if self.ep_fold:
@@ -151,11 +154,14 @@ LAYOUT_ACCEPTED = ("key=value options separated by commas: dp (= dp_replicate), 
                    "microbatch (sequences per micro-batch), microbatches (per step), schedule (" + "|".join(SCHEDULES)
                    + "), v (stages per rank), recompute (none|selective|full), sp (yes|no), ep_dispatch "
                    "(fp8|bf16|fp32), compress (a compressor spec without commas), sync (a sync spec without "
-                   "commas), zero1 (yes|no), ep_fold (yes|no); e.g. dp=4,tp=2,pp=2,microbatch=2,recompute=selective")
+                   "commas), zero1 (yes|no), ep_fold (yes|no), fsdp_gather (" + "|".join(owner.FSDP_GATHER)
+                   + "), fsdp_reshard (" + "|".join(owner.FSDP_RESHARD) + "), hierarchical (" + "|".join(owner.HIERARCHICAL)
+                   + "); e.g. dp=4,tp=2,pp=2,microbatch=2,recompute=selective")
 _INT_KEYS = {"dp": "dp_replicate", "dp_replicate": "dp_replicate", "dp_shard": "dp_shard", "fsdp": "dp_shard",
              "tp": "tp", "pp": "pp", "ep": "ep", "microbatch": "micro_batch", "micro_batch": "micro_batch",
              "microbatches": "microbatches", "v": "stages_per_rank", "stages_per_rank": "stages_per_rank"}
-_KEYS = (*_INT_KEYS, "schedule", "pp_schedule", "recompute", "sp", "ep_dispatch", "compress", "sync", "zero1", "ep_fold")
+_KEYS = (*_INT_KEYS, "schedule", "pp_schedule", "recompute", "sp", "ep_dispatch", "compress", "sync", "zero1", "ep_fold",
+         "fsdp_gather", "fsdp_reshard", "hierarchical")
 
 
 def parse_layout(text: str, world: Optional[int] = None, field: str = "--layout") -> Layout:
@@ -180,6 +186,9 @@ def parse_layout(text: str, world: Optional[int] = None, field: str = "--layout"
             kwargs["sequence_parallel"] = read_bool(raw, field, text, key)
         elif key in ("zero1", "ep_fold"):
             kwargs[key] = read_bool(raw, field, text, key)
+        elif key in ("fsdp_gather", "fsdp_reshard", "hierarchical"):   # the owner's choices (syncwise.layout)
+            kwargs[key] = read_choice(raw, field, text, key, {"fsdp_gather": owner.FSDP_GATHER, "fsdp_reshard":
+                                      owner.FSDP_RESHARD, "hierarchical": owner.HIERARCHICAL}[key])
         else:
             kwargs[key] = raw
     if "dp_replicate" not in kwargs:

@@ -55,6 +55,8 @@ class StepResult:
     #: the same bytes per hop: {'intra', 'cross', 'unsplit' (no hop known)} summing to comm_bytes_total; None: the
     #: step's bytes are not all counted (see StepBytes)
     comm_bytes_by_hop: Optional[dict] = None
+    #: cross-node bytes per parallel dimension, for the dimensions whose bytes all have a known hop
+    comm_cross_by_dim: Optional[dict] = None
 
     @property
     def comm_bytes_total(self) -> Optional[int]:
@@ -88,6 +90,7 @@ class PendingStep:
     lr: float  # the learning rate this step's update used
     micro_batch: Optional[int] = None  # DynamicBatcher's micro size after this step
     comm_hops: Optional[dict] = None  # the step's bytes per hop (StepBytes.hops)
+    comm_cross: Optional[dict] = None  # cross-node bytes per dimension (StepBytes.cross_by_dim)
     parallel_metrics: dict = field(default_factory=dict)  # what the layout measured (the pipeline's bubble)
     #: the step's device values (loss, norm, skip flag, 0-d tensors among parallel_metrics) copied to pinned memory
     #: behind one event at the step's end (issue 39 N2): settling reads them without draining the queue
@@ -132,6 +135,7 @@ class PendingStep:
                 comm_bytes_by_dim=self.comm_bytes,
                 comm_s_by_dim={d: times.get(d, (0.0, 0.0))[0] for d in dims},
                 comm_exposed_by_dim={d: times.get(d, (0.0, 0.0))[1] for d in dims}, comm_bytes_by_hop=self.comm_hops,
+                comm_cross_by_dim=self.comm_cross,
                 grad_norm=float(values["grad_norm"]), skipped=bool(values["skipped"]))
         return self._settled
 
@@ -161,8 +165,10 @@ class StepBytes:
 
     Per hop (:attr:`hops`, after :meth:`end`): the same bytes split by the link they crossed — ``intra`` (a group
     inside one node), ``cross`` (a group spanning nodes), as the ledger classified them (``comm.ops.hop_of``), and
-    ``unsplit`` for bytes with no known hop (the layout's own counters: FSDP2's and DTensor's collectives; no
-    topology known). None when some dimension's bytes are not counted at all.
+    ``unsplit`` for bytes with no known hop (a pipeline's sends; no topology known). FSDP2's all-gathers and
+    reduce-scatters and the dispatch counter's collectives (HSDP's all-reduce, DTensor's) are split by their pattern
+    over their group (``comm.ops.cross_share``: a ring's N_g / W of the bytes cross, an all-to-all's chunks for other
+    nodes; ``Parallelized.counted_hops``). None when some dimension's bytes are not counted at all.
     """
 
     def __init__(self, par: Any):
@@ -172,8 +178,9 @@ class StepBytes:
         self.ep_stats: Optional[CommStats] = self.ledger.ep if par.spec.ep > 1 else None
         self._marks = (0, 0)
         self._time_marks = (0.0, 0.0)
-        self._hop_marks: dict[str, int] = {}
+        self._hop_marks: dict[str, dict[str, int]] = {}
         self.hops: Optional[dict[str, int]] = None
+        self.cross_by_dim: Optional[dict[str, int]] = None  # cross-node bytes of each dimension whose bytes all have a hop
         params = next(iter(par.model.parameters()), None) if hasattr(par, "model") else None
         self.cuda = params is not None and on_cuda(params.device)
 
@@ -194,21 +201,31 @@ class StepBytes:
         out.update({dim: n for dim, n in counted.items() if dim != "dp"})
         if self.ep_stats is not None:
             out["ep"] = self.ep_stats.total_bytes - self._marks[1]
-        self.hops = None
+        self.hops, self.cross_by_dim = None, None
         if all(n is not None for n in out.values()):
             now = self._hops_now()
-            hops = {h: now.get(h, 0) - self._hop_marks.get(h, 0) for h in ("intra", "cross")}
-            hops["unsplit"] = now.get(UNKNOWN_HOP, 0) - self._hop_marks.get(UNKNOWN_HOP, 0) + sum(
-                n for dim, n in counted.items() if n)  # the layout's counters carry no hop
+            # per dimension: the ledgers' (dp, ep) since begin, plus the layout's counters split by their pattern
+            by_dim = {d: {h: now[d].get(h, 0) - self._hop_marks.get(d, {}).get(h, 0)
+                          for h in ("intra", "cross", UNKNOWN_HOP)} for d in now}
+            for d, split in (getattr(self.par, "counted_hops", None) or {}).items():
+                mine = by_dim.setdefault(d, {"intra": 0, "cross": 0, UNKNOWN_HOP: 0})
+                for h in ("intra", "cross"):
+                    mine[h] += split.get(h, 0)
+            hops = {h: sum(v[h] for v in by_dim.values()) for h in ("intra", "cross")}
+            hops["unsplit"] = sum(v[UNKNOWN_HOP] for v in by_dim.values()) + sum(
+                n for dim, n in counted.items() if n) - sum(
+                v["intra"] + v["cross"] for d, v in (getattr(self.par, "counted_hops", None) or {}).items())
             self.hops = hops
+            # a dimension's cross-node bytes where all of its bytes have a hop
+            self.cross_by_dim = {d: by_dim[d]["cross"] for d, n in out.items()
+                                 if n and d in by_dim and by_dim[d]["intra"] + by_dim[d]["cross"] == n}
         return out
 
-    def _hops_now(self) -> dict[str, int]:
-        """The ledger's bytes per hop so far (dp and, with expert parallelism, ep)."""
-        out = self.dp_stats.hop_bytes()
+    def _hops_now(self) -> dict[str, dict[str, int]]:
+        """The ledgers' bytes per hop so far, per dimension (dp and, with expert parallelism, ep)."""
+        out = {"dp": self.dp_stats.hop_bytes()}
         if self.ep_stats is not None:
-            for h, n in self.ep_stats.hop_bytes().items():
-                out[h] = out.get(h, 0) + n
+            out["ep"] = self.ep_stats.hop_bytes()
         return out
 
     def times(self) -> Callable[[], dict]:
@@ -307,7 +324,7 @@ class StepMeter:
         return PendingStep(step=self.step - 1, loss=loss, grad_norm=grad_norm, skipped=skipped,
                            step_time_s=self._clock.stop().seconds(), data_wait_s=self._data,
                            comm_waited_s=self._waited, exposed_comm=self._exposed, comm_times=comm_times,
-                           comm_bytes=comm_bytes, comm_hops=self.bytes.hops,
+                           comm_bytes=comm_bytes, comm_hops=self.bytes.hops, comm_cross=self.bytes.cross_by_dim,
                            tokens=tokens_of(batches) * self.par.dp_size, lr=lr,
                            micro_batch=self.batcher.size if self.batcher is not None else None,
                            parallel_metrics={**self.par.step_metrics(), **self.probe.take()}).capture()
@@ -342,7 +359,9 @@ def hop_fields(r: StepResult) -> dict[str, int]:
     hops = r.comm_bytes_by_hop
     if not hops:
         return {}
-    return {f"hop_bytes_{h}": n for h, n in hops.items() if h != "unsplit" or n}
+    out = {f"hop_bytes_{h}": n for h, n in hops.items() if h != "unsplit" or n}
+    out.update({f"hop_bytes_cross_{d}": n for d, n in (r.comm_cross_by_dim or {}).items()})  # per dimension
+    return out
 
 
 def job_nodes(world_size: int) -> Optional[int]:
@@ -371,6 +390,11 @@ def per_hop(steady: list, nodes: Optional[int]) -> dict[str, Any]:
         total = sum(r.get(h, 0) for r in rows)
         if h != "unsplit" or total:
             out[f"hop_bytes_per_step_{h}"] = total / n
+    # per dimension, over the steady steps that split it (hop_bytes_per_step_cross_fsdp ...)
+    dims = sorted({d for r in steady for d in (r.comm_cross_by_dim or {})})
+    for d in dims:
+        vals = [r.comm_cross_by_dim[d] for r in steady if r.comm_cross_by_dim and d in r.comm_cross_by_dim]
+        out[f"hop_bytes_per_step_cross_{d}"] = sum(vals) / len(vals)
     return out
 
 
@@ -379,3 +403,9 @@ def row_hops(row: dict) -> Optional[dict[str, int]]:
     if "hop_bytes_cross" not in row:
         return None
     return {h: row.get(f"hop_bytes_{h}", 0) for h in ("intra", "cross", "unsplit")}
+
+
+def row_cross(row: dict) -> Optional[dict[str, int]]:
+    """A metrics row's cross-node bytes per dimension back (``hop_bytes_cross_<dim>``); None when it has none."""
+    out = {k[len("hop_bytes_cross_"):]: v for k, v in row.items() if k.startswith("hop_bytes_cross_")}
+    return out or None

@@ -56,7 +56,7 @@ from .callbacks import (Arrivals, BatchChanges, CheckpointCadence, HangWatchdog,
 from .dynamic_batch import _rows, _slice
 from .faults import FaultPlan
 from .claim import claim
-from .meter import PendingStep, StepMeter, StepResult, hop_fields, job_nodes, per_hop, row_hops
+from .meter import PendingStep, StepMeter, StepResult, hop_fields, job_nodes, per_hop, row_cross, row_hops
 from .options import CommOptions, FaultOptions, RunOptions, StepOptions
 from .preemption import PreemptionGuard
 from .profile import StepProfiler
@@ -842,6 +842,7 @@ class OptimizedTrainer:
                            comm_bytes=r.get("comm_bytes"),
                            comm_bytes_by_dim=_by_dim(r, "comm_bytes_"), comm_s_by_dim=_by_dim(r, "comm_s_"),
                            comm_exposed_by_dim=_by_dim(r, "comm_exposed_s_"), comm_bytes_by_hop=row_hops(r),
+                           comm_cross_by_dim=row_cross(r),
                            tokens=round((r.get("tokens_per_s") or 0.0) * (r.get("step_time_s") or 0.0)),
                            grad_norm=r.get("grad_norm") or 0.0, skipped=bool(r.get("skipped")))
                 for r in sorted(rows, key=lambda r: r["step"])]
