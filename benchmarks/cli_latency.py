@@ -4,7 +4,8 @@
 
 Each case is a fresh process (the `syncwise` console script's entry, `syncwise.cli:main`) that must exit 2 with one
 line naming the field; the median of the repeats is reported beside the time of `python -c "import torch"` on the
-same machine, the floor every error paid when torch was imported before validation. Run it on a quiet machine.
+same machine, the floor every error paid when torch was imported before validation (tests/test_first_contact.py
+asserts the same cases never import torch). Run it on a quiet machine.
 """
 from __future__ import annotations
 

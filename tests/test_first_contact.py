@@ -20,6 +20,9 @@ PROBE = ("import sys; from syncwise.cli import main; rc = main(sys.argv[1:]); "
     (["train", "--compress=powersdg"], "'compress.method'"),
     (["doctor", "/nonexistent/syncwise-run"], "does not exist"),
     (["report", "/nonexistent/syncwise-run"], "'RUN'"),
+    (["train", "--stpes", "10"], "did you mean --steps"),
+    (["train", "--parallel.tp=abc"], "'parallel.tp'"),
+    (["train", "--inject-fault", "kill:rank=x"], "'inject_fault'"),  # parsed before the compressor's instance
 ])
 def test_a_cli_mistake_is_one_line_without_importing_torch(argv, says):
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
