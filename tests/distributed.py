@@ -7,6 +7,7 @@ topology code sees e.g. 2 nodes x 2 workers.
 """
 from __future__ import annotations
 
+import datetime
 import os
 import pickle
 import queue
@@ -37,8 +38,24 @@ def _entry(rank, fn, world_size, local_world_size, port, args, results, env, cwd
         results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
+    else:
+        _wait_for_peers()
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _wait_for_peers():
+    """Leave only when every rank's ``fn`` has returned: rank 0 holds the store, and a rank that tore its group down
+    while a peer still made a group or ran a last collective reset that peer's connection (a race on a slow machine).
+    A peer that failed or hangs is the parent's to report: its result (or its absence) is already on the queue, so
+    a barrier that raises or times out is not this rank's error."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
+    except Exception:  # noqa: BLE001 - see the docstring
+        pass
 
 
 # Workers fork from one forkserver per test session, which imports torch and syncwise once: a worker starts in
