@@ -342,6 +342,67 @@ def test_quorum_with_a_replica_the_job_never_started_is_refused():
         lr._after_quorum(6, 0.0, 5)
 
 
+ADMITTED = """
+import sys
+from datetime import timedelta
+from torchft import Manager, ProcessGroupGloo
+from syncwise import bind
+from syncwise.errors import SyncwiseError
+from syncwise.train.live_recovery import LiveRecovery, _bind_host, _manager_bound_to
+
+replica, secret = int(sys.argv[2]), sys.argv[3].encode()
+store = bind.tcp_store(_bind_host(), 0, is_master=True, wait_for_workers=False)
+with _manager_bound_to(_bind_host()):
+    m = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=60)), min_replica_size=2, load_state_dict=lambda sd: None,
+                state_dict=lambda: {}, use_async_quorum=False, replica_id=f"replica_{replica}", store_addr=_bind_host(),
+                store_port=store.port, rank=0, world_size=1, lighthouse_addr=sys.argv[1], hostname=_bind_host(),
+                timeout=timedelta(seconds=60), quorum_timeout=timedelta(seconds=120),
+                connect_timeout=timedelta(seconds=60))
+lr = LiveRecovery(replica, 2, sys.argv[1], secret=secret)
+lr.manager = m
+m.start_quorum()
+try:
+    lr._after_quorum(1, 0.0, m.current_step())
+    print("admitted", lr._members(), flush=True)
+except SyncwiseError as e:
+    print("refused:", e, flush=True)
+m.shutdown(wait=False)
+"""
+
+
+@pytest.mark.parametrize("second", ["the job's secret", "another secret"])
+def test_a_quorum_member_without_the_jobs_secret_is_refused_before_gradients(tmp_path, second):
+    """Two real torchft managers in one quorum through a real lighthouse: each member proves the job's secret
+    (LiveRecovery._admit). With the same secret both are admitted; a member that joined under replica_1's name
+    without it is named by replica 0, which refuses the quorum (torchft itself would have admitted it)."""
+    pytest.importorskip("torchft")
+    import subprocess
+    import sys
+
+    from syncwise.launch.ft import Lighthouse
+
+    lh = Lighthouse(2, tmp_path / "lighthouse.log")
+    script = tmp_path / "admitted.py"
+    script.write_text(ADMITTED)
+    secrets = ["s" * 32, "s" * 32 if second == "the job's secret" else "x" * 32]
+    procs = [subprocess.Popen([sys.executable, str(script), lh.address, str(r), secrets[r]], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        lh.shutdown()
+    said = [next((line for line in out.splitlines() if line.startswith(("admitted", "refused"))), out[-2000:])
+            for out in outs]
+    if second == "the job's secret":
+        assert said == ["admitted [0, 1]", "admitted [0, 1]"], said
+    else:
+        assert said[0].startswith("refused:") and "replica(s) [1] did not prove the job's secret" in said[0], said
+        assert said[1].startswith("refused:") and "replica(s) [0] did not prove" in said[1], said
+
+
 # -------------------------------------------------------------------------------------- row 2: integrations
 def test_transformers_callback_refuses_a_pickled_compressor_checkpoint(tmp_path):
     """A planted ``checkpoint-N/syncwise_compress.pt`` whose unpickling would run code: refused, nothing run."""

@@ -67,7 +67,8 @@ def run_local(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int 
         min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc,
         # Field notes: with an elastic range each rendezvous otherwise waits 30 s for optional nodes.
         rdzv_configs={"last_call_timeout": 3} if max_nodes > min_nodes else {}, run_id=run_id or uuid.uuid4().hex[:8],
-        rdzv_backend=bind.register_rendezvous(), rdzv_endpoint=bind.hostport(host, bind.free_port(host)),
+        rdzv_backend=bind.register_rendezvous(),
+        rdzv_endpoint=bind.hostport(host, _rendezvous_port(host, max_nodes)),
         local_addr=host, max_restarts=max_restarts,
         monitor_interval=0.5, start_method="spawn", **({"logs_specs": _logs(log_dir)} if log_dir else {}), **signals,
     )
@@ -80,6 +81,14 @@ def run_local(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int 
         if threading.current_thread() is threading.main_thread():
             for sig, handler in saved.items():
                 signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def _rendezvous_port(host: str, max_nodes: int) -> int:
+    """The rendezvous store's port: 0 for a job of this machine alone, so that the agent's store binds a free port
+    itself (as ``torchrun --standalone`` does; a port chosen here and bound later can be taken meanwhile by another
+    job: "Address already in use"), and the workers share that store (torch's agent store). A job other nodes
+    join must name its port in advance."""
+    return 0 if max_nodes == 1 else bind.free_port(host)
 
 
 def _logs(log_dir: str):

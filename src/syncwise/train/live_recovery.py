@@ -120,6 +120,7 @@ class LiveRecovery:
         self._pending_before = (0, 0)             # the manager's (step, batches committed) before the async quorum
         self._quorum_wait_s = 0.0                  # this step's wait for its async quorum (inside the step)
         self._grads: Optional[ReplicaBuckets] = None
+        self._proved_quorum: Optional[int] = None   # the last quorum id whose members all proved the job's secret
 
     @classmethod
     def from_env(cls) -> Optional["LiveRecovery"]:
@@ -393,6 +394,7 @@ class LiveRecovery:
         self.manager._healing = False
         self.manager.load_state_dict({"step": before[0], "batches_committed": before[1]})  # still behind
         self._behind = True
+        self._admit(step)  # (its peers check this new quorum's members before their first all-reduce too)
         print(f"syncwise: live recovery: replica {self.replica} found itself behind at step {step}'s quorum; "
               f"it sends zeros, discards this attempt and heals from a live peer before the redo",
               file=sys.stderr, flush=True)
@@ -409,6 +411,7 @@ class LiveRecovery:
             raise SyncwiseError(f"live recovery: replica {self.replica} refuses step {step}'s quorum: it holds "
                                 f"replica(s) {strangers}, which this job never started (ft.replicas = "
                                 f"{self.replicas}); something outside the job joined the lighthouse (docs/security.md)")
+        self._admit(step)
         if n != self.participants or members != self.members:
             lost = sorted(set(self.members) - set(members))
             joined = sorted(set(members) - set(self.members))
@@ -426,6 +429,46 @@ class LiveRecovery:
             self.heals.append({"step": healed, "seconds": seconds})
             print(f"syncwise: live recovery: replica {self.replica} healed from a live peer at step "
                   f"{healed} in {seconds:.2f} s (no checkpoint read)", file=sys.stderr, flush=True)
+
+    def _admit(self, step: int) -> None:
+        """Admission: once per quorum (torchft's quorum id changes exactly when its members do, the same for every
+        member), before any gradient crosses replicas, every member proves it holds the job's secret: each sends
+        its replica index and HMAC(secret, quorum id, index, group rank) through the quorum's own process group
+        (one all-gather of 33 integers) and checks everyone's. torchft 0.2.0's lighthouse and managers admit anyone
+        who reaches them; a member that cannot prove the secret (something that joined under a replica's name),
+        or two members claiming one replica, end this replica's step with one line naming them, so no foreign
+        gradient is averaged in. A member that dies during the check, or never takes part, fails it as any collective
+        of the quorum fails in torchft: the step is discarded and redone at a new quorum, checked again. Without a
+        job secret (a warning said so at the join) there is nothing to prove."""
+        quorum_id = getattr(self.manager, "_quorum_id", None)
+        if self.secret is None or quorum_id is None or quorum_id == self._proved_quorum:
+            return
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        pg, group_rank = self.manager._pg, getattr(self.manager, "_group_rank", 0)
+        members = self._members()
+        mine = torch.tensor([self.replica, *_admission_mac(self.secret, quorum_id, self.replica, group_rank)],
+                            dtype=torch.int64)
+        got = [torch.empty_like(mine) for _ in range(max(1, len(getattr(pg, "_global_ranks", None) or [])))]
+        try:
+            pg.allgather([got], [mine], AllgatherOptions()).wait()
+        except Exception as e:  # noqa: BLE001 - a member died meanwhile, or does not take part (torchft's timeout)
+            # as torchft treats any failed collective of a quorum: this step is not committed and is redone at the
+            # next quorum, whose members are checked again (nothing was averaged with an unchecked member)
+            self.manager.report_error(e)
+            return
+        claimed = [int(t[0]) for t in got]
+        unproved = sorted({r for r, t in zip(claimed, got) if not _hmac_equal(
+            bytes(int(b) for b in t[1:]), _admission_mac(self.secret, quorum_id, r, group_rank))})
+        doubled = sorted({r for r in claimed if claimed.count(r) > 1})
+        if unproved or doubled or sorted(set(claimed)) != members:
+            said = [f"member(s) claiming replica(s) {unproved} did not prove the job's secret"] * bool(unproved)
+            said += [f"replica(s) {doubled} claimed twice"] * bool(doubled)
+            what = "; ".join(said) or f"the members claim replicas {sorted(claimed)}, the quorum holds {members}"
+            raise SyncwiseError(f"live recovery: replica {self.replica} refuses step {step}'s quorum: {what}; "
+                                "something outside the job joined the lighthouse under a replica's name "
+                                "(docs/security.md)")
+        self._proved_quorum = quorum_id
 
     def _issue(self, flat: torch.Tensor) -> Any:
         """One bucket's cross-replica all-reduce (average over the quorum's participants), after its quorum
@@ -555,6 +598,21 @@ class LiveQuorum(StepCallback):
 
 # Per-rank components that must not travel: the RNG (this rank's own streams) and the micro-batch size found here.
 _NOT_HEALED = ("rng", "batcher")
+
+
+def _admission_mac(secret: bytes, quorum_id: int, replica: int, group_rank: int) -> list[int]:
+    """What a quorum member sends to prove it holds the job's secret (:meth:`LiveRecovery._admit`): 32 bytes of
+    HMAC-SHA256 over the quorum id, its replica index and its rank in the replica group, as integers."""
+    import hmac
+
+    msg = f"syncwise-admission|{quorum_id}|{replica}|{group_rank}".encode()
+    return list(hmac.new(secret, msg, hashlib.sha256).digest())
+
+
+def _hmac_equal(a: bytes, b: list[int]) -> bool:
+    import hmac
+
+    return hmac.compare_digest(a, bytes(b))
 
 
 def _healed_names(state: Any) -> list[str]:
