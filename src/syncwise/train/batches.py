@@ -62,6 +62,8 @@ def describe(batch: Any) -> str:
 def as_pair(batch: Any, pipeline: bool = False) -> tuple[Any, Any]:
     """``batch`` as the trainer's ``(inputs, targets)`` pair (a mapping: ``(dict, KWARGS)``); refuse another shape
     in one line naming what was given and what is accepted."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2 and not isinstance(batch[1], _Kwargs):
+        return batch[0], batch[1]   # (first: the common shape skips the Mapping ABC's slower isinstance)
     if isinstance(batch, Mapping):
         if pipeline:
             raise BatchShapeError(describe(batch), "(inputs, targets) tuples with pipeline parallel (its schedule "
@@ -70,8 +72,6 @@ def as_pair(batch: Any, pipeline: bool = False) -> tuple[Any, Any]:
         if not batch:
             raise BatchShapeError("an empty mapping")
         return dict(batch), KWARGS
-    if isinstance(batch, (tuple, list)) and len(batch) == 2 and not isinstance(batch[1], _Kwargs):
-        return batch[0], batch[1]
     raise BatchShapeError(describe(batch))
 
 

@@ -202,7 +202,10 @@ class StepBytes:
         if self.ep_stats is not None:
             out["ep"] = self.ep_stats.total_bytes - self._marks[1]
         self.hops, self.cross_by_dim = None, None
-        if all(n is not None for n in out.values()):
+        counted_all = None not in out.values()
+        if counted_all and not any(out.values()) and not getattr(self.par, "counted_hops", None):
+            self.hops, self.cross_by_dim = {"intra": 0, "cross": 0, "unsplit": 0}, {}  # (what the split below gives)
+        elif counted_all:
             now = self._hops_now()
             # per dimension: the ledgers' (dp, ep) since begin, plus the layout's counters split by their pattern
             by_dim = {d: {h: now[d].get(h, 0) - self._hop_marks.get(d, {}).get(h, 0)
