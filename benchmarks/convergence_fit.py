@@ -33,9 +33,15 @@ def points_of(path: Path, data: dict) -> tuple[list[M.Point], str]:
     return M.points_from_results(data, str(path.relative_to(ROOT)))
 
 
+#: results kept out of the fit: auto's held-out lab points (RESULTS.md §15), the evidence the fit is checked against
+HELD_OUT = ("auto-heldout-",)
+
+
 def inventory() -> tuple[list[dict], list[M.Point]]:
     rows, pts = [], []
     for f in sorted(RESULTS.glob("*.json")):
+        if f.name.startswith(HELD_OUT):
+            continue
         try:
             data = json.loads(f.read_text())
         except ValueError:

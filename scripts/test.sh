@@ -20,4 +20,4 @@ fi
 # Two pytest workers (pytest-xdist): many tests wait (on a timeout, a slow link, a subprocess's start) or run one
 # single-threaded process, so a second worker fills the other core. Tests that share a machine-wide resource (the
 # network lab, the local Slurm) take turns (tests/conftest.py: a file lock). SYNCWISE_TEST_WORKERS=0: serial.
-"$SYNCWISE_PYTHON" -m pytest -q -n "${SYNCWISE_TEST_WORKERS:-2}" "$@"
+"$SYNCWISE_PYTHON" -m pytest -q -n "${SYNCWISE_TEST_WORKERS:-2}" --durations=25 "$@"

@@ -61,7 +61,9 @@ def _wait_for_peers():
 # Workers fork from one forkserver per test session, which imports torch and syncwise once: a worker starts in
 # ~0.1 s instead of re-importing them (2-3 s of CPU each, the largest share of a small multi-process test on 2
 # cores). Forked from a clean single-threaded server (nothing has run a torch op there), as torch allows.
-_PRELOAD = ["torch", "torch.distributed", "syncwise.train", "syncwise.models", "syncwise.parallel"]
+# (syncwise.train's names load on first use, so its trainer module is named: preloading the package alone would
+# leave every worker to import the trainer itself, ~10 % of the multi-process tests' time)
+_PRELOAD = ["torch", "torch.distributed", "syncwise.train.trainer", "syncwise.models", "syncwise.parallel"]
 _CTX = None
 
 

@@ -194,7 +194,9 @@ def test_an_old_run_config_with_compress_sync_resumes_and_refuses_a_different_sy
     old["compress"]["sync"] = "localsgd:period=4"  # a config.json written before parallel.sync
     old["run_dir"] = str(run)
     (run / "config.json").write_text(json.dumps(old))
-    (run / "metrics.jsonl").write_text("")
+    # a run that trained (a row and a checkpoint): one that never finished a step is set aside, not resumed
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n")
+    (run / "checkpoints" / "step_00000001").mkdir(parents=True)
     cfg = resolve_config(None, {"run_dir": str(run), "resume": "auto"})
     assert cfg.parallel.sync == "localsgd:period=4"
     check_run_dir(cfg, run)  # same sync: fine

@@ -78,24 +78,19 @@ class HostCopy:
     """Named step values (0-d tensors, or plain numbers) readable later without draining the device's queue.
 
     CUDA: stacked into one fp64 vector, copied with ``non_blocking`` into pinned memory, one event recorded on the
-    current stream after the copy; :meth:`read` waits for that event only. CPU: read at once (host memory: there is
-    no queue to wait for). Another accelerator: read when needed (a sync there)."""
+    current stream after the copy; :meth:`read` waits for that event only. CPU: the stacked values are host memory
+    already. Another accelerator: read when needed (a sync there)."""
 
     __slots__ = ("names", "_plain", "_host", "_event")
 
     def __init__(self, values: Mapping[str, Any]):
         tensors = {k: v for k, v in values.items() if torch.is_tensor(v)}
         self._plain = {k: v for k, v in values.items() if not torch.is_tensor(v)}
+        self.names = list(tensors)
         self._host: Optional[torch.Tensor] = None
         self._event: Any = None
-        if all(t.device.type == "cpu" for t in tensors.values()):
-            # host memory already: read now (no queue to drain), as floats like the stacked path; stacking them
-            # would cost ~18 µs a step on this CPU against ~1 µs (benchmarks/step_overhead.py)
-            with _reader():
-                self._plain.update((k, float(t.item())) for k, t in tensors.items())
-            self.names: list[str] = []
+        if not tensors:
             return
-        self.names = list(tensors)
         stacked = torch.stack([t.detach().reshape(()).to(torch.float64) for t in tensors.values()])
         if stacked.device.type == "cuda":
             self._host = torch.empty(stacked.shape, dtype=torch.float64, pin_memory=True)
