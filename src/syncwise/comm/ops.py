@@ -314,6 +314,18 @@ def procs_per_node() -> Optional[int]:
     return local if local >= 1 and world >= local and world % local == 0 else None
 
 
+def _placed_ranks(pg) -> "Optional[tuple[list[int], int]]":
+    """(the global ranks of ``pg``, ranks per node), or None when the topology or the group's ranks are not known:
+    what :func:`hop_of` and :func:`cross_share` classify."""
+    per = procs_per_node()
+    if per is None:
+        return None
+    try:
+        return dist.get_process_group_ranks(pg), per
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+
+
 def hop_of(group=None) -> Optional[str]:
     """'intra' when every rank of ``group`` (None: the default group) is on one node, 'cross' when it spans nodes,
     None when the topology is not known (no CommContext topology, no LOCAL_WORLD_SIZE) or no group exists.
@@ -326,13 +338,10 @@ def hop_of(group=None) -> Optional[str]:
             return _hops[pg]
     except TypeError:  # not weak-referenceable: classify every time
         pass
-    per = procs_per_node()
-    if per is None:
+    placed = _placed_ranks(pg)
+    if placed is None:
         return None
-    try:
-        ranks = dist.get_process_group_ranks(pg)
-    except (RuntimeError, ValueError, AttributeError):
-        return None
+    ranks, per = placed
     hop = "intra" if len({r // per for r in ranks}) <= 1 else "cross"
     try:
         _hops[pg] = hop
@@ -372,13 +381,10 @@ def cross_share(group=None, pattern: str = "ring") -> Optional[float]:
         cached = None
     if cached is not None and pattern in cached and cached.get("_per") == procs_per_node():
         return cached[pattern]
-    per = procs_per_node()
-    if per is None:
+    placed = _placed_ranks(pg)
+    if placed is None:
         return None
-    try:
-        ranks = dist.get_process_group_ranks(pg)
-    except (RuntimeError, ValueError, AttributeError):
-        return None
+    ranks, per = placed
     share = ring_cross_share(ranks, per) if pattern == "ring" else \
         all_to_all_cross_share(ranks, per, dist.get_rank())
     try:
