@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import hmac
 import json
 import os
 import sys
@@ -47,7 +48,7 @@ import torch
 
 from ..errors import ConfigError, SyncwiseError
 from .. import bind, live_env
-from ..secret import ENV_SECRET_FILE, read_secret
+from ..secret import ENV_SECRET_FILE, read_secret, sign
 from ..parallel.local_sgd import is_dtensor as _is_dtensor
 from .callbacks import StepCallback
 from .live_buckets import ReplicaBuckets, overlap_ok, wire_dtype
@@ -458,7 +459,7 @@ class LiveRecovery:
             self.manager.report_error(e)
             return
         claimed = [int(t[0]) for t in got]
-        unproved = sorted({r for r, t in zip(claimed, got) if not _hmac_equal(
+        unproved = sorted({r for r, t in zip(claimed, got) if not hmac.compare_digest(
             bytes(int(b) for b in t[1:]), _admission_mac(self.secret, quorum_id, r, group_rank))})
         doubled = sorted({r for r in claimed if claimed.count(r) > 1})
         if unproved or doubled or sorted(set(claimed)) != members:
@@ -600,19 +601,10 @@ class LiveQuorum(StepCallback):
 _NOT_HEALED = ("rng", "batcher")
 
 
-def _admission_mac(secret: bytes, quorum_id: int, replica: int, group_rank: int) -> list[int]:
-    """What a quorum member sends to prove it holds the job's secret (:meth:`LiveRecovery._admit`): 32 bytes of
-    HMAC-SHA256 over the quorum id, its replica index and its rank in the replica group, as integers."""
-    import hmac
-
-    msg = f"syncwise-admission|{quorum_id}|{replica}|{group_rank}".encode()
-    return list(hmac.new(secret, msg, hashlib.sha256).digest())
-
-
-def _hmac_equal(a: bytes, b: list[int]) -> bool:
-    import hmac
-
-    return hmac.compare_digest(a, bytes(b))
+def _admission_mac(secret: bytes, quorum_id: int, replica: int, group_rank: int) -> bytes:
+    """What a quorum member sends to prove it holds the job's secret (:meth:`LiveRecovery._admit`): the job's
+    signature (``secret.sign``, HMAC-SHA256) over the quorum id, its replica index and its rank in the replica group."""
+    return sign(secret, b"syncwise-admission", *(str(n).encode() for n in (quorum_id, replica, group_rank)))
 
 
 def _healed_names(state: Any) -> list[str]:
