@@ -181,20 +181,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         bandwidth, where = "loopback", f"{args.nproc} local workers over loopback"
         go(threads_per_worker(args.nproc))
 
-    targets, per_round = zip(*[T.round_rows(r, s, e, args, bandwidth) for r, s, e in zip(rounds, summaries, errors)])
-    for rows in per_round:  # peers by this benchmark's list (time_to_loss marks torch-* only)
+    targets, per_round = zip(*[T.round_rows(r, s, e, args, bandwidth, is_peer=PEERS.__contains__)
+                               for r, s, e in zip(rounds, summaries, errors)])
+    for rows in per_round:
         for row in rows:
-            row["peer"] = row["name"] in PEERS
             if row["name"] == B.BASELINE:
                 row["name"] = BASELINE_NAME
-            summary = next((s.get(row["name"]) for s in summaries if row["name"] in s), None) or {}
-            row["peak_mem_mb"] = summary.get("peak_mem_mb")
+            summary = Path(row["run_dir"]) / "summary.json"  # the run's own record (run_one's summary has none)
+            row["peak_mem_mb"] = json.loads(summary.read_text()).get("peak_mem_mb") if summary.exists() else None
     rows = T.combine(list(per_round))
     target = sum(targets) / len(targets)
     title = (("SMOKE (too short to rank anything): " if args.smoke else "") +
              f"time to fp32 FSDP2's loss: {args.preset}, N={args.steps}, cap {args.cap}, {where}, "
              f"{args.repeats} round(s)")
-    T.render(rows, title, target)
+    T.render(rows, title, target, baseline="fp32 FSDP2")
     json_path = Path(args.json) if args.json else out_dir / "fsdp-compress.json"
     json_path.parent.mkdir(parents=True, exist_ok=True)
     result = {"smoke": args.smoke, "title": title,

@@ -176,9 +176,15 @@ def crossing(points: list[dict[str, float]], target: float) -> Optional[dict[str
     return None
 
 
+def is_torch_peer(name: str) -> bool:
+    """This benchmark's peers: PyTorch's own hooks and averagers, torchft's DiLoCo."""
+    return name.startswith(("torch-", "torchft-"))
+
+
 def round_rows(runs: list[B.BenchRun], summaries: dict[str, dict], errors: dict[str, str], args: argparse.Namespace,
-               bandwidth: str) -> tuple[float, list[dict[str, Any]]]:
-    """(target, one row per configuration) of one round; ratios are formed within the round."""
+               bandwidth: str, is_peer=is_torch_peer) -> tuple[float, list[dict[str, Any]]]:
+    """(target, one row per configuration) of one round; ratios are formed within the round, "vs best peer"
+    against the fastest configuration ``is_peer`` names."""
     base_curve = curve(runs[1].run_dir) if B.BASELINE in summaries else []
     if len(base_curve) < args.last_evals:
         raise SyncwiseError(f"fp32 DDP did not produce {args.last_evals} evaluations: {errors.get(B.BASELINE)}")
@@ -187,7 +193,7 @@ def round_rows(runs: list[B.BenchRun], summaries: dict[str, dict], errors: dict[
     rows = []
     for run in runs[1:]:
         b = bench_rows[run.name]
-        row: dict[str, Any] = {"name": run.name, "peer": run.name.startswith(("torch-", "torchft-")), "steps_run": run.cfg.train.steps,
+        row: dict[str, Any] = {"name": run.name, "peer": is_peer(run.name), "steps_run": run.cfg.train.steps,
                                "run_dir": str(run.run_dir), "error": b.get("error"),
                                "parallel_efficiency": b.get("parallel_efficiency"),
                                "mean_step_time_s": b.get("mean_step_time_s"),
@@ -246,13 +252,13 @@ def combine(per_round: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return out
 
 
-def render(rows: list[dict[str, Any]], title: str, target: float) -> None:
+def render(rows: list[dict[str, Any]], title: str, target: float, baseline: str = "fp32 DDP") -> None:
     from rich.console import Console
     from rich.table import Table
 
     f = B._fmt
     on = sorted({r["fewer_bytes_on"] for r in rows if r.get("fewer_bytes_on")})
-    table = Table(title=title, caption=f"target: fp32 DDP's validation loss {target:.4f} (mean of its last evaluations)"
+    table = Table(title=title, caption=f"target: {baseline}'s validation loss {target:.4f} (mean of its last evaluations)"
                                        "; time = cumulative step time; ratios paired within each round; B/token: "
                                        "every hop, cross B/token: between nodes; × fewer bytes: on "
                                        + (" / ".join(on) or "cross-node bytes"))

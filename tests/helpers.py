@@ -1,5 +1,6 @@
 """Pieces several test modules share: whether the network lab can run here, a checkpointer whose saves stay in
-flight until the test lets them finish, and a live-recovery run's rows and final replica digests."""
+flight until the test lets them finish, a model that fails at its third call, and a live-recovery run's rows and
+final replica digests."""
 from __future__ import annotations
 
 import contextlib
@@ -9,8 +10,23 @@ import shutil
 import subprocess
 
 import pytest
+from torch import nn
 
 from syncwise.checkpoint import SmartCheckpointer
+
+
+class FailsAtStep3(nn.Linear):
+    """A user's model whose third forward raises: a run that fails after its first rows were logged."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = 0
+
+    def forward(self, inputs):
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("the user's bug at step 3")
+        return super().forward(inputs)
 
 
 def lab_unavailable() -> str | None:

@@ -9,6 +9,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
+from helpers import FailsAtStep3
 from syncwise import ConfigError, OptimizedTrainer, SyncwiseError
 from syncwise.train import batches
 from syncwise.train.dynamic_batch import DynamicBatcher
@@ -183,15 +184,6 @@ def test_a_run_that_fails_after_its_first_rows_is_not_overwritten_by_a_rerun_in_
     it, or the rerun skips the claim and replaces the rows."""
     run = tmp_path / "run"
     x = torch.randn(4, 6)
-
-    class FailsAtStep3(nn.Linear):
-        calls = 0
-
-        def forward(self, inputs):
-            FailsAtStep3.calls += 1
-            if FailsAtStep3.calls == 3:
-                raise RuntimeError("the user's bug at step 3")
-            return super().forward(inputs)
 
     with pytest.raises(RuntimeError, match="step 3"):
         _trainer(FailsAtStep3(6, 6), loss_fn=F.mse_loss, run_dir=str(run)).train([(x, x)], steps=6)

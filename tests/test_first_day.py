@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from helpers import FailsAtStep3
 from syncwise import OptimizedTrainer
 from syncwise.cli import main
 
@@ -120,15 +121,6 @@ def test_resume_auto_with_rows_but_no_checkpoint_sets_the_rows_aside_on_the_comm
 def test_resume_auto_with_rows_but_no_checkpoint_sets_the_rows_aside_in_the_python_api(tmp_path, capsys):
     run = tmp_path / "run"
     x = torch.randn(8, 4)
-
-    class FailsAtStep3(nn.Linear):
-        calls = 0
-
-        def forward(self, inputs):
-            FailsAtStep3.calls += 1
-            if FailsAtStep3.calls == 3:
-                raise RuntimeError("the user's bug at step 3")
-            return super().forward(inputs)
 
     def trainer(model):
         return OptimizedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss,
