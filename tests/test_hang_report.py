@@ -105,9 +105,10 @@ def _stop_one_worker(run, stopped: int, nproc: int, *flags: str) -> tuple[float,
 @pytest.mark.parametrize("stopped, compress", [(1, "topk:ratio=0.01"), (0, "powersgd:rank=2")])
 def test_sigstopped_rank_is_reported_within_the_timeout(tmp_path, stopped, compress):
     after, text = _stop_one_worker(tmp_path / "run", stopped, 2, "--compress", compress)
-    # The old code never reported a stopped rank under compression (> 117 s), and 31-47 s after a 15 s timeout
-    # without; the goal is timeout + 5 s (benchmarks/reliability.py measures it). Lenient here: CI shares cores.
-    assert after < TIMEOUT_S + 15, (after, text)
+    # The old code never reported a stopped rank under compression (> 117 s): a report at all (the helper waits up
+    # to the timeout + 60 s) fails on it. How soon is benchmarks/reliability.py's measure, not a test's (CI shares
+    # cores); what holds at any speed is that the report comes from the configured timeout, not torch's default.
+    assert f"--dist.timeout_s={TIMEOUT_S})" in text, (after, text)
     other = 1 - stopped
     assert text.startswith(f"syncwise: rank {other}: ")
     # The stop lands wherever rank `stopped` happens to be: usually inside the compressor's collectives (its own
@@ -129,7 +130,7 @@ def test_sigstopped_rank_under_hsdp_is_reported_within_the_timeout(tmp_path):
     stopped = 3
     after, text = _stop_one_worker(tmp_path / "run", stopped, 4, "--parallel.dp_replicate", "2",
                                    "--parallel.dp_shard", "2")
-    assert after < TIMEOUT_S + 15, (after, text)  # a 30 min gloo default before the fix
+    assert f"--dist.timeout_s={TIMEOUT_S})" in text, (after, text)  # a 30 min gloo default before the fix
     assert re.match(r"syncwise: rank [012]: ", text), text
     assert f"Did not arrive: rank {stopped} (silent for" in text
     # Inside FSDP2 the collective is named from the exception (torch's call and its group), not guessed as DDP's.

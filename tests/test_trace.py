@@ -267,10 +267,13 @@ def test_flight_dumps_name_the_first_collective_a_rank_did_not_enter(tmp_path):
 
 def test_a_rank_that_stops_inside_a_tensor_parallel_step_is_named_by_doctor(tmp_path, capsys):
     # `hang:rank=1,step=2`: rank 1 stops as step 2 begins; rank 0 times out inside DTensor's first collective of
-    # the step, dumps its flight recorder with its report; doctor names that collective and rank 1 as absent
+    # the step, dumps its flight recorder with its report; doctor names that collective and rank 1 as absent.
+    # A 1 s preemption grace: torchrun's SIGTERM then ends the stopped rank 1 s later instead of its SIGKILL 30 s
+    # later (the stopped rank's handler only raises the flag; the grace timer is what exits)
     run_dir = tmp_path / "run"
     assert main(["train", "--nproc", "2", "--preset", "tiny", "--steps", "4", "--run-dir", str(run_dir),
-                 "--data.seq_len=32", "--train.val_interval=0", "--ckpt.interval=0", "--parallel.tp=2",
+                 "--data.seq_len=32", "--train.val_interval=0", "--ckpt.interval=0", "--ckpt.preempt_grace_s=1",
+                 "--parallel.tp=2",
                  "--dist.timeout_s=3", "--inject-fault", "hang:rank=1,step=2"]) != 0
     capsys.readouterr()
     main(["doctor", str(run_dir), "--json", "-", "--no-predict"])
