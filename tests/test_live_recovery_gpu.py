@@ -194,3 +194,32 @@ def _copies_for_a_healing_peer(rank, world):
 def test_a_healthy_step_does_not_copy_the_compressor_state_and_a_healing_peer_gets_the_steps_start():
     (results,) = run_workers(_copies_for_a_healing_peer, 1)
     assert results == [(0, True), (0, True), (1, True), (1, True), (1, True)], results
+
+
+@needs_torchft
+@pytest.mark.slow
+def test_a_compressor_inside_the_replica_groups_heals_with_the_rest(tmp_path):
+    """2 replica groups × 2 DDP workers with top-k (error feedback) inside each group; rank 2 (replica 1's group rank
+    0) is killed at step 3, its group restarts and heals from replica 0 — the compressor's state included, read by
+    the peer as it was before its step's backward. What holds at any speed: one row per step, identical replicas at
+    the end, and a replacement that trained healed from the live peer (else it found the run finished)."""
+    import json
+
+    from helpers import final_replica_digests, metrics_rows
+    from syncwise.cli import main
+
+    run_dir = tmp_path / "topk"
+    assert main(["train", "--run-dir", str(run_dir), "--preset", "tiny", "--nproc", "2", "--steps", "12",
+                 "--data.seq_len=32", "--train.val_interval=0", "--train.val_batches=1", "--ckpt.interval=0",
+                 "--ft.timeout_s=10", "--ft.replicas=2", "--compress.method=topk:ratio=0.1",
+                 "--inject-fault", "slowdata:ms=500", "--inject-fault", "kill:rank=2,step=3"]) == 0
+    assert [r["step"] for r in metrics_rows(run_dir)] == list(range(1, 13))
+    live = json.loads((run_dir / "summary.json").read_text())["live_recovery"]
+    digests = final_replica_digests(live)
+    assert len(set(digests.values())) == 1, digests
+    attempts = {(a["replica"], a["attempt"]): a for a in live["attempts"]}
+    assert all("sync_state_copies" in a for a in attempts.values())
+    if attempts.get((1, 1), {}).get("param_digest"):
+        assert attempts[(1, 1)]["heals"] and attempts[(1, 1)]["fallback_step"] is None
+    else:
+        assert "already finished" in (run_dir / "ft" / "replica1.log").read_text()

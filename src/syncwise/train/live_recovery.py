@@ -332,6 +332,8 @@ class LiveRecovery:
     def summary(self) -> dict[str, Any]:
         return {"replica": self.replica, "replicas": self.replicas, "heals": self.heals,
                 "discarded_steps": self.discarded, "quorum_changes": self.changes, "fallback_step": self.fallback_step,
+                # copies of the gradient sync's state made for a peer that might heal (before_backward, _state)
+                "sync_state_copies": self.peer_copies,
                 "param_digest": self.param_digest(), **(self.outer.summary() if self.outer is not None else {})}
 
     def param_digest(self) -> Optional[str]:
