@@ -126,7 +126,10 @@ def _copies_for_a_healing_peer(rank, world):
     compressor update, which changes its residual in place), with a real error-feedback compressor. Returns, per
     step, the compressor state copies made and whether what a healing peer got is the step's start. (The manager is
     reduced to the one thing these points read of it: its quorum's future.)"""
+    import os
+
     from syncwise.checkpoint import TrainState
+    from syncwise.comm import hostread
     from syncwise.compress import CompressionHookState, CompressionPolicy, parse_compress_spec
     from syncwise.train.live_recovery import LiveRecovery
 
@@ -167,8 +170,9 @@ def _copies_for_a_healing_peer(rank, world):
             served.append(live._state(state))
         if quorum_done_at_backward:
             future.set_result(None)
-        live.before_backward()
-        backward()
+        with hostread.step_region():  # (strict: the trainer's step, where before_backward runs, reads no step value
+            live.before_backward()    # on the host except by design)
+            backward()
         after = residual()
         changed = bool(start_residual) and any(not torch.equal(after[k][n], v) for k, s in start_residual.items()
                                                for n, v in s.items())
@@ -182,6 +186,7 @@ def _copies_for_a_healing_peer(rank, world):
             for k, s in start_residual.items() for n, v in s.items()) for sd in served)
         return Counting.copies - before, good and changed  # (changed: the backward did move the state)
 
+    os.environ[hostread.STRICT_ENV] = "1"
     backward()  # a residual to protect
     return [step(False, True, False),   # healthy, its quorum ended during the forward: nothing copied
             step(False, True, False),   # (again: no copy accumulates either)
