@@ -95,3 +95,21 @@ def test_a_feature_that_is_off_is_not_in_the_loops_list(tmp_path):
     full.train(_loader(), steps=2, checkpoint_dir=tmp_path / "ckpt")
     assert [type(c).__name__ for c in full._callbacks] == ["InjectedKills", "Validation", "Preemption",
                                                           "CheckpointCadence"]
+
+
+def test_before_backward_is_asked_before_each_backward_once_the_steps_gradients_are_cleared(tmp_path):
+    """``before_backward`` (live recovery's last moment before the gradient sync changes its state): before every
+    backward of the step, the first finding no gradient yet; only callbacks that override it are asked."""
+    class Gate(StepCallback):
+        def __init__(self):
+            self.calls = []
+
+        def before_backward(self, trainer, step):
+            self.calls.append((step, all(p.grad is None for p in trainer.model.parameters())))
+
+    trainer = _trainer(tmp_path, grad_accum_steps=2)
+    gate = Gate()
+    trainer.callbacks += [Recorder(), gate]
+    trainer.train(_loader(8), steps=2)
+    assert gate.calls == [(1, True), (1, False), (2, True), (2, False)], gate.calls
+    assert trainer._backward_gates == [gate]  # (the others, the trainer's own included, are not asked)

@@ -28,7 +28,7 @@ from .layout import DISPATCH, FSDP_GATHER, FSDP_RESHARD, HIERARCHICAL, SCHEDULES
 from .specs import parse_bool
 from .profiling import check_pair
 from .rundir import RunDir
-from . import schema
+from . import live_env, schema
 from .schema import MAX_STEPS, TYPE_WORDS, one_of, option, option_of, type_of, within
 
 if TYPE_CHECKING:
@@ -808,6 +808,11 @@ def check_references(cfg: RunConfig, here: bool = True) -> None:
                           "127.0.0.1, so no other node can ever join and it would wait forever for MIN nodes "
                           "(multi-node: --lab, or torchrun on every node)")
     where = placement(cfg) if here else None  # dist.device, dist.backend, dist.nproc against this machine's GPUs
+    if where is not None and cfg.ft.replicas and where.device_type == "cuda" and live_env.REPLICA not in os.environ:
+        from .devices import replica_gpus
+
+        # the launcher's view (a replica group's worker sees only its own GPUs): every replica group GPUs of its own
+        replica_gpus(0, cfg.ft.replicas, cfg.dist.nproc, where.gpus)
     if where is not None and cfg.train.mixed_precision == "fp16" and where.device_type != "cuda":
         raise ConfigError("train.mixed_precision", "fp16", "none, bf16 or auto when the workers run on the CPU "
                           f"(dist.device={cfg.dist.device} resolves to the CPU here; fp16 needs CUDA and a GradScaler)")

@@ -15,6 +15,10 @@ The rule (issue 14; FIELD-NOTES "On a GPU"):
   torch has NCCL), else gloo — so the default 2-worker job runs on a one-GPU machine, both ranks on
   ``cuda:0`` over gloo, and :attr:`Placement.note` says so and how to get NCCL.
 - The network lab's nodes are namespaces of one machine: all of them share its GPUs, so the lab runs on gloo.
+- Live recovery (issue 39 row N6): the cross-replica gradient traffic goes over NCCL when the replicas compute on
+  CUDA and over gloo on the CPU (:func:`replica_backend`); on one machine each replica group gets GPUs of its own,
+  ``r*nproc .. r*nproc+nproc-1``, through ``CUDA_VISIBLE_DEVICES`` (:func:`replica_visible_devices`), refused in
+  one line when the machine has fewer than ``replicas*nproc``.
 
 :func:`plan` and :func:`assign` are pure (tests pass the GPU count); :func:`plan_here`, :func:`visible_gpus`,
 :func:`local_env` and :func:`resolve` read this machine and process.
@@ -27,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, SyncwiseError
 
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "nccl", "gloo")
@@ -236,3 +240,68 @@ def resolve(device: str | torch.device, name: str = "device") -> torch.device:
     if dev.index >= gpus:
         raise ConfigError(name, device, f"'cpu', 'cuda' or 'cuda:N' with N from 0 to {gpus - 1} (the visible GPUs)")
     return dev
+
+
+# -- live recovery: the cross-replica group and each replica group's GPUs (issue 39 row N6) ------------------
+#: Live recovery's cross-replica process group (one of torchft's reconfigurable groups) for the device the replicas
+#: compute on. The gradient buckets cross replicas where they are: NCCL moves CUDA tensors GPU to GPU (torchft's
+#: ``ProcessGroupNCCL``, aborted and rebuilt at each new quorum); gloo with CUDA tensors would copy every bucket to
+#: the host, over TCP and back, every step. The one rule: the worker builds its group from it
+#: (``train.live_recovery.replica_process_group``) and refuses a tensor on the other side (:func:`check_replica_wire`).
+REPLICA_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+
+
+def replica_backend(device_type: str) -> str:
+    """The cross-replica group's backend for replicas computing on ``device_type`` ('cpu' → gloo, 'cuda' → nccl)."""
+    try:
+        return REPLICA_BACKENDS[device_type]
+    except KeyError:
+        raise ConfigError("device", device_type, "cpu or cuda (live recovery's cross-replica group: gloo for the "
+                          "CPU, NCCL for CUDA)") from None
+
+
+def check_replica_wire(backend: str, device: "torch.device | str") -> None:
+    """Refuse a tensor on ``device`` for the cross-replica group of ``backend``: a CUDA tensor on gloo (which would
+    take it through the host silently, every step) or a CPU tensor on NCCL. A SyncwiseError in one line."""
+    kind = torch.device(device).type
+    wanted = REPLICA_BACKENDS.get(kind)
+    if wanted != backend:
+        raise SyncwiseError(f"live recovery: a {kind} tensor was handed to the {backend} cross-replica group; "
+                            f"{kind} tensors cross replicas over {wanted or 'no supported group'} "
+                            "(syncwise.devices.replica_backend: the group is built from the replicas' device)")
+
+
+def replica_gpus(replica: int, replicas: int, nproc: int, visible_gpus: int) -> range:
+    """The GPUs (indices into the launcher's visible GPUs) of replica group ``replica`` when ``replicas`` groups of
+    ``nproc`` workers share one machine: ``replica*nproc .. replica*nproc+nproc-1``. Every worker of the job needs a
+    GPU of its own: the cross-replica NCCL group pairs rank k of every group, and NCCL refuses two ranks of one
+    communicator on one GPU ('Duplicate GPU detected'). Fewer GPUs: a ConfigError in one line. Pure."""
+    need = replicas * nproc
+    if need > visible_gpus:
+        fits = visible_gpus // nproc if nproc else 0
+        raise ConfigError("ft.replicas", replicas,
+                          f"at most {fits} replica group(s) of {nproc} worker(s) on this machine's {visible_gpus} "
+                          f"GPU(s): every replica group needs GPUs of its own ({need} in all; live recovery's "
+                          "cross-replica NCCL group pairs rank k of every group, and NCCL refuses two ranks on one "
+                          "GPU), or dist.device=cpu")
+    if not 0 <= replica < replicas:
+        raise ConfigError("replica", replica, f"an integer from 0 to {replicas - 1}")
+    return range(replica * nproc, replica * nproc + nproc)
+
+
+def replica_visible_devices(device: str, replica: int, replicas: int, nproc: int, visible_gpus: int,
+                            parent: Optional[str] = None) -> Optional[str]:
+    """``CUDA_VISIBLE_DEVICES`` for replica group ``replica`` of a live-recovery job on one machine (None: leave the
+    environment as it is: the job computes on the CPU). ``device``: the job's dist.device ('auto' is CUDA when a
+    GPU is visible). ``parent``: the launcher's own ``CUDA_VISIBLE_DEVICES`` (None: unset), whose list the ranges
+    index, so a job given GPUs 4-7 splits those. Pure (see :func:`replica_gpus` for the rule and the refusal)."""
+    if device not in DEVICES:
+        raise ConfigError("dist.device", device, "one of: " + ", ".join(DEVICES))
+    if device == "cpu" or (device == "auto" and visible_gpus == 0):
+        return None
+    if visible_gpus == 0:
+        raise ConfigError("dist.device", device, "auto or cpu: no CUDA GPU is visible to the launcher")
+    gpus = replica_gpus(replica, replicas, nproc, visible_gpus)
+    listed = [s.strip() for s in parent.split(",") if s.strip()] if parent else []
+    ids = [listed[i] for i in gpus] if len(listed) >= visible_gpus else [str(i) for i in gpus]
+    return ",".join(ids)

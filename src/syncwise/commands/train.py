@@ -213,7 +213,7 @@ def launch(cfg: RunConfig) -> dict:
     ft = cfg.ft
     live = Live(ft.replicas, ft.replica_restarts, min_replicas=ft.min_replicas, quorum_timeout_s=ft.quorum_timeout_s,
                 timeout_s=ft.timeout_s, heartbeat_timeout_s=ft.heartbeat_timeout_s,
-                lighthouse=ft.lighthouse) if ft.replicas else None
+                lighthouse=ft.lighthouse, device=cfg.dist.device) if ft.replicas else None
     job = Job(nproc=cfg.dist.nproc, lab=cfg.dist.lab, live=live, in_process=True, max_restarts=cfg.dist.max_restarts,
               nnodes=cfg.dist.nnodes, run_dir=cfg.run_dir, preempt_grace_s=cfg.ckpt.preempt_grace_s,
               # the elastic agent's worker logs (the lab's nodes print to this console)

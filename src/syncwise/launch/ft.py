@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from ..errors import SyncwiseError
+from ..errors import ConfigError, SyncwiseError
 from ..rundir import RunDir
-from .. import bind, live_env
+from .. import bind, devices, live_env
 from .local import threads_per_worker
 from ..secret import ENV_SECRET_FILE, create_secret
 
@@ -129,12 +129,31 @@ def replica_env(replica: int, replicas: int, lighthouse: str, nproc: int, min_re
     return env
 
 
+def replica_gpu_env(device: str, replicas: int, nproc: int, base: Optional[dict[str, str]] = None,
+                    visible_gpus: Optional[int] = None) -> list[dict[str, str]]:
+    """For each replica group on this machine, the variables that give it GPUs of its own (``devices``' rule:
+    group ``r`` gets the launcher's GPUs ``r*nproc .. r*nproc+nproc-1`` as its ``CUDA_VISIBLE_DEVICES``, so its
+    local rank k computes on its ``cuda:k``); ``{}`` each when the job computes on the CPU. Raises the rule's
+    one-line ConfigError, before any group starts, when the machine has fewer than ``replicas*nproc`` GPUs.
+    ``visible_gpus``: this launcher's (None: asked of torch)."""
+    env = os.environ if base is None else base
+    gpus = devices.visible_gpus() if visible_gpus is None else visible_gpus
+    out = []
+    for r in range(replicas):
+        ids = devices.replica_visible_devices(device, r, replicas, nproc, gpus, env.get("CUDA_VISIBLE_DEVICES"))
+        out.append({} if ids is None else {"CUDA_VISIBLE_DEVICES": ids})
+    return out
+
+
 def run_replicas(module_args: Sequence[str], run_dir: str | Path, replicas: int, nproc: int, restarts: int,
                  lighthouse: str = "", min_replicas: int = 1, quorum_timeout_s: float = 60.0,
-                 timeout_s: float = 30.0, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> list[int]:
+                 timeout_s: float = 30.0, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
+                 device: str = "auto") -> list[int]:
     """Start the lighthouse (unless ``lighthouse`` names one) and ``replicas`` torchrun jobs running
     ``module_args`` (e.g. ``['-m', 'syncwise.commands.worker', '--config', FILE]``); wait for all; return their exit
-    codes. Each group's output goes to ``RUN_DIR/ft/replica{R}.log``. SIGINT/SIGTERM here stop every group."""
+    codes. Each group's output goes to ``RUN_DIR/ft/replica{R}.log``. SIGINT/SIGTERM here stop every group.
+    ``device``: the job's dist.device; on CUDA each group gets GPUs of its own (:func:`replica_gpu_env`)."""
+    gpu_env = replica_gpu_env(device, replicas, nproc)  # (refused here, before the lighthouse or any group starts)
     run_dir = Path(run_dir)
     (run_dir / FT_DIR).mkdir(parents=True, exist_ok=True)
     # A resumed run (--resume auto) launched again: its attempts are numbered after the earlier launches' ones, and
@@ -160,6 +179,7 @@ def run_replicas(module_args: Sequence[str], run_dir: str | Path, replicas: int,
                               str(run_dir / FT_DIR / "status"))
             env[live_env.FIRST_ATTEMPT] = str(first_attempt)
             env[ENV_SECRET_FILE] = secret_file
+            env.update(gpu_env[r])
             log = open(run_dir / FT_DIR / f"replica{r}.log", "ab")
             logs.append(log)
             procs.append(subprocess.Popen(replica_command(module_args, nproc, restarts), env=env, stdout=log,
@@ -399,15 +419,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--quorum-timeout-s", type=float, default=60.0)
     p.add_argument("--timeout-s", type=float, default=30.0)
     p.add_argument("--heartbeat-timeout-s", type=float, default=HEARTBEAT_TIMEOUT_S)
+    p.add_argument("--device", choices=devices.DEVICES, default="auto",
+                   help="where the workers compute: on CUDA each replica group gets GPUs of its own")
     p.add_argument("--run-dir", required=True)
     p.add_argument("script", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     script = args.script[1:] if args.script[:1] == ["--"] else args.script
     if args.replicas < 2 or not 1 <= args.min_replicas <= args.replicas or args.nproc < 1 or not script:
         p.error("needs --replicas ≥ 2, 1 ≤ --min-replicas ≤ --replicas, --nproc ≥ 1 and a script")
+    try:  # (too few GPUs for the replica groups: one line, before anything starts)
+        replica_gpu_env(args.device, args.replicas, args.nproc)
+    except ConfigError as e:
+        p.error(str(e))
     codes = run_replicas(script, args.run_dir, args.replicas, args.nproc, args.restarts, lighthouse=args.lighthouse,
                          min_replicas=args.min_replicas, quorum_timeout_s=args.quorum_timeout_s,
-                         timeout_s=args.timeout_s, heartbeat_timeout_s=args.heartbeat_timeout_s)
+                         timeout_s=args.timeout_s, heartbeat_timeout_s=args.heartbeat_timeout_s, device=args.device)
     print(f"replica groups ended with exit codes {codes}; logs in {Path(args.run_dir) / FT_DIR}", file=sys.stderr)
     return 0 if not all(codes) else 1
 

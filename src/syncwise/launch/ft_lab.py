@@ -29,7 +29,7 @@ from ..errors import ConfigError, SyncwiseError
 from ..lab.cluster import PREFIX, LabLock, LabState, node_command, require
 from ..lab.launch import omp_threads
 from .ft import (FT_DIR, HEARTBEAT_TIMEOUT_S, LiveRows, _attempts, _lighthouse_program, heartbeat_ms,
-                 lighthouse_died, replica_command, replica_env)
+                 lighthouse_died, replica_command, replica_env, replica_gpu_env)
 from ..secret import ENV_SECRET_FILE, create_secret
 from .. import live_env
 
@@ -75,23 +75,26 @@ def wait_listening(state: LabState, node: int, port: int, proc: subprocess.Popen
 def run_replicas_lab(module_args: Sequence[str], run_dir: str | Path, replicas: int, nproc: int, restarts: int,
                      min_replicas: int = 1, quorum_timeout_s: float = 60.0, timeout_s: float = 30.0,
                      relaunches: Optional[int] = None, prefix: str = PREFIX,
-                     heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> list[int]:
+                     heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S, device: str = "auto") -> list[int]:
     """The lighthouse on lab node 0 and replica group ``r`` on node ``r`` (``replicas`` ≤ the lab's nodes); wait
     for all; return each group's last exit code. ``relaunches`` (default ``restarts``): how often a group whose
-    torchrun failed is started again on its node. Logs: ``RUN_DIR/ft/replica{R}.log``, ``lighthouse.log``."""
+    torchrun failed is started again on its node. Logs: ``RUN_DIR/ft/replica{R}.log``, ``lighthouse.log``.
+    ``device``: the job's dist.device; the lab's nodes are namespaces of this machine, so on CUDA each node's group
+    gets GPUs of its own as on one machine (``launch.ft.replica_gpu_env``; unverified on GPUs: no GPU machine here)."""
     with LabLock(prefix, exclusive=False):  # `cluster down` refuses to tear the lab down under the job
         state = require(prefix)
         if replicas > state.num_nodes:
             raise ConfigError("ft.replicas", replicas, f"at most the lab's {state.num_nodes} nodes (one replica group "
                               f"per node; `syncwise cluster up --nodes {replicas}`)")
+        gpu_env = replica_gpu_env(device, replicas, nproc)
         return _run(state, list(module_args), Path(run_dir), replicas, nproc, restarts, min_replicas,
                     quorum_timeout_s, timeout_s, restarts if relaunches is None else relaunches,
-                    heartbeat_timeout_s)
+                    heartbeat_timeout_s, gpu_env)
 
 
 def _run(state: LabState, module_args: list[str], run_dir: Path, replicas: int, nproc: int, restarts: int,
          min_replicas: int, quorum_timeout_s: float, timeout_s: float, relaunches: int,
-         heartbeat_timeout_s: float) -> list[int]:
+         heartbeat_timeout_s: float, gpu_env: Optional[list[dict[str, str]]] = None) -> list[int]:
     ft_dir = run_dir / FT_DIR
     ft_dir.mkdir(parents=True, exist_ok=True)
     # as run_replicas: a launch of a resumed run numbers its attempts after the earlier ones; old status files go
@@ -120,6 +123,8 @@ def _run(state: LabState, module_args: list[str], run_dir: Path, replicas: int, 
             env[ENV_SECRET_FILE] = str(create_secret(run_dir))
             env.update({"GLOO_SOCKET_IFNAME": n.ifname, "OMP_NUM_THREADS": threads, live_env.HOST: n.namespace,
                         ATTEMPT_BASE_ENV: str(first_attempt + launch * (restarts + 1))})
+            if gpu_env and gpu_env[r]:  # (CUDA: its own GPUs, and NCCL's sockets on the node's shaped link)
+                env.update({**gpu_env[r], "NCCL_SOCKET_IFNAME": n.ifname})
             log = open(ft_dir / f"replica{r}.log", "ab")
             logs.append(log)
             return subprocess.Popen(in_node(state, r, replica_command(module_args, nproc, restarts, host=n.address)), env=env,

@@ -70,6 +70,7 @@ class Live:
     timeout_s: float = 30.0
     heartbeat_timeout_s: Optional[float] = None  # None: launch/ft's default
     lighthouse: str = ""
+    device: str = "auto"  # dist.device: on CUDA each replica group gets GPUs of its own (devices.replica_gpus)
 
 
 @dataclass(frozen=True)
@@ -186,12 +187,13 @@ def _live(job: Job, worker: Worker) -> list[int]:
 
         return run_replicas_lab(list(worker.argv), job.run_dir, live.replicas, job.nproc, live.restarts,
                                 min_replicas=live.min_replicas, quorum_timeout_s=live.quorum_timeout_s,
-                                timeout_s=live.timeout_s, **heartbeat)
+                                timeout_s=live.timeout_s, device=live.device, **heartbeat)
     from .ft import run_replicas
 
     return run_replicas(list(worker.argv), job.run_dir, live.replicas, job.nproc, live.restarts,
                         lighthouse=live.lighthouse, min_replicas=live.min_replicas,
-                        quorum_timeout_s=live.quorum_timeout_s, timeout_s=live.timeout_s, **heartbeat)
+                        quorum_timeout_s=live.quorum_timeout_s, timeout_s=live.timeout_s, device=live.device,
+                        **heartbeat)
 
 
 def _copies(job: Job, workers: Sequence[Worker]) -> list[int]:

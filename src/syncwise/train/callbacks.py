@@ -8,6 +8,8 @@ overrides the hooks it needs; each is a no-op here:
 ``on_train_start(trainer)``        after the resume, before the first step (inside the loop's ``try``: ``close`` runs)
 ``on_step_start(trainer, step)``   before the batch of step ``step`` (``trainer.step + 1``); may move ``trainer.step``
                                    (live recovery: a replica behind heals from a live peer)
+``before_backward(trainer, step)`` before each backward of the step (its batch drawn, its forward run): the last
+                                   moment the gradient sync's state is still the step's start (live recovery)
 ``commits(trainer, pending)``      after the step's update: False, and the step does not count; it is redone with
                                    the next batch (live recovery: the update did not commit on every replica, and
                                    its sync strategy applied none; what an update did stays). The first False ends
@@ -53,6 +55,9 @@ class StepCallback:
         pass
 
     def on_step_start(self, trainer: Trainer, step: int) -> None:
+        pass
+
+    def before_backward(self, trainer: Trainer, step: int) -> None:
         pass
 
     def commits(self, trainer: Trainer, pending: "PendingStep") -> bool:

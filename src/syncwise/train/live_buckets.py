@@ -60,7 +60,7 @@ class ReplicaBuckets:
     and reused every step. With ``overlap``, a post-accumulate-grad hook on each parameter marks its gradient
     ready during backward, and each bucket is sent (``issue(flat)`` → a torchft work) as soon as it and every
     bucket before it are complete, so the all-reduces run while backward computes the earlier layers. The order
-    of the buckets is the same on every replica whatever order gradients arrive in (gloo pairs collectives by
+    of the buckets is the same on every replica whatever order gradients arrive in (gloo and NCCL pair collectives by
     order). :meth:`finish` sends the buckets not sent yet (a parameter unused this step, an MoE expert no token
     chose, never becomes ready: it sends zeros, as every replica must hand the all-reduce the same buffer), waits
     for all, and writes the averages back to ``.grad``."""

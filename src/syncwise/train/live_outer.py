@@ -97,7 +97,7 @@ class LiveOuterSync:
         torch.sub(inner.anchor, inner._read(), out=inner._delta)  # this replica's pseudo-gradient
         inner._pack_skips(step, inner._flags)  # the steps it dropped in the round ride along
         started = time.perf_counter()
-        manager.allreduce(inner._wire).wait()  # the average over the quorum's replicas (torchft's gloo group)
+        manager.allreduce(inner._wire).wait()  # the average over the quorum's replicas (its gloo or NCCL group)
         committed = manager.should_commit()
         waited = time.perf_counter() - started
         if committed:

@@ -13,7 +13,8 @@ DiLoCo workers as replicas: :class:`LiveOuterSync`, a quorum and a commit once p
    schedule, GradScaler, the trainer's counters and the data position) — no checkpoint is read — and continues at
    the peers' step, before its forward. Every replica in the quorum counts in the step's average.
 2. ``exchange`` (after backward): the gradients are averaged over the replicas that took part in the quorum
-   (torchft's reconfigurable gloo process group, fixed flat buckets that, with one worker per group, go out from
+   (torchft's reconfigurable process group: NCCL when the replicas compute on CUDA, gloo on the CPU, one rule in
+   ``syncwise.devices.replica_backend``; fixed flat buckets that, with one worker per group, go out from
    gradient hooks during backward: ``ReplicaBuckets`` (train/live_buckets.py)), then ``should_commit``: every replica
    group applies the update only when the all-reduce succeeded everywhere in it and at least ``min_replicas``
    replicas took part. A step that does not commit is redone with the next batch (same step number: metrics.jsonl
@@ -39,6 +40,7 @@ import hmac
 import json
 import os
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -47,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 import torch
 
 from ..errors import ConfigError, SyncwiseError
-from .. import bind, live_env
+from .. import bind, devices, live_env
 from ..secret import ENV_SECRET_FILE, read_secret, sign
 from ..parallel.local_sgd import is_dtensor as _is_dtensor
 from .callbacks import StepCallback
@@ -113,7 +115,10 @@ class LiveRecovery:
         self.stats: Any = None  # where the cross-replica average is counted (the run's ledger.dp, set by the trainer)
         self.outer: Optional["LiveOuterSync"] = None  # local SGD / DiLoCo workers as replicas (see attach)
         self._state_obj: Any = None
-        self._for_peers: dict[str, Any] = {}       # the small components as they were at this step's start (_state)
+        self._for_peers: dict[str, Any] = {}       # components as they were at this step's start (_state)
+        self._peer_lock = threading.Lock()          # _state (torchft's quorum thread) against before_backward
+        self._backward_started = False            # this step's backward has begun (before_backward)
+        self.peer_copies = 0                      # copies of the gradient sync's state made for healing peers
         self._quorum_pending: Optional[tuple] = None  # (step, started, step before): the async quorum in flight
         self._quorum_error: Optional[BaseException] = None
         self._behind = False                      # the async quorum found this replica behind (_found_behind)
@@ -122,6 +127,8 @@ class LiveRecovery:
         self._quorum_wait_s = 0.0                  # this step's wait for its async quorum (inside the step)
         self._grads: Optional[ReplicaBuckets] = None
         self._proved_quorum: Optional[int] = None   # the last quorum id whose members all proved the job's secret
+        self.wire_device = torch.device("cpu")     # where the cross-replica traffic's tensors live (join)
+        self.backend = "gloo"                      # its process group's (devices.replica_backend)
 
     @classmethod
     def from_env(cls) -> Optional["LiveRecovery"]:
@@ -172,10 +179,16 @@ class LiveRecovery:
         step): heal from a live peer when behind. When no replica has trained yet in this quorum (a fresh job, or
         every replica was lost), ``resume_fallback()`` loads the newest checkpoint (None/0: there is none)."""
         import torch.distributed as dist
-        from torchft import Manager, ProcessGroupGloo
+        from torchft import Manager
 
         self._trainer, self._state_obj = trainer, state
         self.params = [p for p in trainer.model.parameters() if p.requires_grad]
+        # the cross-replica group goes where the gradients are (devices.replica_backend: NCCL for CUDA, gloo for the
+        # CPU); torchft builds an NCCL communicator on the current device, so that is this rank's parameters' device
+        self.wire_device = _wire_device(self.params, getattr(trainer, "device", None))
+        self.backend = devices.replica_backend(self.wire_device.type)
+        if self.wire_device.type == "cuda":
+            torch.cuda.set_device(self.wire_device)
         group_rank = dist.get_rank() if dist.is_initialized() else 0
         group_size = dist.get_world_size() if dist.is_initialized() else 1
         store_addr = os.environ.get("MASTER_ADDR", "localhost")
@@ -190,7 +203,8 @@ class LiveRecovery:
                   flush=True)
         with _manager_bound_to(_bind_host()):  # (torchft binds its manager to [::]; this job's address instead)
             self.manager = Manager(
-                pg=ProcessGroupGloo(timeout=timedelta(seconds=self.timeout_s)), min_replica_size=self.min_replicas,
+                pg=replica_process_group(self.backend, timedelta(seconds=self.timeout_s)),
+                min_replica_size=self.min_replicas,
                 load_state_dict=lambda sd: self._load(state, sd), state_dict=lambda: self._state(state),
                 # Every quorum member's gradient counts (a replica that heals at its quorum does so before its forward);
                 # a healthy step's quorum still runs in the background during forward/backward (_start_async_quorum).
@@ -214,6 +228,8 @@ class LiveRecovery:
         if self.outer is None:  # (local SGD / DiLoCo: no gradient crosses replicas; the outer step averages)
             self._grads = ReplicaBuckets(self.params, self._issue, overlap=overlap_ok(trainer, group_size),
                                           wire_dtype=wire_dtype(getattr(trainer, "compress_spec", None)))
+        for buffer in self._wire_buffers():  # (allocated once: each is checked here, not every step)
+            devices.check_replica_wire(self.backend, buffer.device)
         if self.manager.current_step() == 0 and trainer.step == 0:
             step = resume_fallback()
             if step:
@@ -316,6 +332,8 @@ class LiveRecovery:
     def summary(self) -> dict[str, Any]:
         return {"replica": self.replica, "replicas": self.replicas, "heals": self.heals,
                 "discarded_steps": self.discarded, "quorum_changes": self.changes, "fallback_step": self.fallback_step,
+                # copies of the gradient sync's state made for a peer that might heal (before_backward, _state)
+                "sync_state_copies": self.peer_copies,
                 "param_digest": self.param_digest(), **(self.outer.summary() if self.outer is not None else {})}
 
     def param_digest(self) -> Optional[str]:
@@ -448,11 +466,13 @@ class LiveRecovery:
 
         pg, group_rank = self.manager._pg, getattr(self.manager, "_group_rank", 0)
         members = self._members()
+        # (on the group's device: NCCL moves CUDA tensors only; read back once per quorum, not per step)
         mine = torch.tensor([self.replica, *_admission_mac(self.secret, quorum_id, self.replica, group_rank)],
-                            dtype=torch.int64)
+                            dtype=torch.int64).to(self.wire_device)
         got = [torch.empty_like(mine) for _ in range(max(1, len(getattr(pg, "_global_ranks", None) or [])))]
         try:
             pg.allgather([got], [mine], AllgatherOptions()).wait()
+            got = [t.cpu() for t in got]
         except Exception as e:  # noqa: BLE001 - a member died meanwhile, or does not take part (torchft's timeout)
             # as torchft treats any failed collective of a quorum: this step is not committed and is redone at the
             # next quorum, whose members are checked again (nothing was averaged with an unchecked member)
@@ -477,31 +497,87 @@ class LiveRecovery:
         self._await_quorum()
         if self._quorum_error is not None:
             return None
+        if flat.device.type != self.wire_device.type:  # (the buckets are checked at the join; this is metadata only)
+            devices.check_replica_wire(self.backend, flat.device)
         if self._behind:
             flat.zero_()
         if self.stats is not None:  # (the bytes this rank puts on the wire; torchft's all-reduce bypasses comm.ops)
             self.stats.record("all_reduce", flat.numel() * flat.element_size())
         return self.manager.allreduce(flat)
 
+    def _wire_buffers(self) -> list[torch.Tensor]:
+        """The tensors this replica hands the cross-replica group every step (allocated once): the gradient buckets
+        (and their 16-bit wire copies), or local SGD / DiLoCo's outer-step buffer."""
+        out: list[torch.Tensor] = []
+        if self._grads is not None:
+            out += list(self._grads.flats) + [w for w in self._grads.wires if w is not None]
+        if self.outer is not None:
+            inner = self.outer.inner
+            out += [t for t in (getattr(inner, "_wire", None), getattr(inner, "_send", None)) if t is not None]
+        return out
+
     def _snapshot_for_peers(self) -> None:
-        """The components a healing peer may receive during this step, as they are now, at the step's start:
-        with the quorum in the background, the peer's request arrives while this replica draws its batch and runs
-        backward. The model and optimizer tensors are sent as they are (they change only after should_commit,
-        which a healing peer's all-reduce, issued after its transfer, precedes); the small rest is copied here."""
+        """The components a healing peer may receive during this step, as they are at the step's start: with the
+        quorum in the background, the peer's request arrives while this replica draws its batch and runs its
+        forward and backward. By when each component changes in a step:
+
+        - the model and optimizer change only after should_commit, which a healing peer's all-reduce (issued after
+          its transfer) precedes: sent as they are, never copied;
+        - the gradient sync's state (``compressor``: error feedback, PowerSGD's matrices, a gradient's size) changes
+          from the backward on: not copied here; :meth:`before_backward` copies it only when the backward starts
+          while a quorum that may serve a peer still runs, and :meth:`_state` reads it as it is before that;
+        - the small rest (data position, counters, LR schedule, scaler) is copied here."""
         state = self._state_obj
         if state is None:
             return
-        self._for_peers = {name: copy.deepcopy(state[name].state_dict()) for name in _healed_names(state)
-                           if name != "model"}
+        with self._peer_lock:
+            self._for_peers = {name: copy.deepcopy(state[name].state_dict()) for name in _healed_names(state)
+                               if name != "model" and name not in _FROM_BACKWARD}
+            self._backward_started = False
+
+    def before_backward(self) -> None:
+        """The step's first backward is about to start (the trainer asks before each; only the first counts): the
+        last moment the gradient sync's state is still the step's start. Copied now only when this step's quorum
+        still runs in the background (it may yet serve a healing peer); a quorum already done served whoever it
+        served (:meth:`_state` read that state as it was), so a healthy step whose quorum ended during the forward
+        copies nothing."""
+        if self._backward_started:
+            return
+        state = self._state_obj
+        with self._peer_lock:
+            self._backward_started = True
+            if state is None or not self._quorum_running():
+                return
+            for name in _FROM_BACKWARD:
+                if name in state and name not in self._for_peers:
+                    self._for_peers[name] = state[name].state_dict()  # (a copy: Compressor.state_dict clones)
+                    self.peer_copies += 1
+
+    def _quorum_running(self) -> bool:
+        """Whether this step's quorum may still call :meth:`_state` (it runs in torchft's thread until its future is
+        done; a synchronous quorum, or one already awaited, has ended)."""
+        if self._quorum_pending is None:
+            return False
+        future = getattr(self.manager, "_quorum_future", None)
+        return future is None or not future.done()
 
     def _state(self, state: Any) -> dict[str, Any]:
         """What a joining replica receives: the train state's components (model, optimizer, scheduler, scaler,
-        trainer counters, data position), this rank's own where per-rank (the peer's rank of the same index)."""
+        trainer counters, data position, the gradient sync's state), this rank's own where per-rank (the peer's rank
+        of the same index). Called in torchft's quorum thread, only when a peer heals from this replica."""
         trainer = self._trainer
         if trainer is not None:  # (injected: healkill, a failure during the healing transfer)
             trainer.faults.maybe_kill_healing(trainer.step, trainer.rank)
-        snapshot = self._for_peers  # (the small components as they were at this step's start)
-        sd = {name: snapshot[name] if name in snapshot else state[name].state_dict() for name in _healed_names(state)}
+        with self._peer_lock:  # (the backward does not start changing the gradient sync's state meanwhile)
+            if self.wire_device.type == "cuda":  # the last step's update and gradient sync, queued, done first
+                torch.cuda.synchronize(self.wire_device)  # (this thread waits; the training thread does not)
+            snapshot = self._for_peers  # (as they were at this step's start)
+            for name in _FROM_BACKWARD:
+                if name in state and name not in snapshot and not self._backward_started:
+                    snapshot[name] = state[name].state_dict()  # (before the backward: still the step's start)
+                    self.peer_copies += 1
+            sd = {name: snapshot[name] if name in snapshot else state[name].state_dict()
+                  for name in _healed_names(state)}
         # DTensors (FSDP2 shards) travel as this rank's local shards: pickling a DTensor would drag its device mesh
         # and process groups along; the receiver (same group rank, same sharding) puts them back into its own.
         sd = _to_local_tree(sd)
@@ -553,7 +629,8 @@ class LiveRecovery:
 
     def _members(self) -> list[int]:
         """The replica indices of the current quorum: torchft hands its reconfigurable process group the quorum's
-        global ranks (replica index × group size + group rank; ``ProcessGroupGloo._global_ranks``)."""
+        global ranks (replica index × group size + group rank; ``_global_ranks`` of torchft's ProcessGroupGloo and
+        ProcessGroupNCCL alike)."""
         ranks = getattr(getattr(self.manager, "_pg", None), "_global_ranks", None) or []
         size = max(1, getattr(self.manager, "_group_world_size", 1))
         return sorted({int(r) // size for r in ranks})
@@ -585,6 +662,9 @@ class LiveQuorum(StepCallback):
         trainer.phase = "live recovery quorum"
         self.live.begin_step(step)
 
+    def before_backward(self, trainer: Any, step: int) -> None:
+        self.live.before_backward()
+
     def commits(self, trainer: Any, pending: Any) -> bool:
         if self.live.committed:
             pending.parallel_metrics.update(self.live.row())
@@ -599,6 +679,9 @@ class LiveQuorum(StepCallback):
 
 # Per-rank components that must not travel: the RNG (this rank's own streams) and the micro-batch size found here.
 _NOT_HEALED = ("rng", "batcher")
+# Components that change only from the step's backward on (the gradient sync's state, as large as a gradient):
+# copied for a healing peer only when needed (LiveRecovery.before_backward), never at every step's start.
+_FROM_BACKWARD = ("compressor",)
 
 
 def _admission_mac(secret: bytes, quorum_id: int, replica: int, group_rank: int) -> bytes:
@@ -627,6 +710,45 @@ def _start_async_quorum(manager: Any) -> bool:
     manager._quorum_future = manager._executor.submit(manager._async_quorum, allow_heal=True, shrink_only=False,
                                                       quorum_timeout=manager._quorum_timeout, curr_device=device)
     return True
+
+
+def replica_process_group(backend: str, timeout: timedelta) -> Any:
+    """Live recovery's cross-replica process group for ``backend`` (``devices.replica_backend`` of the replicas'
+    device): torchft's reconfigurable groups, rebuilt by the Manager at each new quorum. 'nccl':
+    ``torchft.ProcessGroupNCCL`` (in this process, non-blocking communicators; with NCCL ≥ 2.25 a collective that
+    outlives ``timeout`` is ended by ``ncclCommAbort`` instead of hanging the step, and the next quorum builds a
+    fresh communicator); torchft's ``ProcessGroupBabyNCCL`` (NCCL in a child process) would time-share the GPU with
+    a second CUDA context, so the buckets sent during backward would not overlap it. 'gloo':
+    ``torchft.ProcessGroupGloo`` (CPU tensors: the join refuses CUDA buffers on it)."""
+    if backend == "nccl":
+        from torchft import ProcessGroupNCCL
+
+        # its abort timer (torchft warns and sets it from the timeout when unset; set here, quietly, the same way)
+        os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(timeout.total_seconds()))
+        return ProcessGroupNCCL(timeout=timeout)
+    if backend == "gloo":
+        from torchft import ProcessGroupGloo
+
+        return ProcessGroupGloo(timeout=timeout)
+    raise ConfigError("backend", backend, "nccl or gloo (devices.replica_backend)")
+
+
+def _wire_device(params: list, fallback: Any = None) -> torch.device:
+    """Where this rank's gradients live (its parameters', their local shards' for DTensors); ``fallback`` (the
+    trainer's device) without trainable parameters. Parameters on several device types are refused: their buckets
+    could not share one cross-replica group."""
+    found = {_local_tensor(p).device for p in params}
+    if not found:
+        return torch.device(fallback) if fallback is not None else torch.device("cpu")
+    if len({d.type for d in found}) > 1:
+        raise ConfigError("model", sorted(str(d) for d in found), "parameters on one device type (live recovery "
+                          "sends every gradient bucket over one cross-replica group: NCCL for CUDA, gloo for the CPU)")
+    first = min(found, key=lambda d: d.index or 0)  # (one device type; several GPUs: the first, as the buckets')
+    return devices.resolve(first) if first.type == "cuda" else first
+
+
+def _local_tensor(t: Any) -> Any:
+    return t.to_local() if _is_dtensor(t) else t
 
 
 def _transport(timeout: timedelta, secret: Optional[bytes] = None) -> Any:

@@ -166,6 +166,7 @@ class OptimizedTrainer:
         self.metric_sinks: list[Any] = []  # each gets every metrics.jsonl row: syncwise.metrics.sinks (Prometheus, W&B)
         # a user's step callbacks (train/callbacks.py), called after the trainer's own at each point of the loop
         self.callbacks: list[StepCallback] = []
+        self._backward_gates: list[StepCallback] = []  # the run's callbacks that act before a backward (train())
         # Timers, bytes per dimension, per-step extras and the watchdog's phase of every step (train/meter.py)
         # Replicas that diverge (local SGD) skip every per-step collective (the logged loss's mean, the router
         # loads): each would hold the ranks in lockstep, and the step would wait for the slowest one.
@@ -400,6 +401,9 @@ class OptimizedTrainer:
         if self.world_size > 1 and self.collective_timeout_s:
             callbacks.append(HangWatchdog(self.collective_timeout_s))
         self._callbacks = callbacks + list(self.callbacks)
+        # those that act before a backward (asked inside the step: the list is empty unless a feature needs it)
+        self._backward_gates = [c for c in self._callbacks
+                                if type(c).before_backward is not StepCallback.before_backward]
         return self._callbacks
 
     def flush_rows(self) -> None:
@@ -691,6 +695,8 @@ class OptimizedTrainer:
             self.phase = "forward/backward (gradient sync)"
             with self._autocast():
                 loss = self._loss(self.par.module, inputs, targets) * weight
+            for callback in self._backward_gates:  # (live recovery: the gradient sync's state is about to change)
+                callback.before_backward(self, self.step + 1)
             self.scaler.scale(loss).backward()
         return loss.detach()
 
