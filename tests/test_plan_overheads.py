@@ -97,6 +97,9 @@ def test_held_out_and_moe_rows_carry_sources_and_report_before_and_after():
     assert [r.model.param_counts()[0] for r in held[:4]] == [125311488, 355985408, 760470528, 1315950592]
     row = evaluate(held[0], top_check=False)
     assert row["group"] == "held-out small" and row["error"] != row["error_without_overheads"]
+    # llm-foundry's H100 7b / 13b rows: the table's NumParams
+    h100 = [r for r in rows if r.group == "held-out h100 7-13b"]
+    assert [r.model.param_counts()[0] for r in h100] == [6667247616, 6658859008, 12853954560]
 
 
 def test_unfused_attention_core_is_slower_at_small_head_dim():
@@ -120,3 +123,42 @@ def test_unfused_attention_core_is_slower_at_small_head_dim():
     gap = [predict(cloud, m, lay, 32, 1024, training=t, syncwise_rules=False).info["gemm_shape_s_per_microbatch"]
            for t in (MEGATRON, fused)]
     assert gap[0] > gap[1]
+
+
+def test_scatter_gather_sends_a_tp_slice_across_and_gathers_it_inside_the_node():
+    """Training.pp_scatter_gather (Megatron-LM SC'21 §4.1, DeepSpeed's partitioned pipe sends): each of the tp ranks
+    sends 1/tp of the activation over the pipeline's link and the receiving stage all-gathers the slices over
+    NVLink, so the pipeline's cross-node bytes drop tp-fold; under sequence parallel the message is already a
+    slice and the flag changes nothing."""
+    from syncwise.plan.layout import MEGATRON
+
+    sg = dataclasses.replace(MEGATRON, pp_scatter_gather=True)
+    cloud = cluster("a100-80gb", 4, 8, intra="nvlink3", inter="ib-hdr", nics_per_node=8)
+    model = gpt(8192, 16, 64)
+    lay = Layout(dp_replicate=2, tp=8, pp=2, micro_batch=1, recompute="full", sequence_parallel=False)
+    one = dataclasses.replace(lay, dp_replicate=1)
+    small = cluster("a100-80gb", 2, 8, intra="nvlink3", inter="ib-hdr", nics_per_node=8)
+    plain_p, sg_p = (predict(small, model, one, 16, 2048, training=t, syncwise_rules=False) for t in (MEGATRON, sg))
+    # pp 2 of tp 8 on 2 nodes: only the pipeline crosses; its bytes drop 8-fold
+    assert abs(sg_p.inter_node_bytes - plain_p.inter_node_bytes / 8) <= 1e-9 * plain_p.inter_node_bytes
+    assert sg_p.breakdown["pp_p2p"] < plain_p.breakdown["pp_p2p"] / 2
+    assert predict(cloud, model, lay, 64, 2048, training=sg, syncwise_rules=False).step_time_s < \
+        predict(cloud, model, lay, 64, 2048, training=MEGATRON, syncwise_rules=False).step_time_s
+    sp = dataclasses.replace(lay, sequence_parallel=True)
+    assert predict(cloud, model, sp, 64, 2048, training=sg, syncwise_rules=False).step_time_s == \
+        predict(cloud, model, sp, 64, 2048, training=MEGATRON, syncwise_rules=False).step_time_s
+
+
+def test_megatron_table1_rows_run_as_the_papers_script_and_mt_nlg_as_deepspeed():
+    """Megatron-LM Table 1's rows take examples/sc21/run_table_1.sh's micro-batch, interleaving and DDP; MT-NLG's
+    rows run DeepSpeed's pipeline (non-interleaved, partitioned sends) at the same (tp, pp) as the 529.6 B row."""
+    from syncwise.plan.published import runs
+
+    rs = {r.name: r for r in runs()}
+    big = rs["Megatron-LM GPT 529.6 B"]
+    assert (big.layout.micro_batch, big.layout.pp_schedule, big.layout.stages_per_rank) == (1, "interleaved-1f1b", 3)
+    assert big.training.grad_reduce_bytes == 2 and big.training.pp_scatter_gather and not big.training.overlap_dp
+    assert [rs[f"Megatron-LM GPT {p} B"].layout.micro_batch for p in (1.7, 7.5, 18.4, 39.1, 145.6)] == [16, 16, 8, 4, 2]
+    assert rs["Megatron-LM GPT 7.5 B"].training.overlap_dp and rs["Megatron-LM GPT 145.6 B"].layout.stages_per_rank == 2
+    mt = rs["MT-NLG 530B on 2240 GPUs"]
+    assert (mt.layout.tp, mt.layout.pp, mt.layout.stages_per_rank) == (8, 35, 1) and mt.training.pp_scatter_gather

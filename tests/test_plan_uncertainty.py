@@ -9,7 +9,8 @@ import pytest
 from syncwise.cli import main
 from syncwise.plan.cloud import cluster
 from syncwise.plan.published import evaluate, runs, vtrain_runs
-from syncwise.plan.uncertainty import BANDS, band_for, bands, basis, describe, quantile
+from syncwise.plan.uncertainty import (ACCELERATOR_BANDS, ACCELERATOR_MIN_RUNS, BANDS, accelerator_bands, band_for, bands,
+                                       basis, describe, quantile)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,6 +35,18 @@ def test_bands_are_the_residuals_of_the_checked_runs(checked):
         {k: (b.lo, b.hi, b.runs) for k, b in BANDS.items()}
 
 
+def test_accelerator_bands_are_the_residuals_of_its_runs(checked):
+    """ACCELERATOR_BANDS: the same quantiles over each accelerator's checked runs; an H100 plan prints the H100
+    band (the regime bands are nearly all A100 runs), an A100 plan its regime's."""
+    fresh = accelerator_bands(checked)
+    for name, band in ACCELERATOR_BANDS.items():
+        assert (fresh[name]["lo"], fresh[name]["hi"], fresh[name]["runs"]) == pytest.approx((band.lo, band.hi, band.runs),
+                                                                                          abs=1e-3)
+    assert ACCELERATOR_BANDS["h100-sxm"].runs >= ACCELERATOR_MIN_RUNS
+    assert band_for(cluster("h100-sxm", 4, 8)) is ACCELERATOR_BANDS["h100-sxm"]
+    assert band_for(cluster("a100-80gb", 4, 8)) is BANDS["multi-node"]
+
+
 def test_vtrain_set_within_its_bounds(checked):
     """vTrain's one-node rows: the per-kernel, per-collective and attention-core terms take the mean absolute
     error from 47 % (without them) to about 14 %; the multi-node rows stay under 10 %. Bounds: the values when
@@ -49,13 +62,13 @@ def test_vtrain_set_within_its_bounds(checked):
 
 
 def test_describe_scales_the_step_by_the_band_and_names_the_basis():
-    one, multi = cluster("a100-80gb", 1, 8), cluster("h100-sxm", 4, 8)
+    one, multi = cluster("a100-80gb", 1, 8), cluster("a100-80gb", 4, 8)
     assert band_for(one) is BANDS["one node"] and band_for(multi) is BANDS["multi-node"]
     line = describe(2.0, 0.5, one)
     b = BANDS["one node"]
     assert f"{2.0 * b.lo:.4g} s to {2.0 * b.hi:.4g} s" in line and f"MFU {0.5 / b.hi:.0%} to {0.5 / b.lo:.0%}" in line
     assert "basis: catalog: a100-80gb, nvlink3; not calibrated" in line
-    assert basis(multi) == "catalog: h100-sxm, nvlink4, 8 × ib-ndr; not calibrated"
+    assert basis(cluster("h100-sxm", 4, 8)) == "catalog: h100-sxm, nvlink4, 8 × ib-ndr; not calibrated"
     tuned = dataclasses.replace(one, accelerator=dataclasses.replace(one.accelerator, matmul_efficiency=0.6))
     assert basis(tuned).startswith("catalog with the cluster file's own numbers for a100-80gb")
     measured = dataclasses.replace(one, accelerator=dataclasses.replace(one.accelerator, name="gpu-measured"))
@@ -70,6 +83,6 @@ def test_plan_prints_the_band_and_writes_it(tmp_path, capsys):
     assert "#1 predicted " in out and "the 10th-90th percentile of measured ÷ predicted" in out
     assert "basis: catalog: h100-sxm, nvlink4, 8 × ib-ndr; not calibrated" in out
     row = json.loads(out_json.read_text())
-    b = BANDS["multi-node"]
-    assert row["band"] == {"regime": "multi-node", "measured_over_predicted": [b.lo, b.hi], "quantiles": [0.1, 0.9],
+    b = ACCELERATOR_BANDS["h100-sxm"]   # an H100 cluster: the H100 runs' band, not the A100-dominated regime's
+    assert row["band"] == {"regime": "h100-sxm", "measured_over_predicted": [b.lo, b.hi], "quantiles": [0.1, 0.9],
                            "runs": b.runs}

@@ -26,7 +26,10 @@ Every assumption is stated where it is made and collected in docs/plan.md. In br
   backward, again in a full recompute) and expert all-to-alls are not overlapped with compute. Pipeline p2p
   sends under torch.distributed.pipelining are asynchronous: in the steady state they overlap the stage's other
   micro-batches and cost only what exceeds its compute, plus one hop each way while the pipeline fills and
-  drains (``Training.overlap_p2p``; the Megatron recipe pays every send/recv pair on the critical path).
+  drains (``Training.overlap_p2p``; the Megatron recipe pays every send/recv pair on the critical path). Under
+  tensor parallel a stage's message is 1/tp of the activation per rank with sequence parallel, or with the
+  scatter/gather optimization (``Training.pp_scatter_gather``: Megatron-LM's and DeepSpeed's pipelines) plus an
+  all-gather of the slices over the tp group on the receiving stage; else each tp rank sends the whole of it.
 * Pipeline: T = τ·(M + bubble) with τ one micro-batch's stage time; bubble = p − 1 for GPipe / 1F1B,
   (p − 1)/v interleaved (and looped BFS), (p − 1)/(3v) for the zero-bubble schedules (ZB-H1's bound, Qi et
   al. 2024, with T_F = T_B = T_W; ZB-V and DualPipeV can do better, we do not assume it).
@@ -381,9 +384,13 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
         t_ep = sum(dim_time(cloud, layout, "ep", "all_to_all", rows * b, mb_traffic, moe_rank) for b in exchanges)
     # ---- pipeline p2p (per micro-batch: an activation forward and its gradient back, per stage held)
     t_p2p = 0.0
+    # scatter/gather (Training.pp_scatter_gather): each tp rank sends its 1/tp slice, the receiver all-gathers them
+    sg = training.pp_scatter_gather and t > 1 and not layout.sp
     if pp > 1:
-        msg = tokens_mb * model.d_model * training.residual_bytes / (t if layout.sp else 1)
+        msg = tokens_mb * model.d_model * training.residual_bytes / (t if layout.sp or sg else 1)
         t_p2p = dim_time(cloud, layout, "pp", "p2p", msg, mb_traffic, count=2 * v)
+        if sg:
+            t_p2p += dim_time(cloud, layout, "tp", "all_gather", msg * t, mb_traffic, count=2 * v)
 
     # ---- FSDP2 gathers per micro-batch (forward and backward), exposed beyond the first unit
     sp_params = stage_params(model, layout)
@@ -422,7 +429,7 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
     if t > 1:
         n_tp_calls = layers_rank * (3 if layout.recompute == "full" else 2) * (4 if layout.sp else 2)
     n_ep_calls = model.n_moe_layers / pp * (6 if layout.recompute == "full" else 4) if layout.ep > 1 else 0.0
-    n_p2p_calls = 2 * v if pp > 1 else 0.0
+    n_p2p_calls = 2 * v * (2 if sg else 1) if pp > 1 else 0.0
     n_kernels = kernels_per_microbatch(model, layout, training, M) + n_tp_calls + n_ep_calls + n_p2p_calls
     host_s = acc.kernel_launch_s
     t_kernel = n_kernels * acc.kernel_gap_s

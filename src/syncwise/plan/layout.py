@@ -130,6 +130,12 @@ class Training:
     overlap_dp: bool = True          # gradient sync overlaps backward (all but the last bucket)
     overlap_dp_with_pp: bool = False  # ... also under pp (syncwise's StageGradientSync runs after the schedule)
     overlap_p2p: bool = True         # pipeline sends are isends (torch.distributed.pipelining): hidden in the steady state
+    # Under tensor parallel without sequence parallel every tp rank holds the whole activation a stage sends; the
+    # scatter/gather optimization sends 1/tp of it from each rank across the pipeline link and all-gathers the
+    # slices over the tp group (NVLink) on the receiving stage (Narayanan et al. SC'21 §4.1; Megatron-LM's default,
+    # --no-scatter-gather-tensors-in-pipeline turns it off; DeepSpeed's pipeline engine does the same with its
+    # PartitionedTensor, deepspeed/runtime/pipe/engine.py: is_pipe_partitioned = is_model_parallel)
+    pp_scatter_gather: bool = False
     # FSDP2's all-gathers and reduce-scatters overlap compute through its own CUDA streams (implicit prefetch issues
     # them synchronously on those streams); on a CPU the streams are the host thread, so nothing overlaps
     overlap_fsdp: bool = True

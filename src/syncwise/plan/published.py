@@ -23,6 +23,19 @@ from .search import search
 
 #: Megatron-style mixed precision with fused attention and no dropout (2023-24 runs)
 MODERN = dataclasses.replace(MEGATRON, name="megatron-flash", flash_attention=True, dropout=False)
+#: Megatron-LM as Narayanan et al. ran Table 1 (examples/sc21: --fp16 without --accumulate-allreduce-grads-in-fp32,
+#: so gradients are fp16 and all-reduced in fp16; scatter/gather pipeline sends, the default); --DDP-impl local:
+#: the gradient all-reduce after backward
+MEGATRON_SC21 = dataclasses.replace(MEGATRON, name="megatron-sc21", grad_bytes=2, grad_reduce_bytes=2,
+                                    pp_scatter_gather=True)
+#: ... with --DDP-impl torch (the rows without a pipeline): PyTorch DDP's buckets all-reduce during backward
+MEGATRON_SC21_TORCH_DDP = dataclasses.replace(MEGATRON_SC21, name="megatron-sc21-torch-ddp", overlap_dp=True,
+                                              ddp_bucket_copy=True)
+#: Megatron's layers under DeepSpeed's pipeline engine (MT-NLG; Megatron-DeepSpeed): non-interleaved 1F1B
+#: (DeepSpeed's TrainSchedule has no virtual stages), activations and their gradients sent partitioned over the
+#: tp ranks (PartitionedTensor: deepspeed/runtime/pipe/engine.py, is_pipe_partitioned / is_grad_partitioned =
+#: is_model_parallel); the rest as MEGATRON (fp32 gradient reduction: MT-NLG trained in bf16)
+MEGATRON_DEEPSPEED = dataclasses.replace(MEGATRON, name="megatron-deepspeed", pp_scatter_gather=True)
 #: llm-foundry / Composer with FSDP FULL_SHARD and amp_bf16 under the DEFAULT mixed precision: fp32 sharded
 #: weights and AdamW state, bf16 gathers, fp32 gradient reduce-scatter, flash attention, no dropout
 LLM_FOUNDRY = dataclasses.replace(SYNCWISE, name="llm-foundry", gather_bytes=2, flash_attention=True, dropout=False)
@@ -86,7 +99,7 @@ def _selene(gpus: int) -> CloudConfig:
 def runs() -> list[PublishedRun]:
     """The published runs, with sources (one function per source, in this order)."""
     return [run for source in (_megatron_weak_scaling, _mt_nlg, _llama3, _bloom,
-                               _mpt_held_out, _qwen3_moe_zoo, _mixtral, _torchtitan_deepseek)
+                               _mpt_held_out, _mpt_h100_7b_13b, _qwen3_moe_zoo, _mixtral, _torchtitan_deepseek)
             for run in source()]
 
 
@@ -94,19 +107,38 @@ def _megatron_weak_scaling() -> list[PublishedRun]:
     """Megatron-LM's weak-scaling table (Narayanan et al. SC'21, Table 1)."""
     out: list[PublishedRun] = []
     # ---- 1. Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
-    #      Megatron-LM", SC'21 (arXiv:2104.04473), Table 1 (weak scaling): TFLOP/s per GPU by eq. (3)
-    table1 = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-              (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-              (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-              (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-              (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)]
-    for P, a, h, L, tp, pp, n, B, tf in table1:
+    #      Megatron-LM", SC'21 (arXiv:2104.04473), Table 1 (weak scaling): TFLOP/s per GPU by eq. (3).
+    #      The settings each row ran with are the paper's own script, github.com/NVIDIA/Megatron-LM
+    #      examples/sc21/run_table_1.sh (de7dc40f88, 2021-08-10) with CONFIG.sh: micro-batch (MBS), layers per
+    #      virtual pipeline stage (--num-layers-per-virtual-pipeline-stage: the interleaved schedule, v = layers per
+    #      stage / that), --DDP-impl (torch: PyTorch DDP, its bucketed all-reduce overlapping backward; local:
+    #      Megatron's, after backward), --checkpoint-activations, --fp16 without --accumulate-allreduce-grads-in-fp32
+    #      (gradients accumulated and all-reduced in fp16, megatron/model/distributed.py at de7dc40f88) and the
+    #      scatter/gather pipeline sends on (arguments.py's default).
+    #      (P, heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s, MBS, layers per virtual stage or 0, DDP impl)
+    table1 = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 16, 0, "torch"),
+              (3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 16, 0, "torch"),
+              (7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 16, 0, "torch"),
+              (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 8, 0, "torch"),
+              (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 4, 0, "local"),
+              (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 2, 5, "local"),
+              (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 2, 5, "local"),
+              (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 1, 3, "local"),
+              (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 1, 1, "local"),
+              (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 1, 0, "local")]
+    for P, a, h, L, tp, pp, n, B, tf, mbs, per_virtual, ddp in table1:
+        v = L // pp // per_virtual if per_virtual else 1
+        sched = dict(pp_schedule="interleaved-1f1b", stages_per_rank=v) if v > 1 else {}
         out.append(PublishedRun(
             f"Megatron-LM GPT {P} B", "Narayanan et al. SC'21", "Table 1", gpt(h, L, a, name=f"gpt-{P}b"),
-            _selene(n), Layout(dp_replicate=n // (tp * pp), tp=tp, pp=pp, micro_batch=1, recompute="full",
-                               sequence_parallel=False), B, 2048, "tflops_per_gpu", tf,
+            _selene(n), Layout(dp_replicate=n // (tp * pp), tp=tp, pp=pp, micro_batch=mbs, recompute="full",
+                               sequence_parallel=False, **sched), B, 2048, "tflops_per_gpu", tf,
             flops=lambda B=B, L=L, h=h: megatron_flops(B, 2048, L, h, 51200),
-            assumed="micro-batch 1, non-interleaved 1F1B (the table gives neither); full recomputation (§5)"))
+            training=MEGATRON_SC21_TORCH_DDP if ddp == "torch" else MEGATRON_SC21,
+            assumed=f"as run_table_1.sh: micro-batch {mbs}, "
+                    + (f"interleaved 1F1B with {v} stages per rank" if v > 1 else "1F1B" if pp > 1 else "no pipeline")
+                    + f", DDP {ddp}, full recomputation, fp16 gradients all-reduced in fp16, scatter/gather sends; "
+                      "the fabric's numbers are the catalog's"))
     return out
 
 
@@ -114,16 +146,22 @@ def _mt_nlg() -> list[PublishedRun]:
     """MT-NLG 530B's iteration times (Smith et al. 2022)."""
     out: list[PublishedRun] = []
     # ---- 2. Smith et al., "Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B" (arXiv:2201.11990),
-    #      §3 system performance: 280 / 350 / 420 DGX A100 nodes, tp 8 × pp 35, batch 1920, seconds per iteration
+    #      §3 system performance: 280 / 350 / 420 DGX A100 nodes, tp 8 × pp 35, batch 1920, seconds per iteration.
+    #      The same model and (tp, pp) as Megatron-LM's 529.6 B row, but not the same system: DeepSpeed's pipeline
+    #      engine (non-interleaved; Megatron-LM's row ran the interleaved schedule with 3 stages per rank,
+    #      run_table_1.sh) and bf16 with fp32 gradient reduction (Megatron's fp16 row reduced in fp16): the
+    #      MEGATRON_DEEPSPEED recipe.
     for nodes, dp, sec in ((280, 8, 60.1), (350, 10, 50.2), (420, 12, 44.4)):
         out.append(PublishedRun(
             f"MT-NLG 530B on {nodes * 8} GPUs", "Smith et al. 2022 (MT-NLG)", "§2 system performance (iteration time)",
             gpt(20480, 105, 128, name="mt-nlg-530b"), _selene(nodes * 8),
             Layout(dp_replicate=dp, tp=8, pp=35, micro_batch=1, recompute="full", sequence_parallel=False),
-            1920, 2048, "step_time_s", sec,
+            1920, 2048, "step_time_s", sec, training=MEGATRON_DEEPSPEED,
             assumed="iteration times 60.1 / 50.2 / 44.4 s (also quoted with 126 / 121 / 113 TFLOP/s per GPU in "
-                    "llm-analysis's MT-NLG example, github.com/cli99/llm-analysis); micro-batch 1, 1F1B, full "
-                    "recomputation assumed; vocabulary 51,200 assumed"))
+                    "llm-analysis's MT-NLG example, github.com/cli99/llm-analysis); micro-batch 1 (as Megatron-LM's "
+                    "530 B script) and vocabulary 51,200 assumed; DeepSpeed's pipeline engine: non-interleaved "
+                    "1F1B, partitioned sends; full recomputation (the paper's activation-memory estimate "
+                    "checkpoints every block)"))
     return out
 
 
@@ -186,6 +224,30 @@ def _mpt_held_out() -> list[PublishedRun]:
                 assumed=f"step = {batch * 2048:,} tokens / {tok_s:,} tokens/s; heads {a} as the llm-foundry yaml "
                         "(heads do not change the FLOPs); Composer's amp_bf16 + FSDP DEFAULT mixed precision as "
                         "LLM_FOUNDRY"))
+    return out
+
+
+def _mpt_h100_7b_13b() -> list[PublishedRun]:
+    """MosaicML llm-foundry's MPT-7b and 13b on one node of 8 H100 (held out: the check of an H100 plan at 7 B)."""
+    out: list[PublishedRun] = []
+    # ---- The same README's H100 80GB BF16 table (commit 061f2c7c): MPT-7b at sequence 4096 (MicroBatchSize 16,
+    #      GradAccum 2, activation checkpointing, 68,893 tokens/s, MFU 40.42 %) and 2048 (6, 1, none, 85,144 tokens/s,
+    #      MFU 46.44 %), MPT-13b at 2048 (2, 1, none, 38,336 tokens/s, MFU 39.79 %), all on 8 GPUs, FSDP FULL_SHARD,
+    #      amp_bf16. Shapes as the small rows (gpt(): learned positions, biases; the table's NumParams 6,667,247,616 /
+    #      6,658,859,008 / 12,853,954,560 are what they give). Added to check the 7 B Llama plan on H100 against
+    #      measured H100 runs of that size; no constant was chosen on them.
+    for size, (h, L, a), seq, mb, ga, tok_s, recompute in (
+            ("7b", (4096, 32, 32), 4096, 16, 2, 68893, "full"), ("7b", (4096, 32, 32), 2048, 6, 1, 85144, "none"),
+            ("13b", (5120, 40, 40), 2048, 2, 1, 38336, "none")):
+        batch = 8 * mb * ga
+        out.append(PublishedRun(
+            f"MPT-{size} seq {seq} on 8 h100-sxm", "MosaicML llm-foundry",
+            f"H100 80GB BF16 table, seq {seq} ({LLM_FOUNDRY_URL}, commit 061f2c7c)",
+            gpt(h, L, a, vocab=50368, seq=seq, name=f"mpt-{size}"), cluster("h100-sxm", 1, 8, intra="nvlink4"),
+            Layout(dp_shard=8, micro_batch=mb, microbatches=ga, recompute=recompute), batch, seq, "step_time_s",
+            batch * seq / tok_s, training=LLM_FOUNDRY, group="held-out h100 7-13b", fsdp_in_framework=True,
+            assumed=f"step = {batch * seq:,} tokens / {tok_s:,} tokens/s; activation checkpointing as full "
+                    "recomputation; Composer's amp_bf16 + FSDP DEFAULT mixed precision as LLM_FOUNDRY"))
     return out
 
 
@@ -315,8 +377,10 @@ def vtrain_runs(folder: str | Path) -> list[PublishedRun]:
                 f"{name} row {i + 2} ({VTRAIN_URL})", gpt(h, L, a, vocab=50304, seq=s, name=f"gpt-h{h}-l{L}"),
                 cloud, Layout(dp_replicate=dp, tp=tp, pp=pp, micro_batch=mb, recompute="full",
                               sequence_parallel=False), B, s, "step_time_s", float(row["iteration time (ms)"]) / 1e3,
-                group=group, assumed="A100 80 GB; vocabulary 50,304; fp16 Megatron recipe with dropout and "
-                                     "unfused attention (Megatron-DeepSpeed); 4 HDR NICs per node"))
+                group=group, training=MEGATRON_DEEPSPEED,
+                assumed="A100 80 GB; vocabulary 50,304; fp16 Megatron recipe with dropout and "
+                        "unfused attention; DeepSpeed's pipeline engine (Megatron-DeepSpeed): partitioned "
+                        "sends; 4 HDR NICs per node"))
     return out
 
 
@@ -343,7 +407,7 @@ def evaluate(run: PublishedRun, top_check: bool = True) -> dict[str, Any]:
                      training=dataclasses.replace(run.training, loss_bytes_per_logit=0.0), syncwise_rules=False)
     row: dict[str, Any] = {
         "name": run.name, "group": run.group, "publication": run.publication, "source": run.source, "confident": run.confident,
-        "nodes": run.cloud.nodes,
+        "nodes": run.cloud.nodes, "accelerator": run.cloud.accelerator.name,
         "assumed": run.assumed, "layout": run.layout.text(), "gpus": run.cloud.world_size,
         "global_batch": run.global_batch, "seq_len": run.seq_len, "metric": run.metric, "reported": run.reported,
         "predicted": value, "error": error, "predicted_without_overheads": run.predicted(before),

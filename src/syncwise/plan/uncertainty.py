@@ -37,8 +37,8 @@ class Band:
 
 #: written by benchmarks/plan_published.py (its summary's "bands"); regime -> Band
 BANDS: dict[str, Band] = {
-    "one node": Band("one node", 0.911, 1.323, 1447),
-    "multi-node": Band("multi-node", 0.905, 1.181, 129),
+    "one node": Band("one node", 0.91, 1.322, 1450),
+    "multi-node": Band("multi-node", 0.956, 1.225, 129),
 }
 
 
@@ -47,8 +47,39 @@ def regime(cloud: CloudConfig) -> str:
     return "one node" if cloud.nodes == 1 else "multi-node"
 
 
+#: per accelerator, where the checked runs hold at least ACCELERATOR_MIN_RUNS of it (written by
+#: benchmarks/plan_published.py, its summary's "accelerator_bands"): the checked runs are mostly A100 (vTrain's
+#: 1,549, Megatron-LM's, MT-NLG's), so the regime's band says little about another accelerator; an H100 plan takes
+#: the spread of the H100 runs (llm-foundry's MPT tables, Llama 3, the MoE rows) instead
+ACCELERATOR_MIN_RUNS = 8
+ACCELERATOR_BANDS: dict[str, Band] = {
+    "a100-80gb": Band("a100-80gb", 0.918, 1.316, 1567),
+    "h100-sxm": Band("h100-sxm", 0.849, 1.433, 12),
+}
+
+
 def band_for(cloud: CloudConfig) -> Band:
+    """The accelerator's band where its checked runs are enough and it is not the regime bands' own accelerator
+    (A100), else the regime's."""
+    own = ACCELERATOR_BANDS.get(cloud.accelerator.name)
+    if own is not None and own.runs >= ACCELERATOR_MIN_RUNS and not cloud.accelerator.name.startswith("a100"):
+        return own
     return BANDS[regime(cloud)]
+
+
+def accelerator_bands(rows: list[dict]) -> dict[str, dict]:
+    """Per accelerator of ``rows`` (``published.evaluate`` rows, their "accelerator"), the QUANTILES of measured ÷
+    predicted step time, as :func:`bands` per regime."""
+    out = {}
+    for name in sorted({r["accelerator"] for r in rows}):
+        ratios = [_ratio(r) for r in rows if r["accelerator"] == name]
+        out[name] = {"lo": round(quantile(ratios, QUANTILES[0]), 3), "hi": round(quantile(ratios, QUANTILES[1]), 3),
+                     "runs": len(ratios)}
+    return out
+
+
+def _ratio(r: dict) -> float:
+    return 1 / (1 + r["error"]) if r["metric"] == "step_time_s" else 1 + r["error"]
 
 
 def quantile(values: list[float], q: float) -> float:
