@@ -13,6 +13,11 @@ compares its measured steady step time (median of rank 0's steps after the first
     python benchmarks/planner_lab.py --only dp4-none@200mbit --steps 4      # a smoke test of one row
     python benchmarks/planner_lab.py --repredict benchmarks/results/planner-lab-repredict.json  # no jobs: the
                                         # committed rows predicted again by the current cost model
+    python benchmarks/planner_lab.py --only fsdp4-none@200mbit,fsdp4-qgZ+qwZ+hpZ@200mbit,fsdp4-bf16@200mbit,\
+        hsdp2x2-fp8@200mbit --json benchmarks/results/planner-lab-fsdp-compress.json   # issue 40's four jobs
+    python benchmarks/planner_lab.py --json benchmarks/results/planner-lab-heldout.json \
+        --against benchmarks/results/fsdp-compress-small-200mbit-partial.json   # no jobs: them, predicted from a
+                                        # stored calibration, against fsdp_compress.py's measured steps
 
 Writes benchmarks/results/planner-lab.json (every row, the calibrations, the summary) and prints the table.
 Needs root and the lab's tools (ip netns, veth, bridge, tc tbf); the lab's 4 workers share this machine's
@@ -30,6 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
@@ -58,7 +64,20 @@ CONFIGS = {
     "pp2xdp2": ("small-dense", 32, {"pp": 2, "dp_replicate": 2, "microbatches": 4}, "none", "every-step"),
     "ep2xdp2": ("small", 32, {"ep": 2}, "none", "every-step"),
     "ep4-bf16": ("small", 32, {"ep": 4, "ep_dispatch": "bf16"}, "none", "every-step"),
+    # issue 40's jobs (benchmarks/fsdp_compress.py's rows on `small`, 8 × 128 per worker): fp32 FSDP2, qgZ + qwZ +
+    # hpZ (int8 reduce-scatter, hierarchical on 2 × 2; int8 forward gathers; backward's gathers inside the node),
+    # PyTorch's bf16 reduce dtype, and HSDP (shards inside a node, replicas across) with fp8 across the replicas
+    "fsdp4-none": ("small", 32, {"dp_shard": 4}, "none", "every-step"),
+    "fsdp4-qgZ+qwZ+hpZ": ("small", 32, {"dp_shard": 4, "fsdp_gather": "int8", "fsdp_reshard": "node"}, "int8",
+                          "every-step"),
+    "fsdp4-bf16": ("small", 32, {"dp_shard": 4}, "bf16", "every-step"),
+    "hsdp2x2-fp8": ("small", 32, {"dp_replicate": 2, "dp_shard": 2}, "fp8", "every-step"),
 }
+#: issue 40's rows: what ``--only`` takes to run exactly them (and ``--against`` predicts)
+FSDP_COMPRESS_ROWS = ("fsdp4-none@200mbit", "fsdp4-qgZ+qwZ+hpZ@200mbit", "fsdp4-bf16@200mbit", "hsdp2x2-fp8@200mbit")
+#: benchmarks/fsdp_compress.py's configuration names (its partial JSON's and its own) → this script's rows
+FSDP_COMPRESS_NAMES = {"fp32-fsdp2": "fsdp4-none", "qgZ+qwZ+hpZ": "fsdp4-qgZ+qwZ+hpZ", "qgZ_qwZ_hpZ": "fsdp4-qgZ+qwZ+hpZ",
+                       "torch-fsdp2-bf16": "fsdp4-bf16", "hsdp-fp8": "hsdp2x2-fp8"}
 #: rows whose measurement is known in advance not to be a timing reference on this machine (FIELD-NOTES.md:
 #: "FSDP2's reduce-scatter on gloo is emulated (pytorch PR 149869): correct, not a timing reference"); shown and
 #: counted in the overall error, and also left out of a second mean so the rest can be read on its own
@@ -67,7 +86,7 @@ CAVEATS = {"fsdp4": "FSDP2 on gloo: reduce-scatter emulated by PyTorch (all-redu
 #: rate -> configurations run at it
 PLAN = {
     "200mbit": ["dp4-none", "dp4-fp8", "dp4-localsgd4", "fsdp4", "dp2xfsdp2", "tp2xdp2", "pp2xdp2", "ep2xdp2",
-                "ep4-bf16"],
+                "ep4-bf16", *[r.partition("@")[0] for r in FSDP_COMPRESS_ROWS]],
     "100mbit": ["dp4-none", "dp4-bf16", "dp4-powersgd", "tp2xdp2"],
 }
 
@@ -122,17 +141,17 @@ def run_job(work: Path, name: str, preset: str, batch: int, fields: dict, compre
     # the mean (not the median): a local-SGD step that averages the replicas is one of every `period` steps
     return {"measured_step_s": statistics.fmean(times), "step_times_s": times, "wall_s": wall,
             "layout_trained": summary.get("layout"), "final_loss": summary.get("final_loss"),
-            "comm_exposed_share": summary.get("comm_exposed_share")}
+            "comm_exposed_share": summary.get("comm_exposed_share"),
+            # the bytes per hop the run counted (rank 0's), beside the planner's priced FSDP2 bytes in the row
+            "hop_bytes_per_step_cross": summary.get("hop_bytes_per_step_cross"),
+            "hop_bytes_per_step_intra": summary.get("hop_bytes_per_step_intra")}
 
 
-def repredict(path: str, out: str) -> int:
-    """Predict every measured row of a committed planner-lab JSON again with the current cost model, from the
-    calibration stored beside it (no lab, no jobs): matmul_efficiency is solved again from the stored reference
-    steps (as `--calibrate` would now), the rest of each calibrated cluster is kept, and the lab's tbf bucket at
-    the row's rate and the workers per core (4 on the 2-core VM) are added where the calibration predates
-    ``burst_kbyte`` and ``shared_by``; jobs measured before dist.hierarchical existed are predicted flat. Writes
-    ``out``."""
-    data = json.loads(Path(path).read_text())
+def stored_clouds(data: dict) -> dict:
+    """The calibrated CloudConfig of every rate of a committed planner-lab JSON, as :func:`repredict` uses them:
+    matmul_efficiency solved again from the stored reference steps (as `--calibrate` would now), the rest of each
+    calibrated cluster kept, and the lab's tbf bucket at the rate and the workers per core (4 on the 2-core VM)
+    added where the calibration predates ``burst_kbyte`` and ``shared_by``."""
     clouds = {}
     for rate, cal in data["calibrations"].items():
         cloud = cloud_from_dict(cal["cluster"], f"calibration at {rate}")
@@ -145,6 +164,15 @@ def repredict(path: str, out: str) -> int:
         eff = solve_efficiency(acc, load_model(REFERENCE_PRESET, REFERENCE_SEQ), REFERENCE_BATCH, REFERENCE_SEQ,
                                _median(cal["reference_step_s"]))
         clouds[rate] = dataclasses.replace(cloud, accelerator=dataclasses.replace(acc, matmul_efficiency=eff))
+    return clouds
+
+
+def repredict(path: str, out: str) -> int:
+    """Predict every measured row of a committed planner-lab JSON again with the current cost model, from the
+    calibration stored beside it (no lab, no jobs; :func:`stored_clouds`); jobs measured before dist.hierarchical
+    existed are predicted flat. Writes ``out``."""
+    data = json.loads(Path(path).read_text())
+    clouds = stored_clouds(data)
     rows = []
     for r in data["rows"]:
         if "measured_step_s" not in r:
@@ -174,6 +202,55 @@ def repredict(path: str, out: str) -> int:
     return 0
 
 
+def measured_steps(path: str) -> dict:
+    """Row name (:data:`FSDP_COMPRESS_ROWS`, without the rate) → measured step time of a benchmarks/fsdp_compress.py
+    result: its partial JSON's ``median_step_s`` per configuration, or its own JSON's rows' median (else mean) step
+    time."""
+    data = json.loads(Path(path).read_text())
+    rows = data["rows"]
+    items = rows.items() if isinstance(rows, dict) else ((r["name"], r) for r in rows)
+    out = {}
+    for name, r in items:
+        step = r.get("median_step_s") or r.get("median_step_time_s") or r.get("mean_step_time_s")
+        if name in FSDP_COMPRESS_NAMES and step:
+            out[FSDP_COMPRESS_NAMES[name]] = float(step)
+    return out
+
+
+def against(calibration_json: str, measured_json: str, out: Optional[str], rate: str = "200mbit") -> int:
+    """Issue 40's rows predicted from a committed calibration (``calibration_json``'s at ``rate``,
+    :func:`stored_clouds`: no lab, no jobs) against the step times benchmarks/fsdp_compress.py measured on the same
+    lab shape (``measured_json``). The calibration and the measurement are of different sessions: a check of the
+    cost model's structure before the rows are run here against a calibration of their own (``--only``)."""
+    data = json.loads(Path(calibration_json).read_text())
+    cloud = stored_clouds(data)[rate]
+    measured = measured_steps(measured_json)
+    rows = []
+    for row in FSDP_COMPRESS_ROWS:
+        name = row.partition("@")[0]
+        preset, batch, fields, compress, sync = CONFIGS[name]
+        pred = predict(cloud, load_model(preset, SEQ), layout_of(fields, compress, sync), batch, SEQ,
+                       training=recipe_for(cloud.accelerator), syncwise_rules=True)
+        got = measured.get(name)
+        rows.append({"name": name, "rate": rate, "layout": pred.layout.text(), "predicted_step_s": pred.step_time_s,
+                     "measured_step_s": got, "error": pred.step_time_s / got - 1 if got else None,
+                     "predicted_breakdown": pred.breakdown, "predicted_dominant": pred.dominant,
+                     "fsdp_bytes_per_step": pred.info.get("fsdp_bytes_per_step")})
+        print(f"{rate:8s} {name:20s} predicted {pred.step_time_s * 1e3:7.0f} ms   measured "
+              + (f"{got * 1e3:7.0f} ms   error {rows[-1]['error']:+6.1%}" if got else "      -"), flush=True)
+    ok = [r for r in rows if r["error"] is not None]
+    summary = {"calibration": os.path.relpath(calibration_json, Path(__file__).resolve().parents[1]),
+               "calibration_measured_at": data["calibrations"][rate].get("measured_at"),
+               "measured": os.path.relpath(measured_json, Path(__file__).resolve().parents[1]),
+               "mean_abs_error": sum(abs(r["error"]) for r in ok) / len(ok) if ok else None,
+               "max_abs_error": max((abs(r["error"]) for r in ok), default=None)}
+    print(json.dumps(summary, indent=2))
+    if out:
+        Path(out).write_text(json.dumps({"summary": summary, "rows": rows}, indent=2) + "\n")
+        print(f"wrote {out}")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=10, help="training steps per job (the first two are not timed; "
@@ -184,9 +261,16 @@ def main() -> int:
     p.add_argument("--repredict", metavar="OUT", default=None,
                    help="no lab, no jobs: predict the measured rows of --json again with the current cost model "
                         "from its stored calibrations and write OUT (e.g. benchmarks/results/planner-lab-repredict.json)")
+    p.add_argument("--against", metavar="MEASURED", default=None,
+                   help="no lab, no jobs: predict issue 40's rows (fsdp4-none, fsdp4-qgZ+qwZ+hpZ, fsdp4-bf16, "
+                        "hsdp2x2-fp8 at 200mbit) from --json's stored calibration and compare them with the step times "
+                        "of a benchmarks/fsdp_compress.py result MEASURED; --out writes the rows")
+    p.add_argument("--out", default=None, help="with --against: the JSON to write")
     a = p.parse_args()
     if a.repredict:
         return repredict(a.json, a.repredict)
+    if a.against:
+        return against(a.json, a.against, a.out)
     plan = {rate: list(names) for rate, names in PLAN.items()}
     if a.only:
         wanted = [x.strip() for x in a.only.split(",") if x.strip()]
@@ -224,6 +308,8 @@ def main() -> int:
                        "layout": pred.layout.text(), "runnable": pred.runnable,
                        "predicted_step_s": pred.step_time_s, "predicted_breakdown": pred.breakdown,
                        "predicted_dominant": pred.dominant}
+                if "fsdp_bytes_per_step" in pred.info:      # FSDP2's bytes per hop, priced as the run counts them
+                    row["predicted_fsdp_bytes_per_step"] = pred.info["fsdp_bytes_per_step"]
                 if name in CAVEATS:
                     row["caveat"] = CAVEATS[name]
                 row.update(run_job(work / rate, name, preset, batch, fields, compress, sync, a.steps))

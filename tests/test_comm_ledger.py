@@ -107,6 +107,9 @@ def test_bytes_are_kept_per_hop():
     s.record("all_reduce", 5)                    # no topology known
     s.record("all_reduce", 7, hop="sideways")    # not a hop: unknown, never dropped
     assert s.hop_bytes() == {"intra": 12, "cross": 3, "unknown": 12} and sum(s.hop_bytes().values()) == s.total_bytes
+    s.record("all_reduce", 10, hop={"intra": 6, "cross": 4})   # a ring's split (comm.ops.split_bytes)
+    s.record("all_reduce", 10, hop={"cross": 8})               # a split short of the bytes: the rest unknown
+    assert s.hop_bytes() == {"intra": 18, "cross": 15, "unknown": 14} and sum(s.hop_bytes().values()) == s.total_bytes
     s.reset()
     assert s.hop_bytes() == {} and s.total_bytes == 0
 
@@ -129,3 +132,56 @@ def test_a_groups_hop_follows_the_topology():
     res = run_workers(_hops_of_groups, 4, None, local_world_size=2)
     assert all(r["world"] == "cross" and r["node"] == "intra" and r["world_one_node"] == "intra" for r in res), res
     assert res[0]["across"] == res[2]["across"] == "cross"
+
+
+def _split_by_the_ring_rule(rank, world, _):
+    """Every ring collective through comm.ops on 2 nodes × 2 ranks, each into its own CommStats: bytes per hop."""
+    import torch.distributed as dist
+
+    from syncwise.comm import ops
+
+    node = dist.new_group([0, 1]), dist.new_group([2, 3])
+    across = dist.new_group([0, 2]), dist.new_group([1, 3])
+    B = 4 * 1024                                   # bytes: 1,024 fp32 elements per rank
+    out = {}
+
+    def counted(name, call):
+        stats = CommStats()
+        call(stats)
+        out[name] = stats.hop_bytes()
+
+    counted("all_reduce", lambda s: ops.all_reduce(torch.ones(B // 4), stats=s))
+    counted("all_gather", lambda s: ops.all_gather(torch.empty(B), torch.ones(B // 4), stats=s))
+    counted("reduce_scatter", lambda s: ops.reduce_scatter(torch.empty(B // 16), torch.ones(B // 4), stats=s))
+    counted("all_to_all", lambda s: ops.all_to_all(torch.empty(B // 4), torch.ones(B // 4), stats=s))
+    # uneven splits (the expert dispatch's): rank r sends r + 1 rows of 8 elements to every rank j ... j + 1 rows
+    rows = [j + 1 for j in range(4)]
+    inp = torch.ones(sum(rows), 8)
+    got = [rank + 1] * 4
+    counted("all_to_all_uneven", lambda s: ops.all_to_all(torch.empty(sum(got), 8), inp, got, rows, stats=s))
+    counted("all_reduce_node", lambda s: ops.all_reduce(torch.ones(B // 4), group=node[rank // 2], stats=s))
+    counted("all_reduce_across", lambda s: ops.all_reduce(torch.ones(B // 4), group=across[rank % 2], stats=s))
+    counted("broadcast", lambda s: ops.broadcast(torch.ones(B // 4), src=0, stats=s))
+    return out
+
+
+def test_every_ring_collective_counts_its_cross_node_share_by_the_one_rule():
+    """Issue 40: a ring collective over a group that spans nodes counts N_g / W of its bytes across (comm.ops.
+    cross_share), whoever issues it — DDP's and the compressors' all-reduces as FSDP2's gathers. On 2 nodes × 2 the
+    ring through ranks 0 → 1 → 2 → 3 → 0 has 4 links, each carrying the same bytes in every step of the collective;
+    1 → 2 and 3 → 0 join the two nodes: 2 of 4, so B / 2 of each rank's B bytes cross (per node the two ranks' halves
+    make one rank's bytes: what its one boundary link carries). An all-to-all sends 1 of 4 equal chunks to each rank,
+    2 of them to the other node: B / 2. With uneven splits, exactly the bytes for the other node's ranks: rank r sends
+    (j + 1) rows of 32 B to rank j, so ranks 0, 1 send (3 + 4) · 32 B across and ranks 2, 3 (1 + 2) · 32 B. A node's
+    group keeps all inside; one rank per node sends all across; a broadcast counts its group whole (hop_of)."""
+    res = run_workers(_split_by_the_ring_rule, 4, None, local_world_size=2)
+    B = 4 * 1024
+    for rank, r in enumerate(res):
+        for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+            assert r[op] == {"intra": B // 2, "cross": B // 2}, (op, r[op])   # (the all-gather: its input)
+        row = 8 * 4
+        cross = (3 + 4) * row if rank < 2 else (1 + 2) * row
+        assert r["all_to_all_uneven"] == {"intra": (1 + 2 + 3 + 4) * row - cross, "cross": cross}, r
+        assert r["all_reduce_node"] == {"intra": B, "cross": 0}
+        assert r["all_reduce_across"] == {"intra": 0, "cross": B}
+        assert r["broadcast"] == {"cross": B}

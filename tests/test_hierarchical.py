@@ -253,11 +253,16 @@ def test_bytes_per_hop_on_2_nodes_x_2(tmp_path):
             assert "2 nodes" in s["comm_hops"] and "hop_bytes_per_step_unsplit" not in s
             assert s["hop_bytes_per_step_intra"] + s["hop_bytes_per_step_cross"] == s["comm_bytes_per_step"]
         ddp, fp8 = r["none"]["summary"], r["fp8"]["summary"]
-        # DDP's flat all-reduce spans both nodes: all of its bytes cross
-        assert ddp["hop_bytes_per_step_cross"] == ddp["comm_bytes_per_step"] and ddp["hop_bytes_per_step_intra"] == 0
-        # fp8 across nodes carries 1 byte per element (+ scales) of half the tensors per rank: far below fp32's 4 bytes
-        # of all of them; its fp32 reduce-scatter + all-gather inside the node are counted as intra-node
-        assert 0 < fp8["hop_bytes_per_step_cross"] < ddp["hop_bytes_per_step_cross"] / 4
+        # DDP's flat all-reduce is a ring through ranks 0 → 1 → 2 → 3 → 0 (node-major): of its 4 links, each carrying
+        # the same bytes in every step of the ring, 1 → 2 and 3 → 0 join the nodes, so 2/4 of every rank's bytes
+        # count as cross-node (comm.ops.cross_share, the rule FSDP2's rings are counted by), the rest as intra-node
+        assert ddp["hop_bytes_per_step_cross"] == ddp["hop_bytes_per_step_intra"] == ddp["comm_bytes_per_step"] / 2
+        # fp8 across nodes carries 1 byte per element (+ a 4-byte scale per block of 128) of the tensors this rank
+        # owns, about half of them, over a group of one rank per node (all of it crosses): against fp32 DDP's
+        # 4 B × 1/2 per element of all of them, 4 / (1 + 4/128) = 3.9× fewer when the two owners of a node split the
+        # tensors evenly; they own whole tensors, so rank 0 may carry more than half: more than 3× asserted. Its
+        # fp32 reduce-scatter + all-gather inside the node are counted as intra-node
+        assert 0 < 3 * fp8["hop_bytes_per_step_cross"] < ddp["hop_bytes_per_step_cross"]
         assert fp8["hop_bytes_per_step_intra"] > ddp["hop_bytes_per_step_cross"]
     _read_by_every_door(tmp_path, res[0]["none"]["summary"], res[0]["fp8"]["summary"])
 
@@ -280,12 +285,12 @@ def _read_by_every_door(runs, ddp, fp8):
     assert "cross-node/step" in table.splitlines()[0]
     assert human_bytes(fp8["hop_bytes_per_step_cross"]) in table.splitlines()[2]
     assert loaded[1]["hop_bytes_per_step"]["cross"] == pytest.approx(fp8["hop_bytes_per_step_cross"])
-    # bench's (and time_to_loss's) "× fewer bytes" is on the cross-node hop: > 4x, where all bytes read < 1x
+    # bench's (and time_to_loss's) "× fewer bytes" is on the cross-node hop: > 3x (above), where all bytes read < 1x
     bench = {r["name"]: r for r in build_rows(
         [BenchRun(n, build_config(overrides={"run_dir": str(runs / n), "compress.method": n})) for n in ("none", "fp8")],
         {"none": ddp, "fp8": fp8}, {}, "loopback")}
     ratio = bench["fp8"]["compression_ratio"]
-    assert bench["fp8"]["ratio_on"] == "cross-node" and ratio > 4
+    assert bench["fp8"]["ratio_on"] == "cross-node" and ratio > 3
     assert ratio == pytest.approx(ddp["hop_bytes_per_step_cross"] / fp8["hop_bytes_per_step_cross"])
     assert fp8["comm_bytes_per_step"] > ddp["comm_bytes_per_step"]   # the figure a total would have shown: < 1x
     d = diagnose(load_run(runs / "fp8"))

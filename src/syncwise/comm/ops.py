@@ -2,8 +2,10 @@
 
 Thin wrappers over ``torch.distributed``: same semantics, plus a record in the ``stats`` given (a
 :class:`~.stats.CommStats`, usually one kind of a run's :class:`~.stats.CommLedger`; None: counted nowhere) of the
-op, the payload bytes this rank contributes (the input tensor's size) and the duration. Asynchronous
-calls return the usual work handle; their duration is recorded when their future completes.
+op, the payload bytes this rank contributes (the input tensor's size) split per hop by the collective's pattern
+over its group (:func:`split_bytes`: a ring's N_g / W across nodes, an all-to-all's chunks for other nodes, a
+broadcast's group whole) and the duration. Asynchronous calls return the usual work handle; their duration is
+recorded when their future completes.
 
 Durations (issue 24): NCCL collectives return at *enqueue*, so a host clock measures the launch. For CUDA
 tensors on an NCCL communicator the duration is a pair of CUDA events (:mod:`.timing`): the start on the
@@ -422,6 +424,32 @@ def split_bytes(nbytes: int, group=None, pattern: str = "ring") -> Optional[dict
     return {"intra": int(nbytes) - cross, "cross": cross}
 
 
+def uneven_all_to_all_split(sent: "list[int]", group=None) -> Optional[dict]:
+    """``{'intra': .., 'cross': ..}`` of an all-to-all that sends ``sent[j]`` bytes to the group's rank j (uneven
+    splits: the expert dispatch's): the bytes for ranks on another node than this rank's cross. None when the
+    topology is not known."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    placed = _placed_ranks(group if group is not None else dist.group.WORLD)
+    if placed is None:
+        return None
+    ranks, per = placed
+    if len(sent) != len(ranks):
+        return None
+    mine = dist.get_rank() // per
+    cross = sum(int(n) for r, n in zip(ranks, sent) if r // per != mine)
+    return {"intra": sum(int(n) for n in sent) - cross, "cross": cross}
+
+
+def _row_bytes(input: torch.Tensor, input_split_sizes: Optional[list[int]]) -> "Optional[list[int]]":
+    """The bytes an ``all_to_all_single`` with ``input_split_sizes`` (rows of dim 0 per rank) sends to each rank;
+    None for even splits (:func:`cross_share`'s all-to-all formula)."""
+    if not input_split_sizes:
+        return None
+    row = input[0].numel() * input.element_size() if input.dim() and input.shape[0] else 0
+    return [int(n) * row for n in input_split_sizes]
+
+
 def _prune_in_flight() -> None:
     """Drop CUDA-timed collectives whose end event has completed."""
     for token, f in list(_in_flight.items()):
@@ -549,13 +577,23 @@ _NOWHERE = _Uncounted()
 
 
 def _issue(name: str, nbytes: int, fn, async_op: bool, stats: Optional[CommStats], group=None,
-           tensors: "tuple[torch.Tensor, ...]" = ()):
+           tensors: "tuple[torch.Tensor, ...]" = (), pattern: Optional[str] = "ring", splits=None):
+    """Run one collective, recorded in ``stats`` with its bytes per hop: split by ``pattern`` over ``group``
+    (:func:`split_bytes`: a ring's N_g / W across, an all-to-all's chunks for other nodes — ``splits``: the bytes
+    it sends to each rank of the group, when uneven), or whole by :func:`hop_of` (``pattern`` None: a broadcast)."""
     if stats is None:
         stats = _NOWHERE
     if tensors and strict():
         check_devices(name, list(tensors), group)
         _count(name, group)
-    hop = hop_of(group) if stats is not _NOWHERE else None
+    hop = None
+    if stats is not _NOWHERE:
+        if pattern is None:
+            hop = hop_of(group)
+        elif splits is not None:
+            hop = uneven_all_to_all_split(splits, group)
+        else:
+            hop = split_bytes(nbytes, group, pattern)
     if tensors and _nccl_timed(tensors[0], group):
         return _issue_nccl(name, nbytes, fn, async_op, stats, group, tensors, hop)
     start = time.perf_counter()
@@ -612,7 +650,7 @@ def _launch(name: str, group, fn, interval: Optional[Interval] = None, tensors: 
 
 
 def _issue_nccl(name: str, nbytes: int, fn, async_op: bool, stats: CommStats, group, tensors: tuple,
-                hop: Optional[str] = None):
+                hop: "Optional[str | dict]" = None):
     """A CUDA collective on NCCL: events around it (see the module docstring); never blocks the host. An async one's
     tensors stay owned by its in-flight record until its end event completed (pruned then)."""
     device = tensors[0].device
@@ -682,14 +720,14 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Op
     return _issue("all_to_all", input.numel() * input.element_size(),
                   lambda: dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
                                                  group=group, async_op=async_op), async_op, stats, group,
-                  (input, output))
+                  (input, output), "all_to_all", _row_bytes(input, input_split_sizes))
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False, stats: Optional[CommStats] = None):
     """Broadcast ``tensor`` from global rank ``src``."""
     return _issue("broadcast", tensor.numel() * tensor.element_size(),
                   lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), async_op, stats, group,
-                  (tensor,))
+                  (tensor,), None)
 
 
 def all_gather_object(obj: object, group=None) -> list:
@@ -704,7 +742,7 @@ def all_gather_object(obj: object, group=None) -> list:
 def broadcast_from(tensor: torch.Tensor, group_src: int, group=None, stats: Optional[CommStats] = None) -> None:
     """Broadcast ``tensor`` from rank ``group_src`` of ``group`` (a group-local rank)."""
     _issue("broadcast", tensor.numel() * tensor.element_size(),
-           lambda: dist.broadcast(tensor, group=group, group_src=group_src), False, stats, group, (tensor,))
+           lambda: dist.broadcast(tensor, group=group, group_src=group_src), False, stats, group, (tensor,), None)
 
 
 def barrier(group=None) -> None:

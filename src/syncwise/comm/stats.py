@@ -11,10 +11,12 @@ and asynchronous ones from issue to completion through a future callback; on CUD
 (:mod:`.timing`), whose durations are added when they are read and complete (``settle``), so nothing adds a
 synchronisation point. The trainer's step meter reads bytes and seconds per step from its run's ledger.
 
-Hops: every record also says which hop its bytes crossed (``syncwise.comm.ops.hop_of`` the collective's group):
-``intra`` (every rank of the group on one node), ``cross`` (the group spans nodes), or unknown (no topology known,
-or a collective issued outside syncwise.comm whose group is not known). ``CommStats.hops`` keeps the bytes per hop,
-so a run's cross-node bytes — the ones the slow link carries — are read apart from its node-local ones.
+Hops: every record also says which hop its bytes crossed, by the one rule of ``syncwise.comm.ops`` (``split_bytes``
+/ ``cross_share``): a ring collective (all-reduce, all-gather, reduce-scatter) over a group spanning N_g nodes with W
+ranks counts N_g / W of its bytes ``cross`` and the rest ``intra``; an all-to-all its chunks for ranks on other nodes;
+a group inside one node all ``intra``; a broadcast's group as a whole (``hop_of``); unknown where no topology is
+known, or a collective issued outside syncwise.comm whose group is not known. ``CommStats.hops`` keeps the bytes
+per hop, so a run's cross-node bytes — the ones the slow link carries — are read apart from its node-local ones.
 """
 from __future__ import annotations
 
@@ -65,16 +67,26 @@ class CommStats:
                     keep.append((op, iv))
             self._pending = keep
 
-    def record(self, op: str, nbytes: int, seconds: float = 0.0, hop: Optional[str] = None) -> None:
-        """Count one collective of ``nbytes`` payload; ``seconds`` if already known; ``hop``: 'intra', 'cross' or
-        None (unknown) — ``syncwise.comm.ops.hop_of(group)``."""
-        key = hop if hop in HOPS else UNKNOWN_HOP
+    def record(self, op: str, nbytes: int, seconds: float = 0.0, hop: "Optional[str | dict]" = None) -> None:
+        """Count one collective of ``nbytes`` payload; ``seconds`` if already known; ``hop``: where its bytes went —
+        'intra' or 'cross' (all of them), the bytes split ``{'intra': .., 'cross': ..}`` (``syncwise.comm.ops.
+        split_bytes``: a ring's N_g / W across, an all-to-all's chunks for other nodes; what the split does not
+        account for is unknown), or None (unknown)."""
+        n = int(nbytes)
+        if isinstance(hop, dict):
+            parts = {h: int(hop.get(h, 0)) for h in HOPS if h in hop}
+            rest = n - sum(parts.values())
+            if rest:
+                parts[UNKNOWN_HOP] = rest
+        else:
+            parts = {hop if hop in HOPS else UNKNOWN_HOP: n}
         with self._lock:
             t = self.by_op.setdefault(op, OpTotals())
             t.calls += 1
-            t.bytes += int(nbytes)
+            t.bytes += n
             t.time_s += seconds
-            self.hops[key] = self.hops.get(key, 0) + int(nbytes)
+            for key, m in parts.items():
+                self.hops[key] = self.hops.get(key, 0) + m
 
     def add_time(self, op: str, seconds: float) -> None:
         """Add completion time for an asynchronous collective recorded earlier."""

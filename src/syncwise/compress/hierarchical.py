@@ -40,8 +40,9 @@ class HierarchicalHookState(CompressionHookState):
     build it on every rank at the same point, it creates groups). ``hop_bytes`` counts what this rank sent
     per hop: ``intra`` (the fp32 reduce-scatter input and all-gather shard) and ``inter`` (the compressor's
     payloads), by the same rule as ``syncwise.comm.CommStats``; the collectives themselves are counted in the
-    compressor's ``stats`` (a run's ``ledger.dp``), each under the hop of its group (``CommStats.hops``: the
-    node-local group's as ``intra``, the cross-node group's as ``cross``), which is what the run's summary reports.
+    compressor's ``stats`` (a run's ``ledger.dp``), each split by its group (``comm.ops.split_bytes``: the
+    node-local group's all ``intra``, the cross-node group's — one rank per node — all ``cross``), which is what the
+    run's summary reports.
     """
 
     def __init__(self, compressor: Compressor, ctx: CommContext,

@@ -177,12 +177,14 @@ class DataParallel:
     # bypass syncwise.comm; their exposed part is still measured, by DDP's bucket timer)
     sync_timed: bool = True
     stats: Optional[CommStats] = None  # where the gradient sync is counted (the run's ledger.dp; None: nowhere)
-    hop: Optional[str] = None  # the hop DDP's own all-reduce crosses (comm.ops.hop_of its group)
+    group: Any = None  # DDP's process group (None: every rank): its all-reduce's bytes per hop are split over it
 
     def record_sync(self) -> None:
-        """Count one gradient sync of DDP's built-in all-reduce (its collective bypasses syncwise.comm)."""
+        """Count one gradient sync of DDP's built-in all-reduce (its collective bypasses syncwise.comm), split per hop
+        as every ring all-reduce is (``comm.ops.split_bytes``: N_g / W of its bytes cross)."""
         if self.builtin_sync_bytes and self.stats is not None:
-            self.stats.record("all_reduce", self.builtin_sync_bytes, hop=self.hop)
+            self.stats.record("all_reduce", self.builtin_sync_bytes,
+                              hop=ops.split_bytes(self.builtin_sync_bytes, self.group, "ring"))
 
     @property
     def distributed(self) -> bool:
@@ -196,13 +198,15 @@ def _no_forward_buffer_sync() -> dict[str, bool]:
     return {"broadcast_buffers": False}
 
 
-def _counted(bytes_per_element: int, hook, stats: Optional[CommStats], hop: Optional[str] = None):
-    """Count the bytes of a torch hook that sends the whole bucket in one dtype (it bypasses syncwise.comm)."""
+def _counted(bytes_per_element: int, hook, stats: Optional[CommStats], group: Any = None):
+    """Count the bytes of a torch hook that sends the whole bucket in one dtype (it bypasses syncwise.comm): an
+    all-reduce over ``group``, split per hop as every ring's (``comm.ops.split_bytes``)."""
     if stats is None:
         return hook
 
     def counted(state, bucket):
-        stats.record("all_reduce", bucket.buffer().numel() * bytes_per_element, hop=hop)
+        nbytes = bucket.buffer().numel() * bytes_per_element
+        stats.record("all_reduce", nbytes, hop=ops.split_bytes(nbytes, group, "ring"))
         return hook(state, bucket)
 
     return counted
@@ -243,7 +247,7 @@ def apply_data_parallel(model: nn.Module, compressor: "Optional[Compressor | Tor
     if isinstance(compressor, TorchHookSpec):
         state, hook = compressor.state_and_hook(process_group)
         per_element = TORCH_HOOKS[compressor.name]
-        timer = GradSyncTimer(state, _counted(per_element, hook, stats, ops.hop_of(process_group)) if per_element
+        timer = GradSyncTimer(state, _counted(per_element, hook, stats, process_group) if per_element
                               else hook, device)
         ddp.register_comm_hook(timer, _timed_hook)
         return DataParallel(module=ddp, timer=timer, bytes_counted=per_element is not None, sync_timed=False,
@@ -253,7 +257,7 @@ def apply_data_parallel(model: nn.Module, compressor: "Optional[Compressor | Tor
         nbytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                      if p.requires_grad and n not in (ignore or ()))
         return DataParallel(module=ddp, timer=GradReadyClock(model, device), builtin_sync_bytes=nbytes,
-                            sync_timed=False, stats=stats, hop=ops.hop_of(process_group))
+                            sync_timed=False, stats=stats, group=process_group)
     names = {p: n for n, p in model.named_parameters()}
     # A dedicated communicator is made by new_group, which every rank of the world must call alike: only when the
     # data-parallel ranks are the whole world (a pipeline stage's replicas compress on their own group).

@@ -364,8 +364,8 @@ class TorchPeriodicAveraging(SyncStrategy):
         self._pack_skips(step, flags)
         ops.all_reduce(flags, "max", group=group, stats=self.stats)
         self._unpack_skips(step, flags)
-        self.stats.record("all_reduce", sum(t.numel() * t.element_size() for t in averaged + self.buffers),
-                          hop=ops.hop_of(group))
+        nbytes = sum(t.numel() * t.element_size() for t in averaged + self.buffers)
+        self.stats.record("all_reduce", nbytes, hop=ops.split_bytes(nbytes, group, "ring"))
         self.syncs += 1
         return iv.stop().seconds()  # CUDA events on a GPU (torch's averager returns at enqueue under NCCL)
 

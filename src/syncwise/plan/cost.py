@@ -398,27 +398,31 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
     t_fsdp_mb = 0.0
     fsdp_gather_total = 0.0
     fsdp = fsdp_plan(cloud, layout, training) if layout.dp_shard > 1 else None
+    units = fsdp_units(model, layout) if fsdp is not None else None
     gather_codec_mb = 0.0
     if fsdp is not None:
-        # forward's gather over the shard group (parallel.fsdp_gather's bytes); backward's again (all), over the
-        # node's shard ranks at FSDP2's own dtype (node: hpZ), or none (the weights kept from forward)
-        ag_f = dim_time(cloud, layout, "dp_shard", "all_gather", local * fsdp.gather_bpe, mb_traffic)
-        if fsdp.bwd_ranks >= layout.dp_shard:
-            ag_b = dim_time(cloud, layout, "dp_shard", "all_gather", local * fsdp.gather_bpe, mb_traffic)
-        elif fsdp.bwd_ranks > 1:
-            ag_b = collective_time(cloud, "all_gather", local * training.gather_bytes, fsdp.bwd_ranks, fsdp.bwd_ranks)
-        else:
+        # forward's gather over the shard group (parallel.fsdp_gather's bytes), one per unit; backward's again of the
+        # units resharded after forward (all), over the node's shard ranks at FSDP2's own dtype (node: hpZ), or none
+        # (the weights kept from forward)
+        n_u, n_b, regather = units.count, units.regathered, units.regathered_params
+        ag_f = dim_time(cloud, layout, "dp_shard", "all_gather", local * fsdp.gather_bpe / n_u, mb_traffic, n_u)
+        if n_b <= 0 or fsdp.bwd_ranks <= 1:
             ag_b = 0.0
+        elif fsdp.bwd_ranks >= layout.dp_shard:
+            ag_b = dim_time(cloud, layout, "dp_shard", "all_gather", regather * fsdp.gather_bpe / n_b, mb_traffic, n_b)
+        else:
+            ag_b = collective_time(cloud, "all_gather", regather * training.gather_bytes / n_b, fsdp.bwd_ranks,
+                                   fsdp.bwd_ranks, count=n_b)
         share = sp_params.unit / max(local, 1.0)
         fsdp_gather_total = ag_f + ag_b
         t_fsdp_mb = max(ag_f * share, ag_f - t_fwd) + (max(ag_b * share, ag_b - (t_bwd - t_extra)) if ag_b else 0.0) \
             if training.overlap_fsdp else ag_f + ag_b
         if layout.fsdp_gather != "fp32":   # each quantized gather encodes this rank's shard, decodes W parts
-            passes = 2 if fsdp.bwd_ranks >= layout.dp_shard else 1
             gw = Wire("all_gather", fsdp.gather_bpe, compute_bytes=CODEC_COST[layout.fsdp_gather][0],
                       compute_bytes_per_peer=CODEC_COST[layout.fsdp_gather][1], codec=layout.fsdp_gather)
-            gather_codec_mb = passes * _codec_time(cloud, gw, local / layout.dp_shard, layout.dp_shard,
-                                                   model.tensor_count() / pp)
+            gather_codec_mb = _codec_time(cloud, gw, local / layout.dp_shard, layout.dp_shard, n_u)
+            if fsdp.bwd_ranks >= layout.dp_shard and n_b > 0:
+                gather_codec_mb += _codec_time(cloud, gw, regather / layout.dp_shard, layout.dp_shard, n_b)
     # ---- per-kernel overheads (per micro-batch): the host issues every kernel (and every collective: tp, ep
     # all-to-alls, pipeline sends) at ``kernel_launch_s`` each at best (eager PyTorch's per-op host time: the
     # catalog's, or `--calibrate`'s measurement); the device runs them with kernel_gap_s between.
@@ -482,30 +486,34 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
             name = layout.compress.name
             cast = name in FSDP_REDUCE_DTYPES and name != "none"    # FSDP2's own 16-bit reduce dtype
             red = 2.0 if cast else training.grad_reduce_bytes
+            n_u = units.count                    # one reduce-scatter per unit (its flat gradient: one codec call)
             if fsdp.reduce == "flat":            # qgZ: quantized chunks by one all-to-all, an fp32 sum
-                dp_total += dim_time(cloud, layout, "dp_shard", "all_to_all", local * fsdp.reduce_bpe, traffic)
-                compress_compute += _codec_time(cloud, _reduce_wire(fsdp), local, 1, tensors)
-            elif fsdp.reduce == "hierarchical":  # fp32 all-to-all inside the node, node sums quantized across
-                k, nodes_ = fsdp.shard_per_node, layout.dp_shard // fsdp.shard_per_node
-                dp_total += collective_time(cloud, "all_to_all", local * training.grad_reduce_bytes, k, k)
-                dp_total += collective_time(cloud, "all_to_all", local / k * fsdp.reduce_bpe, nodes_, 1, traffic)
+                dp_total += dim_time(cloud, layout, "dp_shard", "all_to_all", local * fsdp.reduce_bpe / n_u, traffic,
+                                     n_u)
+                compress_compute += _codec_time(cloud, _reduce_wire(fsdp), local, 1, n_u)
+            elif fsdp.reduce == "hierarchical":  # fp32 all-to-all inside the node, node sums quantized across:
+                k, nodes_ = fsdp.shard_per_node, layout.dp_shard // fsdp.shard_per_node   # two collectives a unit
+                dp_total += collective_time(cloud, "all_to_all", local * training.grad_reduce_bytes / n_u, k, k,
+                                            count=n_u)
+                dp_total += collective_time(cloud, "all_to_all", local / k * fsdp.reduce_bpe / n_u, nodes_, 1, traffic,
+                                            count=n_u)
                 if nodes_ > 1:                   # (one node: nothing crosses, nothing is encoded)
-                    compress_compute += _codec_time(cloud, _reduce_wire(fsdp), local / k, 1, tensors)
+                    compress_compute += _codec_time(cloud, _reduce_wire(fsdp), local / k, 1, n_u)
             else:
-                dp_total += dim_time(cloud, layout, "dp_shard", "reduce_scatter", local * red, traffic)
+                dp_total += dim_time(cloud, layout, "dp_shard", "reduce_scatter", local * red / n_u, traffic, n_u)
             if layout.dp_replicate > 1 and sync_name not in (EVERY_STEP, "pipesgd"):
                 # local steps over HSDP's replica groups: no per-step all-reduce across them; each rank's shard is
                 # averaged with the other groups' every period
                 one = _outer_step_time(cloud, layout, sync, local / layout.dp_shard, "dp_replicate", traffic)
                 sync_exposed = max(0.0, one - sync.delay * t_pipe) / sync.period
             elif layout.dp_replicate > 1:
-                shard = local / layout.dp_shard
+                shard = local / layout.dp_shard  # per unit: FSDP2's all-reduce, or the compressor as its hook
                 if cast or name == "none":
-                    dp_total += dim_time(cloud, layout, "dp_replicate", "all_reduce", shard * red, traffic)
+                    dp_total += dim_time(cloud, layout, "dp_replicate", "all_reduce", shard * red / n_u, traffic, n_u)
                 else:
                     payload, raw = sync_bytes(shard, layout.dp_replicate, wire)
-                    dp_total += dim_time(cloud, layout, "dp_replicate", wire.kind, payload, traffic)
-                    dp_total += dim_time(cloud, layout, "dp_replicate", "all_reduce", raw, traffic)
+                    dp_total += dim_time(cloud, layout, "dp_replicate", wire.kind, payload / n_u, traffic, n_u)
+                    dp_total += dim_time(cloud, layout, "dp_replicate", "all_reduce", raw / n_u, traffic, n_u)
                     compress_compute += _codec_time(cloud, wire, shard, layout.dp_replicate, tensors)
             overlap_window = t_bwd - t_extra if training.overlap_fsdp else 0.0
             last = dp_total * sp_params.unit / max(local, 1.0)
@@ -592,7 +600,9 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
         memory={k: v / GIB for k, v in mem.parts.items()},
         inter_node_bytes=traffic.inter_bytes, inter_node_messages=traffic.inter_messages,
         info={"dp_comm_total": dp_total, "fsdp_gather_total_per_microbatch": fsdp_gather_total,
-              **({"fsdp_bytes_per_step": fsdp_hop_bytes(fsdp, layout, training, local, M)} if fsdp else {}),
+              **({"fsdp_bytes_per_step": fsdp_hop_bytes(fsdp, layout, training, local, M,
+                                                         units.regathered_params / max(local, 1.0)),
+                  "fsdp_collectives_per_step": fsdp_collectives(fsdp, units, layout, M)} if fsdp else {}),
               "layer_share_of_flops": layer_share, "flops_per_token": f_tok, "bubble_fraction":
               bubble_units / (M + bubble_units), "matmul_efficiency": eff, "training": training.name,
               "kernels_per_microbatch": n_kernels, "gemm_shape_s_per_microbatch": shape_fwd + shape_bwd})
@@ -730,6 +740,36 @@ def kernels_per_microbatch(model: ModelSpec, layout: Layout, training: Training,
 
 
 @dataclass(frozen=True)
+class FsdpUnits:
+    """FSDP2's units on one rank, as ``syncwise.parallel.fsdp.apply_fsdp`` wraps syncwise's models: one unit per
+    child module holding a matrix — the embedding, each block, the output head (a head tied to the embedding stays
+    with the root) — then the root (the final norm). Each unit issues one all-gather before its forward and one
+    reduce-scatter after its backward (``fully_shard`` per unit: a collective per unit and pass, each paying its
+    call's latency). The last unit and the root are not resharded after forward (apply_fsdp: backward needs them
+    first), so backward re-gathers the others only: ``regathered`` units holding ``regathered_params`` parameters.
+    Under pp a stage's share: its blocks, one end (embedding or head) and its root."""
+
+    count: float
+    regathered: float
+    regathered_params: float
+
+
+def fsdp_units(model: ModelSpec, layout: Layout) -> FsdpUnits:
+    """:class:`FsdpUnits` of one rank of ``layout`` (this rank's stage, after tensor / expert splits)."""
+    from .memory import _layer_split
+
+    blocks = model.n_layers / layout.pp
+    in_blocks = sum(sum(_layer_split(model, i, layout.tp, layout.ep)) for i in range(model.n_layers)) / layout.pp
+    if layout.pp > 1:   # a stage: its blocks, one end (the embedding first, the head last), the root; the first
+        # stage re-gathers its embedding but not its last block: taken as one block's worth either way
+        return FsdpUnits(blocks + 2, blocks, in_blocks)
+    if model.tie_embeddings:   # the tied embedding and head stay with the root: blocks and the root; the last block
+        return FsdpUnits(blocks + 1, max(blocks - 1, 0.0), in_blocks * max(blocks - 1, 0.0) / max(blocks, 1.0))
+    # the embedding, the blocks, the head, the root (final norm): the head and the root kept from forward
+    return FsdpUnits(blocks + 3, blocks + 1, in_blocks + model.embedding_params() / layout.tp)
+
+
+@dataclass(frozen=True)
 class FsdpPlan:
     """How a dp_shard layout's FSDP2 collectives travel (``parallel.fsdp_gather`` / ``fsdp_reshard`` /
     ``--compress`` as the quantized reduce-scatter, ``dist.hierarchical``): bytes per element of forward's gather,
@@ -770,13 +810,49 @@ def _reduce_wire(f: FsdpPlan) -> Wire:
     return Wire("all_to_all", f.reduce_bpe, compute_bytes=compute, compute_bytes_per_peer=per_peer, codec=f.codec)
 
 
-def fsdp_hop_bytes(f: FsdpPlan, layout: Layout, training: Training, local: float, microbatches: int
-                   ) -> dict[str, float]:
+def fsdp_collectives(f: FsdpPlan, units: FsdpUnits, layout: Layout, microbatches: int) -> dict[str, float]:
+    """FSDP2's collective calls per step on one rank, ``'<op> <hop>'`` → calls (hop: 'intra' for a group inside one
+    node, 'cross' for one spanning nodes, as ``comm.ops.hop_of``) — the calls ``predict`` charges a latency each:
+    per micro-batch forward's gather of every unit (:class:`FsdpUnits`) and backward's of the resharded ones (over the
+    shard group, or the node's shard ranks under fsdp_reshard=node); per step one reduce per unit — FSDP2's
+    reduce-scatter, the quantized one's all-to-all (hierarchical: one inside the node, one across) — and under HSDP
+    the replicas' all-reduce per unit (or the compressor's collective as its hook)."""
+    W, k = layout.dp_shard, f.shard_per_node
+    shard_hop = "cross" if k < W else "intra"
+    out: dict[str, float] = {}
+
+    def add(key: str, n: float) -> None:
+        if n > 0:
+            out[key] = out.get(key, 0.0) + n
+
+    add(f"all_gather {shard_hop}", microbatches * units.count)
+    if f.bwd_ranks >= W:
+        add(f"all_gather {shard_hop}", microbatches * units.regathered)
+    elif f.bwd_ranks > 1:
+        add("all_gather intra", microbatches * units.regathered)
+    if f.reduce == "flat":
+        add(f"all_to_all {shard_hop}", units.count)
+    elif f.reduce == "hierarchical":
+        add("all_to_all intra", units.count)
+        add(f"all_to_all {'cross' if W // k > 1 else 'intra'}", units.count)
+    else:
+        add(f"reduce_scatter {shard_hop}", units.count)
+    if layout.dp_replicate > 1 and (layout.sync is None or layout.sync.method in (EVERY_STEP, "pipesgd")):
+        name = layout.compress.name
+        kind = "all_reduce" if name in FSDP_REDUCE_DTYPES else layout.compress.spec.collective
+        add(f"{kind} cross", units.count)      # replicas span nodes (dp_shard inside; else one per node as well)
+    return out
+
+
+def fsdp_hop_bytes(f: FsdpPlan, layout: Layout, training: Training, local: float, microbatches: int,
+                   regathered: float = 1.0) -> dict[str, float]:
     """The bytes per step one rank's FSDP2 collectives put in, split by hop as the run's summary counts them
     (``hop_bytes_per_step_intra`` / ``_cross``: each collective's input payload, ``comm.ops.cross_share``): a ring
     over the shard group's W ranks, k per node, crosses on 1/k of its bytes (N_g / W) when it spans nodes; an
     all-to-all on (W − k) / W; a group inside one node not at all. Gathers (input: this rank's shard) per
-    micro-batch, the reduce-scatter (input: the whole unsharded gradient) once per step."""
+    micro-batch — forward's of every unit, backward's of the ``regathered`` share of the parameters (the units
+    resharded after forward: :class:`FsdpUnits`) —, the reduce-scatter (input: the whole unsharded gradient) once
+    per step."""
     W, k = layout.dp_shard, f.shard_per_node
     ring = 1.0 / k if k < W else 0.0
     out = {"intra": 0.0, "cross": 0.0}
@@ -787,9 +863,9 @@ def fsdp_hop_bytes(f: FsdpPlan, layout: Layout, training: Training, local: float
 
     add(local / W * f.gather_bpe, ring, microbatches)                              # forward's gather
     if f.bwd_ranks >= W:
-        add(local / W * f.gather_bpe, ring, microbatches)                          # backward's, the same
+        add(regathered * local / W * f.gather_bpe, ring, microbatches)             # backward's, the same
     elif f.bwd_ranks > 1:
-        add(local / f.bwd_ranks * training.gather_bytes, 0.0, microbatches)        # inside the node
+        add(regathered * local / f.bwd_ranks * training.gather_bytes, 0.0, microbatches)   # inside the node
     if f.reduce == "flat":
         add(local * f.reduce_bpe, (W - k) / W if k < W else 0.0)
     elif f.reduce == "hierarchical":

@@ -163,12 +163,13 @@ class StepBytes:
     hook on its worker thread, the expert dispatch's autograd functions); the meter reads them as marks and
     differences, so collectives between steps are not a step's.
 
-    Per hop (:attr:`hops`, after :meth:`end`): the same bytes split by the link they crossed — ``intra`` (a group
-    inside one node), ``cross`` (a group spanning nodes), as the ledger classified them (``comm.ops.hop_of``), and
-    ``unsplit`` for bytes with no known hop (a pipeline's sends; no topology known). FSDP2's all-gathers and
-    reduce-scatters and the dispatch counter's collectives (HSDP's all-reduce, DTensor's) are split by their pattern
-    over their group (``comm.ops.cross_share``: a ring's N_g / W of the bytes cross, an all-to-all's chunks for other
-    nodes; ``Parallelized.counted_hops``). None when some dimension's bytes are not counted at all.
+    Per hop (:attr:`hops`, after :meth:`end`): the same bytes split by the link they crossed — ``intra`` and
+    ``cross`` — and ``unsplit`` for bytes with no known hop (a pipeline's sends; no topology known). Every collective
+    is split by its pattern over its group, by one rule (``comm.ops.split_bytes`` / ``cross_share``: a ring's N_g / W
+    of the bytes cross, an all-to-all's chunks for other nodes): the ledgers' (syncwise's own collectives, DDP's
+    built-in all-reduce) as they were recorded, FSDP2's all-gathers and reduce-scatters and the dispatch counter's
+    collectives (HSDP's all-reduce, DTensor's) by ``Parallelized.counted_hops``. None when some dimension's bytes are
+    not counted at all.
     """
 
     def __init__(self, par: Any):
