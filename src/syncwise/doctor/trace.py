@@ -454,7 +454,15 @@ def summarize(run_dir: "str | Path", priced_bytes_s: Optional[float] = None) -> 
 #: the parts of the step (:func:`parts`) in which each cause's time shows in a trace: what planting or removing
 #: the cause changes (compared between two runs' traces by :func:`added_ms`)
 CAUSE_PARTS = {"straggler": ("wait",), "compression": ("compress", "exposed"), "buckets_too_small": ("exposed",),
-               "buckets_too_large": ("exposed",), "link": ("exposed",), "pipeline_bubble": ("stalled",)}
+               "buckets_too_large": ("exposed",), "link": ("exposed",), "pipeline_bubble": ("bubble",)}
+
+
+def lateness(t: dict[str, Any], rank: Any) -> float:
+    """How much later than the others ``rank`` arrives at the collectives, by the trace (ms per step): the median
+    of the other ranks' exposed communication less its own (they wait for it there); negative where it is early."""
+    exposed = {r: v["exposed_ms"] for r, v in t["ranks"].items()}
+    others = [x for r, x in exposed.items() if r != rank]
+    return statistics.median(others) - exposed[rank] if others and rank in exposed else 0.0
 
 
 def parts(t: dict[str, Any]) -> dict[str, Any]:
@@ -462,30 +470,31 @@ def parts(t: dict[str, Any]) -> dict[str, Any]:
 
     - ``step``, ``compute``, ``compress``, ``idle``: the mean rank's;
     - ``exposed``: the least any rank's (waiting for a late peer is that peer's cause, not the link's);
-    - ``wait``: how much more the other ranks' communication is exposed than the rank they wait for — the one with
-      the least exposed (its median over the others minus its own; 0 with one rank), and ``late_rank`` that rank;
-    - ``stalled``: the mean rank's step less its compute and compression (in a pipeline, what a stage spends waiting
-      for its neighbours' activations and gradients, or idle)."""
+    - ``wait``: the :func:`lateness` of the rank the others wait for (the one with the least exposed communication),
+      ``late_rank`` that rank (None with one rank);
+    - ``bubble``: the mean rank's exposed communication — in a pipeline, the stages waiting for each other's
+      activations and gradients (the sends and receives are communication)."""
     ranks = t["ranks"]
     n = max(len(ranks), 1)
     mean = lambda k: sum(v[k] for v in ranks.values()) / n  # noqa: E731
     exposed = {r: v["exposed_ms"] for r, v in ranks.items()}
-    late = min(exposed, key=exposed.get) if exposed else None
-    others = [x for r, x in exposed.items() if r != late]
-    wait = statistics.median(others) - exposed[late] if others else 0.0
+    late = min(exposed, key=exposed.get) if len(exposed) > 1 else None
     return {"step": mean("step_ms"), "compute": mean("compute_ms"), "compress": mean("compress_ms"),
-            "idle": mean("idle_ms"), "exposed": min(exposed.values()) if exposed else 0.0, "wait": max(0.0, wait),
-            "late_rank": late if others else None,
-            "stalled": sum(v["step_ms"] - v["compute_ms"] - v["compress_ms"] for v in ranks.values()) / n,
-            "payload_calls": mean("payload_calls"),
+            "idle": mean("idle_ms"), "exposed": min(exposed.values()) if exposed else 0.0,
+            "wait": max(0.0, lateness(t, late)) if late is not None else 0.0, "late_rank": late,
+            "bubble": mean("exposed_ms"), "payload_calls": mean("payload_calls"),
             "payload_bytes": (sum(v["payload_bytes"] for v in ranks.values()) / n
                               if all(v["payload_bytes"] is not None for v in ranks.values()) else None)}
 
 
 def added_ms(with_cause: dict[str, Any], without: dict[str, Any], cause: str) -> float:
     """What a cause adds to the step by two runs' traces, with it and without it (summaries): the change of the parts
-    it shows in (:data:`CAUSE_PARTS`), ms per step."""
+    it shows in (:data:`CAUSE_PARTS`), ms per step. A straggler's is its lateness beyond the lateness the same rank
+    already had without the cause (none where it was early: the slack a late rank first uses up costs no time)."""
     a, b = parts(with_cause), parts(without)
+    if cause == "straggler":
+        r = a["late_rank"]
+        return a["wait"] - max(0.0, lateness(without, r)) if r is not None else 0.0
     return sum(a[p] - b[p] for p in CAUSE_PARTS[cause])
 
 
@@ -495,7 +504,7 @@ def name_causes(t: dict[str, Any], *, pp: int = 1, compressor: str = "none", gra
     """The causes the trace alone names, each with its milliseconds per step and the trace's evidence, most first
     (those under ``min_share`` of the step left out):
 
-    - ``pipeline_bubble`` (pp > 1): the stages' time neither computing nor compressing (``stalled``);
+    - ``pipeline_bubble`` (pp > 1): the stages' exposed communication (``bubble``: waiting for each other);
     - ``straggler`` (pp 1, 2+ ranks): the others' communication is exposed longer than one rank's by ``wait``, at
       least ``wait_ratio`` of the compute — they waited for that rank inside the collectives;
     - ``compression``: the compressor's labelled work on the critical path (``compress``);
@@ -507,10 +516,10 @@ def name_causes(t: dict[str, Any], *, pp: int = 1, compressor: str = "none", gra
     step = max(p["step"], 1e-9)
     out: list[dict[str, Any]] = []
     if pp > 1:
-        out.append({"cause": "pipeline_bubble", "ms": p["stalled"],
-                    "evidence": f"the {pp} pipeline stages compute {p['compute']:,.1f} ms of their {step:,.1f} ms step "
-                                f"(mean rank): {p['stalled']:,.1f} ms waiting for each other's activations and "
-                                "gradients, or idle"})
+        out.append({"cause": "pipeline_bubble", "ms": p["bubble"],
+                    "evidence": f"the {pp} pipeline stages wait {p['bubble']:,.1f} ms of their {step:,.1f} ms step "
+                                "for each other's activations and gradients (exposed sends and receives, mean rank; "
+                                f"they compute {p['compute']:,.1f} ms)"})
     elif len(t["ranks"]) > 1 and p["wait"] >= wait_ratio * max(p["compute"], 1e-9):
         r = p["late_rank"]
         out.append({"cause": "straggler", "ms": p["wait"], "rank": r,
