@@ -324,10 +324,15 @@ def test_the_compressors_labelled_work_is_its_own_part_of_the_step():
               _x("syncwise:compress", 0, 10, cat="user_annotation"), _x("aten::mul", 2, 6), _x("aten::mm", 10, 30),
               _x("syncwise:compress", 40, 50, tid=3, cat="user_annotation"), _x("aten::topk", 42, 10, tid=3),
               _x("gloo:all_reduce", 60, 10, tid=2, cat="user_annotation", **{"Input Dims": [[1000]],
-                                                                             "Input type": ["float"]})]
+                                                                             "Input type": ["float"]}),
+              # a control collective (a flag, issued a step before and read later) in flight the whole step: the
+              # ranks' skew, not communication the step waits on
+              _x("gloo:all_reduce", 0, 100, tid=4, cat="user_annotation", **{"Input Dims": [[1]],
+                                                                             "Input type": ["int"]})]
     [s] = split_trace({"traceEvents": events}).steps
+    assert s.kinds["allreduce"]["count"] == 2 and s.comm_ms == pytest.approx(0.010)
     assert s.compute_ms == pytest.approx(0.030)                 # [10, 40): not the encode, not the worker's ops
-    assert s.compress_ms == pytest.approx(0.050)                # [0, 10) ∪ [40, 60) ∪ [70, 90): its collective is comm
+    assert s.compress_ms == pytest.approx(0.050)   # [0, 10) ∪ [40, 60) ∪ [70, 90): its collective is communication
     assert s.exposed_ms == pytest.approx(0.010) and s.idle_ms == pytest.approx(0.010)
     assert s.compute_ms + s.exposed_ms + s.compress_ms + s.idle_ms == pytest.approx(s.step_ms)
     assert s.spans["compress"] == [(0.0, 0.01), (0.04, 0.06), (0.07, 0.09)]

@@ -4,7 +4,10 @@ profiled step went, per rank, by interval arithmetic on the trace's own events.
 Per step (the host's ``ProfilerStep#k`` window, trainer step ``first_step + k``):
 
 - **communication**: the *union* of the intervals of every communication event in the window, on any thread or
-  stream — never their summed durations (two collectives in flight at once count once);
+  stream — never their summed durations (two collectives in flight at once count once); not the control
+  collectives (a recorded payload of at most 8 bytes — a flag, a loss scalar — and not a send or receive: issued
+  asynchronously and read a step later, their time in flight is the ranks' skew, not a transfer the step waits on;
+  they are still counted per kind);
 - **compute**: the union of the compute intervals: on a GPU trace the device's kernels that are not
   communication; on a CPU trace (gloo) the main thread's innermost operators that are not communication (what the
   CPU computed; Python between them is not compute);
@@ -144,6 +147,15 @@ def _norm(kind: str) -> str:
 def is_launch(event: dict) -> bool:
     """A kernel-launch call of the CUDA/HIP runtime or driver (the host enqueuing device work)."""
     return event.get("cat") in _RUNTIME_CATS and bool(_LAUNCH.match(str(event.get("name", ""))))
+
+
+def _is_control(event: dict, kind: str) -> bool:
+    """A control collective: one whose recorded payload is at most 8 bytes (a flag, a loss scalar), not a pipeline
+    send or receive (those wait for their peer whatever their size)."""
+    if kind in _P2P or _is_issue(event):
+        return False
+    size = event_bytes(event)
+    return size is not None and size <= 8
 
 
 def _is_issue(event: dict) -> bool:
@@ -308,7 +320,11 @@ def split_trace(data: dict, rank: int = 0, path: Path = Path("-")) -> RankTrace:
         # the operators the compressor ran on the main thread (an encode inside the backward) are its, not compute
         compute_src = _minus(union(_leaves(ours)),
                              union(span(e) for e in labelled if (e.get("pid"), e.get("tid")) in main))
-    comm_src = [span(e) for e, _ in comm]
+    # the communication the step is split by: not the control collectives (a flag, a loss scalar: <= 8 bytes, not a
+    # send or receive), issued asynchronously and read a step later — their time in flight is the ranks' skew, not a
+    # transfer anything waits on (they are still counted per kind)
+    control = {id(e) for e, k in comm if _is_control(e, k)}
+    comm_src = [span(e) for e, _ in comm if id(e) not in control]
     compress_src = [span(e) for e in labelled]
     out = []
     for s in steps:
@@ -338,7 +354,7 @@ def split_trace(data: dict, rank: int = 0, path: Path = Path("-")) -> RankTrace:
         dim_spans: dict[str, list] = {}
         for dim in sorted({labels[id(e)][0] for e, _ in comm if labels[id(e)][0]}):
             mine_u = union(clip(((e["ts"], e["ts"] + e.get("dur", 0.0)) for e, _ in comm
-                                 if labels[id(e)][0] == dim), lo, hi))
+                                 if labels[id(e)][0] == dim and id(e) not in control), lo, hi))
             if mine_u:
                 dims[dim] = {"ms": length(mine_u) / 1e3,
                              "exposed_ms": (length(mine_u) - length(intersect(compute, mine_u))) / 1e3}
