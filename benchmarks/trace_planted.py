@@ -75,12 +75,14 @@ def pairs(args: argparse.Namespace, quarter_mb: float) -> dict[str, tuple[list[s
     }
 
 
-def step_ms(run_dir: Path, window: tuple[int, int]) -> tuple[float, list[float]]:
+def step_ms(run_dir: Path, window: tuple[int, int], profiled: bool = False) -> tuple[float, list[float]]:
     """Median steady step time of rank 0 (ms), the profiled window and the steps beside it left out (the warm-up
-    step before it records under the profiler's start, the export follows it), and the times it is taken over."""
+    step before it records under the profiler's start, the export follows it) — or, ``profiled``, over the profiled
+    steps only (the steps the trace saw, by the trainer's step timer) — and the times it is taken over."""
     run = load_run(run_dir)
     rows = {r["step"]: r for r in run.ranks.get(0, run.rows)}
-    use = [s for s in steady(sorted(rows)) if not window[0] - 1 <= s <= window[1] + 1]
+    use = ([s for s in sorted(rows) if window[0] <= s <= window[1]] if profiled else
+           [s for s in steady(sorted(rows)) if not window[0] - 1 <= s <= window[1] + 1])
     times = [1e3 * float(rows[s]["step_time_s"]) for s in use]
     return statistics.median(times), times
 
@@ -114,6 +116,8 @@ def main() -> int:
     ap.add_argument("--lab-prefix", default=None, help="the lab's namespace prefix (default swdb)")
     ap.add_argument("--repeat", type=int, default=1, help="cause / no-cause pairs per row, alternating (medians)")
     ap.add_argument("--tolerance", type=float, default=0.10, help="the goal: |trace/step − 1| within this")
+    ap.add_argument("--reuse", action="store_true", help="train nothing that --out already holds (a finished run of "
+                    "the same name): read the traces again, e.g. after a change to doctor's reading")
     ap.add_argument("--smoke", action="store_true", help="tiny preset, 8 steps: checks the script, not a result")
     ap.add_argument("--out", default="/tmp/syncwise-trace-planted", help="run directories go here")
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" /
@@ -143,6 +147,8 @@ def main() -> int:
         lab_cluster.up(2, args.lab, procs_per_node=args.nproc_per_node, prefix=doctor_fixes.LAB_PREFIX)
 
     def run(name: str, flags: list[str], rate: str | None = None) -> Path:
+        if args.reuse and (out / name / "summary.json").exists():
+            return out / name
         if args.lab:
             lab_cluster.shape(inter_node=rate or args.lab, prefix=doctor_fixes.LAB_PREFIX)
         doctor_fixes.train(out / name, base + flags, args.lab, out / f"{name}.log", args.nproc_per_node)
@@ -211,6 +217,7 @@ def measure(cause: str, plant: list[str], without: list[str], with_dirs: list[Pa
                              f"the {args.steps} steps?")
         sw, times_w = step_ms(w, window)
         swo, times_wo = step_ms(wo, window)
+        pw, pwo = step_ms(w, window, profiled=True)[0], step_ms(wo, window, profiled=True)[0]
         named = dw.trace.get("causes") or []
         mine = next((c for c in named if c["cause"] == cause), None)
         pairs_out.append({
@@ -218,6 +225,8 @@ def measure(cause: str, plant: list[str], without: list[str], with_dirs: list[Pa
             "named_causes": [c["cause"] for c in named], "finding": mine,
             "trace_added_ms": added_ms(dw.trace, dwo.trace, cause),
             "step_with_ms": sw, "step_without_ms": swo, "step_added_ms": sw - swo,
+            # the same difference over the profiled steps (the trainer's step timer on the steps the trace saw)
+            "step_added_profiled_ms": pw - pwo,
             "steps_with_ms": times_w, "steps_without_ms": times_wo,
             "timers_added_ms": timer_part(dw, cause) - timer_part(dwo, cause),
             "timer_top_cause": dw.top.cause if dw.top else None,
@@ -236,6 +245,9 @@ def measure(cause: str, plant: list[str], without: list[str], with_dirs: list[Pa
             "finding_ms": first["finding"]["ms"] if first["finding"] else None,
             "finding_evidence": first["finding"]["evidence"] if first["finding"] else None,
             "trace_parts": list(CAUSE_PARTS[cause]), "trace_added_ms": trace_ms, "step_added_ms": step_added,
+            "step_added_profiled_ms": med("step_added_profiled_ms"),
+            "ratio_profiled": (trace_ms / med("step_added_profiled_ms") if abs(med("step_added_profiled_ms")) > 1e-9
+                               else None),
             "ratio": ratio, "within_tolerance": ratio is not None and abs(ratio - 1) <= args.tolerance,
             "timers_added_ms": med("timers_added_ms"), "timer_top_cause": first["timer_top_cause"],
             "pairs": pairs_out}
@@ -248,13 +260,15 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     table = Table(title=f"planted causes read from the trace ({args.preset}, {args.steps} steps, profiled "
                         f"{args.profile}{', lab ' + args.lab if args.lab else ', local'})")
     for col in ("cause", "trace names (first …)", "finding ms", "trace +ms", "step +ms", "trace / step",
-                "timers +ms", "timers' top"):
+                "profiled steps +ms (ratio)", "timers +ms", "timers' top"):
         table.add_column(col)
     for r in rows:
         table.add_row(r["cause"], ", ".join(r["named_causes"]) or "-",
                       f"{r['finding_ms']:,.1f}" if r["finding_ms"] is not None else "-",
                       f"{r['trace_added_ms']:,.1f}", f"{r['step_added_ms']:,.1f}",
                       f"{r['ratio']:.2f}" if r["ratio"] is not None else "-",
+                      f"{r['step_added_profiled_ms']:,.1f}" + (f" ({r['ratio_profiled']:.2f})"
+                                                                if r["ratio_profiled"] is not None else ""),
                       f"{r['timers_added_ms']:,.1f}", r["timer_top_cause"] or "-")
     Console(width=160).print(table)
 
