@@ -18,7 +18,8 @@ What each row compares (``trace_added_ms`` against ``step_added_ms``; goal: with
   communication, a pipeline bubble in the stages' exposed sends and receives) — the trace's own reading of what the
   cause costs, by interval unions (``parts_added_ms``: every part's change, to see where the rest of the step went);
 - ``step_added_ms`` — the independent measure: median steady step time (rank 0's step timer, the profiled steps and
-  their neighbours left out) with the cause minus without;
+  their neighbours left out) with the cause minus without; ``step_added_profiled_ms`` the same over the profiled
+  steps (the steps the trace saw, by the step timer);
 - ``finding_ms`` — what doctor's trace reading names from the cause run alone (``trace.causes``: ms per step) for
   the expected cause, and ``named_first`` / ``named`` whether it is first / among the named;
 - ``timers_added_ms`` — the same change by doctor's step timers (its breakdown's part for the cause), for reference.
