@@ -9,6 +9,7 @@ measure: the median steady step time with the cause minus without it.
                                                            # the link too (RATE against --fast-rate)
     python benchmarks/trace_planted.py --smoke             # tiny settings: checks the script, not a result
     python benchmarks/trace_planted.py --causes straggler,compression --repeat 2
+    python benchmarks/trace_planted.py --lab 200mbit --reuse   # read a finished run's traces again (no training)
 
 What each row compares (``trace_added_ms`` against ``step_added_ms``; goal: within ±10 %):
 
