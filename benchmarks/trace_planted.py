@@ -144,14 +144,16 @@ def main() -> int:
             "--train.val_batches=1", "--ckpt.interval=0", f"--profile.steps={args.profile}"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.lab:
-        from syncwise.lab import cluster as lab_cluster
-        lab_cluster.up(2, args.lab, procs_per_node=args.nproc_per_node, prefix=doctor_fixes.LAB_PREFIX)
+    from syncwise.lab import cluster as lab_cluster
+    lab_up = []  # the lab, brought up before the first run that trains (--reuse may train none)
 
     def run(name: str, flags: list[str], rate: str | None = None) -> Path:
         if args.reuse and (out / name / "summary.json").exists():
             return out / name
         if args.lab:
+            if not lab_up:
+                lab_cluster.up(2, args.lab, procs_per_node=args.nproc_per_node, prefix=doctor_fixes.LAB_PREFIX)
+                lab_up.append(True)
             lab_cluster.shape(inter_node=rate or args.lab, prefix=doctor_fixes.LAB_PREFIX)
         doctor_fixes.train(out / name, base + flags, args.lab, out / f"{name}.log", args.nproc_per_node)
         return out / name
@@ -189,7 +191,7 @@ def main() -> int:
             print(f"{cause}: the trace names {row['named_causes']}; trace {row['trace_added_ms']:+,.1f} ms, step "
                   f"{row['step_added_ms']:+,.1f} ms{ratio}", flush=True)
     finally:
-        if args.lab:
+        if lab_up:
             lab_cluster.down(doctor_fixes.LAB_PREFIX)
     print_table(rows, args)
     result = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
