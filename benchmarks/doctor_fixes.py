@@ -101,8 +101,8 @@ def live_onset(out: Path, base: list[str], steps: int, onset: int, interval_s: f
             "straggler_named_before_onset": len(false)}
 
 
-def train(run_dir: Path, argv: list[str], lab: str | None, log: Path) -> None:
-    """One `syncwise train` run (on the lab's nodes with --lab)."""
+def train(run_dir: Path, argv: list[str], lab: str | None, log: Path, nproc_per_node: int = 1) -> None:
+    """One `syncwise train` run (on the lab's nodes with --lab, ``nproc_per_node`` workers on each)."""
     if run_dir.exists():
         shutil.rmtree(run_dir)
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -111,10 +111,12 @@ def train(run_dir: Path, argv: list[str], lab: str | None, log: Path) -> None:
         from syncwise.config import config_from_argv
         from syncwise.lab.launch import lab_torchrun
 
-        cfg = config_from_argv(argv + ["--run-dir", str(run_dir), "--dist.lab=true", "--dist.nproc=1"])
+        cfg = config_from_argv(argv + ["--run-dir", str(run_dir), "--dist.lab=true",
+                                       f"--dist.nproc={nproc_per_node}"])
         prepare_run_dir(cfg).release()
         rc = lab_torchrun(["-m", "syncwise.commands.worker", "--config", str(run_dir / "config.json")],
-                          log_dir=log.parent / f"{run_dir.name}-logs", timeout=1800, prefix=LAB_PREFIX)
+                          nproc_per_node=nproc_per_node, log_dir=log.parent / f"{run_dir.name}-logs", timeout=1800,
+                          prefix=LAB_PREFIX)
     else:
         with open(log, "w") as out:
             rc = subprocess.run([sys.executable, "-m", "syncwise.cli", "train", "--run-dir", str(run_dir), *argv],

@@ -318,3 +318,85 @@ def test_the_side_by_side_synthetic_trace_splits_as_it_was_built_and_hta_stays_o
     import syncwise
     src = Path(syncwise.__file__).parent
     assert not [p for p in src.rglob("*.py") if re.search(r"^\s*(import|from)\s+hta\b", p.read_text(), re.M)]
+
+
+def test_the_compressors_labelled_work_is_its_own_part_of_the_step():
+    # step [0, 100) µs: on the main thread an encode inside the label [0, 10) (its operator is the compressor's, not
+    # compute), then compute [10, 40); on the compressor's thread its label [40, 90) around its all-reduce [60, 70)
+    events = [_x("ProfilerStep#0", 0, 100, cat="user_annotation"),
+              _x("syncwise:compress", 0, 10, cat="user_annotation"), _x("aten::mul", 2, 6), _x("aten::mm", 10, 30),
+              _x("syncwise:compress", 40, 50, tid=3, cat="user_annotation"), _x("aten::topk", 42, 10, tid=3),
+              _x("gloo:all_reduce", 60, 10, tid=2, cat="user_annotation", **{"Input Dims": [[1000]],
+                                                                             "Input type": ["float"]}),
+              # a control collective (a flag, issued a step before and read later) in flight the whole step: the
+              # ranks' skew, not communication the step waits on
+              _x("gloo:all_reduce", 0, 100, tid=4, cat="user_annotation", **{"Input Dims": [[1]],
+                                                                             "Input type": ["int"]})]
+    [s] = split_trace({"traceEvents": events}).steps
+    assert s.kinds["allreduce"]["count"] == 2 and s.comm_ms == pytest.approx(0.010)
+    assert s.compute_ms == pytest.approx(0.030)                 # [10, 40): not the encode, not the worker's ops
+    assert s.compress_ms == pytest.approx(0.050)   # [0, 10) ∪ [40, 60) ∪ [70, 90): its collective is communication
+    assert s.exposed_ms == pytest.approx(0.010) and s.idle_ms == pytest.approx(0.010)
+    assert s.compute_ms + s.exposed_ms + s.compress_ms + s.idle_ms == pytest.approx(s.step_ms)
+    assert s.spans["compress"] == [(0.0, 0.01), (0.04, 0.06), (0.07, 0.09)]
+    assert s.payload_calls == 1 and s.payload_bytes == 4000
+
+
+def _summary(*ranks, **extra):
+    """A trace summary (``summarize``'s shape) of ranks given as (step, compute, exposed[, compress]) ms."""
+    out = {}
+    for r, (step, compute, exposed, *rest) in enumerate(ranks):
+        compress = rest[0] if rest else 0.0
+        out[r] = {"step_ms": step, "compute_ms": compute, "exposed_ms": exposed, "compress_ms": compress,
+                  "idle_ms": step - compute - exposed - compress, "payload_calls": extra.get("calls", 2),
+                  "payload_bytes": extra.get("sent")}
+    return {"ranks": out}
+
+
+def test_the_trace_names_each_planted_cause_with_the_time_it_adds():
+    from syncwise.doctor.trace import added_ms, name_causes
+
+    # a straggler: rank 0 waits 25 ms longer in the collectives than rank 1
+    slow = _summary((100, 50, 29), (100, 45, 4))
+    [c] = name_causes(slow)
+    assert c["cause"] == "straggler" and c["rank"] == 1 and c["ms"] == pytest.approx(25)
+    # what it adds: its lateness beyond what rank 1 already had without it; an early rank had slack, which is free
+    assert added_ms(slow, _summary((80, 50, 5), (80, 45, 9)), "straggler") == pytest.approx(25)
+    assert added_ms(slow, _summary((80, 50, 9), (80, 45, 5)), "straggler") == pytest.approx(21)
+    # gradients sent as they are: the exposed communication (the least exposed rank's), named by the collectives
+    grads = 20 * 2**20
+    small = _summary((100, 60, 20), (100, 60, 22), calls=40)
+    assert [x["cause"] for x in name_causes(small, grad_bytes=grads)] == ["buckets_too_small"]
+    assert name_causes(small, grad_bytes=grads)[0]["ms"] == pytest.approx(20)
+    assert added_ms(small, _summary((90, 60, 8), (90, 60, 9)), "buckets_too_small") == pytest.approx(12)
+    one = _summary((100, 60, 30), (100, 60, 30), calls=1)
+    assert [x["cause"] for x in name_causes(one, grad_bytes=grads)] == ["buckets_too_large"]
+    assert [x["cause"] for x in name_causes(_summary((100, 60, 30), (100, 60, 30), calls=4),
+                                            grad_bytes=grads)] == ["link"]
+    # a compressor on the critical path: its labelled work; what it adds is that and the exposed change
+    comp = _summary((100, 50, 4, 30), (100, 50, 5, 30))
+    assert [x["cause"] for x in name_causes(comp, compressor="topk:ratio=0.01")] == ["compression"]
+    assert added_ms(comp, _summary((70, 50, 6), (70, 50, 6)), "compression") == pytest.approx(30 - 2)
+    # a pipeline: the stages' exposed sends and receives (the mean stage's)
+    pipe = _summary((100, 40, 50), (100, 60, 30))
+    [b] = name_causes(pipe, pp=2)
+    assert b["cause"] == "pipeline_bubble" and b["ms"] == pytest.approx(40)
+    assert added_ms(pipe, _summary((80, 40, 30), (80, 60, 10)), "pipeline_bubble") == pytest.approx(20)
+    # under min_share of the step: not named
+    assert name_causes(_summary((100, 80, 2), (100, 80, 2), calls=40), grad_bytes=grads) == []
+
+
+def test_a_compressed_run_traces_the_compressors_work(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["train", "--nproc", "2", "--preset", "tiny", "--steps", "3", "--run-dir", str(run_dir),
+                 "--data.seq_len=32", "--train.val_interval=0", "--train.val_batches=1", "--ckpt.interval=0",
+                 "--compress", "topk:ratio=0.1", "--profile.steps=2:3"]) == 0
+    t = summarize(run_dir)
+    for rank in (0, 1):
+        v = t["ranks"][rank]
+        assert v["compress_ms"] > 0     # the label reached the trace from the compressor's worker thread
+        assert v["compute_ms"] + v["exposed_ms"] + v["compress_ms"] + v["idle_ms"] == pytest.approx(v["step_ms"])
+    capsys.readouterr()
+    assert main(["doctor", str(run_dir), "--json", "-", "--no-predict"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert isinstance(out["trace"]["causes"], list)

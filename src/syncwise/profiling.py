@@ -14,6 +14,9 @@ STEPS_ACCEPTED = "'' (off), 'A:B' (steps A to B, 1 ≤ A ≤ B) or 'A' (step A a
 EVERY_ACCEPTED = "0 (off) or an integer ≥ 2 (one step in N: steps N, 2N, ...)"
 _STEPS_RE = re.compile(r"^\s*([0-9]{1,10})\s*(?::\s*([0-9]{1,10})\s*)?$")
 _MAX_WINDOW = 1000       # steps in one trace file: beyond this a trace is too large to read back
+#: the profiler label around a gradient compressor's own work (encode, decode and its collectives in between;
+#: syncwise.compress.hook): what syncwise.doctor.trace reads as compression on a trace
+COMPRESS_LABEL = "syncwise:compress"
 
 
 def parse_steps(value: Any, field: str = "profile_steps") -> Optional[tuple[int, int]]:

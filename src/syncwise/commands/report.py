@@ -134,7 +134,8 @@ def _names(runs: list[dict[str, Any]]) -> None:
 
 #: how the timeline draws a step's intervals (syncwise.doctor.trace.timeline): lane, colour, label
 LANES = (("compute", "C0", "compute"), ("overlapped", "C1", "communication beside compute"),
-         ("exposed", "C3", "exposed communication"), ("launch", "C2", "launch overhead (GPU)"))
+         ("exposed", "C3", "exposed communication"), ("compress", "C8", "compression on the critical path"),
+         ("launch", "C2", "launch overhead (GPU)"))
 
 
 def _draw_timeline(ax: Any, r: dict[str, Any]) -> None:

@@ -34,6 +34,15 @@ from ..errors import ConfigError, SyncwiseError
 from ..comm import hostread, ops, streams
 from .base import Compressor, GatherCompressor, split_by_policy
 from ..layout import MIN_NUMEL
+from ..profiling import COMPRESS_LABEL
+
+
+def traced() -> "contextlib.AbstractContextManager[Any]":
+    """The compressor's work under ``profiling.COMPRESS_LABEL`` while a profiler records (doctor reads it as
+    compression), else nothing: one flag read, so the trainer's tax is unchanged with profiling off."""
+    if torch.autograd.profiler._is_profiler_enabled:  # process-wide (the C check is the calling thread's)
+        return torch.autograd.profiler.record_function(COMPRESS_LABEL)
+    return contextlib.nullcontext()
 
 
 @dataclass
@@ -227,7 +236,8 @@ class CompressionHookState:
                     streams.keep_for_stream([*tensors, result], side)  # made on the backward's stream
                 stats = self.compressor.stats  # the compressor's collectives (a run's ledger.dp)
                 start, waited = time.perf_counter(), stats.total_time_s
-                self._average_bucket(tensors, keys, flags)
+                with traced():
+                    self._average_bucket(tensors, keys, flags)
                 self.compute_s += max(0.0, time.perf_counter() - start - (stats.total_time_s - waited))
                 if is_last:
                     self.steps += 1
@@ -315,7 +325,8 @@ def _direct_gather(state: CompressionHookState, bucket: dist.GradBucket):
     tensors, keys, raw = split_by_policy(grads, [state.name_of(p) for p in bucket.parameters()],
                                          [state.policy.compress(g) for g in grads])
     start = time.perf_counter()
-    packed = comp.pack(tensors, keys, raw, dist.get_rank(group))
+    with traced():
+        packed = comp.pack(tensors, keys, raw, dist.get_rank(group))
     state.compute_s += time.perf_counter() - start
     work, gathered = comp._all_gather(packed.payload, group, world, async_op=True)
     if bucket.is_last():
@@ -329,7 +340,8 @@ def _direct_gather(state: CompressionHookState, bucket: dist.GradBucket):
         streams.keep_for_current_stream((packed.payload, gathered, *packed.streamed, buffer, *tensors, *raw))
         # the verdict stays on the device (this callback may run inline on the backward's thread)
         start = time.perf_counter()
-        comp.book(comp.unpack_sum(gathered, packed, tensors, raw, world), buffer.numel(), keys)
+        with traced():
+            comp.book(comp.unpack_sum(gathered, packed, tensors, raw, world), buffer.numel(), keys)
         state.compute_s += time.perf_counter() - start
         state._finished(handed)
         return buffer

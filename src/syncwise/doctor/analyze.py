@@ -262,8 +262,13 @@ def diagnose(run: Run, predict: bool = True) -> Diagnosis:
     diag = Diagnosis(run, steps_done, use, world, step, wall, parts, per_rank, [], facts)
     diag.arrivals, diag.verdict = arr, verdict
     diag.findings = _findings(diag, by_rank, use, predict)
-    from .trace import cite, summarize  # the profiled steps, where --profile.* recorded them: the findings cite them
+    from .trace import cite, name_causes, summarize  # the profiled steps, where --profile.* recorded them
     diag.trace = summarize(run.path, facts.get("effective_bandwidth_bytes_s"))
+    if diag.trace is not None:  # what the trace alone names (the findings above are the step timers')
+        diag.trace["causes"] = name_causes(diag.trace, pp=facts["pp"], compressor=facts["compressor"],
+                                           grad_bytes=facts["grad_bytes"], min_share=MIN_SHARE,
+                                           wait_ratio=ARRIVAL_RATIO, small_calls=SMALL_CALLS,
+                                           bucket_cap_mb=BUCKET_CAP_MB)
     for finding in diag.findings:
         cite(finding, diag.trace)
     return diag

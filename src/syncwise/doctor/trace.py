@@ -4,14 +4,20 @@ profiled step went, per rank, by interval arithmetic on the trace's own events.
 Per step (the host's ``ProfilerStep#k`` window, trainer step ``first_step + k``):
 
 - **communication**: the *union* of the intervals of every communication event in the window, on any thread or
-  stream — never their summed durations (two collectives in flight at once count once);
+  stream — never their summed durations (two collectives in flight at once count once); not the control
+  collectives (a recorded payload of at most 8 bytes — a flag, a loss scalar — and not a send or receive: issued
+  asynchronously and read a step later, their time in flight is the ranks' skew, not a transfer the step waits on;
+  they are still counted per kind);
 - **compute**: the union of the compute intervals: on a GPU trace the device's kernels that are not
   communication; on a CPU trace (gloo) the main thread's innermost operators that are not communication (what the
   CPU computed; Python between them is not compute);
 - **exposed communication** = |communication \\ compute|: communication nothing computed beside;
+- **compression** = the gradient compressor's own work (its ``syncwise:compress`` label, ``syncwise.profiling``;
+  on any thread) while the step neither computed nor communicated: the compressor on the critical path (on a CPU
+  trace the operators inside the label on the main thread are the compressor's, not compute);
 - **overlap** = |communication ∩ compute|; **overlap achieved** = overlap / communication;
-- **idle** = the step − |compute ∪ communication|: the device (or the CPU's compute) waited on the host; on a GPU
-  (Kineto) trace it splits in two:
+- **idle** = the step − |compute ∪ communication ∪ compression|: the device (or the CPU's compute) waited on the
+  host; on a GPU (Kineto) trace it splits in two:
   - **launch overhead** = the idle time during which a kernel launch was under way: the host inside a launch call
     of the CUDA/HIP runtime or driver (``cudaLaunchKernel``, ``cudaLaunchKernelExC``, ``cuLaunchKernel``,
     ``cudaGraphLaunch``, ``cudaMemcpyAsync``, ``cudaMemsetAsync``, ...; category ``cuda_runtime``/``cuda_driver``)
@@ -20,9 +26,9 @@ Per step (the host's ``ProfilerStep#k`` window, trainer step ``first_step + k``)
   - **host-bound** = the rest of idle: Python, the data loader, synchronisation — the host had not yet asked.
   On a CPU (gloo) trace nothing is launched: launch overhead is not defined (``None``) and all of idle is host-bound.
 
-So compute + exposed + idle is the step, exactly, and idle = launch overhead + host-bound. Communication is
-recognised by what the trace says about an event, in this order: a ``Collective name`` argument (torch's
-``record_param_comms`` and NCCL kernels carry it), the backend's own annotation (``gloo:all_reduce``,
+So compute + exposed + compression + idle is the step, exactly, and idle = launch overhead + host-bound.
+Communication is recognised by what the trace says about an event, in this order: a ``Collective name`` argument
+(torch's ``record_param_comms`` and NCCL kernels carry it), the backend's own annotation (``gloo:all_reduce``,
 ``nccl:all_reduce``, ``ucc:``, ``mpi:``), c10d's operators (``c10d::allreduce_``: the host side that issues it), and
 NCCL's kernels under both names they have had (``ncclKernel_*``, ``ncclDevKernel_*``) — the last only where nothing
 else marks a device event. On a GPU trace
@@ -34,17 +40,22 @@ Pure Python over JSON (no torch); HolisticTraceAnalysis's critical-path and over
 from __future__ import annotations
 
 import json
+import math
 import re
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from ..profiling import COMPRESS_LABEL
 from ..rundir import RunDir
 
 _FILE = re.compile(r"^rank(\d+)\.step(\d+)-(\d+)\.json$")
 _BACKENDS = ("gloo:", "nccl:", "ucc:", "mpi:", "xccl:")
 _NCCL_KERNEL = re.compile(r"^nccl(?:Dev)?Kernel_([A-Za-z]+)")
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+#: point-to-point kinds (the pipeline's sends and receives): not a gradient collective
+_P2P = ("send", "recv", "isend", "irecv", "batchisendirecv", "sendrecv", "barrier")
 _RUNTIME_CATS = ("cuda_runtime", "cuda_driver")
 #: the runtime / driver calls that launch work on the device (CUDA and HIP; not the synchronous copies and waits)
 _LAUNCH = re.compile(r"^(?:cuda|cu|hip)(?:\w*Launch\w*|Memcpy\w*(?:Async|WithStream)\w*|Memset\w*Async\w*)$")
@@ -138,6 +149,15 @@ def is_launch(event: dict) -> bool:
     return event.get("cat") in _RUNTIME_CATS and bool(_LAUNCH.match(str(event.get("name", ""))))
 
 
+def _is_control(event: dict, kind: str) -> bool:
+    """A control collective: one whose recorded payload is at most 8 bytes (a flag, a loss scalar), not a pipeline
+    send or receive (those wait for their peer whatever their size)."""
+    if kind in _P2P or _is_issue(event):
+        return False
+    size = event_bytes(event)
+    return size is not None and size <= 8
+
+
 def _is_issue(event: dict) -> bool:
     """The host side of a collective (c10d's operator), not its execution (the backend's work, a kernel)."""
     return str(event.get("name", "")).startswith("c10d::")
@@ -214,7 +234,7 @@ class StepSplit:
     comm_ms: float          # |union of communication|
     exposed_ms: float       # |communication \ compute|
     overlap_ms: float       # |communication ∩ compute|
-    idle_ms: float          # step − |compute ∪ communication| = launch_ms + host_ms
+    idle_ms: float          # step − |compute ∪ communication ∪ compression| = launch_ms + host_ms
     kinds: dict[str, dict[str, float]] = field(default_factory=dict)  # kind -> count, bytes, ms (union of its events)
     # dimension -> ms (union of its collectives) and exposed_ms (of those, nothing computed beside): only where the
     # trace names the process groups (NCCL); {} on a gloo CPU trace
@@ -224,6 +244,11 @@ class StepSplit:
     # of idle, the device waiting on a kernel launch under way (GPU trace); None on a CPU trace: nothing is launched
     launch_ms: Optional[float] = None
     host_ms: float = 0.0    # of idle, the rest: host-bound (all of idle on a CPU trace)
+    compress_ms: float = 0.0  # the compressor's labelled work while nothing computed or communicated
+    # collectives that carry a payload (more than 8 bytes: not a flag or a loss scalar) this step, executions only,
+    # point-to-point sends and receives left out, and their bytes (None where a size is not recorded)
+    payload_calls: int = 0
+    payload_bytes: Optional[int] = None
 
 
 @dataclass
@@ -284,14 +309,23 @@ def split_trace(data: dict, rank: int = 0, path: Path = Path("-")) -> RankTrace:
     groups = process_groups(data)
     labels = {id(e): group_of(e, groups) for e, _ in comm}
     comm_ids = {id(e) for e, _ in comm}
+    span = lambda e: (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))  # noqa: E731
+    # the compressor's labelled work (syncwise.compress.hook), host side (not Kineto's copies on the GPU's streams)
+    labelled = [e for e in events if e.get("name") == COMPRESS_LABEL and e.get("cat") != "gpu_user_annotation"]
     if device:
-        compute_src = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
-                       for e in device if id(e) not in comm_ids]
+        compute_src = [span(e) for e in device if id(e) not in comm_ids]
     else:
         ours = [e for e in events if (e.get("pid"), e.get("tid")) in main and id(e) not in comm_ids
                 and not str(e.get("name", "")).startswith("ProfilerStep#") and e.get("cat") == "cpu_op"]
-        compute_src = _leaves(ours)
-    comm_src = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e, _ in comm]
+        # the operators the compressor ran on the main thread (an encode inside the backward) are its, not compute
+        compute_src = _minus(union(_leaves(ours)),
+                             union(span(e) for e in labelled if (e.get("pid"), e.get("tid")) in main))
+    # the communication the step is split by: not the control collectives (a flag, a loss scalar: <= 8 bytes, not a
+    # send or receive), issued asynchronously and read a step later — their time in flight is the ranks' skew, not a
+    # transfer anything waits on (they are still counted per kind)
+    control = {id(e) for e, k in comm if _is_control(e, k)}
+    comm_src = [span(e) for e, _ in comm if id(e) not in control]
+    compress_src = [span(e) for e in labelled]
     out = []
     for s in steps:
         lo, hi = float(s["ts"]), float(s["ts"]) + float(s.get("dur", 0.0))
@@ -299,7 +333,9 @@ def split_trace(data: dict, rank: int = 0, path: Path = Path("-")) -> RankTrace:
         compute = union(clip(compute_src, lo, hi))
         comms = union(clip(comm_src, lo, hi))
         both = intersect(compute, comms)
-        busy = length(union(compute + comms))
+        # the compressor on the critical path: its work while the step neither computed nor communicated
+        compress = _minus(union(clip(compress_src, lo, hi)), union(compute + comms))
+        busy = length(union(compute + comms)) + length(compress)
         kinds: dict[str, dict[str, float]] = {}
         executed = {k for e, k in comm if not _is_issue(e) and e["ts"] < hi and e["ts"] + e.get("dur", 0) > lo}
         for kind in sorted({k for e, k in comm if e["ts"] < hi and e["ts"] + e.get("dur", 0) > lo}):
@@ -311,11 +347,14 @@ def split_trace(data: dict, rank: int = 0, path: Path = Path("-")) -> RankTrace:
                            "ms": length(union(clip(((e["ts"], e["ts"] + e.get("dur", 0.0)) for e in mine),
                                                    lo, hi))) / 1e3,
                            "group_size": max(members) if members else None}
+        payload = [event_bytes(e) for e, k in comm if k not in _P2P and e["ts"] < hi
+                   and e["ts"] + e.get("dur", 0) > lo and (_is_issue(e) != (k in executed))]
+        payload = [b for b in payload if b is None or b > 8]
         dims: dict[str, dict[str, float]] = {}
         dim_spans: dict[str, list] = {}
         for dim in sorted({labels[id(e)][0] for e, _ in comm if labels[id(e)][0]}):
             mine_u = union(clip(((e["ts"], e["ts"] + e.get("dur", 0.0)) for e, _ in comm
-                                 if labels[id(e)][0] == dim), lo, hi))
+                                 if labels[id(e)][0] == dim and id(e) not in control), lo, hi))
             if mine_u:
                 dims[dim] = {"ms": length(mine_u) / 1e3,
                              "exposed_ms": (length(mine_u) - length(intersect(compute, mine_u))) / 1e3}
@@ -323,16 +362,17 @@ def split_trace(data: dict, rank: int = 0, path: Path = Path("-")) -> RankTrace:
         rel = lambda xs: [((a - lo) / 1e3, (b - lo) / 1e3) for a, b in xs]  # noqa: E731
         exposed = _minus(comms, both)
         idle = (hi - lo - busy) / 1e3
-        spans = {"compute": rel(compute), "exposed": rel(exposed), "overlapped": rel(both),
+        spans = {"compute": rel(compute), "exposed": rel(exposed), "overlapped": rel(both), "compress": rel(compress),
                  **{f"dim:{d}": rel(v) for d, v in dim_spans.items()}}
         launch = None
         if device:  # idle ∩ launches under way
-            waiting = _minus(union(clip(launches, lo, hi)), union(compute + comms))
+            waiting = _minus(union(clip(launches, lo, hi)), union(compute + comms + compress))
             launch = min(length(waiting) / 1e3, idle)
             spans["launch"] = rel(waiting)
         out.append(StepSplit(number, (hi - lo) / 1e3, length(compute) / 1e3, length(comms) / 1e3,
                              (length(comms) - length(both)) / 1e3, length(both) / 1e3, idle,
-                             kinds, dims, spans, launch, idle - (launch or 0.0)))
+                             kinds, dims, spans, launch, idle - (launch or 0.0), length(compress) / 1e3,
+                             len(payload), sum(payload) if None not in payload else None))
     return RankTrace(int(meta.get("rank", rank)), path, "gpu" if device else "cpu", out)
 
 
@@ -376,7 +416,10 @@ def summarize(run_dir: "str | Path", priced_bytes_s: Optional[float] = None) -> 
             continue
         n = len(steps)
         mean = {k: sum(getattr(s, k) for s in steps) / n
-                for k in ("step_ms", "compute_ms", "comm_ms", "exposed_ms", "overlap_ms", "idle_ms", "host_ms")}
+                for k in ("step_ms", "compute_ms", "comm_ms", "exposed_ms", "overlap_ms", "idle_ms", "host_ms",
+                          "compress_ms", "payload_calls")}
+        mean["payload_bytes"] = (sum(s.payload_bytes for s in steps) / n
+                                 if all(s.payload_bytes is not None for s in steps) else None)
         # launch overhead: defined on a GPU trace only (None on a CPU one: nothing is launched)
         mean["launch_ms"] = (sum(s.launch_ms for s in steps) / n
                              if all(s.launch_ms is not None for s in steps) else None)
@@ -421,6 +464,105 @@ def summarize(run_dir: "str | Path", priced_bytes_s: Optional[float] = None) -> 
             # launch overhead's share of the steps: None where a rank's trace is a CPU one (nothing launched)
             "launch_share": (sum(launch) / max(sum(r["step_ms"] for r in ranks.values()), 1e-9)
                              if None not in launch else None)}
+
+
+# ---- causes named from the trace ---------------------------------------------------------------------------------
+#: the parts of the step (:func:`parts`) in which each cause's time shows in a trace: what planting or removing
+#: the cause changes (compared between two runs' traces by :func:`added_ms`)
+CAUSE_PARTS = {"straggler": ("wait",), "compression": ("compress", "exposed"), "buckets_too_small": ("exposed",),
+               "buckets_too_large": ("exposed",), "link": ("exposed",), "pipeline_bubble": ("bubble",)}
+
+
+def lateness(t: dict[str, Any], rank: Any) -> float:
+    """How much later than the others ``rank`` arrives at the collectives, by the trace (ms per step): the median
+    of the other ranks' exposed communication less its own (they wait for it there); negative where it is early."""
+    exposed = {r: v["exposed_ms"] for r, v in t["ranks"].items()}
+    others = [x for r, x in exposed.items() if r != rank]
+    return statistics.median(others) - exposed[rank] if others and rank in exposed else 0.0
+
+
+def parts(t: dict[str, Any]) -> dict[str, Any]:
+    """A trace summary's step in the parts causes show in (ms per step):
+
+    - ``step``, ``compute``, ``compress``, ``idle``: the mean rank's;
+    - ``exposed``: the least any rank's (waiting for a late peer is that peer's cause, not the link's);
+    - ``wait``: the :func:`lateness` of the rank the others wait for (the one with the least exposed communication),
+      ``late_rank`` that rank (None with one rank);
+    - ``bubble``: the mean rank's exposed communication — in a pipeline, the stages waiting for each other's
+      activations and gradients (the sends and receives are communication)."""
+    ranks = t["ranks"]
+    n = max(len(ranks), 1)
+    mean = lambda k: sum(v[k] for v in ranks.values()) / n  # noqa: E731
+    exposed = {r: v["exposed_ms"] for r, v in ranks.items()}
+    late = min(exposed, key=exposed.get) if len(exposed) > 1 else None
+    return {"step": mean("step_ms"), "compute": mean("compute_ms"), "compress": mean("compress_ms"),
+            "idle": mean("idle_ms"), "exposed": min(exposed.values()) if exposed else 0.0,
+            "wait": max(0.0, lateness(t, late)) if late is not None else 0.0, "late_rank": late,
+            "bubble": mean("exposed_ms"), "payload_calls": mean("payload_calls"),
+            "payload_bytes": (sum(v["payload_bytes"] for v in ranks.values()) / n
+                              if all(v["payload_bytes"] is not None for v in ranks.values()) else None)}
+
+
+def added_ms(with_cause: dict[str, Any], without: dict[str, Any], cause: str) -> float:
+    """What a cause adds to the step by two runs' traces, with it and without it (summaries): the change of the parts
+    it shows in (:data:`CAUSE_PARTS`), ms per step. A straggler's is its lateness beyond the lateness the same rank
+    already had without the cause (none where it was early: the slack a late rank first uses up costs no time)."""
+    a, b = parts(with_cause), parts(without)
+    if cause == "straggler":
+        r = a["late_rank"]
+        return a["wait"] - max(0.0, lateness(without, r)) if r is not None else 0.0
+    return sum(a[p] - b[p] for p in CAUSE_PARTS[cause])
+
+
+def name_causes(t: dict[str, Any], *, pp: int = 1, compressor: str = "none", grad_bytes: Optional[float] = None,
+                min_share: float = 0.05, wait_ratio: float = 0.10, small_calls: int = 8,
+                bucket_cap_mb: float = 25.0) -> list[dict[str, Any]]:
+    """The causes the trace alone names, each with its milliseconds per step and the trace's evidence, most first
+    (those under ``min_share`` of the step left out):
+
+    - ``pipeline_bubble`` (pp > 1): the stages' exposed communication (``bubble``: waiting for each other);
+    - ``straggler`` (pp 1, 2+ ranks): the others' communication is exposed longer than one rank's by ``wait``, at
+      least ``wait_ratio`` of the compute — they waited for that rank inside the collectives;
+    - ``compression``: the compressor's labelled work on the critical path (``compress``);
+    - with the gradients sent as they are (compressor none, pp 1), the exposed communication (the least any rank's),
+      named by how the gradients went: ``buckets_too_small`` where more payload collectives ran per step than
+      ``small_calls`` and twice what ``bucket_cap_mb`` buckets would make, ``buckets_too_large`` where one or two
+      carried ≥ 1 MiB (nothing left to overlap the backward with), else ``link``."""
+    p = parts(t)
+    step = max(p["step"], 1e-9)
+    out: list[dict[str, Any]] = []
+    if pp > 1:
+        out.append({"cause": "pipeline_bubble", "ms": p["bubble"],
+                    "evidence": f"the {pp} pipeline stages wait {p['bubble']:,.1f} ms of their {step:,.1f} ms step "
+                                "for each other's activations and gradients (exposed sends and receives, mean rank; "
+                                f"they compute {p['compute']:,.1f} ms)"})
+    elif len(t["ranks"]) > 1 and p["wait"] >= wait_ratio * max(p["compute"], 1e-9):
+        r = p["late_rank"]
+        out.append({"cause": "straggler", "ms": p["wait"], "rank": r,
+                    "evidence": f"the other ranks' communication is exposed {p['wait']:,.1f} ms longer per step than "
+                                f"rank {r}'s ({t['ranks'][r]['exposed_ms']:,.1f} ms): they wait for rank {r} inside "
+                                "the collectives"})
+    if p["compress"] > 0:
+        out.append({"cause": "compression", "ms": p["compress"],
+                    "evidence": f"the {compressor} compressor works {p['compress']:,.1f} ms per step while nothing "
+                                "computes or communicates (its labelled encode and decode, mean rank)"})
+    if pp == 1 and compressor.split(":", 1)[0] in ("none", "") and len(t["ranks"]) > 1 and p["exposed"] > 0:
+        calls, sent = p["payload_calls"], p["payload_bytes"]
+        grad = grad_bytes if grad_bytes else sent
+        made = max(1, math.ceil((grad or 0) / (bucket_cap_mb * 2**20)))
+        what = (f"{calls:.0f} payload collective{'s' if round(calls) != 1 else ''} per step"
+                + (f" ({sent / 2**20:,.2f} MiB)" if sent is not None else ""))
+        if calls > max(small_calls, 2 * made):
+            cause, why = "buckets_too_small", f"{what}: more than {max(small_calls, 2 * made)}, each its own call"
+        elif calls <= 2 and (grad or 0) >= 2**20:
+            cause, why = "buckets_too_large", (f"{what}: the gradients go in one or two buckets, nothing left to "
+                                               "overlap the backward with")
+        else:
+            cause, why = "link", what
+        out.append({"cause": cause, "ms": p["exposed"],
+                    "evidence": f"{p['exposed']:,.1f} ms of communication per step nothing computed beside (the least "
+                                f"exposed rank); {why}"})
+    return sorted((x for x in out if x["ms"] >= min_share * step), key=lambda x: -x["ms"])
 
 
 def timeline(run_dir: "str | Path") -> Optional[dict[str, Any]]:
@@ -506,11 +648,16 @@ def print_traces(t: Optional[dict[str, Any]], console: Any) -> None:
     table = Table(title=f"inside the profiled step(s) {', '.join(map(str, steps[:8]))}"
                   + (" ..." if len(steps) > 8 else "") + " (torch profiler traces, ms, mean per step)",
                   show_edge=False)
-    for col in ("rank", "step", "compute", "exposed comm", "launch", "host-bound", "comm (union)", "overlapped"):
+    # compute + exposed + compression + launch + host-bound = step (compression: a column where the run compressed)
+    keys = ("step_ms", "compute_ms", "exposed_ms", *(("compress_ms",) if any(v.get("compress_ms") for v in
+                                                                         t["ranks"].values()) else ()),
+            "launch_ms", "host_ms", "comm_ms")
+    words = {"step_ms": "step", "compute_ms": "compute", "exposed_ms": "exposed comm", "compress_ms": "compression",
+             "launch_ms": "launch", "host_ms": "host-bound", "comm_ms": "comm (union)"}
+    for col in ("rank", *(words[k] for k in keys), "overlapped"):
         table.add_column(col, justify="right")
-    for r, v in sorted(t["ranks"].items()):  # compute + exposed + launch + host-bound = step
-        table.add_row(str(r), *(f"{v[k]:,.1f}" if v[k] is not None else "n/a"
-                                for k in ("step_ms", "compute_ms", "exposed_ms", "launch_ms", "host_ms", "comm_ms")),
+    for r, v in sorted(t["ranks"].items()):
+        table.add_row(str(r), *(f"{v[k]:,.1f}" if v[k] is not None else "n/a" for k in keys),
                       f"{100 * v['overlap_share']:.0f} %" if v["overlap_share"] is not None else "-")
     console.print(table)
     if t["collectives"]:
@@ -533,3 +680,5 @@ def print_traces(t: Optional[dict[str, Any]], console: Any) -> None:
         console.print(dims)
     for line in sentences(t):
         console.print(f"trace: {line}.")
+    for c in t.get("causes") or []:
+        console.print(f"the trace names {c['cause']}: {c['ms']:,.1f} ms per step — {c['evidence']}.")

@@ -52,8 +52,14 @@ class StepProfiler:
         activities = [ProfilerActivity.CPU]
         if device_type == "cuda" and torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
+        # every thread, not only those that inherit the profiler's thread-local state (c10d's workers do): the gradient
+        # compressor's worker thread (its labelled work, its collectives) is a Python thread started on its own
+        try:
+            config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+        except TypeError:  # a torch without the option: the threads that inherit the state only
+            config = None
         self._prof = profile(activities=activities, schedule=self._action, on_trace_ready=self._ready,
-                             record_shapes=True, acc_events=False)
+                             record_shapes=True, acc_events=False, experimental_config=config)
         self._prof.start()
 
     def _action(self, k: int):
