@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from syncwise.config import build_config  # noqa: E402
 from syncwise.lab import cluster  # noqa: E402
 from syncwise.lab.launch import lab_torchrun  # noqa: E402
+from syncwise.launch.run import launch  # noqa: E402
 from syncwise.plan import Layout, cloud_from_dict, load_model, predict  # noqa: E402
 from syncwise.plan.calibrate import (REFERENCE_BATCH, REFERENCE_PRESET, REFERENCE_SEQ, _median,  # noqa: E402
                                      calibrate, recipe_for, solve_efficiency)
@@ -289,7 +290,7 @@ def main() -> int:
     try:
         for rate, names in plan.items():
             cluster.shape(inter_node=rate, prefix=PREFIX)
-            result = calibrate(lab=True, prefix=PREFIX, nproc=PER_NODE)
+            result = calibrate(lab=True, prefix=PREFIX, nproc=PER_NODE, launcher=launch)
             cloud = cloud_from_dict(result["cluster"], f"calibration at {rate}")
             calibrations[rate] = {"cluster": result["cluster"], "seconds": result["seconds"],
                                   "measured_at": result["measured_at"],

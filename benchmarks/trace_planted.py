@@ -28,7 +28,9 @@ What each row compares (``trace_added_ms`` against ``step_added_ms``; goal: with
 The pairs (cause, no cause):
 
 - straggler: ``--inject-fault slow:rank=1,factor=F,phase=backward`` against none;
-- buckets_too_small: ``--dist.bucket_cap_mb=0.001`` (a collective per parameter tensor) against the default 25;
+- buckets_too_small: ``--dist.bucket_cap_mb=0.001`` (a collective per parameter tensor) against a quarter of the
+  gradients per bucket (not the default 25 MB: on ``small-dense``, 19.5 MB of gradients, that is one bucket, the
+  other cause);
 - buckets_too_large: ``--dist.bucket_cap_mb=1000`` (one bucket: nothing overlaps the backward) against a quarter of
   the gradients per bucket (from the model's parameter count);
 - compression: ``--compress SPEC`` (default ``topk:ratio=0.01``, a sort over every gradient) against none;
@@ -69,7 +71,7 @@ def pairs(args: argparse.Namespace, quarter_mb: float) -> dict[str, tuple[list[s
     quarter = f"--dist.bucket_cap_mb={quarter_mb:g}"
     return {
         "straggler": (["--inject-fault", f"slow:rank=1,factor={args.factor:g},phase=backward"], []),
-        "buckets_too_small": (["--dist.bucket_cap_mb=0.001"], []),
+        "buckets_too_small": (["--dist.bucket_cap_mb=0.001"], [quarter]),
         "buckets_too_large": (["--dist.bucket_cap_mb=1000"], [quarter]),
         "compression": (["--compress", args.compressor], []),
         "pipeline_bubble": ([*pp, "--parallel.microbatches=2"], [*pp, f"--parallel.microbatches={args.pp_many}"]),
@@ -168,7 +170,7 @@ def main() -> int:
 
     try:
         quarter_mb = 5.0
-        if set(causes) & {"buckets_too_large", "link"}:  # a quarter of the gradients, from the plain job's params
+        if set(causes) & {"buckets_too_small", "buckets_too_large", "link"}:  # a quarter of the gradients, from the plain job's params
             params = load_run(plain_run(0)).summary.get("params")
             if isinstance(params, (int, float)) and params > 0:
                 quarter_mb = round(max(4.0 * params / 2**20 / 4, 0.05), 2)
