@@ -9,8 +9,9 @@ Per step (the host's ``ProfilerStep#k`` window, trainer step ``first_step + k``)
   asynchronously and read a step later, their time in flight is the ranks' skew, not a transfer the step waits on;
   they are still counted per kind);
 - **compute**: the union of the compute intervals: on a GPU trace the device's kernels that are not
-  communication; on a CPU trace (gloo) the main thread's innermost operators that are not communication (what the
-  CPU computed; Python between them is not compute);
+  communication; on a CPU trace (gloo) the main thread's operators, each whole (its own dispatch and autograd
+  bookkeeping included), less the communication the main thread ran inside them (what the CPU computed; Python
+  between operators is not compute);
 - **exposed communication** = |communication \\ compute|: communication nothing computed beside;
 - **compression** = the gradient compressor's own work (its ``syncwise:compress`` label, ``syncwise.profiling``;
   on any thread) while the step neither computed nor communicated: the compressor on the critical path (on a CPU
@@ -262,17 +263,6 @@ class RankTrace:
         return sum(getattr(s, key) for s in self.steps) / len(self.steps) if self.steps else 0.0
 
 
-def _leaves(events: list[dict]) -> list[tuple[float, float]]:
-    """Intervals of the innermost events of one thread (an event nothing else on the thread starts inside)."""
-    spans = sorted(((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events),
-                   key=lambda x: (x[0], -x[1]))
-    out = []
-    for i, (a, b) in enumerate(spans):
-        if i + 1 == len(spans) or spans[i + 1][0] >= b:
-            out.append((a, b))
-    return out
-
-
 def _launch_windows(events: list[dict], device: list[dict]) -> list[tuple[float, float]]:
     """Per kernel-launch call, from its start until the work it launched starts on the device (the earliest device
     event with its ``correlation`` id), or until the call returns where that is later or no device event is known."""
@@ -317,8 +307,13 @@ def split_trace(data: dict, rank: int = 0, path: Path = Path("-")) -> RankTrace:
     else:
         ours = [e for e in events if (e.get("pid"), e.get("tid")) in main and id(e) not in comm_ids
                 and not str(e.get("name", "")).startswith("ProfilerStep#") and e.get("cat") == "cpu_op"]
-        # the operators the compressor ran on the main thread (an encode inside the backward) are its, not compute
-        compute_src = _minus(union(_leaves(ours)),
+        # every operator's whole span (its own dispatch and autograd bookkeeping included: the backward's
+        # ``autograd::engine::evaluate_function`` wrappers hold most of a CPU backward's time outside their
+        # innermost operators), less the communication the main thread itself ran inside them (a collective issued
+        # or waited on inline, e.g. DTensor's); the operators the compressor ran on the main thread (an encode
+        # inside the backward) are its, not compute
+        inline = union(span(e) for e, _ in comm if (e.get("pid"), e.get("tid")) in main)
+        compute_src = _minus(_minus(union(span(e) for e in ours), inline),
                              union(span(e) for e in labelled if (e.get("pid"), e.get("tid")) in main))
     # the communication the step is split by: not the control collectives (a flag, a loss scalar: <= 8 bytes, not a
     # send or receive), issued asynchronously and read a step later — their time in flight is the ranks' skew, not a
