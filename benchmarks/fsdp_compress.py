@@ -52,6 +52,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import time_to_loss as T  # noqa: E402
 from syncwise.commands import bench as B  # noqa: E402
 from syncwise.errors import ConfigError, SyncwiseError  # noqa: E402
+from syncwise.rundir import RunDir  # noqa: E402
 
 BASELINE_NAME = "fp32-fsdp2"
 #: name -> (compress.method, {[parallel] field: value}); dp_shard (and dp_replicate) are filled in per job
@@ -187,7 +188,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for row in rows:
             if row["name"] == B.BASELINE:
                 row["name"] = BASELINE_NAME
-            summary = Path(row["run_dir"]) / "summary.json"  # the run's own record (run_one's summary has none)
+            summary = RunDir(row["run_dir"]).summary  # the run's own record (a lab run_one returns the launch's)
             row["peak_mem_mb"] = json.loads(summary.read_text()).get("peak_mem_mb") if summary.exists() else None
     rows = T.combine(list(per_round))
     target = sum(targets) / len(targets)

@@ -150,13 +150,17 @@ def is_launch(event: dict) -> bool:
     return event.get("cat") in _RUNTIME_CATS and bool(_LAUNCH.match(str(event.get("name", ""))))
 
 
+#: the largest recorded payload of a control collective (a flag, a loss scalar), in bytes
+_CONTROL_BYTES = 8
+
+
 def _is_control(event: dict, kind: str) -> bool:
     """A control collective: one whose recorded payload is at most 8 bytes (a flag, a loss scalar), not a pipeline
     send or receive (those wait for their peer whatever their size)."""
     if kind in _P2P or _is_issue(event):
         return False
     size = event_bytes(event)
-    return size is not None and size <= 8
+    return size is not None and size <= _CONTROL_BYTES
 
 
 def _is_issue(event: dict) -> bool:
@@ -344,7 +348,7 @@ def split_trace(data: dict, rank: int = 0, path: Path = Path("-")) -> RankTrace:
                            "group_size": max(members) if members else None}
         payload = [event_bytes(e) for e, k in comm if k not in _P2P and e["ts"] < hi
                    and e["ts"] + e.get("dur", 0) > lo and (_is_issue(e) != (k in executed))]
-        payload = [b for b in payload if b is None or b > 8]
+        payload = [b for b in payload if b is None or b > _CONTROL_BYTES]
         dims: dict[str, dict[str, float]] = {}
         dim_spans: dict[str, list] = {}
         for dim in sorted({labels[id(e)][0] for e, _ in comm if labels[id(e)][0]}):

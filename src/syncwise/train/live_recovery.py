@@ -803,7 +803,7 @@ def _map_tree(fn: Callable[[Any], Any], tree: Any) -> Any:
 
 
 def _to_local_tree(tree: Any) -> Any:
-    return _map_tree(lambda t: t.to_local() if _is_dtensor(t) else t, tree)
+    return _map_tree(_local_tensor, tree)
 
 
 def _clone_tree(tree: Any) -> Any:
