@@ -404,9 +404,11 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
         # forward's gather over the shard group (parallel.fsdp_gather's bytes), one per unit; backward's again of the
         # units resharded after forward (all), over the node's shard ranks at FSDP2's own dtype (node: hpZ), or none
         # (the weights kept from forward)
-        n_u, n_b, regather = units.count, units.regathered, units.regathered_params
+        calls = fsdp_calls(fsdp, units, layout)
+        n_u, regather = calls["gather_fwd"].count, units.regathered_params
+        n_b = calls["gather_bwd"].count if "gather_bwd" in calls else 0.0
         ag_f = dim_time(cloud, layout, "dp_shard", "all_gather", local * fsdp.gather_bpe / n_u, mb_traffic, n_u)
-        if n_b <= 0 or fsdp.bwd_ranks <= 1:
+        if "gather_bwd" not in calls:
             ag_b = 0.0
         elif fsdp.bwd_ranks >= layout.dp_shard:
             ag_b = dim_time(cloud, layout, "dp_shard", "all_gather", regather * fsdp.gather_bpe / n_b, mb_traffic, n_b)
@@ -486,17 +488,19 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
             name = layout.compress.name
             cast = name in FSDP_REDUCE_DTYPES and name != "none"    # FSDP2's own 16-bit reduce dtype
             red = 2.0 if cast else training.grad_reduce_bytes
-            n_u = units.count                    # one reduce-scatter per unit (its flat gradient: one codec call)
+            calls = fsdp_calls(fsdp, units, layout)
+            n_u = calls["reduce_node" if fsdp.reduce == "hierarchical" else "reduce"].count  # per unit: one codec call
             if fsdp.reduce == "flat":            # qgZ: quantized chunks by one all-to-all, an fp32 sum
                 dp_total += dim_time(cloud, layout, "dp_shard", "all_to_all", local * fsdp.reduce_bpe / n_u, traffic,
                                      n_u)
                 compress_compute += _codec_time(cloud, _reduce_wire(fsdp), local, 1, n_u)
             elif fsdp.reduce == "hierarchical":  # fp32 all-to-all inside the node, node sums quantized across:
                 k, nodes_ = fsdp.shard_per_node, layout.dp_shard // fsdp.shard_per_node   # two collectives a unit
+                n_x = calls["reduce_across"].count
                 dp_total += collective_time(cloud, "all_to_all", local * training.grad_reduce_bytes / n_u, k, k,
                                             count=n_u)
-                dp_total += collective_time(cloud, "all_to_all", local / k * fsdp.reduce_bpe / n_u, nodes_, 1, traffic,
-                                            count=n_u)
+                dp_total += collective_time(cloud, "all_to_all", local / k * fsdp.reduce_bpe / n_x, nodes_, 1, traffic,
+                                            count=n_x)
                 if nodes_ > 1:                   # (one node: nothing crosses, nothing is encoded)
                     compress_compute += _codec_time(cloud, _reduce_wire(fsdp), local / k, 1, n_u)
             else:
@@ -508,12 +512,13 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
                 sync_exposed = max(0.0, one - sync.delay * t_pipe) / sync.period
             elif layout.dp_replicate > 1:
                 shard = local / layout.dp_shard  # per unit: FSDP2's all-reduce, or the compressor as its hook
+                n_r = calls["replicas"].count
                 if cast or name == "none":
-                    dp_total += dim_time(cloud, layout, "dp_replicate", "all_reduce", shard * red / n_u, traffic, n_u)
+                    dp_total += dim_time(cloud, layout, "dp_replicate", "all_reduce", shard * red / n_r, traffic, n_r)
                 else:
                     payload, raw = sync_bytes(shard, layout.dp_replicate, wire)
-                    dp_total += dim_time(cloud, layout, "dp_replicate", wire.kind, payload / n_u, traffic, n_u)
-                    dp_total += dim_time(cloud, layout, "dp_replicate", "all_reduce", raw / n_u, traffic, n_u)
+                    dp_total += dim_time(cloud, layout, "dp_replicate", wire.kind, payload / n_r, traffic, n_r)
+                    dp_total += dim_time(cloud, layout, "dp_replicate", "all_reduce", raw / n_r, traffic, n_r)
                     compress_compute += _codec_time(cloud, wire, shard, layout.dp_replicate, tensors)
             overlap_window = t_bwd - t_extra if training.overlap_fsdp else 0.0
             last = dp_total * sp_params.unit / max(local, 1.0)
@@ -810,37 +815,55 @@ def _reduce_wire(f: FsdpPlan) -> Wire:
     return Wire("all_to_all", f.reduce_bpe, compute_bytes=compute, compute_bytes_per_peer=per_peer, codec=f.codec)
 
 
-def fsdp_collectives(f: FsdpPlan, units: FsdpUnits, layout: Layout, microbatches: int) -> dict[str, float]:
-    """FSDP2's collective calls per step on one rank, ``'<op> <hop>'`` → calls (hop: 'intra' for a group inside one
-    node, 'cross' for one spanning nodes, as ``comm.ops.hop_of``) — the calls ``predict`` charges a latency each:
-    per micro-batch forward's gather of every unit (:class:`FsdpUnits`) and backward's of the resharded ones (over the
-    shard group, or the node's shard ranks under fsdp_reshard=node); per step one reduce per unit — FSDP2's
-    reduce-scatter, the quantized one's all-to-all (hierarchical: one inside the node, one across) — and under HSDP
-    the replicas' all-reduce per unit (or the compressor's collective as its hook)."""
+@dataclass(frozen=True)
+class FsdpCall:
+    """One of FSDP2's collectives on a rank (:func:`fsdp_calls`): the op, the hop its group spans ('intra' inside
+    one node, 'cross' spanning nodes, as ``comm.ops.hop_of``) and how many calls — per micro-batch for the gathers
+    (``per_microbatch``), per step for the reductions."""
+
+    op: str
+    hop: str
+    count: float
+    per_microbatch: bool = False
+
+
+def fsdp_calls(f: FsdpPlan, units: FsdpUnits, layout: Layout) -> dict[str, FsdpCall]:
+    """FSDP2's collectives on one rank, by role — the one statement of how many calls each unit makes, which
+    ``predict`` charges a latency each and :func:`fsdp_collectives` counts: ``gather_fwd`` forward's gather of every
+    unit (:class:`FsdpUnits`) over the shard group; ``gather_bwd`` backward's of the resharded ones (over the shard
+    group, or the node's shard ranks under fsdp_reshard=node; none under none); ``reduce`` one per unit — FSDP2's
+    reduce-scatter or the quantized one's all-to-all —, hierarchical: ``reduce_node`` inside the node then
+    ``reduce_across``; under HSDP ``replicas``, the replicas' all-reduce per unit (or the compressor's collective as
+    its hook)."""
     W, k = layout.dp_shard, f.shard_per_node
     shard_hop = "cross" if k < W else "intra"
-    out: dict[str, float] = {}
-
-    def add(key: str, n: float) -> None:
-        if n > 0:
-            out[key] = out.get(key, 0.0) + n
-
-    add(f"all_gather {shard_hop}", microbatches * units.count)
-    if f.bwd_ranks >= W:
-        add(f"all_gather {shard_hop}", microbatches * units.regathered)
-    elif f.bwd_ranks > 1:
-        add("all_gather intra", microbatches * units.regathered)
+    out = {"gather_fwd": FsdpCall("all_gather", shard_hop, units.count, True)}
+    if units.regathered > 0 and f.bwd_ranks >= W:
+        out["gather_bwd"] = FsdpCall("all_gather", shard_hop, units.regathered, True)
+    elif units.regathered > 0 and f.bwd_ranks > 1:
+        out["gather_bwd"] = FsdpCall("all_gather", "intra", units.regathered, True)
     if f.reduce == "flat":
-        add(f"all_to_all {shard_hop}", units.count)
+        out["reduce"] = FsdpCall("all_to_all", shard_hop, units.count)
     elif f.reduce == "hierarchical":
-        add("all_to_all intra", units.count)
-        add(f"all_to_all {'cross' if W // k > 1 else 'intra'}", units.count)
+        out["reduce_node"] = FsdpCall("all_to_all", "intra", units.count)
+        out["reduce_across"] = FsdpCall("all_to_all", "cross" if W // k > 1 else "intra", units.count)
     else:
-        add(f"reduce_scatter {shard_hop}", units.count)
+        out["reduce"] = FsdpCall("reduce_scatter", shard_hop, units.count)
     if layout.dp_replicate > 1 and (layout.sync is None or layout.sync.method in (EVERY_STEP, "pipesgd")):
         name = layout.compress.name
         kind = "all_reduce" if name in FSDP_REDUCE_DTYPES else layout.compress.spec.collective
-        add(f"{kind} cross", units.count)      # replicas span nodes (dp_shard inside; else one per node as well)
+        out["replicas"] = FsdpCall(kind, "cross", units.count)  # replicas span nodes (dp_shard inside)
+    return out
+
+
+def fsdp_collectives(f: FsdpPlan, units: FsdpUnits, layout: Layout, microbatches: int) -> dict[str, float]:
+    """FSDP2's collective calls per step on one rank, ``'<op> <hop>'`` → calls (:func:`fsdp_calls`, the gathers once
+    per micro-batch)."""
+    out: dict[str, float] = {}
+    for c in fsdp_calls(f, units, layout).values():
+        n = c.count * (microbatches if c.per_microbatch else 1)
+        if n > 0:
+            out[f"{c.op} {c.hop}"] = out.get(f"{c.op} {c.hop}", 0.0) + n
     return out
 
 
