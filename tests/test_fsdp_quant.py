@@ -170,6 +170,7 @@ def _loss_worker(rank, world, variants):
             opt.step()
         counted = times.take_bytes().get("fsdp", 0)
         out[name] = {"losses": losses, "l1": l1, "gmax": gmax, "wmax": wmax, "counted": counted,
+                     "nodes": world // int(os.environ.get("LOCAL_WORLD_SIZE", world)),
                      "sent": {type(c).__name__: 0 for c in comms}}
         for c in comms:
             out[name]["sent"][type(c).__name__] += c.bytes_sent
@@ -230,8 +231,46 @@ def _check_losses(results, names):
             assert got["counted"] == got["sent"]["QuantizedAllGather"] + rs
             if kw["gather_codec"].name != "bf16":
                 plain = res["int8-rs-hier" if kw.get("hierarchical_reduce") else "int8-rs"]  # fp32 gathers
+                # (hierarchical: each payload goes into the cross-node gather, then N of them into the node's)
+                per = 1 + world_nodes(res) if kw.get("hierarchical_reduce") else 1
                 assert plain["counted"] - plain["rs_expected"] > \
-                    3.5 * got["sent"]["QuantizedAllGather"]  # fp32 FSDP2's all-gather bytes
+                    3.5 * got["sent"]["QuantizedAllGather"] / per  # fp32 FSDP2's all-gather bytes
+
+
+def world_nodes(res):
+    return res["fp32"].get("nodes", 1)
+
+
+def _gather_worker(rank, world):
+    """One unit-sized shard per rank, gathered by QuantizedAllGather flat (a ring over the 4 ranks) and hierarchical
+    (across the 2 nodes, then inside): the same bytes in the same order."""
+    from syncwise.parallel.fsdp_quant import node_groups
+
+    group = dist.new_group(list(range(world)))
+    hierarchy = node_groups([list(range(world))], int(os.environ["LOCAL_WORLD_SIZE"]), rank)
+    torch.manual_seed(rank)
+    shard = torch.randn(1000) * (rank + 1)
+    out = {}
+    for name, h in (("flat", None), ("hier", hierarchy)):
+        ag = QuantizedAllGather(INT8, world, hierarchy=h)
+        full = torch.empty(world * shard.numel())
+        ag(full, shard, group)
+        out[name] = (full, ag.bytes_sent, ag.split_bytes(ag.wire_bytes(shard, group), shard, group))
+    return out
+
+
+@pytest.mark.slow  # 4 workers
+def test_hierarchical_quantized_gather_gives_every_rank_the_flat_gathers_weights():
+    """dist.hierarchical's gather (across nodes, then inside the node) hands every rank the same rounded weights as
+    the flat ring, bit for bit (the same codes, reordered), so a run's losses do not change with it; it counts the
+    payload into the cross-node gather as crossing and the node's N payloads as inside."""
+    for r in run_workers(_gather_worker, 4, local_world_size=2, timeout=300):
+        flat, hier = r["flat"], r["hier"]
+        assert torch.equal(flat[0], hier[0])
+        b = INT8.payload(1000)
+        assert hier[1] == 3 * b and flat[1] == b          # (1 + N) payloads against one
+        assert hier[2] == {"cross": b, "intra": 2 * b}    # the cross-node gather's input crosses, the node's stays
+        assert flat[2] == {"cross": round(b / 2), "intra": b - round(b / 2)}  # a ring over 2 nodes × 2: half
 
 
 def test_quantized_fsdp2_losses_track_fp32_fsdp2_within_the_derived_bound():

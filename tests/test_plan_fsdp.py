@@ -61,7 +61,8 @@ def test_priced_cross_node_bytes_fall_as_the_formulas_say():
         "qwZ": 0.5 * ((P + R) / 4 * GATHER8 + 4 * P),
         "hpZ": 0.5 * (P + 4 * P),
         "zpp-flat": 0.5 * (P / 4 * GATHER8 + INT8 * P),
-        "zpp": 0.5 * (P / 4 * GATHER8 + INT8 * P / 2),
+        # hierarchical gather: each rank's shard goes whole into the gather across nodes (one rank per node)
+        "zpp": P / 4 * GATHER8 + 0.5 * INT8 * P / 2,
     }
     for name, cross in expected_cross.items():
         assert got[name]["cross"] == pytest.approx(cross, rel=1e-9), name
@@ -186,7 +187,8 @@ def test_fsdp2_collectives_per_step_are_the_ones_priced():
     """The calls the planner charges a latency for (``info['fsdp_collectives_per_step']``: FSDP2's units — the
     embedding, 2 blocks, the head, the root: 5 — each one gather forward and one reduce; backward re-gathers the 3 it
     resharded) are the calls a real step makes, kind by kind and hop by hop: fp32 FSDP2 8 gathers and 5
-    reduce-scatters over the 4 ranks (across nodes); qgZ + qwZ + hpZ 5 int8 gathers across, 3 backward gathers inside
+    reduce-scatters over the 4 ranks (across nodes); qgZ + qwZ + hpZ 5 int8 gathers across (each followed by one
+    inside the node: the hierarchical gather), 3 backward gathers inside
     the node (hpZ), and the hierarchical reduce-scatter's 2 all-to-alls per unit, one inside the node, one across."""
     from distributed import run_workers
 
@@ -195,4 +197,4 @@ def test_fsdp2_collectives_per_step_are_the_ones_priced():
     for name, kw in (("fp32", {}), ("zpp", ZPP)):
         priced = predict(cloud, m, Layout(dp_shard=4, micro_batch=2, **kw), 8, 16).info["fsdp_collectives_per_step"]
         assert all(r[name] == priced for r in got), (name, priced, got[0][name])
-    assert priced == {"all_gather cross": 5, "all_gather intra": 3, "all_to_all intra": 5, "all_to_all cross": 5}
+    assert priced == {"all_gather cross": 5, "all_gather intra": 8, "all_to_all intra": 5, "all_to_all cross": 5}

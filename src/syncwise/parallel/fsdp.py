@@ -153,7 +153,8 @@ def apply_fsdp(model: nn.Module, mesh: Any, dp_dims: Sequence[str] = ("dp_shard"
     (``QuantizedReduceScatter``: all-to-all and an fp32 sum in rank order; ``QuantizedAllGather``: dequantized into
     FSDP2's buffer). ``seed``: stochastic rounding's (per unit and rank). ``hierarchical_reduce``
     (``dist.hierarchical``, ``syncwise.layout.hierarchical_applies``): the quantized reduce-scatter sums inside each
-    node at full precision and quantizes only across nodes (the topology: ``comm.ops.procs_per_node``).
+    node at full precision and quantizes only across nodes, and the quantized gather goes across nodes first, then
+    inside the node, over the same groups (the topology: ``comm.ops.procs_per_node``).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -238,7 +239,7 @@ def _attach_quantized(model: nn.Module, dp_mesh: Any, reduce_codec: Any, gather_
     for i, module in enumerate(m for m in model.modules() if isinstance(m, FSDPModule)):
         comms = {}
         if gather_codec is not None:
-            comms["all_gather"] = QuantizedAllGather(gather_codec, world)
+            comms["all_gather"] = QuantizedAllGather(gather_codec, world, hierarchy=hierarchy)
             module.set_custom_all_gather(comms["all_gather"])
         if reduce_codec is not None:
             comms["reduce_scatter"] = QuantizedReduceScatter(reduce_codec, seed=seed, unit=i, hierarchy=hierarchy)

@@ -323,10 +323,15 @@ def node_groups(groups: Sequence[Sequence[int]], procs_per_node: int, rank: int)
 class QuantizedAllGather(_Alloc):
     """FSDP2's parameter all-gather with blockwise-quantized shards, dequantized into FSDP2's buffer (module
     docstring). ``world``: the shard group's size it quantizes over; a smaller group (the post-forward node-local
-    group) is gathered at full precision."""
+    group) is gathered at full precision. ``hierarchy`` (the quantized reduce-scatter's ``(node_group,
+    cross_group)``, ``dist.hierarchical``): the payloads go across nodes first, among the ranks of the same local
+    rank (each crosses once per other node, the node's P such gathers at once), then inside the node — the same
+    bytes in the same order as the flat ring (bit-identical weights), (N − 1)·payload across per rank instead of the
+    ring's share of (W − 1) payloads, and the slow link kept busy by P gathers instead of one ring."""
 
-    def __init__(self, codec: BlockCodec, world: int) -> None:
+    def __init__(self, codec: BlockCodec, world: int, hierarchy: Optional[tuple[Any, Any]] = None) -> None:
         self.codec, self.world = codec, world
+        self.hierarchy = hierarchy if hierarchy is not None and hierarchy[1].size() > 1 else None
         self.bytes_sent = 0
 
     def _quantizes(self, group: Any) -> bool:
@@ -335,7 +340,22 @@ class QuantizedAllGather(_Alloc):
     def wire_bytes(self, input_tensor: torch.Tensor, group: Any) -> int:
         if not self._quantizes(group):
             return input_tensor.numel() * input_tensor.element_size()
+        if self.hierarchy is not None:   # the payload into the cross-node gather, the N gathered into the node's
+            return self.codec.payload(input_tensor.numel()) * (1 + self.hierarchy[1].size())
         return self.codec.payload(input_tensor.numel())
+
+    def split_bytes(self, nbytes: int, input_tensor: torch.Tensor, group: Any) -> Optional[dict]:
+        """``nbytes`` per hop (``comm.ops.split_bytes``): a ring over the group, or, hierarchical, the cross-node
+        gather's input (its group holds one rank per node: all of it crosses) and the node's gather (inside)."""
+        from ..comm import ops
+        if self.hierarchy is None or not self._quantizes(group):
+            return ops.split_bytes(nbytes, group, "ring")
+        node, cross = self.hierarchy
+        b = self.codec.payload(input_tensor.numel())
+        parts = [ops.split_bytes(b, cross, "ring"), ops.split_bytes(nbytes - b, node, "ring")]
+        if any(p is None for p in parts):
+            return None
+        return {h: parts[0][h] + parts[1][h] for h in ("intra", "cross")}
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
                  async_op: bool = False) -> None:
@@ -345,11 +365,27 @@ class QuantizedAllGather(_Alloc):
             return None
         w, n = group.size(), input_tensor.numel()
         mine = self.codec.encode(input_tensor.view(1, n))
-        gathered = torch.empty(w * mine.shape[1], dtype=torch.uint8, device=mine.device)
-        dist.all_gather_single(gathered, mine.view(-1), group=group)
+        if self.hierarchy is not None:
+            gathered = self._gather_hierarchical(mine.view(-1))
+        else:
+            gathered = torch.empty(w * mine.shape[1], dtype=torch.uint8, device=mine.device)
+            dist.all_gather_single(gathered, mine.view(-1), group=group)
         # every rank's part, this rank's too: all ranks compute with the same rounded weights
         output_tensor.view(w, n).copy_(self.codec.decode(gathered.view(w, -1), n, output_tensor.dtype))
         return None
+
+
+    def _gather_hierarchical(self, mine: torch.Tensor) -> torch.Tensor:
+        """Every rank's payload in group order (rank j·P + l: node j, local rank l): across nodes first, among the
+        ranks of this local rank (each payload crosses once per other node, the node's P such groups at once), then
+        inside the node."""
+        node, cross = self.hierarchy
+        p, nodes, b = node.size(), cross.size(), mine.numel()
+        across = torch.empty(nodes * b, dtype=mine.dtype, device=mine.device)
+        dist.all_gather_single(across, mine, group=cross)                 # (N, b): node j's payload of my l
+        inside = torch.empty(p * nodes * b, dtype=mine.dtype, device=mine.device)
+        dist.all_gather_single(inside, across, group=node)                # (P, N, b): local rank l's row
+        return inside.view(p, nodes, b).transpose(0, 1).contiguous().view(-1)
 
 
 def _register() -> None:

@@ -407,11 +407,11 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
         calls = fsdp_calls(fsdp, units, layout)
         n_u, regather = calls["gather_fwd"].count, units.regathered_params
         n_b = calls["gather_bwd"].count if "gather_bwd" in calls else 0.0
-        ag_f = dim_time(cloud, layout, "dp_shard", "all_gather", local * fsdp.gather_bpe / n_u, mb_traffic, n_u)
+        ag_f = _fsdp_gather_time(cloud, layout, fsdp, local * fsdp.gather_bpe / n_u, mb_traffic, n_u)
         if "gather_bwd" not in calls:
             ag_b = 0.0
         elif fsdp.bwd_ranks >= layout.dp_shard:
-            ag_b = dim_time(cloud, layout, "dp_shard", "all_gather", regather * fsdp.gather_bpe / n_b, mb_traffic, n_b)
+            ag_b = _fsdp_gather_time(cloud, layout, fsdp, regather * fsdp.gather_bpe / n_b, mb_traffic, n_b)
         else:
             ag_b = collective_time(cloud, "all_gather", regather * training.gather_bytes / n_b, fsdp.bwd_ranks,
                                    fsdp.bwd_ranks, count=n_b)
@@ -787,6 +787,7 @@ class FsdpPlan:
     reduce: str = ""
     reduce_bpe: float = 0.0
     codec: str = ""
+    gather_hierarchical: bool = False
 
 
 def fsdp_plan(cloud: CloudConfig, layout: Layout, training: Training) -> FsdpPlan:
@@ -806,13 +807,28 @@ def fsdp_plan(cloud: CloudConfig, layout: Layout, training: Training) -> FsdpPla
     if fsdp_quantized_reduce(c, layout.dp_replicate, layout.dp_shard, layout.pp):
         bpe = fsdp_reduce_bytes_per_element(c)
         reduce = "hierarchical" if 1 < k and hierarchical_applies(own, cloud.nodes, cloud.gpus_per_node) else "flat"
+    # the quantized gather over the whole shard group goes node-first with the hierarchical reduce (its groups)
+    hier_gather = reduce == "hierarchical" and layout.fsdp_gather != "fp32" and layout.dp_shard // k > 1
     return FsdpPlan(fsdp_gather_bytes_per_element(layout.fsdp_gather, training.gather_bytes), bwd, k, reduce, bpe,
-                    c.name if reduce else "")
+                    c.name if reduce else "", hier_gather)
 
 
 def _reduce_wire(f: FsdpPlan) -> Wire:
     compute, per_peer, _ = CODEC_COST[f.codec]
     return Wire("all_to_all", f.reduce_bpe, compute_bytes=compute, compute_bytes_per_peer=per_peer, codec=f.codec)
+
+
+def _fsdp_gather_time(cloud: CloudConfig, layout: Layout, f: FsdpPlan, nbytes: float, traffic: Traffic,
+                      count: float) -> float:
+    """Seconds of ``count`` gathers of ``nbytes`` (a unit's gathered bytes) over the shard group: one ring, or
+    (``gather_hierarchical``) N ranks across nodes — one per node, the node's k such gathers at once — then the
+    node's k ranks."""
+    if not f.gather_hierarchical:
+        return dim_time(cloud, layout, "dp_shard", "all_gather", nbytes, traffic, count)
+    k = f.shard_per_node
+    nodes = layout.dp_shard // k
+    return (collective_time(cloud, "all_gather", nbytes / k, nodes, 1, traffic, count)
+            + collective_time(cloud, "all_gather", nbytes, k, k, count=count))
 
 
 @dataclass(frozen=True)
@@ -831,15 +847,20 @@ def fsdp_calls(f: FsdpPlan, units: FsdpUnits, layout: Layout) -> dict[str, FsdpC
     """FSDP2's collectives on one rank, by role — the one statement of how many calls each unit makes, which
     ``predict`` charges a latency each and :func:`fsdp_collectives` counts: ``gather_fwd`` forward's gather of every
     unit (:class:`FsdpUnits`) over the shard group; ``gather_bwd`` backward's of the resharded ones (over the shard
-    group, or the node's shard ranks under fsdp_reshard=node; none under none); ``reduce`` one per unit — FSDP2's
+    group, or the node's shard ranks under fsdp_reshard=node; none under none); a hierarchical quantized gather
+    (``FsdpPlan.gather_hierarchical``) is two, across nodes then ``gather_*_node`` inside; ``reduce`` one per unit — FSDP2's
     reduce-scatter or the quantized one's all-to-all —, hierarchical: ``reduce_node`` inside the node then
     ``reduce_across``; under HSDP ``replicas``, the replicas' all-reduce per unit (or the compressor's collective as
     its hook)."""
     W, k = layout.dp_shard, f.shard_per_node
     shard_hop = "cross" if k < W else "intra"
     out = {"gather_fwd": FsdpCall("all_gather", shard_hop, units.count, True)}
+    if f.gather_hierarchical:    # across nodes first (one rank per node), then inside the node
+        out["gather_fwd_node"] = FsdpCall("all_gather", "intra", units.count, True)
     if units.regathered > 0 and f.bwd_ranks >= W:
         out["gather_bwd"] = FsdpCall("all_gather", shard_hop, units.regathered, True)
+        if f.gather_hierarchical:
+            out["gather_bwd_node"] = FsdpCall("all_gather", "intra", units.regathered, True)
     elif units.regathered > 0 and f.bwd_ranks > 1:
         out["gather_bwd"] = FsdpCall("all_gather", "intra", units.regathered, True)
     if f.reduce == "flat":
@@ -875,7 +896,8 @@ def fsdp_hop_bytes(f: FsdpPlan, layout: Layout, training: Training, local: float
     all-to-all on (W − k) / W; a group inside one node not at all. Gathers (input: this rank's shard) per
     micro-batch — forward's of every unit, backward's of the ``regathered`` share of the parameters (the units
     resharded after forward: :class:`FsdpUnits`) —, the reduce-scatter (input: the whole unsharded gradient) once
-    per step."""
+    per step. A hierarchical quantized gather puts the shard into a gather across nodes (one rank per node: all of
+    it crosses) and the N gathered shards into the node's."""
     W, k = layout.dp_shard, f.shard_per_node
     ring = 1.0 / k if k < W else 0.0
     out = {"intra": 0.0, "cross": 0.0}
@@ -884,9 +906,16 @@ def fsdp_hop_bytes(f: FsdpPlan, layout: Layout, training: Training, local: float
         out["cross"] += times * nbytes * share
         out["intra"] += times * nbytes * (1 - share)
 
-    add(local / W * f.gather_bpe, ring, microbatches)                              # forward's gather
+    def gather(shard: float) -> None:
+        if f.gather_hierarchical:      # the shard into the cross-node gather (all of it crosses), N into the node's
+            add(shard, 1.0, microbatches)
+            add(shard * W / k, 0.0, microbatches)
+        else:
+            add(shard, ring, microbatches)
+
+    gather(local / W * f.gather_bpe)                                               # forward's gather
     if f.bwd_ranks >= W:
-        add(regathered * local / W * f.gather_bpe, ring, microbatches)             # backward's, the same
+        gather(regathered * local / W * f.gather_bpe)                              # backward's, the same
     elif f.bwd_ranks > 1:
         add(regathered * local / f.bwd_ranks * training.gather_bytes, 0.0, microbatches)   # inside the node
     if f.reduce == "flat":
