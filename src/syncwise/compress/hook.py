@@ -177,11 +177,22 @@ class CompressionHookState:
             self._keep_alive.append(p)
         return key
 
-    def average(self, tensors: list[torch.Tensor], keys: list[str], group: Any = None) -> None:
+    def average(self, tensors: list[torch.Tensor], keys: list[str], group: Any = None, *,
+                blocking: bool = False) -> None:
         """Average ``tensors`` (named ``keys``) in place over ``group`` (default: this state's communicator) with
-        the compressor, each compressed or sent as fp32 by the policy — synchronously, on the calling thread."""
+        the compressor, each compressed or sent as fp32 by the policy — synchronously, on the calling thread.
+        ``blocking``: the caller's step waits for it (FSDP2's all-reduce hook, inside the backward on the CPU): on
+        host tensors its time joins the sync's clock (:meth:`take_sync`) as exposed, and what it took beyond its
+        collectives as the sync's own."""
+        timed = blocking and bool(tensors) and tensors[0].device.type == "cpu"
+        if timed:
+            t0, mark = time.perf_counter(), self.compressor.stats.total_time_s
         self.compressor.average(tensors, keys, self.comm_group if group is None else group,
                                 [self.policy.compress(t) for t in tensors])
+        if timed:
+            took = time.perf_counter() - t0
+            with self._lock:
+                self._synced.append((max(0.0, took - (self.compressor.stats.total_time_s - mark)), took))
 
     # ---- checkpointing -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -381,7 +381,7 @@ def attach_compression(model: nn.Module, state: Any) -> None:
 
             def hook(flat: torch.Tensor, params: list = params, keys: list = keys) -> None:
                 views = _shard_views(flat, params)
-                state.average(views, keys)
+                state.average(views, keys, blocking=True)   # inside the backward: the step waits for it
 
             unit.set_all_reduce_hook(hook)
 
