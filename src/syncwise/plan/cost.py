@@ -848,10 +848,10 @@ def fsdp_calls(f: FsdpPlan, units: FsdpUnits, layout: Layout) -> dict[str, FsdpC
     ``predict`` charges a latency each and :func:`fsdp_collectives` counts: ``gather_fwd`` forward's gather of every
     unit (:class:`FsdpUnits`) over the shard group; ``gather_bwd`` backward's of the resharded ones (over the shard
     group, or the node's shard ranks under fsdp_reshard=node; none under none); a hierarchical quantized gather
-    (``FsdpPlan.gather_hierarchical``) is two, across nodes then ``gather_*_node`` inside; ``reduce`` one per unit — FSDP2's
-    reduce-scatter or the quantized one's all-to-all —, hierarchical: ``reduce_node`` inside the node then
-    ``reduce_across``; under HSDP ``replicas``, the replicas' all-reduce per unit (or the compressor's collective as
-    its hook)."""
+    (``FsdpPlan.gather_hierarchical``) is two, across nodes then ``gather_*_node`` inside; ``reduce`` one per
+    unit — FSDP2's reduce-scatter or the quantized one's all-to-all —, hierarchical: ``reduce_node`` inside the
+    node then ``reduce_across``; under HSDP ``replicas``, the replicas' all-reduce per unit (or the compressor's
+    collective as its hook)."""
     W, k = layout.dp_shard, f.shard_per_node
     shard_hop = "cross" if k < W else "intra"
     out = {"gather_fwd": FsdpCall("all_gather", shard_hop, units.count, True)}
