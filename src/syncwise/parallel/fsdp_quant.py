@@ -225,10 +225,8 @@ class QuantizedReduceScatter(_Alloc):
             return ops.split_bytes(nbytes, group, "all_to_all")
         node, cross = self.hierarchy
         inside = input_tensor.numel() * input_tensor.element_size()
-        parts = [ops.split_bytes(inside, node, "all_to_all"), ops.split_bytes(nbytes - inside, cross, "all_to_all")]
-        if any(p is None for p in parts):
-            return None
-        return {h: parts[0][h] + parts[1][h] for h in ("intra", "cross")}
+        return _two_hops(ops.split_bytes(inside, node, "all_to_all"),
+                         ops.split_bytes(nbytes - inside, cross, "all_to_all"))
 
     def _generator(self, device: torch.device, rank: int) -> Optional[torch.Generator]:
         if not self.codec.stochastic:
@@ -292,6 +290,14 @@ class QuantizedReduceScatter(_Alloc):
         return acc
 
 
+def _two_hops(first: Optional[dict], second: Optional[dict]) -> Optional[dict]:
+    """The per-hop bytes of a collective made of two (``comm.ops.split_bytes`` of each), None where either's hop is
+    not known."""
+    if first is None or second is None:
+        return None
+    return {h: first[h] + second[h] for h in ("intra", "cross")}
+
+
 def node_groups(groups: Sequence[Sequence[int]], procs_per_node: int, rank: int) -> tuple[Any, Any]:
     """``(node_group, cross_group)`` of global ``rank`` for the hierarchical reduce-scatter. ``groups``: every shard
     group of the job (global ranks, each in group order; the same list on every rank), on nodes of
@@ -352,10 +358,7 @@ class QuantizedAllGather(_Alloc):
             return ops.split_bytes(nbytes, group, "ring")
         node, cross = self.hierarchy
         b = self.codec.payload(input_tensor.numel())
-        parts = [ops.split_bytes(b, cross, "ring"), ops.split_bytes(nbytes - b, node, "ring")]
-        if any(p is None for p in parts):
-            return None
-        return {h: parts[0][h] + parts[1][h] for h in ("intra", "cross")}
+        return _two_hops(ops.split_bytes(b, cross, "ring"), ops.split_bytes(nbytes - b, node, "ring"))
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
                  async_op: bool = False) -> None:
@@ -373,7 +376,6 @@ class QuantizedAllGather(_Alloc):
         # every rank's part, this rank's too: all ranks compute with the same rounded weights
         output_tensor.view(w, n).copy_(self.codec.decode(gathered.view(w, -1), n, output_tensor.dtype))
         return None
-
 
     def _gather_hierarchical(self, mine: torch.Tensor) -> torch.Tensor:
         """Every rank's payload in group order (rank j·P + l: node j, local rank l): across nodes first, among the

@@ -399,12 +399,12 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
     fsdp_gather_total = 0.0
     fsdp = fsdp_plan(cloud, layout, training) if layout.dp_shard > 1 else None
     units = fsdp_units(model, layout) if fsdp is not None else None
+    calls = fsdp_calls(fsdp, units, layout) if fsdp is not None else {}   # its collectives, by role
     gather_codec_mb = 0.0
     if fsdp is not None:
         # forward's gather over the shard group (parallel.fsdp_gather's bytes), one per unit; backward's again of the
         # units resharded after forward (all), over the node's shard ranks at FSDP2's own dtype (node: hpZ), or none
         # (the weights kept from forward)
-        calls = fsdp_calls(fsdp, units, layout)
         n_u, regather = calls["gather_fwd"].count, units.regathered_params
         n_b = calls["gather_bwd"].count if "gather_bwd" in calls else 0.0
         ag_f = _fsdp_gather_time(cloud, layout, fsdp, local * fsdp.gather_bpe / n_u, mb_traffic, n_u)
@@ -488,7 +488,6 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
             name = layout.compress.name
             cast = name in FSDP_REDUCE_DTYPES and name != "none"    # FSDP2's own 16-bit reduce dtype
             red = 2.0 if cast else training.grad_reduce_bytes
-            calls = fsdp_calls(fsdp, units, layout)
             n_u = calls["reduce_node" if fsdp.reduce == "hierarchical" else "reduce"].count  # per unit: one codec call
             if fsdp.reduce == "flat":            # qgZ: quantized chunks by one all-to-all, an fp32 sum
                 dp_total += dim_time(cloud, layout, "dp_shard", "all_to_all", local * fsdp.reduce_bpe / n_u, traffic,
