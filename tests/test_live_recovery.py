@@ -155,22 +155,28 @@ def test_a_killed_replica_then_a_failure_during_its_healing_transfer(tmp_path, u
 @needs_torchft
 @pytest.mark.slow
 def test_losing_every_replica_falls_back_to_the_newest_checkpoint_and_a_relaunch_resumes(tmp_path):
-    """Both replicas killed at step 9: the restarted ones find no live peer and load the newest checkpoint (step 5).
+    """Both replicas killed at step 9: a restarted one finds no live peer and loads the newest checkpoint (step 5,
+    or 8 where that save landed first); a replica restarted after it may heal from it instead, and a restart may
+    itself fail and be restarted again (a loaded machine), so which attempt falls back is not asserted.
     Then `--resume auto` launches the finished run again with more steps: the new launch's attempts number on after
-    the first launch's, the replicas load the final checkpoint, and metrics.jsonl covers every step once."""
+    the first launch's, its replicas load the final checkpoint, and metrics.jsonl covers every step once."""
+    from syncwise.launch.ft import FT_DIR
+
     run_dir = tmp_path / "all"
     args = ["train", "--run-dir", str(run_dir), *[a if a != "--ckpt.interval=0" else "--ckpt.interval=5"
                                                   for a in BASE], "--ckpt.async_save=false", "--ft.replicas=2"]
     assert main([*args, "--inject-fault", "kill:rank=0,step=9", "--inject-fault", "kill:rank=1,step=9"]) == 0
     rows, summary = _check_run(run_dir, replicas=2)
-    fallbacks = [a["fallback_step"] for a in summary["live_recovery"]["attempts"] if a["attempt"] == 1]
+    fallbacks = [a["fallback_step"] for a in summary["live_recovery"]["attempts"] if a["attempt"] >= 1]
     assert 5 in fallbacks or 8 in fallbacks, summary["live_recovery"]["attempts"]  # resumed from a checkpoint
+    first = 1 + max(int(d.suffix[1:]) for d in (run_dir / FT_DIR).glob("replica*.*") if d.is_dir())
     assert main([*[a if a != str(STEPS) else str(STEPS + 3) for a in args], "--resume", "auto"]) == 0
     rows = metrics_rows(run_dir)
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 4)) and rows[-1]["attempt"] == 2
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 4)) and rows[-1]["attempt"] >= first
     summary = _summary(run_dir)
     assert summary["steps"] == STEPS + 3
-    assert {a["fallback_step"] for a in summary["live_recovery"]["attempts"] if a["attempt"] == 2} == {STEPS}
+    relaunched = {a["fallback_step"] for a in summary["live_recovery"]["attempts"] if a["attempt"] == first}
+    assert relaunched == {STEPS}, summary["live_recovery"]["attempts"]
 
 
 API_SCRIPT = '''
