@@ -43,6 +43,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--top", type=int, default=3, help="candidates of auto's ranking to run beside fp32 DDP (default 3)")
     p.add_argument("--repeats", type=int, default=1, help="time_to_loss rounds (alternating order; default 1)")
+    p.add_argument("--probe", type=int, default=0, help="auto's start-up probe (compress.auto_probe steps) as "
+                   "`syncwise train` runs it; 0 (default): the catalog's figures")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--json", required=True)
     args = p.parse_args(argv)
@@ -52,6 +54,7 @@ def main(argv=None) -> int:
     import os
     os.environ["SYNCWISE_LAB_PREFIX"] = args.prefix   # the lab syncwise's own auto reads (lab.cluster.PREFIX)
     from syncwise import lab
+    from syncwise.commands.train import probe as run_probes
     from syncwise.config import auto_ranking, build_config
     from syncwise.lab.cluster import parse_rate
     from syncwise.plan.strategy import load_convergence
@@ -75,9 +78,9 @@ def main(argv=None) -> int:
             # model at the job's steps and replicas)
             cfg = build_config(None, {"dist.lab": "true", "dist.nproc": str(args.nproc), "model.preset": args.preset,
                                       "data.batch_size": str(args.batch_size), "data.seq_len": str(args.seq_len),
-                                      "train.steps": str(args.steps)})
+                                      "train.steps": str(args.steps), "compress.auto_probe": str(args.probe)})
             cfg.compress.method, cfg.parallel.sync = "auto", "auto"
-            lay, line, ranked = auto_ranking(cfg)
+            lay, line, ranked = auto_ranking(cfg, run_probes if args.probe else None)
             pick = str(lay.sync) if lay.sync is not None else lay.compress.text
             print(f"{rate}: {line}", flush=True)
             cands = [r.spec for r in ranked if not r.why_not]

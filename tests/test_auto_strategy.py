@@ -144,6 +144,55 @@ def test_a_real_run_trains_with_what_auto_chose(table, tmp_path, capsys):
     assert line[0].startswith(f"syncwise: auto: {chosen} ") and summary["compressor"] == chosen != "none"
 
 
+def test_the_probe_ranks_by_measured_steps_and_the_run_trains_with_its_pick(table, tmp_path, capsys):
+    """On the built-in cluster `syncwise train --compress auto` first trains fp32 DDP and the catalog's top 3 for a
+    few steps each on its own 2 workers (compress.auto_probe), then ranks those by their measured step times; the
+    workers train with the one the line names."""
+    from syncwise.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", "--steps", "2", "--nproc", "2", "--dist.device=cpu",
+                 "--compress", "auto", "--compress.auto_probe=2", "--run-dir", str(run),
+                 "--train.val_interval=0", "--data.seq_len=32"]) == 0
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "auto:" in ln]
+    probes = [ln.split("probe ")[1].split(":")[0] for ln in err if ": auto: probe " in ln]
+    assert len(probes) == 4 and probes[0] == "none", err
+    chosen = json.loads((run / "config.json").read_text())["compress"]["method"]
+    assert chosen in probes and err[-1].startswith(f"syncwise: auto: {chosen} ") and "probed on this job" in err[-1]
+    assert json.loads((run / "summary.json").read_text())["compressor"] == chosen
+
+
+def test_probed_steps_replace_the_catalogs_and_carry_their_error():
+    """plan.strategy.probed: the measured step ratio × the steps ratio; a candidate not probed is not chosen; the
+    band is the probe's error (at least PROBE_ERROR) each way, not the catalog's spread."""
+    from syncwise.layout import NO_COMPRESS, parse_compress
+
+    def row(spec, t, steps):
+        c = NO_COMPRESS if spec == "none" else parse_compress(spec)
+        return S.Ranked(spec, c, None, t, steps, t * steps / 1.0, floor_s=0.5)
+
+    ranked = [row("fp8", 0.2, 1.0), row("int8", 0.21, 1.02), row("bf16", 0.3, 1.0), row("none", 1.0, 1.0)]
+    measured = {"none": S.Measured(1.0, 0.01, 8), "fp8": S.Measured(0.5, 0.01, 8), "int8": S.Measured(0.4, 0.2, 8)}
+    out = S.probed(ranked, measured)
+    assert [r.spec for r in out] == ["int8", "fp8", "none", "bf16"]
+    assert out[0].time_ratio == pytest.approx(0.4 * 1.02) and out[1].time_ratio == pytest.approx(0.5)
+    assert out[3].why_not.startswith("not probed") and S.choose(out).spec == "int8"
+    assert out[1].step_error == pytest.approx(S.PROBE_ERROR)                    # a tight probe: the floor
+    assert out[0].step_error == pytest.approx(1.645 * (0.2 ** 2 + 0.01 ** 2) ** 0.5)  # a spread one: its own
+    lo, hi = S.Basis(calibrated=False, probe="probed").band(out[1])
+    assert (lo, hi) == pytest.approx((2 * 0.9 / 1.1, 2 * 1.1 / 0.9))
+
+
+def test_the_probe_measures_whole_sync_periods():
+    from syncwise.commands.auto_probe import measure, window
+
+    assert window(8, 1) == 8 and window(8, 32) == 64 and window(40, 16) == 48 and window(1, 1) == 2
+    rows = [{"step": i, "step_time_s": 9.0} for i in range(1, 4)]       # warm-up steps, left out
+    rows += [{"step": 3 + i, "step_time_s": 1.0 if i % 4 == 0 else 0.1} for i in range(1, 9)]
+    m = measure(rows, 8, 4)
+    assert m.steps == 8 and m.step_s == pytest.approx((1.0 + 3 * 0.1) / 4) and m.rel_se == pytest.approx(0.0)
+
+
 def _best(table, basis, mbit=20.0):
     cloud = S.job_cloud(2, 2, mbit * 1e6, basis=basis)
     _, line, ranked = S.resolve_auto(Layout.of(compress="auto"), cloud, load_model("tiny", 128), 32, 128, table,

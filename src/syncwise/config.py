@@ -21,7 +21,7 @@ import sys
 import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 from .errors import ConfigError, SyncwiseError
 from .layout import DISPATCH, FSDP_GATHER, FSDP_RESHARD, HIERARCHICAL, SCHEDULES, check_step
@@ -276,6 +276,11 @@ class CompressSection:
                                "priced on (`syncwise plan --calibrate` writes one); '' = this job's: the catalog's "
                                "CPU worker over loopback, or the running network lab's link rate with --lab",
                                "'' or a cluster TOML file (examples/clusters/*.toml)")
+    auto_probe: int = option(8, "with compress.method or parallel.sync = auto on the built-in (not calibrated) "
+                             "cluster: before the run, train fp32 DDP and the catalog's top 3 for about this many "
+                             "steps each (whole sync periods, after their warm-up) on this job's workers and rank "
+                             "by the measured step times (syncwise train only; 0 = rank by the catalog's figures)",
+                             "an integer from 0 to 1,000", within(0, 1000))
 
 
 @dataclass
@@ -570,10 +575,12 @@ def upgrade_moved_keys(values: dict[str, Any] | None, source: str = "the configu
 
 
 def build_config(file_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None,
-                 *, here: bool = True) -> RunConfig:
+                 *, here: bool = True, probe: Optional[Callable] = None, announce: bool = True) -> RunConfig:
     """Defaults ← file values ← command-line overrides (text), each validated as it is applied (a moved key
     under its old name, see ``MOVED_KEYS``, is read as its new one). ``here=False``: the job runs on another
-    machine (``syncwise launch``), so what only that machine can answer is left to it (see check_references)."""
+    machine (``syncwise launch``), so what only that machine can answer is left to it (see check_references).
+    ``probe``: auto's start-up probe (``resolve_auto``), given by the command that is about to start the job;
+    ``announce=False``: auto's line is not printed (a configuration built only to read its run directory)."""
     file_values = upgrade_moved_keys(file_values, "the configuration file")
     overrides = upgrade_moved_keys(overrides, "the command line")
     cfg = RunConfig()
@@ -586,7 +593,7 @@ def build_config(file_values: dict[str, Any] | None = None, overrides: dict[str,
             _set(cfg, key, value, from_text=False)
     for key, value in (overrides or {}).items():
         _set(cfg, key, value, from_text=True)
-    resolve_auto(cfg)
+    resolve_auto(cfg, probe, announce)
     check_references(cfg, here)
     return cfg
 
@@ -594,32 +601,76 @@ def build_config(file_values: dict[str, Any] | None = None, overrides: dict[str,
 _auto_said: set = set()
 
 
-def resolve_auto(cfg: RunConfig) -> str:
+def resolve_auto(cfg: RunConfig, probe: Optional[Callable] = None, announce: bool = True) -> str:
     """``compress.method = auto`` / ``parallel.sync = auto``: replace them, before anything else is checked and any
     worker starts, by the strategy ``syncwise.plan.strategy`` predicts reaches fp32 DDP's loss soonest on this job's
     cluster, and say so in one line on stderr (returned; '' when neither is auto). The cluster: ``compress.
-    auto_cluster`` (a calibrated TOML), else this job's (``plan.strategy.job_cloud``)."""
+    auto_cluster`` (a calibrated TOML), else this job's (``plan.strategy.job_cloud``). ``probe(cfg, ranked)``
+    (``syncwise train``: ``commands.auto_probe``): on the built-in cluster with ``compress.auto_probe`` steps, the
+    measured step times (``plan.strategy.Measured`` by spec) of fp32 DDP and the catalog's top candidates, which
+    then rank them instead of the catalog's figures (``plan.strategy.probed``)."""
     from .layout import names_auto
 
     if not (names_auto(cfg.compress.method) or names_auto(cfg.parallel.sync)):
         return ""   # (nothing parsed here: the specs are parsed once, by check_references)
-    chosen, line, _ = auto_ranking(cfg)
+    chosen, line, _ = auto_ranking(cfg, probe)
     cfg.compress.method = chosen.compress.text
     cfg.parallel.sync = str(chosen.sync) if chosen.sync is not None else "every-step"
-    if line not in _auto_said:
+    if announce and line not in _auto_said:
         _auto_said.add(line)
         print(f"syncwise: {line}", file=sys.stderr, flush=True)
     return line
 
 
-def auto_ranking(cfg: RunConfig) -> tuple[Any, str, list]:
-    """What ``auto`` resolves to for this job, without changing ``cfg``: (the layout with the chosen compressor and
-    sync strategy, the start-up line, the ranked candidates: ``syncwise.plan.strategy.Ranked``). The one pricing of
-    a job's auto (``resolve_auto``; ``benchmarks/auto_choice.py`` asks it too)."""
+#: candidates auto's start-up probe runs beside fp32 DDP (the catalog's best first)
+PROBE_TOP = 3
+
+
+def probe_applies(cfg: RunConfig) -> bool:
+    """Whether auto's start-up probe runs for this job: steps asked for, the built-in cluster (a calibrated one was
+    measured already), more than one worker, no live recovery (its replica groups are jobs of their own)."""
+    return bool(cfg.compress.auto_probe and not cfg.compress.auto_cluster and not cfg.ft.replicas
+                and _workers(cfg)[2] > 1)
+
+
+def _probed(cfg: RunConfig, job: "_AutoJob", ranked: list, probe: Callable) -> tuple[Any, str, list]:
+    """Run ``probe`` on fp32 DDP and the catalog's top :data:`PROBE_TOP` candidates; (the chosen layout, the line,
+    the candidates re-ranked by their measured steps)."""
+    from .plan.strategy import Basis, choose, explain, probed
+
+    top = [r for r in ranked if not r.why_not and r.spec != "none"][:PROBE_TOP]
+    none = next(r for r in ranked if r.spec == "none")
+    print(f"syncwise: auto: probing fp32 DDP and the catalog's top {len(top)} ("
+          + ", ".join(f"{r.spec} ~{r.sooner:.2g}×" for r in top) + f") for about {cfg.compress.auto_probe} steps "
+          "each on this job's workers (--compress.auto_probe=0: rank by the catalog's figures)",
+          file=sys.stderr, flush=True)
+    measured, seconds = probe(cfg, [none, *top])
+    ranked = probed(ranked, measured)
+    best = choose(ranked)
+    steps = "/".join(str(n) for n in sorted({m.steps for m in measured.values()}))
+    basis = Basis(calibrated=False, probe=f"step times probed on this job's workers ({len(measured)} strategies, "
+                  f"{steps} steps each after their warm-up, {seconds:.0f} s; each ratio ±10 % or its spread)")
+    return (dataclasses.replace(job.layout, compress=best.compress, sync=best.sync),
+            explain(ranked, job.cloud, job.table, basis, cfg.train.steps, job.replicas), ranked)
+
+
+@dataclass(frozen=True)
+class _AutoJob:
+    """What auto prices a job on: its layout, cluster, the cluster's basis, model and global batch."""
+    layout: Any
+    cloud: Any
+    basis: Any
+    model: Any
+    global_batch: int
+    replicas: int
+    table: Any = None
+
+
+def _auto_job(cfg: RunConfig) -> _AutoJob:
     lay = run_layout(cfg)   # auto is a parsed value of the layout owner; a conflicting option is refused there
     lay.auto_choices()
     from .plan import load_cluster, load_model
-    from .plan.strategy import Basis, basis_of, host_cores, job_cloud, resolve_auto as choose
+    from .plan.strategy import Basis, basis_of, host_cores, job_cloud, load_convergence
 
     local, _, world = _workers(cfg)
     if cfg.compress.auto_cluster:
@@ -649,9 +700,24 @@ def auto_ranking(cfg: RunConfig) -> tuple[Any, str, list]:
         model = load_model(cfg.model.preset, cfg.data.seq_len)
     inner = lay.dp_shard * lay.tp * lay.pp
     dp = (lay.dp_replicate or max(1, world // inner)) * lay.dp_shard
-    return choose(lay, cloud, model, cfg.data.batch_size * cfg.train.grad_accum * dp, cfg.data.seq_len,
-                  micro_batch=cfg.data.batch_size, microbatches=cfg.train.grad_accum, basis=basis,
-                  horizon=cfg.train.steps, replicas=dp)
+    return _AutoJob(lay, cloud, basis, model, cfg.data.batch_size * cfg.train.grad_accum * dp, dp,
+                    load_convergence())
+
+
+def auto_ranking(cfg: RunConfig, probe: Optional[Callable] = None) -> tuple[Any, str, list]:
+    """What ``auto`` resolves to for this job, without changing ``cfg``: (the layout with the chosen compressor and
+    sync strategy, the start-up line, the ranked candidates: ``syncwise.plan.strategy.Ranked``). The one pricing of
+    a job's auto (``resolve_auto``; ``benchmarks/auto_choice.py`` asks it too); with ``probe`` where it applies
+    (:func:`probe_applies`), the catalog's top candidates re-ranked by their probed step times."""
+    from .plan.strategy import resolve_auto as choose
+
+    job = _auto_job(cfg)
+    lay, line, ranked = choose(job.layout, job.cloud, job.model, job.global_batch, cfg.data.seq_len, job.table,
+                               micro_batch=cfg.data.batch_size, microbatches=cfg.train.grad_accum, basis=job.basis,
+                               horizon=cfg.train.steps, replicas=job.replicas)
+    if probe is not None and probe_applies(cfg):
+        return _probed(cfg, job, ranked, probe)
+    return lay, line, ranked
 
 
 def _visible_gpus() -> bool:

@@ -131,17 +131,18 @@ def _gives_degree(file_values: dict | None, overrides: dict) -> bool:
         isinstance(table, dict) and any(d in table for d in LAYOUT_DEGREES))
 
 
-def resolve_config(file_values: dict | None, overrides: dict) -> RunConfig:
+def resolve_config(file_values: dict | None, overrides: dict, probe=None) -> RunConfig:
     """The run's configuration. Resuming (``--resume`` not 'none') a run directory with a ``config.json``
     continues with that saved configuration; the user's TOML file and flags override it where given, except the
-    layout: giving any of its degrees replaces the saved layout as a whole (``LAYOUT_RULE``, docs/resume.md)."""
+    layout: giving any of its degrees replaces the saved layout as a whole (``LAYOUT_RULE``, docs/resume.md).
+    ``probe``: auto's start-up probe (:func:`probe`; ``config.resolve_auto``), run on the
+    configuration the job will have."""
     file_values = upgrade_moved_keys(file_values, "the configuration file")  # merged below under the new names
-    cfg = build_config(file_values, overrides)
-    if cfg.resume == "none" or not cfg.run_dir:
-        return cfg
-    saved = _read_json(RunDir(cfg.run_dir).config)
+    overrides = upgrade_moved_keys(overrides, "the command line")
+    cfg = build_config(file_values, overrides, announce=False)  # (read for its run directory and --resume)
+    saved = _read_json(RunDir(cfg.run_dir).config) if cfg.resume != "none" and cfg.run_dir else {}
     if not saved:
-        return cfg
+        return build_config(file_values, overrides, probe=probe)
     try:  # keys that moved since the run was saved (compress.sync -> parallel.sync) under their new names
         saved = upgrade_moved_keys(saved, str(RunDir(cfg.run_dir).config)) or saved
     except ConfigError as e:
@@ -158,7 +159,7 @@ def resolve_config(file_values: dict | None, overrides: dict) -> RunConfig:
         else:
             base[key] = value
     try:
-        resolved = build_config(base, overrides)
+        resolved = build_config(base, overrides, probe=probe)
     except SyncwiseError as e:
         if replaced:  # the new layout does not go with the run's saved settings (its compressor, say)
             raise SyncwiseError(f"--resume with a new layout: {e} (the other settings are the run's, from "
@@ -222,6 +223,19 @@ def launch(cfg: RunConfig) -> dict:
     return run_training(job, worker, cfg.train.steps)
 
 
+def probe(cfg: RunConfig, candidates) -> tuple[dict, float]:
+    """auto's start-up probe (``commands.auto_probe``), each probe a job started as this command starts one."""
+    from .auto_probe import run_probes
+
+    def start(sub: RunConfig) -> None:
+        lock = prepare_run_dir(sub)
+        try:
+            launch(sub)
+        finally:
+            lock.release()
+    return run_probes(cfg, candidates, start)
+
+
 def worker_argv(cfg: RunConfig) -> list[str]:
     """The worker's command line for ``cfg`` (its saved config.json), in torchrun's form."""
     return ["-m", "syncwise.commands.worker", "--config", str(RunDir(cfg.run_dir).config)]
@@ -244,7 +258,8 @@ def _stopped(cfg: RunConfig, signal_name: str) -> int:
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     # the configuration is validated before torch is imported: a mistake is one line in well under a second
-    cfg = resolve_config(load_file(args.config) if args.config else None, overrides_from_args(args, extra))
+    cfg = resolve_config(load_file(args.config) if args.config else None, overrides_from_args(args, extra),
+                         probe=None if args.check else probe)
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from ..launch.run import RunPreempted

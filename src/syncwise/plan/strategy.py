@@ -159,6 +159,11 @@ CALIBRATED_ERROR = 0.10
 #: catalog predicted 9.99× and 6.49× where 1.98× and 1.49× came (2 nodes × 2 workers at 45 and 100 Mbit/s, before
 #: shared cores were priced): factors of 5.0 and 4.4. The band reaches down to figure / CATALOG_SPREAD
 CATALOG_SPREAD = 5.0
+#: the least error a probed step ratio is given (auto's start-up probe, :func:`probed`): a few steps measured on the
+#: job's own cluster stand for the whole run's (a link's token bucket, caches and warm-up differ over a short
+#: window), so the band is never narrower than the calibrated planner's error; wider where the probe's own steps
+#: spread more (1.645 standard errors of the ratio: a 90 % band)
+PROBE_ERROR = 0.10
 
 
 def host_cores() -> int:
@@ -182,6 +187,7 @@ class Basis:
     calibrated: bool
     workers_per_host: int = 0   # workers computing on one host at once (0: not known)
     cores: int = 0              # that host's cores (0: not known)
+    probe: str = ""             # auto's start-up probe: what it measured, in words ('' = not probed)
 
     @property
     def share(self) -> float:
@@ -196,8 +202,8 @@ class Basis:
         sooner = r.sooner or 0.0
         if r.spec == "none":   # fp32 DDP against itself: exactly 1
             return 1.0, 1.0
-        e = CALIBRATED_ERROR
-        low = sooner * (1 - e) / (1 + e) if self.calibrated else sooner / CATALOG_SPREAD
+        e = r.step_error or CALIBRATED_ERROR
+        low = sooner * (1 - e) / (1 + e) if self.calibrated or r.step_error else sooner / CATALOG_SPREAD
         high = sooner * (1 + e) / (1 - e)
         top = ceiling(r)
         if r.steps_ratio and r.steps_low and r.steps_high:   # the convergence model's band on the steps, too
@@ -208,6 +214,8 @@ class Basis:
 
     def words(self) -> str:
         """The basis in words, for the start-up line."""
+        if self.probe:
+            return self.probe
         what = ("calibrated cluster (step times within ±10 %)" if self.calibrated else
                 "catalog figure, not calibrated (`syncwise plan --calibrate` narrows the band)")
         if self.share > 1:
@@ -250,6 +258,7 @@ class Ranked:
     steps_high: Optional[float] = None
     steps_sigma: float = 0.0             # its log-space spread: ranking uses the expected ratio, exp(sigma^2/2) up
     steps_note: str = ""                 # what the steps prediction extrapolates ('' inside the fitted data)
+    step_error: float = 0.0              # a probed step ratio's relative error (0: the step time is predicted)
 
     @property
     def expected_time_ratio(self) -> Optional[float]:
@@ -376,6 +385,42 @@ def _rank_model(cloud: CloudConfig, model: ModelSpec, lay: owner.Layout, global_
     return out
 
 
+@dataclass(frozen=True)
+class Measured:
+    """One strategy's step time as auto's start-up probe measured it on the job's own cluster: the mean over whole
+    sync periods after its warm-up, and the mean's relative standard error."""
+
+    step_s: float
+    rel_se: float
+    steps: int
+
+
+def probed(ranked: Sequence[Ranked], measured: dict[str, Measured]) -> list[Ranked]:
+    """The candidates re-priced by the probe: a measured one's time ratio = its measured step / fp32 DDP's measured
+    step × its steps ratio (the convergence model's, unchanged), its step error the larger of :data:`PROBE_ERROR`
+    and the 90 % band of the two means' standard errors; its compute floor is not known (no ceiling). A candidate
+    the probe did not run is listed and not chosen: its predicted step is not comparable with measured ones."""
+    import math
+
+    base = measured["none"]
+    out: list[Ranked] = []
+    for r in ranked:
+        m = measured.get(r.spec)
+        if r.why_not:
+            out.append(r)
+        elif m is None:
+            out.append(dataclasses.replace(r, why_not="not probed (below the catalog's top candidates)"))
+        elif r.spec == "none":
+            out.append(dataclasses.replace(r, step_time_s=m.step_s, time_ratio=1.0, floor_s=0.0))
+        else:
+            err = max(PROBE_ERROR, 1.645 * math.hypot(m.rel_se, base.rel_se))
+            out.append(dataclasses.replace(r, step_time_s=m.step_s, floor_s=0.0, step_error=err,
+                                           time_ratio=m.step_s / base.step_s * (r.steps_ratio or 1.0)))
+    out.sort(key=lambda r: (bool(r.why_not), r.expected_time_ratio if r.time_ratio is not None else float("inf"),
+                            r.step_time_s, r.spec))
+    return out
+
+
 def load_convergence() -> ConvergenceModel:
     """The convergence model auto ranks with (``convergence-model.json``, :data:`MODEL_PATH`)."""
     return load_convergence_model(MODEL_PATH)
@@ -449,7 +494,7 @@ def ratio_words(r: Ranked, basis: Basis, what: str = "") -> str:
     if r.spec == "none":
         return f"1×{what}"
     lo, hi = basis.band(r)
-    point = f"{r.sooner:.2f}×" if basis.calibrated else f"~{r.sooner:.2g}×"
+    point = f"{r.sooner:.2f}×" if basis.calibrated or r.step_error else f"~{r.sooner:.2g}×"
     return f"{point}{what} (band {lo:.2g}–{hi:.2g}×)"
 
 
