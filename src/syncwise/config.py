@@ -633,13 +633,15 @@ def probe_applies(cfg: RunConfig) -> bool:
                 and _workers(cfg)[2] > 1)
 
 
-def _probed(cfg: RunConfig, job: "_AutoJob", ranked: list, probe: Callable) -> tuple[Any, str, list]:
+def _probed(cfg: RunConfig, job: "_AutoJob", ranked: list, probe: Callable) -> Optional[tuple[Any, str, list]]:
     """Run ``probe`` on fp32 DDP and the catalog's top :data:`PROBE_TOP` candidates; (the chosen layout, the line,
-    the candidates re-ranked by their measured steps)."""
-    from .plan.strategy import Basis, choose, explain, probed
+    the candidates re-ranked by their measured steps), or None when there is nothing to compare."""
+    from .plan.strategy import PROBE_ERROR, Basis, choose, explain, probed
 
     top = [r for r in ranked if not r.why_not and r.spec != "none"][:PROBE_TOP]
-    none = next(r for r in ranked if r.spec == "none")
+    none = next((r for r in ranked if r.spec == "none"), None)
+    if none is None or not top:   # nothing to compare: the catalog's line stands
+        return None
     print(f"syncwise: auto: probing fp32 DDP and the catalog's top {len(top)} ("
           + ", ".join(f"{r.spec} ~{r.sooner:.2g}×" for r in top) + f") for about {cfg.compress.auto_probe} steps "
           "each on this job's workers (--compress.auto_probe=0: rank by the catalog's figures)",
@@ -649,14 +651,16 @@ def _probed(cfg: RunConfig, job: "_AutoJob", ranked: list, probe: Callable) -> t
     best = choose(ranked)
     steps = "/".join(str(n) for n in sorted({m.steps for m in measured.values()}))
     basis = Basis(calibrated=False, probe=f"step times probed on this job's workers ({len(measured)} strategies, "
-                  f"{steps} steps each after their warm-up, {seconds:.0f} s; each ratio ±10 % or its spread)")
+                  f"{steps} steps each after their warm-up, {seconds:.0f} s; each ratio ±{100 * PROBE_ERROR:.0f} % or its "
+                  "spread)")
     return (dataclasses.replace(job.layout, compress=best.compress, sync=best.sync),
             explain(ranked, job.cloud, job.table, basis, cfg.train.steps, job.replicas), ranked)
 
 
 @dataclass(frozen=True)
 class _AutoJob:
-    """What auto prices a job on: its layout, cluster, the cluster's basis, model and global batch."""
+    """What auto prices a job on: its layout, cluster and the cluster's basis, model, global batch, data-parallel
+    replicas and the convergence model."""
     layout: Any
     cloud: Any
     basis: Any
@@ -716,7 +720,7 @@ def auto_ranking(cfg: RunConfig, probe: Optional[Callable] = None) -> tuple[Any,
                                micro_batch=cfg.data.batch_size, microbatches=cfg.train.grad_accum, basis=job.basis,
                                horizon=cfg.train.steps, replicas=job.replicas)
     if probe is not None and probe_applies(cfg):
-        return _probed(cfg, job, ranked, probe)
+        return _probed(cfg, job, ranked, probe) or (lay, line, ranked)
     return lay, line, ranked
 
 

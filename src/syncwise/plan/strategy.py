@@ -379,10 +379,15 @@ def _rank_model(cloud: CloudConfig, model: ModelSpec, lay: owner.Layout, global_
         ratio = t * pr.ratio / t_none if pr.ratio is not None and not why.startswith("never") else None
         out.append(Ranked(name, c, s, t, pr.ratio, ratio, 0.0, why, floor, pr.low, pr.high, pr.sigma,
                           pr.extrapolated))
-    # ranked by the expected time to the loss over the steps band (log-normal mean), then as rank() breaks ties
-    out.sort(key=lambda r: (bool(r.why_not), r.expected_time_ratio if r.time_ratio is not None else float("inf"),
-                            r.step_time_s, r.spec))
+    out.sort(key=_by_expected_time)
     return out
+
+
+def _by_expected_time(r: Ranked) -> tuple:
+    """Candidates first, by the expected time to the loss over the steps band (the log-normal mean), then as
+    :func:`rank` breaks ties (the shorter step, the name)."""
+    return (bool(r.why_not), r.expected_time_ratio if r.time_ratio is not None else float("inf"), r.step_time_s,
+            r.spec)
 
 
 @dataclass(frozen=True)
@@ -416,8 +421,7 @@ def probed(ranked: Sequence[Ranked], measured: dict[str, Measured]) -> list[Rank
             err = max(PROBE_ERROR, 1.645 * math.hypot(m.rel_se, base.rel_se))
             out.append(dataclasses.replace(r, step_time_s=m.step_s, floor_s=0.0, step_error=err,
                                            time_ratio=m.step_s / base.step_s * (r.steps_ratio or 1.0)))
-    out.sort(key=lambda r: (bool(r.why_not), r.expected_time_ratio if r.time_ratio is not None else float("inf"),
-                            r.step_time_s, r.spec))
+    out.sort(key=_by_expected_time)
     return out
 
 
