@@ -33,8 +33,9 @@ def points_of(path: Path, data: dict) -> tuple[list[M.Point], str]:
     return M.points_from_results(data, str(path.relative_to(ROOT)))
 
 
-#: results kept out of the fit: auto's held-out lab points (RESULTS.md §15), the evidence the fit is checked against
-HELD_OUT = ("auto-heldout-",)
+#: results kept out of the fit: auto's held-out lab points, with and without its probe (RESULTS.md §15), the evidence the
+#: fit is checked against
+HELD_OUT = ("auto-heldout-", "auto-probe-")
 
 
 def inventory() -> tuple[list[dict], list[M.Point]]:
