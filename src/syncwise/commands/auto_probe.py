@@ -37,9 +37,9 @@ def window(steps: int, period: int) -> int:
     return period * max(2, math.ceil(steps / period))
 
 
-def probe_config(cfg: RunConfig, ranked, run_dir: Path) -> tuple[RunConfig, int]:
+def probe_config(cfg: RunConfig, ranked, run_dir: Path) -> tuple[RunConfig, int, int]:
     """The probe of one candidate (``plan.strategy.Ranked``): the job with its strategy, for its warm-up and its
-    measured window; (the config, the measured steps)."""
+    measured window; (the config, the measured steps, the strategy's sync period: 1 every step)."""
     from ..train.trainer import warmup_steps
 
     sub = copy.deepcopy(cfg)
@@ -52,7 +52,7 @@ def probe_config(cfg: RunConfig, ranked, run_dir: Path) -> tuple[RunConfig, int]
     period = int(getattr(specs.sync, "period", 1) or 1) if specs.sync is not None else 1
     measured = window(cfg.compress.auto_probe, period)
     sub.train.steps = warmup_steps(specs.compress, specs.sync) + FIRST_STEPS + measured
-    return sub, measured
+    return sub, measured, period
 
 
 def measure(rows: Sequence[dict], measured: int, period: int):
@@ -82,7 +82,7 @@ def run_probes(cfg: RunConfig, candidates: Sequence, start: Callable[[RunConfig]
     out = {}
     try:
         for i, ranked in enumerate(candidates):
-            sub, measured = probe_config(cfg, ranked, tmp / f"{i}")
+            sub, measured, period = probe_config(cfg, ranked, tmp / f"{i}")
             try:
                 with _console_to(log):
                     start(sub)
@@ -91,7 +91,6 @@ def run_probes(cfg: RunConfig, candidates: Sequence, start: Callable[[RunConfig]
                 raise SyncwiseError(f"auto's probe of {ranked.spec} failed ({e}); its last lines:\n"
                                     + "\n".join(tail) + "\n(--compress.auto_probe=0 ranks by the catalog's "
                                     "figures without running it)") from None
-            period = int(getattr(ranked.sync, "period", 1) or 1) if ranked.sync is not None else 1
             out[ranked.spec] = measure(read_jsonl(RunDir(sub.run_dir).metrics), measured, period)
             print(f"syncwise: auto: probe {ranked.spec}: {1000 * out[ranked.spec].step_s:.1f} ms per step over "
                   f"{measured} steps", file=sys.stderr, flush=True)
