@@ -144,22 +144,27 @@ def test_a_real_run_trains_with_what_auto_chose(table, tmp_path, capsys):
     assert line[0].startswith(f"syncwise: auto: {chosen} ") and summary["compressor"] == chosen != "none"
 
 
-def test_the_probe_ranks_by_measured_steps_and_the_run_trains_with_its_pick(table, tmp_path, capsys):
+def test_the_probe_ranks_by_measured_steps(table, tmp_path, capsys, monkeypatch):
     """On the built-in cluster `syncwise train --compress auto` first trains fp32 DDP and the catalog's top 3 for a
     few steps each on its own 2 workers (compress.auto_probe), then ranks those by their measured step times; the
-    workers train with the one the line names."""
-    from syncwise.cli import main
+    probes' run directories are gone after (a real run with auto's pick: the test above)."""
+    import tempfile
 
-    run = tmp_path / "run"
-    assert main(["train", "--preset", "tiny", "--steps", "2", "--nproc", "2", "--dist.device=cpu",
-                 "--compress", "auto", "--compress.auto_probe=2", "--run-dir", str(run),
-                 "--train.val_interval=0", "--data.seq_len=32"]) == 0
-    err = [ln for ln in capsys.readouterr().err.splitlines() if "auto:" in ln]
-    probes = [ln.split("probe ")[1].split(":")[0] for ln in err if ": auto: probe " in ln]
+    from syncwise.commands.train import probe
+    from syncwise.config import auto_ranking, build_config
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    cfg = build_config(None, {"model.preset": "tiny", "train.steps": "2", "dist.nproc": "2", "dist.device": "cpu",
+                              "compress.auto_probe": "2", "train.val_interval": "0", "data.seq_len": "32"})
+    cfg.compress.method = "auto"
+    lay, line, ranked = auto_ranking(cfg, probe)
+    err = capsys.readouterr().err.splitlines()
+    probes = [ln.split(": auto: probe ")[1].rsplit(": ", 1)[0] for ln in err if ": auto: probe " in ln]
     assert len(probes) == 4 and probes[0] == "none", err
-    chosen = json.loads((run / "config.json").read_text())["compress"]["method"]
-    assert chosen in probes and err[-1].startswith(f"syncwise: auto: {chosen} ") and "probed on this job" in err[-1]
-    assert json.loads((run / "summary.json").read_text())["compressor"] == chosen
+    chosen = lay.compress.text
+    assert chosen in probes and line.startswith(f"auto: {chosen} ") and "probed on this job" in line
+    assert {r.spec for r in ranked if not r.why_not} == set(probes)       # the others: 'not probed'
+    assert not list(tmp_path.glob("syncwise-auto-probe-*"))
 
 
 def test_probed_steps_replace_the_catalogs_and_carry_their_error():
