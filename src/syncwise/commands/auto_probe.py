@@ -10,10 +10,8 @@ periods (a local-SGD step is cheap until its period's average), after its warm-u
 costs and the strategy's own uncompressed start, ``trainer.warmup_steps``)."""
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
-import os
 import shutil
 import sys
 import tempfile
@@ -23,6 +21,7 @@ from typing import Callable, Sequence
 
 from ..config import RunConfig
 from ..rundir import RunDir
+from .console import output_to
 
 #: steps run before the measured window besides the strategy's own warm-up (allocator, DDP bucket rebuild)
 FIRST_STEPS = 2
@@ -84,7 +83,7 @@ def run_probes(cfg: RunConfig, candidates: Sequence, start: Callable[[RunConfig]
         for i, ranked in enumerate(candidates):
             sub, measured, period = probe_config(cfg, ranked, tmp / f"{i}")
             try:
-                with _console_to(log):
+                with output_to(log):
                     start(sub)
             except (SyncwiseError, OSError) as e:
                 tail = log.read_text(errors="replace").splitlines()[-15:] if log.exists() else []
@@ -97,24 +96,3 @@ def run_probes(cfg: RunConfig, candidates: Sequence, start: Callable[[RunConfig]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out, time.monotonic() - began
-
-
-@contextlib.contextmanager
-def _console_to(path: Path):
-    """This process's stdout and stderr (file descriptors 1 and 2, which the workers it starts inherit) appended to
-    ``path`` for the duration."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = [os.dup(1), os.dup(2)]
-    with open(path, "ab") as f:
-        os.dup2(f.fileno(), 1)
-        os.dup2(f.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            for fd in saved:
-                os.close(fd)

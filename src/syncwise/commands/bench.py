@@ -12,13 +12,11 @@ drifts by several per cent over minutes), and reports each configuration's mean 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import math
 import os
 import re
-import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +29,7 @@ from ..layout import names_torch_hook
 from ..parallel.sync_spec import METHODS as SYNC_METHODS
 from ..rundir import RunDir
 from ..specs import spec_name
+from .console import output_to
 
 COMPUTE_ONLY = "compute-only"
 # N independent compute-only workers at once (N = all workers of the distributed runs): the lab's nodes share
@@ -286,36 +285,13 @@ def _run_compute_shared(run: BenchRun, threads: int) -> dict[str, Any]:
     return summary
 
 
-@contextlib.contextmanager
-def _output_to(path: Path):
-    """Everything written to this process's stdout/stderr -- and its workers', which inherit them -- goes to
-    ``path``: the bench prints its table, each run's summary and progress stay in its run directory."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    with open(path, "ab") as log:
-        os.dup2(log.fileno(), 1)
-        os.dup2(log.fileno(), 2)
-    try:
-        # Python-level writers too, where sys.stdout is not file descriptor 1 (e.g. under a capturing harness)
-        with open(path, "a", buffering=1) as text, contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
-            yield
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        os.close(saved[0])
-        os.close(saved[1])
-
-
 def run_one(run: BenchRun, threads: int, lab_prefix: Optional[str]) -> dict[str, Any]:
     """Train one configuration; return its summary (raises SyncwiseError if the workers failed). Its console
     output (progress, summary table) goes to ``RUN_DIR/console.log``."""
     from .train import prepare_run_dir
 
     prepare_run_dir(run.cfg)
-    with _output_to(run.run_dir / "console.log"):
+    with output_to(run.run_dir / "console.log"):
         return _run_one(run, threads, lab_prefix)
 
 
