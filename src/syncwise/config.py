@@ -651,8 +651,8 @@ def _probed(cfg: RunConfig, job: "_AutoJob", ranked: list, probe: Callable) -> O
     best = choose(ranked)
     steps = "/".join(str(n) for n in sorted({m.steps for m in measured.values()}))
     basis = Basis(calibrated=False, probe=f"step times probed on this job's workers ({len(measured)} strategies, "
-                  f"{steps} steps each after their warm-up, {seconds:.0f} s; each ratio ±{100 * PROBE_ERROR:.0f} % or its "
-                  "spread)")
+                  f"{steps} steps each after their warm-up, {seconds:.0f} s; each ratio "
+                  f"±{100 * PROBE_ERROR:.0f} % or its spread)")
     return (dataclasses.replace(job.layout, compress=best.compress, sync=best.sync),
             explain(ranked, job.cloud, job.table, basis, cfg.train.steps, job.replicas), ranked)
 

@@ -4,10 +4,10 @@ and the catalog's top candidates for a few steps each on the job's own workers, 
 this machine and link do rather than by the catalog's figures (issue 41: 4 workers sharing 2 cores, an MoE model).
 
 Each probe is the job itself (its model, batch, layout and workers, through the launch table as `syncwise train`
-starts it) with the candidate's strategy, no validation, checkpoints, faults or monitoring, in a temporary run
-directory that is removed after. Its step time is the mean of rank 0's logged step times over the last whole sync
-periods (a local-SGD step is cheap until its period's average), after its warm-up steps (the first steps' one-off
-costs and the strategy's own uncompressed start, ``trainer.warmup_steps``)."""
+starts it) with the candidate's strategy, no periodic validation or checkpoints (one of each at its end), faults or
+monitoring, in a temporary run directory that is removed after. Its step time is the mean of rank 0's logged step
+times over the last whole sync periods (a local-SGD step is cheap until its period's average), after its warm-up
+steps (the first steps' one-off costs and the strategy's own uncompressed start, ``trainer.warmup_steps``)."""
 from __future__ import annotations
 
 import copy
