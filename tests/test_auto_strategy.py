@@ -167,6 +167,33 @@ def test_the_probe_ranks_by_measured_steps(table, tmp_path, capsys, monkeypatch)
     assert not list(tmp_path.glob("syncwise-auto-probe-*"))
 
 
+def test_no_probe_where_the_run_directory_refuses_the_run_or_a_run_resumes(table, tmp_path, capsys):
+    """The probe starts workers, so it comes after the run directory's checks: a directory holding someone's files
+    is refused in one line naming run_dir before any probe; a resumed run is not probed (its checkpoints hold the
+    strategy it started with)."""
+    from syncwise.cli import main
+    from syncwise.commands.train import resolve_config
+
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine")
+    assert main(["train", "--preset", "tiny", "--nproc", "2", "--dist.device=cpu", "--compress", "auto",
+                 "--run-dir", str(taken)]) == 2
+    err = capsys.readouterr().err
+    assert "'run_dir'" in err and "already holds a run" in err and "auto: prob" not in err, err
+    assert (taken / "notes.txt").read_text() == "mine" and [p.name for p in taken.iterdir()] == ["notes.txt"]
+
+    saved = tmp_path / "saved"
+    base = {"model.preset": "tiny", "dist.nproc": "2", "dist.device": "cpu", "run_dir": str(saved)}
+    saved.mkdir()
+    resolve_config(None, {**base, "compress.method": "fp8"}).save(saved / "config.json")
+
+    def refuse(*_):
+        raise AssertionError("a resumed run was probed")
+    cfg = resolve_config(None, {**base, "compress.method": "auto", "resume": "auto"}, probe=refuse)
+    assert cfg.compress.method not in ("auto", "")
+
+
 def test_probed_steps_replace_the_catalogs_and_carry_their_error():
     """plan.strategy.probed: the measured step ratio × the steps ratio; a candidate not probed is not chosen; the
     band is the probe's error (at least PROBE_ERROR) each way, not the catalog's spread."""

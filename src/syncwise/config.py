@@ -606,9 +606,10 @@ def resolve_auto(cfg: RunConfig, probe: Optional[Callable] = None, announce: boo
     worker starts, by the strategy ``syncwise.plan.strategy`` predicts reaches fp32 DDP's loss soonest on this job's
     cluster, and say so in one line on stderr (returned; '' when neither is auto). The cluster: ``compress.
     auto_cluster`` (a calibrated TOML), else this job's (``plan.strategy.job_cloud``). ``probe(cfg, ranked)``
-    (``syncwise train``: ``commands.auto_probe``): on the built-in cluster with ``compress.auto_probe`` steps, the
-    measured step times (``plan.strategy.Measured`` by spec) of fp32 DDP and the catalog's top candidates, which
-    then rank them instead of the catalog's figures (``plan.strategy.probed``)."""
+    (``syncwise train``: ``commands.train.probe``): on the built-in cluster with ``compress.auto_probe`` steps, the
+    measured step times (``plan.strategy.Measured`` by spec) of fp32 DDP and the catalog's top candidates and the
+    seconds they took, which then rank them instead of the catalog's figures (``plan.strategy.probed``); None when
+    it does not run."""
     from .layout import names_auto
 
     if not (names_auto(cfg.compress.method) or names_auto(cfg.parallel.sync)):
@@ -635,18 +636,18 @@ def probe_applies(cfg: RunConfig) -> bool:
 
 def _probed(cfg: RunConfig, job: "_AutoJob", ranked: list, probe: Callable) -> Optional[tuple[Any, str, list]]:
     """Run ``probe`` on fp32 DDP and the catalog's top :data:`PROBE_TOP` candidates; (the chosen layout, the line,
-    the candidates re-ranked by their measured steps), or None when there is nothing to compare."""
+    the candidates re-ranked by their measured steps), or None when there is nothing to compare or the probe did
+    not run."""
     from .plan.strategy import PROBE_ERROR, Basis, choose, explain, probed
 
     top = [r for r in ranked if not r.why_not and r.spec != "none"][:PROBE_TOP]
     none = next((r for r in ranked if r.spec == "none"), None)
     if none is None or not top:   # nothing to compare: the catalog's line stands
         return None
-    print(f"syncwise: auto: probing fp32 DDP and the catalog's top {len(top)} ("
-          + ", ".join(f"{r.spec} ~{r.sooner:.2g}×" for r in top) + f") for about {cfg.compress.auto_probe} steps "
-          "each on this job's workers (--compress.auto_probe=0: rank by the catalog's figures)",
-          file=sys.stderr, flush=True)
-    measured, seconds = probe(cfg, [none, *top])
+    got = probe(cfg, [none, *top])
+    if got is None:   # the probe did not run (the run directory said why not): the catalog's line stands
+        return None
+    measured, seconds = got
     ranked = probed(ranked, measured)
     best = choose(ranked)
     steps = "/".join(str(n) for n in sorted({m.steps for m in measured.values()}))

@@ -75,6 +75,11 @@ def run_probes(cfg: RunConfig, candidates: Sequence, start: Callable[[RunConfig]
     from ..errors import SyncwiseError
     from ..metrics import read_jsonl
 
+    top = [r for r in candidates if r.spec != "none"]
+    print(f"syncwise: auto: probing fp32 DDP and the catalog's top {len(top)} ("
+          + ", ".join(f"{r.spec} ~{r.sooner:.2g}×" for r in top) + f") for about {cfg.compress.auto_probe} steps "
+          "each on this job's workers (--compress.auto_probe=0: rank by the catalog's figures)",
+          file=sys.stderr, flush=True)
     began = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="syncwise-auto-probe-"))
     log = tmp / "probe.log"

@@ -6,6 +6,7 @@ import datetime
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 from ..config import (RunConfig, add_train_arguments, build_config, describe_fields, format_config, load_file,
                       overrides_from_args, placement, upgrade_moved_keys)
@@ -62,6 +63,23 @@ def prepare_run_dir(cfg: RunConfig) -> RunDirLock:
         lock.release()
         raise
     return lock
+
+
+def look_at_run_dir(cfg: RunConfig) -> tuple[list[str], str]:
+    """The run directory's read-only checks before any worker starts (``--check``; auto's probe, :func:`probe`):
+    another syncwise run holding it, or :func:`check_run_dir`'s refusals, as one ConfigError naming ``run_dir``;
+    RunFinished passes through (not a failure); else :func:`check_run_dir`'s answer."""
+    if not cfg.run_dir:
+        return [], ""
+    try:
+        busy = rundir.holder(cfg.run_dir)
+        if busy:
+            raise SyncwiseError(f"it is in use by another syncwise run ({busy})")
+        return check_run_dir(cfg, Path(cfg.run_dir))
+    except RunFinished:
+        raise
+    except SyncwiseError as e:
+        raise ConfigError("run_dir", cfg.run_dir, f"a directory this run may use ({e})") from None
 
 
 def check_run_dir(cfg: RunConfig, run_dir: Path) -> tuple[list[str], str]:
@@ -135,8 +153,8 @@ def resolve_config(file_values: dict | None, overrides: dict, probe=None) -> Run
     """The run's configuration. Resuming (``--resume`` not 'none') a run directory with a ``config.json``
     continues with that saved configuration; the user's TOML file and flags override it where given, except the
     layout: giving any of its degrees replaces the saved layout as a whole (``LAYOUT_RULE``, docs/resume.md).
-    ``probe``: auto's start-up probe (:func:`probe`; ``config.resolve_auto``), run on the
-    configuration the job will have."""
+    ``probe``: auto's start-up probe (:func:`probe`; ``config.resolve_auto``) of a new run; a resumed one is not
+    probed (its checkpoints hold the strategy it started with: ``check_run_dir``)."""
     file_values = upgrade_moved_keys(file_values, "the configuration file")  # merged below under the new names
     overrides = upgrade_moved_keys(overrides, "the command line")
     cfg = build_config(file_values, overrides, announce=False)  # (read for its run directory and --resume)
@@ -159,7 +177,7 @@ def resolve_config(file_values: dict | None, overrides: dict, probe=None) -> Run
         else:
             base[key] = value
     try:
-        resolved = build_config(base, overrides, probe=probe)
+        resolved = build_config(base, overrides)
     except SyncwiseError as e:
         if replaced:  # the new layout does not go with the run's saved settings (its compressor, say)
             raise SyncwiseError(f"--resume with a new layout: {e} (the other settings are the run's, from "
@@ -223,9 +241,16 @@ def launch(cfg: RunConfig) -> dict:
     return run_training(job, worker, cfg.train.steps)
 
 
-def probe(cfg: RunConfig, candidates) -> tuple[dict, float]:
-    """auto's start-up probe (``commands.auto_probe``), each probe a job started as this command starts one."""
+def probe(cfg: RunConfig, candidates) -> Optional[tuple[dict, float]]:
+    """auto's start-up probe (``commands.auto_probe``), each probe a job started as this command starts one — after
+    the run directory's checks (:func:`look_at_run_dir`), so that a directory this run may not use is refused before
+    any worker starts. None (no probe: the catalog's figures) when the run finished already (the start says so)."""
     from .auto_probe import run_probes
+
+    try:
+        look_at_run_dir(cfg)
+    except RunFinished:
+        return None
 
     def start(sub: RunConfig) -> None:
         lock = prepare_run_dir(sub)
@@ -268,18 +293,12 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     if args.check:  # the run directory's checks are read-only; it is neither created nor locked
         note = ""
         try:
-            if cfg.run_dir:
-                busy = rundir.holder(cfg.run_dir)
-                if busy:
-                    raise SyncwiseError(f"it is in use by another syncwise run ({busy})")
-                aside, what = check_run_dir(cfg, Path(cfg.run_dir))
-                if aside:
-                    note = (f"\n# note: {cfg.run_dir} holds {what} ({', '.join(aside)}): `syncwise train` moves it "
-                            f"to {RunDir(cfg.run_dir).failed_starts}/ and starts afresh")
+            aside, what = look_at_run_dir(cfg)
+            if aside:
+                note = (f"\n# note: {cfg.run_dir} holds {what} ({', '.join(aside)}): `syncwise train` moves it "
+                        f"to {RunDir(cfg.run_dir).failed_starts}/ and starts afresh")
         except RunFinished as e:
             note = f"\n# note: {e}"  # valid; `syncwise train` would say so and exit 0
-        except SyncwiseError as e:
-            raise ConfigError("run_dir", cfg.run_dir, f"a directory this run may use ({e})") from None
         shared = placement(cfg).note  # e.g. 2 workers on one GPU: gloo, and how to get NCCL
         print(format_config(cfg) + note + (f"\n# note: {shared}" if shared else ""))
         return 0
