@@ -180,6 +180,42 @@ def test_a_gpu_trace_that_names_its_groups_splits_by_dimension_with_bus_bandwidt
     assert "profiled step(s) 5–5 agree" in _Finding.evidence and _Finding.details["trace"]["exposed_ms"] > 0
 
 
+def test_collectives_take_their_size_and_group_from_the_flight_recorder_first_in_first_out_per_group():
+    # a trace recorded without shapes: the sizes and groups come from the recorder's entries stored beside it. Two
+    # groups: default_pg (two worker threads, 20 and 21) and preemption (thread 30); its 4-byte flag is created
+    # after the first bucket and runs while the second bucket waits, then the loss scalar runs on default_pg
+    base = 1_796_489_000_000_000_000
+    rows = [{"pg": "0", "desc": "default_pg", "seq": 1, "op": "gloo:all_reduce", "sizes": [[1000]],
+             "dtypes": ["Float"], "t_ns": base + 1_000_500},
+            {"pg": "1", "desc": "preemption", "seq": 1, "op": "gloo:all_reduce", "sizes": [[1]], "dtypes": ["Int"],
+             "t_ns": base + 2_000_500},
+            {"pg": "0", "desc": "default_pg", "seq": 2, "op": "gloo:all_reduce", "sizes": [[2000]],
+             "dtypes": ["BFloat16"], "t_ns": base + 3_000_500},
+            {"pg": "0", "desc": "default_pg", "seq": 3, "op": "gloo:all_reduce", "sizes": [[1]], "dtypes": ["Float"],
+             "t_ns": base + 4_000_500}]
+    events = [_x("ProfilerStep#0", 0, 20_000),
+              _x("c10d::allreduce_", 1_000, 10), _x("gloo:all_reduce", 1_100, 5_000, tid=20, cat="user_annotation"),
+              _x("c10d::allreduce_", 2_000, 10), _x("c10d::allreduce_", 3_000, 10),
+              _x("gloo:all_reduce", 3_100, 100, tid=30, cat="user_annotation"),   # the flag, not the bucket
+              _x("gloo:all_reduce", 3_200, 6_000, tid=21, cat="user_annotation"),  # the second bucket
+              _x("c10d::allreduce_", 4_000, 10),
+              _x("gloo:all_reduce", 9_300, 50, tid=20, cat="user_annotation")]    # the loss scalar
+    data = {"baseTimeNanoseconds": base, "traceEvents": events,
+            "distributedInfo": {"pg_config": [{"pg_name": "0", "pg_desc": "default_pg", "pg_size": 2},
+                                              {"pg_name": "1", "pg_desc": "preemption", "pg_size": 2}]},
+            "syncwise": {"first_step": 5, "collectives": rows}}
+    [s] = split_trace(data).steps
+    assert s.kinds["allreduce"]["bytes"] == 4000 + 4 + 4000 + 4 and s.kinds["allreduce"]["count"] == 4
+    assert s.payload_calls == 2 and s.payload_bytes == 8000          # the flag and the scalar are control
+    assert set(s.dims) == {"dp", "control"}
+    # dp: the first issue 1,000–1,010 and the buckets' executions 1,100–6,100 and 3,200–9,200 (the issues after
+    # them inside; the scalar's execution, a control, left out)
+    assert s.dims["dp"]["ms"] == pytest.approx((10 + 9_200 - 1_100) / 1e3)
+    # without the recorder's entries nothing is sized: every execution counts as a payload
+    [bare] = split_trace({**data, "syncwise": {"first_step": 5}}).steps
+    assert bare.payload_bytes is None and bare.payload_calls == 4 and bare.dims == {}
+
+
 def test_profile_steps_traces_every_rank_and_doctor_splits_the_real_step(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main(["train", "--nproc", "2", "--preset", "tiny", "--steps", "4", "--run-dir", str(run_dir),
@@ -196,6 +232,7 @@ def test_profile_steps_traces_every_rank_and_doctor_splits_the_real_step(tmp_pat
             assert abs(s.compute_ms + s.exposed_ms + s.idle_ms - s.step_ms) < 1e-6
             assert s.launch_ms is None and s.host_ms == s.idle_ms     # a CPU trace: nothing launched
             assert s.kinds["allreduce"]["count"] >= 1 and s.kinds["allreduce"]["bytes"] > 0
+            assert "dp" in s.dims  # recorded without shapes: sizes and groups from the flight recorder
     capsys.readouterr()
     assert main(["doctor", str(run_dir), "--json", "-", "--no-predict"]) == 0
     out = json.loads(capsys.readouterr().out)

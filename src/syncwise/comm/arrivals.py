@@ -49,6 +49,26 @@ def _dump() -> Optional[list[dict[str, Any]]]:
         return None
 
 
+def window(lo_ns: int, hi_ns: int) -> Optional[list[dict[str, Any]]]:
+    """The collectives this rank issued between ``lo_ns`` and ``hi_ns`` (wall clock), from the flight recorder, in
+    the order they were created: process group (name, description), per-group sequence id, op, input sizes and
+    dtypes, and the creation time. The profiler stores them beside a trace recorded without shapes (the sizes of
+    its collectives, ``syncwise.train.profile``); None where this torch has no recorder."""
+    entries = _dump()
+    if entries is None:
+        return None
+    rows = []
+    for e in sorted(entries, key=lambda e: e.get("time_created_ns", 0)):
+        t = int(e.get("time_created_ns") or 0)
+        if lo_ns <= t <= hi_ns:
+            pg = list(e.get("process_group") or ("", ""))
+            rows.append({"pg": str(pg[0]), "desc": str(pg[1]) if len(pg) > 1 else "",
+                         "seq": e.get("p2p_seq_id") if e.get("is_p2p") else e.get("collective_seq_id"),
+                         "op": str(e.get("profiling_name", "")), "sizes": e.get("input_sizes") or [],
+                         "dtypes": e.get("input_dtypes") or [], "t_ns": t})
+    return rows
+
+
 def buffer_size() -> int:
     value = os.environ.get("TORCH_FR_BUFFER_SIZE", os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", ""))
     try:

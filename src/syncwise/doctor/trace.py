@@ -63,7 +63,9 @@ _LAUNCH = re.compile(r"^(?:cuda|cu|hip)(?:\w*Launch\w*|Memcpy\w*(?:Async|WithStr
 _DTYPE_BYTES = {"float": 4, "float32": 4, "double": 8, "float64": 8, "c10::half": 2, "half": 2, "float16": 2,
                 "c10::bfloat16": 2, "bfloat16": 2, "long int": 8, "int64": 8, "int": 4, "int32": 4, "short int": 2,
                 "signed char": 1, "unsigned char": 1, "bool": 1, "c10::float8_e4m3fn": 1, "c10::float8_e5m2": 1,
-                "uint8": 1, "int8": 1}
+                "uint8": 1, "int8": 1,
+                # the flight recorder's names (c10::ScalarType): ``syncwise.train.profile`` stores its entries
+                "long": 8, "short": 2, "char": 1, "byte": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
 # ---- interval arithmetic (half-open [a, b), microseconds) ------------------------------------------------------
@@ -154,12 +156,11 @@ def is_launch(event: dict) -> bool:
 _CONTROL_BYTES = 8
 
 
-def _is_control(event: dict, kind: str) -> bool:
-    """A control collective: one whose recorded payload is at most 8 bytes (a flag, a loss scalar), not a pipeline
-    send or receive (those wait for their peer whatever their size)."""
+def _is_control(event: dict, kind: str, size: Optional[int]) -> bool:
+    """A control collective: one whose payload (``size`` bytes) is at most 8 bytes (a flag, a loss scalar), not a
+    pipeline send or receive (those wait for their peer whatever their size)."""
     if kind in _P2P or _is_issue(event):
         return False
-    size = event_bytes(event)
     return size is not None and size <= _CONTROL_BYTES
 
 
@@ -192,6 +193,68 @@ def event_bytes(event: dict) -> Optional[int]:
     return total if seen else None
 
 
+def _entry_bytes(entry: dict) -> Optional[int]:
+    """Bytes of a flight-recorder entry's inputs (``comm.arrivals.window``'s rows)."""
+    total = 0
+    for shape, dtype in zip(entry.get("sizes") or [], entry.get("dtypes") or []):
+        size = _DTYPE_BYTES.get(str(dtype).lower())
+        if size is None:
+            return None
+        n = 1
+        for d in shape:
+            n *= int(d)
+        total += n * size
+    return total
+
+
+def recorded(data: dict, comm: list[tuple[dict, str]]) -> dict[int, tuple[Optional[int], Optional[str]]]:
+    """``id(event)`` -> (bytes, process group name) for the trace's communication events, from the flight recorder's
+    entries the profiler stored beside it (``syncwise.collectives``: a trace recorded without shapes).
+
+    - The host side (``c10d::allreduce_``): the entry of the same op created inside the operator's span.
+    - The execution (``gloo:all_reduce`` on the group's worker thread, a kernel on the group's stream): a process
+      group runs its collectives first in first out, each group on threads or streams of its own. In start order,
+      each execution takes the oldest unmatched entry of a group whose oldest is of its op and was created before it
+      started: the group its thread already ran for, else the group with the fewest threads seen (a thread new to
+      the trace belongs to a group not yet seen running), then the oldest entry.
+    An event left unmatched (its entry created before the window, the ring wrapped) keeps what the trace records."""
+    meta = data.get("syncwise") or {}
+    rows, base = meta.get("collectives"), data.get("baseTimeNanoseconds")
+    if not rows or not isinstance(base, int):
+        return {}
+    entries = []
+    for r in rows:  # creation in the trace's microseconds (integers first: the base alone exceeds a float's ns)
+        kind = comm_kind({"name": r.get("op", "")})
+        if kind:
+            entries.append({**r, "kind": kind, "ts": (int(r["t_ns"]) - base) / 1e3, "bytes": _entry_bytes(r)})
+    out: dict[int, tuple[Optional[int], Optional[str]]] = {}
+    slack = 1.0  # µs: the trace's float timestamps
+    for e, k in comm:
+        if _is_issue(e):
+            a, b = float(e["ts"]) - slack, float(e["ts"]) + float(e.get("dur", 0.0)) + slack
+            inside = [r for r in entries if r["kind"] == k and a <= r["ts"] <= b]
+            if len(inside) == 1:
+                out[id(e)] = (inside[0]["bytes"], inside[0]["pg"])
+    queues: dict[str, list[dict]] = {}
+    for r in entries:
+        queues.setdefault(r["pg"], []).append(r)
+    thread_of: dict[Any, str] = {}
+    seen: dict[str, set] = {}
+    for e, k in sorted(((e, k) for e, k in comm if not _is_issue(e)), key=lambda ek: float(ek[0]["ts"])):
+        where = (e.get("pid"), e.get("tid"))
+        ready = [g for g, q in queues.items() if q and q[0]["kind"] == k and q[0]["ts"] <= float(e["ts"]) + slack]
+        if where in thread_of:
+            ready = [g for g in ready if g == thread_of[where]]
+        if not ready:
+            continue
+        g = min(ready, key=lambda g: (len(seen.get(g, ())), queues[g][0]["ts"]))
+        r = queues[g].pop(0)
+        thread_of[where] = g
+        seen.setdefault(g, set()).add(where)
+        out[id(e)] = (r["bytes"], g)
+    return out
+
+
 #: a process group's description -> the parallel dimension its collectives serve: DeviceMesh names its groups
 #: ``mesh_<dim>`` (syncwise.parallel.mesh), syncwise's own groups are named by purpose (``ops.new_group(desc=...)``)
 DIM_OF_GROUP = {"default_pg": "dp", "mesh_dp_replicate": "dp", "mesh_dp_shard": "fsdp", "mesh_tp": "tp",
@@ -209,11 +272,13 @@ def process_groups(data: dict) -> dict[str, tuple[str, int]]:
     return out
 
 
-def group_of(event: dict, groups: dict[str, tuple[str, int]]) -> tuple[Optional[str], Optional[int]]:
+def group_of(event: dict, groups: dict[str, tuple[str, int]],
+             pg: Optional[str] = None) -> tuple[Optional[str], Optional[int]]:
     """(the parallel dimension, the group's size) of a communication event, where the trace names its process group
-    (torch's ``record_param_comms`` does: NCCL on GPUs); (None, None) where it does not (gloo's CPU annotations)."""
+    (torch's ``record_param_comms`` does: NCCL on GPUs) or the flight recorder's entry does (``pg``, from
+    :func:`recorded`); (None, None) where neither does."""
     args = event.get("args") or {}
-    name = args.get("Process Group Name")
+    name = args.get("Process Group Name", pg)
     desc, size = groups.get(str(name), ("", 0)) if name is not None else ("", 0)
     desc = str(args.get("Process Group Description") or desc)
     size = int(args.get("Group size") or size or 0) or None
@@ -242,7 +307,7 @@ class StepSplit:
     idle_ms: float          # step − |compute ∪ communication ∪ compression| = launch_ms + host_ms
     kinds: dict[str, dict[str, float]] = field(default_factory=dict)  # kind -> count, bytes, ms (union of its events)
     # dimension -> ms (union of its collectives) and exposed_ms (of those, nothing computed beside): only where the
-    # trace names the process groups (NCCL); {} on a gloo CPU trace
+    # trace or the flight recorder's entries name the process groups
     dims: dict[str, dict[str, float]] = field(default_factory=dict)
     # the step's intervals in ms from its start: compute, exposed and overlapped communication, and per dimension
     spans: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
@@ -301,7 +366,10 @@ def split_trace(data: dict, rank: int = 0, path: Path = Path("-")) -> RankTrace:
         comm = [(e, k) for e, k in comm if e.get("cat") in _DEVICE_CATS]  # the collective running, not its issue
     launches = _launch_windows(events, device) if device else []
     groups = process_groups(data)
-    labels = {id(e): group_of(e, groups) for e, _ in comm}
+    fr = recorded(data, comm)
+    size = {id(e): event_bytes(e) if event_bytes(e) is not None else fr.get(id(e), (None, None))[0]
+            for e, _ in comm}
+    labels = {id(e): group_of(e, groups, fr.get(id(e), (None, None))[1]) for e, _ in comm}
     comm_ids = {id(e) for e, _ in comm}
     span = lambda e: (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))  # noqa: E731
     # the compressor's labelled work (syncwise.compress.hook), host side (not Kineto's copies on the GPU's streams)
@@ -322,7 +390,7 @@ def split_trace(data: dict, rank: int = 0, path: Path = Path("-")) -> RankTrace:
     # the communication the step is split by: not the control collectives (a flag, a loss scalar: <= 8 bytes, not a
     # send or receive), issued asynchronously and read a step later — their time in flight is the ranks' skew, not a
     # transfer anything waits on (they are still counted per kind)
-    control = {id(e) for e, k in comm if _is_control(e, k)}
+    control = {id(e) for e, k in comm if _is_control(e, k, size[id(e)])}
     comm_src = [span(e) for e, _ in comm if id(e) not in control]
     compress_src = [span(e) for e in labelled]
     out = []
@@ -340,13 +408,13 @@ def split_trace(data: dict, rank: int = 0, path: Path = Path("-")) -> RankTrace:
         for kind in sorted({k for e, k in comm if e["ts"] < hi and e["ts"] + e.get("dur", 0) > lo}):
             mine = [e for e, k in comm if k == kind and e["ts"] < hi and e["ts"] + e.get("dur", 0) > lo
                     and (_is_issue(e) != (kind in executed))]  # its execution where recorded, else its issue
-            sizes = [event_bytes(e) for e in mine]
+            sizes = [size[id(e)] for e in mine]
             members = [labels[id(e)][1] for e in mine if labels[id(e)][1]]
             kinds[kind] = {"count": len(mine), "bytes": sum(sizes) if sizes and None not in sizes else None,
                            "ms": length(union(clip(((e["ts"], e["ts"] + e.get("dur", 0.0)) for e in mine),
                                                    lo, hi))) / 1e3,
                            "group_size": max(members) if members else None}
-        payload = [event_bytes(e) for e, k in comm if k not in _P2P and e["ts"] < hi
+        payload = [size[id(e)] for e, k in comm if k not in _P2P and e["ts"] < hi
                    and e["ts"] + e.get("dur", 0) > lo and (_is_issue(e) != (k in executed))]
         payload = [b for b in payload if b is None or b > _CONTROL_BYTES]
         dims: dict[str, dict[str, float]] = {}
@@ -670,8 +738,8 @@ def print_traces(t: Optional[dict[str, Any]], console: Any) -> None:
                           f"{100 * v['of_priced']:.0f} %" if v.get("of_priced") else "-")
         console.print(kinds)
     if t.get("dimensions"):
-        dims = Table(title="communication per parallel dimension (per step, the mean rank; groups named by the trace)",
-                     show_edge=False)
+        dims = Table(title="communication per parallel dimension (per step, the mean rank; groups named by the trace "
+                           "or the flight recorder)", show_edge=False)
         for col in ("dimension", "ms (union)", "exposed ms"):
             dims.add_column(col, justify="left" if col == "dimension" else "right")
         for dim, v in t["dimensions"].items():
