@@ -15,8 +15,9 @@ What each row compares (``trace_added_ms`` against ``step_added_ms``; goal: with
 
 - ``trace_added_ms`` — the change, cause run minus no-cause run, of the parts of the traced step the cause shows in
   (``syncwise.doctor.trace.CAUSE_PARTS``: a straggler in the others' extra wait inside the collectives, a compressor
-  in its labelled work on the critical path plus the exposed communication, buckets and the link in the exposed
-  communication, a pipeline bubble in the stages' exposed sends and receives) — the trace's own reading of what the
+  in its labelled work on the critical path plus the exposed communication, buckets in the exposed communication
+  plus compute (what the backward does for its buckets), the link in the exposed communication, a pipeline bubble
+  in the stages' exposed sends and receives) — the trace's own reading of what the
   cause costs, by interval unions (``parts_added_ms``: every part's change, to see where the rest of the step went);
 - ``step_added_ms`` — the independent measure: median steady step time (rank 0's step timer, the profiled steps and
   their neighbours left out) with the cause minus without; ``step_added_profiled_ms`` the same over the profiled
@@ -34,7 +35,8 @@ The pairs (cause, no cause):
 - buckets_too_large: ``--dist.bucket_cap_mb=1000`` (one bucket: nothing overlaps the backward) against a quarter of
   the gradients per bucket (from the model's parameter count);
 - compression: ``--compress SPEC`` (default ``topk:ratio=0.01``, a sort over every gradient) against none;
-- pipeline_bubble: ``--parallel.pp=2 --parallel.pp_schedule=gpipe`` with 2 micro-batches against --pp-many;
+- pipeline_bubble: ``--parallel.pp=2 --parallel.pp_schedule=gpipe`` with 2 micro-batches against --pp-many, both
+  at --pp-batch-size sequences (a bubble large beside the per-micro-batch cost);
 - link (``--lab`` only): the lab's links shaped to RATE against --fast-rate, buckets a quarter of the gradients.
 
 Each pair runs back to back (with --repeat, alternating), on the same machine; a shared machine's load drifts, so the
@@ -69,12 +71,14 @@ def pairs(args: argparse.Namespace, quarter_mb: float) -> dict[str, tuple[list[s
     """cause -> (flags that plant it, flags of the same job without it)."""
     pp = ["--parallel.pp=2", "--parallel.pp_schedule=gpipe"]
     quarter = f"--dist.bucket_cap_mb={quarter_mb:g}"
+    bigger = f"--data.batch_size={args.pp_batch_size}"
     return {
         "straggler": (["--inject-fault", f"slow:rank=1,factor={args.factor:g},phase=backward"], []),
         "buckets_too_small": (["--dist.bucket_cap_mb=0.001"], [quarter]),
         "buckets_too_large": (["--dist.bucket_cap_mb=1000"], [quarter]),
         "compression": (["--compress", args.compressor], []),
-        "pipeline_bubble": ([*pp, "--parallel.microbatches=2"], [*pp, f"--parallel.microbatches={args.pp_many}"]),
+        "pipeline_bubble": ([*pp, "--parallel.microbatches=2", bigger],
+                            [*pp, f"--parallel.microbatches={args.pp_many}", bigger]),
         "link": ([quarter], [quarter]),  # the same flags: the lab's rate is what changes
     }
 
@@ -111,6 +115,9 @@ def main() -> int:
     ap.add_argument("--factor", type=float, default=2.0, help="the straggler's slow-down factor")
     ap.add_argument("--compressor", default="topk:ratio=0.01", help="the compressor planted on the critical path")
     ap.add_argument("--pp-many", type=int, default=8, help="micro-batches of the pipeline's no-cause run")
+    ap.add_argument("--pp-batch-size", type=int, default=32, help="the pipeline pair's batch: with --batch-size's 8, "
+                    "--pp-many micro-batches are one sequence each, whose per-micro-batch cost cancels the bubble "
+                    "they remove (measured: 2 against 8 micro-batches −3 ms a step, ±10)")
     ap.add_argument("--causes", default=None, help=f"comma-separated subset of {','.join(ALL)} (default: all; the "
                     "link only with --lab)")
     ap.add_argument("--lab", default=None, metavar="RATE", help="run every pair on a 2-node network lab whose links "
@@ -129,6 +136,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.smoke:
         args.preset, args.steps, args.seq_len, args.profile, args.pp_many = "tiny", 8, 32, "5:6", 4
+        args.pp_batch_size = args.batch_size
     doctor_fixes.LAB_PREFIX = args.lab_prefix or doctor_fixes.LAB_PREFIX
     a, _, b = args.profile.partition(":")
     window = (int(a), int(b or a))
@@ -200,7 +208,8 @@ def main() -> int:
               "machine": "shared: 2 CPU cores used by several sessions at once; each row's runs are paired (back to "
                          "back), absolute times are not a speed claim",
               "smoke": args.smoke, "preset": args.preset, "steps": args.steps, "profile_steps": args.profile,
-              "seq_len": args.seq_len, "batch_size": args.batch_size, "workers": workers, "lab_rate": args.lab,
+              "seq_len": args.seq_len, "batch_size": args.batch_size, "pp_batch_size": args.pp_batch_size,
+              "workers": workers, "lab_rate": args.lab,
               "fast_rate": args.fast_rate if args.lab else None, "repeat": args.repeat,
               "tolerance": args.tolerance, "cause_parts": {c: list(CAUSE_PARTS[c]) for c in causes},
               "named_first": sum(r["named_first"] for r in rows), "named": sum(r["named"] for r in rows),

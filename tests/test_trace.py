@@ -406,6 +406,8 @@ def test_the_trace_names_each_planted_cause_with_the_time_it_adds():
     assert [x["cause"] for x in name_causes(small, grad_bytes=grads)] == ["buckets_too_small"]
     assert name_causes(small, grad_bytes=grads)[0]["ms"] == pytest.approx(20)
     assert added_ms(small, _summary((90, 60, 8), (90, 60, 9)), "buckets_too_small") == pytest.approx(12)
+    # what the backward does for the buckets counts too: 10 ms more compute a step with a collective per tensor
+    assert added_ms(small, _summary((80, 50, 8), (80, 50, 9)), "buckets_too_small") == pytest.approx(12 + 10)
     one = _summary((100, 60, 30), (100, 60, 30), calls=1)
     assert [x["cause"] for x in name_causes(one, grad_bytes=grads)] == ["buckets_too_large"]
     assert [x["cause"] for x in name_causes(_summary((100, 60, 30), (100, 60, 30), calls=4),

@@ -535,9 +535,13 @@ def summarize(run_dir: "str | Path", priced_bytes_s: Optional[float] = None) -> 
 
 # ---- causes named from the trace ---------------------------------------------------------------------------------
 #: the parts of the step (:func:`parts`) in which each cause's time shows in a trace: what planting or removing
-#: the cause changes (compared between two runs' traces by :func:`added_ms`)
-CAUSE_PARTS = {"straggler": ("wait",), "compression": ("compress", "exposed"), "buckets_too_small": ("exposed",),
-               "buckets_too_large": ("exposed",), "link": ("exposed",), "pipeline_bubble": ("bubble",)}
+#: the cause changes (compared between two runs' traces by :func:`added_ms`). The bucket size moves time between
+#: two parts: how much of the collectives the backward hides (exposed) and what the backward itself does for them
+#: (DDP copies each gradient into its bucket and issues a collective per bucket from inside the backward; on a CPU
+#: the collectives' threads share the cores with it: compute)
+CAUSE_PARTS = {"straggler": ("wait",), "compression": ("compress", "exposed"),
+               "buckets_too_small": ("compute", "exposed"), "buckets_too_large": ("compute", "exposed"),
+               "link": ("exposed",), "pipeline_bubble": ("bubble",)}
 
 
 def lateness(t: dict[str, Any], rank: Any) -> float:
