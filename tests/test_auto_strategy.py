@@ -194,6 +194,42 @@ def test_no_probe_where_the_run_directory_refuses_the_run_or_a_run_resumes(table
     assert cfg.compress.method not in ("auto", "")
 
 
+def test_the_probe_runs_under_the_run_directorys_lock_and_the_start_takes_it_over(table, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """Two starts on one new directory: the second is refused at once, not after probing too. The probe holds the
+    directory's lock (a sub-run's lock inside it gives the outer back), releases it when the probe fails, and a
+    start takes over the lock it holds."""
+    import os
+
+    from syncwise import rundir
+    from syncwise.cli import main
+    from syncwise.commands import auto_probe
+    from syncwise.commands.train import prepare_run_dir, resolve_config
+    from syncwise.errors import SyncwiseError
+
+    run_dir = tmp_path / "new"
+    seen = {}
+
+    def probing(cfg, candidates, start):
+        with pytest.raises(SyncwiseError, match="in use by another syncwise run"):
+            rundir.RunDirLock(run_dir).acquire()          # a second start on the same directory
+        sub = rundir.RunDirLock(tmp_path / "sub").acquire()
+        sub.release()
+        seen["outer"] = rundir.held_by_launcher(run_dir)  # the sub-run's release gave the outer lock back
+        raise SyncwiseError("probe failed")
+    monkeypatch.setattr(auto_probe, "run_probes", probing)
+    assert main(["train", "--preset", "tiny", "--nproc", "2", "--dist.device=cpu", "--compress", "auto",
+                 "--run-dir", str(run_dir)]) != 0
+    assert seen == {"outer": True} and "probe failed" in capsys.readouterr().err
+    assert rundir.holder(run_dir) is None and rundir.LOCKED_ENV not in os.environ  # released with the failure
+    cfg = resolve_config(None, {"model.preset": "tiny", "run_dir": str(run_dir)})
+    held = rundir.RunDirLock(run_dir).acquire()
+    try:
+        assert prepare_run_dir(cfg, held) is held and (run_dir / "config.json").exists()
+    finally:
+        held.release()
+
+
 def test_probed_steps_replace_the_catalogs_and_carry_their_error():
     """plan.strategy.probed: the measured step ratio × the steps ratio; a candidate not probed is not chosen; the
     band is the probe's error (at least PROBE_ERROR) each way, not the catalog's spread."""

@@ -216,6 +216,23 @@ def test_collectives_take_their_size_and_group_from_the_flight_recorder_first_in
     assert bare.payload_bytes is None and bare.payload_calls == 4 and bare.dims == {}
 
 
+def test_a_blocking_wait_on_a_control_collective_is_exposed_communication_not_idle():
+    # a pipeline's last stage waits 60 ms in the 4-byte loss broadcast for the first stage to finish its backward:
+    # the execution alone is a control (skew, left out), syncwise's label around the blocking call is the wait
+    base = 1_796_489_000_000_000_000
+    rows = [{"pg": "0", "desc": "default_pg", "seq": 1, "op": "gloo:broadcast", "sizes": [[1]], "dtypes": ["Float"],
+             "t_ns": base + 30_000_500}]
+    events = [_x("ProfilerStep#0", 0, 100_000), _x("aten::mm", 0, 30_000),
+              _x("c10d::broadcast_", 30_000, 20), _x("gloo:broadcast", 30_050, 59_950, tid=20, cat="user_annotation")]
+    data = {"baseTimeNanoseconds": base, "traceEvents": events, "syncwise": {"first_step": 1, "collectives": rows}}
+    [s] = split_trace(data).steps
+    assert s.exposed_ms == pytest.approx(0.02) and s.idle_ms == pytest.approx(69.98)
+    data["traceEvents"] = events + [_x("syncwise:wait broadcast", 29_990, 60_020, cat="user_annotation")]
+    [s] = split_trace(data).steps
+    assert s.exposed_ms == pytest.approx(60.02) and s.idle_ms == pytest.approx(9.99)  # the mm less the 10 µs inside
+    assert s.kinds["broadcast"]["count"] == 1 and s.kinds["broadcast"]["bytes"] == 4
+
+
 def test_profile_steps_traces_every_rank_and_doctor_splits_the_real_step(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main(["train", "--nproc", "2", "--preset", "tiny", "--steps", "4", "--run-dir", str(run_dir),

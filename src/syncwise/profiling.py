@@ -17,6 +17,10 @@ _MAX_WINDOW = 1000       # steps in one trace file: beyond this a trace is too l
 #: the profiler label around a gradient compressor's own work (encode, decode and its collectives in between;
 #: syncwise.compress.hook): what syncwise.doctor.trace reads as compression on a trace
 COMPRESS_LABEL = "syncwise:compress"
+#: the profiler label around a blocking collective's call (``syncwise.comm.ops``: ``WAIT_LABEL + name``, e.g.
+#: ``syncwise:wait broadcast``): the host waits inside torch's ``work.wait()``, which records nothing of its own, so
+#: without it the wait reads as idle where the execution is a control's few bytes (a pipeline's loss broadcast)
+WAIT_LABEL = "syncwise:wait "
 
 
 def parse_steps(value: Any, field: str = "profile_steps") -> Optional[tuple[int, int]]:

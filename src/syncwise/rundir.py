@@ -102,6 +102,7 @@ class RunDirLock:
         self.run_dir = Path(run_dir)
         self.path = RunDir(run_dir).lock
         self._fd: Optional[int] = None
+        self._outer: Optional[str] = None  # the directory LOCKED_ENV named before: a lock taken inside another's
 
     def acquire(self) -> "RunDirLock":
         try:
@@ -123,6 +124,7 @@ class RunDirLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
         self._fd = fd
+        self._outer = os.environ.get(LOCKED_ENV)
         os.environ[LOCKED_ENV] = str(self.run_dir.resolve())
         return self
 
@@ -130,7 +132,10 @@ class RunDirLock:
         if self._fd is None:
             return
         if os.environ.get(LOCKED_ENV) == str(self.run_dir.resolve()):
-            del os.environ[LOCKED_ENV]
+            if self._outer is not None:  # a lock taken while another was held (auto's probe runs): that one again
+                os.environ[LOCKED_ENV] = self._outer
+            else:
+                del os.environ[LOCKED_ENV]
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
         self._fd = None

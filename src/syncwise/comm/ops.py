@@ -23,6 +23,7 @@ CPU, before any GPU sees it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import itertools
 import os
@@ -36,6 +37,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..profiling import WAIT_LABEL
 from .stats import CommStats
 from .timing import Interval
 
@@ -576,6 +578,14 @@ class _Uncounted:
 _NOWHERE = _Uncounted()
 
 
+def labelled(label: str) -> "contextlib.AbstractContextManager":
+    """``label`` around what follows while a profiler records (doctor reads syncwise's labels from the trace), else
+    nothing: one flag read, so the trainer's tax is unchanged with profiling off."""
+    if torch.autograd.profiler._is_profiler_enabled:  # process-wide (the C check is the calling thread's)
+        return torch.autograd.profiler.record_function(label)
+    return contextlib.nullcontext()
+
+
 def _issue(name: str, nbytes: int, fn, async_op: bool, stats: Optional[CommStats], group=None,
            tensors: "tuple[torch.Tensor, ...]" = (), pattern: Optional[str] = "ring", splits=None):
     """Run one collective, recorded in ``stats`` with its bytes per hop: split by ``pattern`` over ``group``
@@ -597,7 +607,8 @@ def _issue(name: str, nbytes: int, fn, async_op: bool, stats: Optional[CommStats
     if tensors and _nccl_timed(tensors[0], group):
         return _issue_nccl(name, nbytes, fn, async_op, stats, group, tensors, hop)
     start = time.perf_counter()
-    token, record, work = _launch(name, group, fn, tensors=tensors if async_op else ())
+    with contextlib.nullcontext() if async_op else labelled(WAIT_LABEL + name):  # the host waits in it
+        token, record, work = _launch(name, group, fn, tensors=tensors if async_op else ())
     if not async_op:
         _in_flight.pop(token, None)
         stats.record(name, nbytes, time.perf_counter() - start, hop)

@@ -45,14 +45,16 @@ class RunFinished(SyncwiseError):
     """``--resume auto`` on a run that already reached its ``--steps``: nothing to do (not a failure)."""
 
 
-def prepare_run_dir(cfg: RunConfig) -> RunDirLock:
+def prepare_run_dir(cfg: RunConfig, held: Optional[RunDirLock] = None) -> RunDirLock:
     """Choose the run directory, take its lock (held until released or this process exits), refuse to
-    overwrite anything in it unless resuming, and write ``config.json``. Returns the held lock."""
+    overwrite anything in it unless resuming, and write ``config.json``. Returns the held lock. ``held``: the
+    directory's lock this start already holds (auto's probe took it: :class:`Probe`), taken over."""
     if not cfg.run_dir:
         cfg.run_dir = str(Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     run_dir = Path(cfg.run_dir)
     # Lock first, look second: two runs started together cannot both find the directory empty.
-    lock = RunDirLock(run_dir).acquire()
+    mine = held is not None and held.held and held.run_dir.resolve() == run_dir.resolve()
+    lock = held if mine else RunDirLock(run_dir).acquire()
     try:
         aside, what = check_run_dir(cfg, run_dir)
         if aside:  # a start that never finished a step, or nothing to resume: set aside whole, never deleted
@@ -241,24 +243,52 @@ def launch(cfg: RunConfig) -> dict:
     return run_training(job, worker, cfg.train.steps)
 
 
-def probe(cfg: RunConfig, candidates) -> Optional[tuple[dict, float]]:
-    """auto's start-up probe (``commands.auto_probe``), each probe a job started as this command starts one — after
-    the run directory's checks (:func:`look_at_run_dir`), so that a directory this run may not use is refused before
-    any worker starts. None (no probe: the catalog's figures) when the run finished already (the start says so)."""
-    from .auto_probe import run_probes
+class Probe:
+    """auto's start-up probe for one start (``commands.auto_probe``; ``resolve_config(probe=...)``), each probe a job
+    started as this command starts one — after the run directory's checks (:func:`look_at_run_dir`), so that a
+    directory this run may not use is refused before any worker starts, and under the directory's lock: a second
+    start on the same directory is refused at once instead of probing too. The start takes the lock over
+    (``prepare_run_dir(cfg, probe.lock)``) or releases it (:meth:`release`). A call returns None (no probe: the
+    catalog's figures) when the run finished already (the start says so)."""
 
-    try:
-        look_at_run_dir(cfg)
-    except RunFinished:
-        return None
+    def __init__(self) -> None:
+        self.lock: Optional[RunDirLock] = None
 
-    def start(sub: RunConfig) -> None:
-        lock = prepare_run_dir(sub)
+    def __call__(self, cfg: RunConfig, candidates) -> Optional[tuple[dict, float]]:
+        from .auto_probe import run_probes
+
         try:
-            launch(sub)
-        finally:
-            lock.release()
-    return run_probes(cfg, candidates, start)
+            look_at_run_dir(cfg)
+        except RunFinished:
+            return None
+        if cfg.run_dir and self.lock is None:
+            try:
+                self.lock = RunDirLock(cfg.run_dir).acquire()
+            except SyncwiseError as e:  # taken since the look: the same one line as look_at_run_dir's
+                raise ConfigError("run_dir", cfg.run_dir, f"a directory this run may use ({e})") from None
+
+        def start(sub: RunConfig) -> None:
+            lock = prepare_run_dir(sub)
+            try:
+                launch(sub)
+            finally:
+                lock.release()
+        return run_probes(cfg, candidates, start)
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+
+def probe(cfg: RunConfig, candidates) -> Optional[tuple[dict, float]]:
+    """auto's start-up probe where nothing starts after it (a benchmark's ranking): :class:`Probe`, its lock
+    released at the end."""
+    once = Probe()
+    try:
+        return once(cfg, candidates)
+    finally:
+        once.release()
 
 
 def worker_argv(cfg: RunConfig) -> list[str]:
@@ -283,8 +313,13 @@ def _stopped(cfg: RunConfig, signal_name: str) -> int:
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     # the configuration is validated before torch is imported: a mistake is one line in well under a second
-    cfg = resolve_config(load_file(args.config) if args.config else None, overrides_from_args(args, extra),
-                         probe=None if args.check else probe)
+    probed = Probe()  # holds the run directory's lock from before auto's probe, if one runs, until the run takes it
+    try:
+        cfg = resolve_config(load_file(args.config) if args.config else None, overrides_from_args(args, extra),
+                             probe=None if args.check else probed)
+    except BaseException:
+        probed.release()
+        raise
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from ..launch.run import RunPreempted
@@ -302,11 +337,15 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         shared = placement(cfg).note  # e.g. 2 workers on one GPU: gloo, and how to get NCCL
         print(format_config(cfg) + note + (f"\n# note: {shared}" if shared else ""))
         return 0
+    lock: Optional[RunDirLock] = None
     try:
-        lock = prepare_run_dir(cfg)
+        lock = prepare_run_dir(cfg, probed.lock)
     except RunFinished as e:
         print(f"syncwise: {e}", file=sys.stderr)
         return 0
+    finally:
+        if probed.lock is not lock:
+            probed.release()
     # Where to look while it runs: metrics.jsonl grows a row per step (a live-recovery run's too: its launcher
     # appends each step as a replica group logs it); `syncwise doctor --follow` and `syncwise report` read the
     # directory at any time (plain `syncwise doctor` wants the finished run's summary.json).

@@ -39,10 +39,8 @@ from ..profiling import COMPRESS_LABEL
 
 def traced() -> "contextlib.AbstractContextManager[Any]":
     """The compressor's work under ``profiling.COMPRESS_LABEL`` while a profiler records (doctor reads it as
-    compression), else nothing: one flag read, so the trainer's tax is unchanged with profiling off."""
-    if torch.autograd.profiler._is_profiler_enabled:  # process-wide (the C check is the calling thread's)
-        return torch.autograd.profiler.record_function(COMPRESS_LABEL)
-    return contextlib.nullcontext()
+    compression), else nothing (``ops.labelled``)."""
+    return ops.labelled(COMPRESS_LABEL)
 
 
 @dataclass

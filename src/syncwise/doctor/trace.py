@@ -30,7 +30,9 @@ Per step (the host's ``ProfilerStep#k`` window, trainer step ``first_step + k``)
 So compute + exposed + compression + idle is the step, exactly, and idle = launch overhead + host-bound.
 Communication is recognised by what the trace says about an event, in this order: a ``Collective name`` argument
 (torch's ``record_param_comms`` and NCCL kernels carry it), the backend's own annotation (``gloo:all_reduce``,
-``nccl:all_reduce``, ``ucc:``, ``mpi:``), c10d's operators (``c10d::allreduce_``: the host side that issues it), and
+``nccl:all_reduce``, ``ucc:``, ``mpi:``), c10d's operators (``c10d::allreduce_``: the host side that issues it),
+syncwise's label around a blocking collective (``syncwise:wait broadcast``: the host waiting in it, whatever its
+size — a control collective the host waits on is a wait, not skew), and
 NCCL's kernels under both names they have had (``ncclKernel_*``, ``ncclDevKernel_*``) — the last only where nothing
 else marks a device event. On a GPU trace
 whose device events include communication, only those count (the device's time is what is split; the host's
@@ -48,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from ..profiling import COMPRESS_LABEL
+from ..profiling import COMPRESS_LABEL, WAIT_LABEL
 from ..rundir import RunDir
 
 _FILE = re.compile(r"^rank(\d+)\.step(\d+)-(\d+)\.json$")
@@ -134,6 +136,8 @@ def comm_kind(event: dict) -> Optional[str]:
         return _norm(name.split(":", 1)[1])
     if name.startswith("c10d::"):
         return _norm(name[len("c10d::"):])
+    if name.startswith(WAIT_LABEL) and event.get("cat") != "gpu_user_annotation":
+        return _norm(name[len(WAIT_LABEL):])
     m = _NCCL_KERNEL.match(name)
     if m and event.get("cat") in _DEVICE_CATS:
         return _norm(m.group(1))
@@ -165,8 +169,9 @@ def _is_control(event: dict, kind: str, size: Optional[int]) -> bool:
 
 
 def _is_issue(event: dict) -> bool:
-    """The host side of a collective (c10d's operator), not its execution (the backend's work, a kernel)."""
-    return str(event.get("name", "")).startswith("c10d::")
+    """The host side of a collective (c10d's operator; syncwise's label around a blocking one, the host waiting in
+    it), not its execution (the backend's work, a kernel)."""
+    return str(event.get("name", "")).startswith(("c10d::", WAIT_LABEL))
 
 
 def event_bytes(event: dict) -> Optional[int]:
