@@ -42,6 +42,7 @@ Pure Python over JSON (no torch); HolisticTraceAnalysis's critical-path and over
 """
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import re
@@ -232,12 +233,15 @@ def recorded(data: dict, comm: list[tuple[dict, str]]) -> dict[int, tuple[Option
         kind = comm_kind({"name": r.get("op", "")})
         if kind:
             entries.append({**r, "kind": kind, "ts": (int(r["t_ns"]) - base) / 1e3, "bytes": _entry_bytes(r)})
+    entries.sort(key=lambda r: r["ts"])
+    created = [r["ts"] for r in entries]
     out: dict[int, tuple[Optional[int], Optional[str]]] = {}
     slack = 1.0  # µs: the trace's float timestamps
     for e, k in comm:
         if _is_issue(e):
             a, b = float(e["ts"]) - slack, float(e["ts"]) + float(e.get("dur", 0.0)) + slack
-            inside = [r for r in entries if r["kind"] == k and a <= r["ts"] <= b]
+            inside = [r for r in entries[bisect.bisect_left(created, a):bisect.bisect_right(created, b)]
+                      if r["kind"] == k]
             if len(inside) == 1:
                 out[id(e)] = (inside[0]["bytes"], inside[0]["pg"])
     queues: dict[str, list[dict]] = {}
