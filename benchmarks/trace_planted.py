@@ -35,8 +35,11 @@ The pairs (cause, no cause):
 - buckets_too_large: ``--dist.bucket_cap_mb=1000`` (one bucket: nothing overlaps the backward) against a quarter of
   the gradients per bucket (from the model's parameter count);
 - compression: ``--compress SPEC`` (default ``topk:ratio=0.01``, a sort over every gradient) against none;
-- pipeline_bubble: ``--parallel.pp=2 --parallel.pp_schedule=gpipe`` with 2 micro-batches against --pp-many, both
-  at --pp-batch-size sequences (a bubble large beside the per-micro-batch cost);
+- pipeline_bubble (``--pp-plant interleave``, the default): pp 2, 1F1B against interleaved 1F1B with two stages a
+  rank (the bubble halved, Narayanan et al. 2021), 2 micro-batches of --pp-batch-size sequences in both: the same
+  micro-batches, so the same compute; on the lab both at --fast-rate (interleaving sends each activation over the
+  link three times instead of once). ``--pp-plant microbatches``: GPipe with 2 micro-batches against --pp-many (the
+  micro-batches' size changes what the last stage computes: +43 … +53 ms a step at 32 sequences, measured);
 - link (``--lab`` only): the lab's links shaped to RATE against --fast-rate, buckets a quarter of the gradients.
 
 Each pair runs back to back (with --repeat, alternating), on the same machine; a shared machine's load drifts, so the
@@ -72,13 +75,17 @@ def pairs(args: argparse.Namespace, quarter_mb: float) -> dict[str, tuple[list[s
     pp = ["--parallel.pp=2", "--parallel.pp_schedule=gpipe"]
     quarter = f"--dist.bucket_cap_mb={quarter_mb:g}"
     bigger = f"--data.batch_size={args.pp_batch_size}"
+    two = ["--parallel.pp=2", "--parallel.microbatches=2", bigger]
+    bubble = (([*two, "--parallel.pp_schedule=1f1b"],
+               [*two, "--parallel.pp_schedule=interleaved-1f1b", "--parallel.stages_per_rank=2"])
+              if args.pp_plant == "interleave" else
+              ([*pp, "--parallel.microbatches=2", bigger], [*pp, f"--parallel.microbatches={args.pp_many}", bigger]))
     return {
         "straggler": (["--inject-fault", f"slow:rank=1,factor={args.factor:g},phase=backward"], []),
         "buckets_too_small": (["--dist.bucket_cap_mb=0.001"], [quarter]),
         "buckets_too_large": (["--dist.bucket_cap_mb=1000"], [quarter]),
         "compression": (["--compress", args.compressor], []),
-        "pipeline_bubble": ([*pp, "--parallel.microbatches=2", bigger],
-                            [*pp, f"--parallel.microbatches={args.pp_many}", bigger]),
+        "pipeline_bubble": bubble,
         "link": ([quarter], [quarter]),  # the same flags: the lab's rate is what changes
     }
 
@@ -114,7 +121,10 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--factor", type=float, default=2.0, help="the straggler's slow-down factor")
     ap.add_argument("--compressor", default="topk:ratio=0.01", help="the compressor planted on the critical path")
-    ap.add_argument("--pp-many", type=int, default=8, help="micro-batches of the pipeline's no-cause run")
+    ap.add_argument("--pp-plant", choices=("interleave", "microbatches"), default="interleave",
+                    help="how the pipeline bubble is planted (the module's docstring)")
+    ap.add_argument("--pp-many", type=int, default=8, help="micro-batches of the pipeline's no-cause run "
+                    "(--pp-plant microbatches)")
     ap.add_argument("--pp-batch-size", type=int, default=32, help="the pipeline pair's batch: with --batch-size's 8, "
                     "--pp-many micro-batches are one sequence each, whose per-micro-batch cost cancels the bubble "
                     "they remove (measured: 2 against 8 micro-batches −3 ms a step, ±10)")
@@ -136,7 +146,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.smoke:
         args.preset, args.steps, args.seq_len, args.profile, args.pp_many = "tiny", 8, 32, "5:6", 4
-        args.pp_batch_size = args.batch_size
+        args.pp_batch_size, args.pp_plant = args.batch_size, "microbatches"  # tiny: 2 layers, no interleaving
     doctor_fixes.LAB_PREFIX = args.lab_prefix or doctor_fixes.LAB_PREFIX
     a, _, b = args.profile.partition(":")
     window = (int(a), int(b or a))
@@ -186,14 +196,15 @@ def main() -> int:
             t0 = time.time()
             plant, without = pairs(args, quarter_mb)[cause]
             with_dirs, without_dirs = [], []
+            fast = cause == "pipeline_bubble" and args.pp_plant == "interleave"  # both at the fast rate
             for i in range(args.repeat):
                 sfx = f"-{i}" if i else ""
                 if not without:
                     without_dirs.append(plain_run(i))
                 else:
                     without_dirs.append(run(f"{cause}-without{sfx}", without,
-                                            rate=args.fast_rate if cause == "link" else None))
-                with_dirs.append(run(f"{cause}-with{sfx}", plant))
+                                            rate=args.fast_rate if cause == "link" or fast else None))
+                with_dirs.append(run(f"{cause}-with{sfx}", plant, rate=args.fast_rate if fast else None))
             row = measure(cause, plant, without, with_dirs, without_dirs, window, args)
             row["seconds"] = time.time() - t0
             rows.append(row)
@@ -209,6 +220,7 @@ def main() -> int:
                          "back), absolute times are not a speed claim",
               "smoke": args.smoke, "preset": args.preset, "steps": args.steps, "profile_steps": args.profile,
               "seq_len": args.seq_len, "batch_size": args.batch_size, "pp_batch_size": args.pp_batch_size,
+              "pp_plant": args.pp_plant,
               "workers": workers, "lab_rate": args.lab,
               "fast_rate": args.fast_rate if args.lab else None, "repeat": args.repeat,
               "tolerance": args.tolerance, "cause_parts": {c: list(CAUSE_PARTS[c]) for c in causes},
