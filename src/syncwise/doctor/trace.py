@@ -390,10 +390,11 @@ def split_trace(data: dict, rank: int = 0, path: Path = Path("-")) -> RankTrace:
                 and not str(e.get("name", "")).startswith("ProfilerStep#") and e.get("cat") == "cpu_op"]
         # every operator's whole span (its own dispatch and autograd bookkeeping included: the backward's
         # ``autograd::engine::evaluate_function`` wrappers hold most of a CPU backward's time outside their
-        # innermost operators), less the communication the main thread itself ran inside them (a collective issued
-        # or waited on inline, e.g. DTensor's); the operators the compressor ran on the main thread (an encode
-        # inside the backward) are its, not compute
-        inline = union(span(e) for e, _ in comm if (e.get("pid"), e.get("tid")) in main)
+        # innermost operators), less the communication the main thread itself was in (a collective's issue, or
+        # syncwise's label around a blocking one) — not a backend's annotation that gloo records on the issuing
+        # thread from issue to completion (an async send, 500 ms of a pipeline's step, while the thread computes);
+        # the operators the compressor ran on the main thread (an encode inside the backward) are its, not compute
+        inline = union(span(e) for e, _ in comm if (e.get("pid"), e.get("tid")) in main and _is_issue(e))
         compute_src = _minus(_minus(union(span(e) for e in ours), inline),
                              union(span(e) for e in labelled if (e.get("pid"), e.get("tid")) in main))
     # the communication the step is split by: not the control collectives (a flag, a loss scalar: <= 8 bytes, not a
