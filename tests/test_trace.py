@@ -211,6 +211,8 @@ def test_collectives_take_their_size_and_group_from_the_flight_recorder_first_in
     # dp: the first issue 1,000–1,010 and the buckets' executions 1,100–6,100 and 3,200–9,200 (the issues after
     # them inside; the scalar's execution, a control, left out)
     assert s.dims["dp"]["ms"] == pytest.approx((10 + 9_200 - 1_100) / 1e3)
+    # the gradient buckets: the two payload executions on dp, in start order, nothing computed beside them
+    assert [(b["bytes"], b["ms"], b["exposed_ms"]) for b in s.buckets] == [(4000, 5.0, 5.0), (4000, 6.0, 6.0)]
     # without the recorder's entries nothing is sized: every execution counts as a payload
     [bare] = split_trace({**data, "syncwise": {"first_step": 5}}).steps
     assert bare.payload_bytes is None and bare.payload_calls == 4 and bare.dims == {}
@@ -256,6 +258,7 @@ def test_profile_steps_traces_every_rank_and_doctor_splits_the_real_step(tmp_pat
     assert set(out["trace"]["ranks"]) == {"0", "1"} and "allreduce" in out["trace"]["collectives"]
     assert out["flight"] is None
     assert summarize(run_dir)["slowest_rank"]
+    assert summarize(run_dir)["ranks"][0]["buckets"][0]["bytes"] > 8  # the gradient bucket, its overlap
     # report draws the last step every rank profiled, per rank, from the same intervals
     assert main(["report", str(run_dir)]) == 0
     assert "step 3 of its profiler traces drawn per rank" in capsys.readouterr().out

@@ -43,6 +43,7 @@ Pure Python over JSON (no torch); HolisticTraceAnalysis's critical-path and over
 from __future__ import annotations
 
 import bisect
+import collections
 import json
 import math
 import re
@@ -328,6 +329,10 @@ class StepSplit:
     # point-to-point sends and receives left out, and their bytes (None where a size is not recorded)
     payload_calls: int = 0
     payload_bytes: Optional[int] = None
+    # the gradient buckets: each payload collective the step executed on the data-parallel dimension (its group
+    # named: ``dp``/``fsdp``; else any payload collective), in start order — its bytes, start and duration (ms from
+    # the step's start) and exposed ms (nothing computed beside)
+    buckets: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -441,6 +446,16 @@ def split_trace(data: dict, rank: int = 0, path: Path = Path("-")) -> RankTrace:
         idle = (hi - lo - busy) / 1e3
         spans = {"compute": rel(compute), "exposed": rel(exposed), "overlapped": rel(both), "compress": rel(compress),
                  **{f"dim:{d}": rel(v) for d, v in dim_spans.items()}}
+        named = any(labels[id(e)][0] for e, _ in comm)
+        grad = sorted((e for e, k in comm if not _is_issue(e) and k not in _P2P and id(e) not in control
+                       and lo <= e["ts"] < hi and (labels[id(e)][0] in ("dp", "fsdp") if named else True)
+                       and (size[id(e)] is None or size[id(e)] > _CONTROL_BYTES)), key=lambda e: e["ts"])
+        buckets = []
+        for e in grad:
+            a, b = span(e)
+            own = union([(a, min(b, hi))])
+            buckets.append({"bytes": size[id(e)], "start_ms": (a - lo) / 1e3, "ms": (min(b, hi) - a) / 1e3,
+                            "exposed_ms": (length(own) - length(intersect(compute, own))) / 1e3})
         launch = None
         if device:  # idle ∩ launches under way
             waiting = _minus(union(clip(launches, lo, hi)), union(compute + comms + compress))
@@ -449,7 +464,7 @@ def split_trace(data: dict, rank: int = 0, path: Path = Path("-")) -> RankTrace:
         out.append(StepSplit(number, (hi - lo) / 1e3, length(compute) / 1e3, length(comms) / 1e3,
                              (length(comms) - length(both)) / 1e3, length(both) / 1e3, idle,
                              kinds, dims, spans, launch, idle - (launch or 0.0), length(compress) / 1e3,
-                             len(payload), sum(payload) if None not in payload else None))
+                             len(payload), sum(payload) if None not in payload else None, buckets))
     return RankTrace(int(meta.get("rank", rank)), path, "gpu" if device else "cpu", out)
 
 
@@ -468,6 +483,25 @@ def load_traces(run_dir: "str | Path") -> dict[int, list[RankTrace]]:
         except (OSError, ValueError):
             continue
         out.setdefault(rank, []).append(split_trace(data, rank, p))
+    return out
+
+
+def _mean_buckets(per_step: list[list[dict[str, Any]]]) -> Optional[list[dict[str, Any]]]:
+    """The buckets of a rank's profiled steps, bucket by bucket: the mean over the steps that ran the most common
+    number of them (a step can differ: DDP rebuilds its buckets after the first, a window's edge cuts one);
+    ``overlap`` = 1 − exposed / duration. None where no step ran any."""
+    counts = collections.Counter(len(b) for b in per_step if b)
+    if not counts:
+        return None
+    per_step = [b for b in per_step if len(b) == counts.most_common(1)[0][0]]
+    n = len(per_step)
+    out = []
+    for i in range(len(per_step[0])):
+        ms = sum(b[i]["ms"] for b in per_step) / n
+        exposed = sum(b[i]["exposed_ms"] for b in per_step) / n
+        sizes = [b[i]["bytes"] for b in per_step]
+        out.append({"bucket": i + 1, "bytes": sizes[0] if None not in sizes else None, "ms": ms,
+                    "exposed_ms": exposed, "overlap": 1 - exposed / ms if ms > 0 else None})
     return out
 
 
@@ -501,6 +535,7 @@ def summarize(run_dir: "str | Path", priced_bytes_s: Optional[float] = None) -> 
         mean["launch_ms"] = (sum(s.launch_ms for s in steps) / n
                              if all(s.launch_ms is not None for s in steps) else None)
         mean["overlap_share"] = mean["overlap_ms"] / mean["comm_ms"] if mean["comm_ms"] > 0 else None
+        mean["buckets"] = _mean_buckets([s.buckets for s in steps])
         ranks[rank] = {"device": files[0].device, "steps": [s.step for s in steps], **mean,
                        "files": [str(t.path) for t in files]}
         for s in steps:
@@ -693,7 +728,26 @@ def sentences(t: dict[str, Any]) -> list[str]:
         out.append("launch overhead: not defined on a CPU trace (nothing is launched); all idle is host-bound")
     if t["slowest_rank"]:
         out.append("slowest rank by phase: " + ", ".join(f"{p} rank {r}" for p, r in t["slowest_rank"].items()))
+    line = bucket_sentence(ranks)
+    if line:
+        out.append(line)
     return out
+
+
+def bucket_sentence(ranks: dict[Any, dict[str, Any]]) -> Optional[str]:
+    """The most exposed gradient bucket of the least exposed rank (the others also wait for peers), in words."""
+    have = {r: v for r, v in ranks.items() if v.get("buckets")}
+    if not have:
+        return None
+    rank = min(have, key=lambda r: have[r]["exposed_ms"])
+    buckets = have[rank]["buckets"]
+    b = max(buckets, key=lambda x: x["exposed_ms"])
+    mb = f", {b['bytes'] / 2**20:,.2f} MiB" if b["bytes"] is not None else ""
+    mean = sum(x["overlap"] or 0.0 for x in buckets) / len(buckets)
+    return (f"rank {rank}: the most exposed gradient bucket is {b['bucket']} of {len(buckets)}{mb}: "
+            f"{b['exposed_ms']:,.1f} ms of its {b['ms']:,.1f} ms with nothing computed beside it (overlap achieved "
+            f"{100 * (b['overlap'] or 0.0):.0f} %" + (f"; all {len(buckets)} buckets, mean {100 * mean:.0f} %)"
+                                                      if len(buckets) > 1 else ")"))
 
 
 #: the findings about communication (syncwise.doctor.analyze): what the trace's exposed communication is evidence for
@@ -710,10 +764,11 @@ def cite(finding: Any, t: Optional[dict[str, Any]]) -> None:
     w = ranks[worst]
     top = max(t["collectives"].items(), key=lambda kv: kv[1]["ms_per_step"]) if t["collectives"] else None
     steps = sorted({s for r in ranks.values() for s in r["steps"]})
+    bucket = bucket_sentence(ranks) if finding.cause.startswith("buckets") else None
     finding.evidence += (f"; the profiled step(s) {steps[0]}–{steps[-1]} agree: on rank {worst} "
                          f"{w['exposed_ms']:,.1f} ms of its {w['step_ms']:,.1f} ms step is communication nothing "
                          "computed beside" + (f", the longest collective {top[0]} ({top[1]['ms_per_step']:,.1f} ms "
-                                             "per step)" if top else ""))
+                                             "per step)" if top else "") + (f"; {bucket}" if bucket else ""))
     finding.details["trace"] = {"rank": worst, "exposed_ms": w["exposed_ms"], "step_ms": w["step_ms"],
                                 "launch_ms": w["launch_ms"], "host_ms": w["host_ms"],
                                 "steps": steps, "collective": top[0] if top else None}
