@@ -81,7 +81,12 @@ def look_at_run_dir(cfg: RunConfig) -> tuple[list[str], str]:
     except RunFinished:
         raise
     except SyncwiseError as e:
-        raise ConfigError("run_dir", cfg.run_dir, f"a directory this run may use ({e})") from None
+        raise _refused(cfg, e) from None
+
+
+def _refused(cfg: RunConfig, why: SyncwiseError) -> ConfigError:
+    """The one line that refuses a run directory before any worker starts (``--check``, auto's probe)."""
+    return ConfigError("run_dir", cfg.run_dir, f"a directory this run may use ({why})")
 
 
 def check_run_dir(cfg: RunConfig, run_dir: Path) -> tuple[list[str], str]:
@@ -265,7 +270,7 @@ class Probe:
             try:
                 self.lock = RunDirLock(cfg.run_dir).acquire()
             except SyncwiseError as e:  # taken since the look: the same one line as look_at_run_dir's
-                raise ConfigError("run_dir", cfg.run_dir, f"a directory this run may use ({e})") from None
+                raise _refused(cfg, e) from None
 
         def start(sub: RunConfig) -> None:
             lock = prepare_run_dir(sub)

@@ -381,9 +381,13 @@ def split_trace(data: dict, rank: int = 0, path: Path = Path("-")) -> RankTrace:
     launches = _launch_windows(events, device) if device else []
     groups = process_groups(data)
     fr = recorded(data, comm)
-    size = {id(e): event_bytes(e) if event_bytes(e) is not None else fr.get(id(e), (None, None))[0]
-            for e, _ in comm}
-    labels = {id(e): group_of(e, groups, fr.get(id(e), (None, None))[1]) for e, _ in comm}
+    size, labels = {}, {}
+    for e, _ in comm:  # the trace's own shapes and group where recorded, else the flight recorder's
+        fr_bytes, fr_group = fr.get(id(e), (None, None))
+        shaped = event_bytes(e)
+        size[id(e)] = shaped if shaped is not None else fr_bytes
+        labels[id(e)] = group_of(e, groups, fr_group)
+    named = any(dim for dim, _ in labels.values())  # the buckets: the data-parallel groups' where groups are named
     comm_ids = {id(e) for e, _ in comm}
     span = lambda e: (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))  # noqa: E731
     # the compressor's labelled work (syncwise.compress.hook), host side (not Kineto's copies on the GPU's streams)
@@ -446,7 +450,6 @@ def split_trace(data: dict, rank: int = 0, path: Path = Path("-")) -> RankTrace:
         idle = (hi - lo - busy) / 1e3
         spans = {"compute": rel(compute), "exposed": rel(exposed), "overlapped": rel(both), "compress": rel(compress),
                  **{f"dim:{d}": rel(v) for d, v in dim_spans.items()}}
-        named = any(labels[id(e)][0] for e, _ in comm)
         grad = sorted((e for e, k in comm if not _is_issue(e) and k not in _P2P and id(e) not in control
                        and lo <= e["ts"] < hi and (labels[id(e)][0] in ("dp", "fsdp") if named else True)
                        and (size[id(e)] is None or size[id(e)] > _CONTROL_BYTES)), key=lambda e: e["ts"])
