@@ -162,3 +162,51 @@ def test_megatron_table1_rows_run_as_the_papers_script_and_mt_nlg_as_deepspeed()
     assert rs["Megatron-LM GPT 7.5 B"].training.overlap_dp and rs["Megatron-LM GPT 145.6 B"].layout.stages_per_rank == 2
     mt = rs["MT-NLG 530B on 2240 GPUs"]
     assert (mt.layout.tp, mt.layout.pp, mt.layout.stages_per_rank) == (8, 35, 1) and mt.training.pp_scatter_gather
+
+
+def test_busiest_stage_matches_the_split_syncwise_runs_and_the_uniform_splits():
+    """cost.busiest_stage: with end_layers None it is the largest stage of the split syncwise itself makes
+    (parallel.pipeline._partition over equal layers with the head on the last stage, in integer units); with k
+    the two end stages hold k layers fewer (Megatron-LM's uniform split: 0; Llama 3: 1)."""
+    from syncwise.parallel.pipeline import _partition
+    from syncwise.plan.cost import busiest_stage
+
+    unit = 100                                    # a layer, in _partition's integer cost units
+    for layers, pp, head in ((8, 4, 1.5), (24, 4, 0.3), (12, 3, 2.0), (7, 2, 0.5), (105, 35, 0.26), (6, 6, 1.0)):
+        split = _partition([unit] * layers, pp, 0, round(head * unit))
+        largest = max(len(s) * unit + (round(head * unit) if i == pp - 1 else 0) for i, s in enumerate(split))
+        assert abs(busiest_stage(layers, pp, head, None) - largest / unit) < 1e-9, (layers, pp, head, split)
+    assert busiest_stage(105, 35, 0.26, 0) == 3.26             # MT-NLG: 3 layers a stage, the head on the last
+    assert busiest_stage(126, 16, 0.66, 1) == 8                 # Llama 3: 7 + head on the last, 8 in the middle
+    assert abs(busiest_stage(70, 12, 1.1, 1) - 6.1) < 1e-9      # BLOOM (type:transformer|embedding): 5 + 1.1 > 6
+    assert busiest_stage(48, 1, 0.2, 0) == 48.2
+
+
+def test_the_busiest_stage_paces_the_pipeline_and_every_micro_batch_accumulates_its_gradients():
+    """The steady state runs at the busiest stage's pace (the head on the last stage): (M - 1) × its excess over
+    the average stage is the ``pp_imbalance`` part, and taking a layer off each end stage (pp_end_layers=1)
+    shrinks it. Gradient accumulation costs weight_bytes + 2 × grad_bytes of HBM traffic per local parameter per
+    accumulation: M of them with main-gradient hooks (Megatron), M - 1 with autograd's .grad."""
+    from syncwise.plan.layout import MEGATRON
+    from syncwise.plan.memory import stage_params
+
+    cloud = cluster("a100-80gb", 1, 8, intra="nvlink3", inter="ib-hdr", nics_per_node=8)
+    model = gpt(4096, 16, 32, vocab=250880)       # a large vocabulary: the head is worth ~2 layers
+    lay = Layout(dp_replicate=1, tp=2, pp=4, micro_batch=1, recompute="none", sequence_parallel=False)
+    uniform = predict(cloud, model, lay, 32, 2048, training=MEGATRON, syncwise_rules=False)
+    assert uniform.microbatches == 32 and uniform.breakdown["pp_imbalance"] > 0.05 * uniform.step_time_s
+    trimmed = predict(cloud, model, lay, 32, 2048, training=dataclasses.replace(MEGATRON, pp_end_layers=1),
+                      syncwise_rules=False)
+    assert trimmed.breakdown["pp_imbalance"] < uniform.breakdown["pp_imbalance"]
+    assert trimmed.step_time_s < uniform.step_time_s
+    one = dataclasses.replace(lay, pp=1, dp_replicate=4)
+    assert predict(cloud, model, one, 32, 2048, training=MEGATRON, syncwise_rules=False).breakdown["pp_imbalance"] == 0
+
+    local = stage_params(model, lay).total
+    per = local * (MEGATRON.weight_bytes + 2 * MEGATRON.grad_bytes) / cloud.accelerator.hbm_bandwidth
+    assert abs(uniform.breakdown["grad_accumulation"] - 32 * per) < 1e-9 * per
+    autograd = predict(cloud, model, lay, 32, 2048, training=dataclasses.replace(MEGATRON, main_grad_hooks=False),
+                       syncwise_rules=False)
+    assert abs(autograd.breakdown["grad_accumulation"] - 31 * per) < 1e-9 * per
+    single = predict(cloud, model, dataclasses.replace(lay, pp=1, dp_replicate=4), 4, 2048, training=SYNCWISE, syncwise_rules=False)
+    assert single.microbatches == 1 and single.breakdown["grad_accumulation"] == 0

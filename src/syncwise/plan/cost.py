@@ -447,6 +447,10 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
         t_kernel += sum(c * max(0.0, host_s - x) for c, x in gemms) + n_other * max(0.0, host_s - t_elem / n_other)
         if n_tp_calls:
             t_kernel += n_tp_calls * max(0.0, host_s - t_tp / n_tp_calls)
+    # ---- gradient accumulation (Training.main_grad_hooks): each micro-batch's weight gradients added into the
+    # step's sum, HBM-bound: read the new gradient, read and write the sum
+    accumulations = M if training.main_grad_hooks else M - 1
+    t_accum = accumulations * local * (training.weight_bytes + 2 * training.grad_bytes) / acc.hbm_bandwidth
     tau = t_fwd + t_bwd + t_tp + t_ep + t_fsdp_mb + t_kernel
     # Stage-to-stage sends are asynchronous (isend): in the steady state a micro-batch's activations and gradients
     # travel while the stage computes other micro-batches, so the link costs time only where it is slower than
@@ -463,13 +467,29 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
             if s in ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs") else (pp - 1) / (3 * max(v, 1))
     else:
         bubble_units = 0.0
+    # The busiest stage paces the steady state (its M - 1 micro-batches after the first); the fill and the drain
+    # pass through every stage (the average). A stage's work scales with its layers, the head's (its GEMM and the
+    # loss, averaged over the stages in tau) sits on the last stage (pipeline_imbalance)
+    imbalance = 0.0
+    if pp > 1:
+        head_t = (head_flops * tokens_mb / t / (peak * eff)
+                  + tokens_mb * model.vocab_size / t * training.loss_bytes_per_logit / acc.hbm_bandwidth)
+        per_layer = max(tau - head_t / pp, 0.0) / (model.n_layers / pp)
+        if per_layer > 0:
+            head_layers = head_t / per_layer
+            busiest = busiest_stage(model.n_layers, pp, head_layers, training.pp_end_layers)
+            imbalance = max(0, M - 1) * per_layer * max(0.0, busiest - (model.n_layers + head_layers) / pp)
     # Workers that share compute units (the CPU lab: Accelerator.shared_by workers per core) compute at
-    # 1/shared_by of their own speed when all are busy, as calibrated; a stage idle in the bubble lends its share
-    # to the busy ones, so the step is the longer of all ranks' work at the shared speed (the units never idle)
-    # and the pipeline at its own speed: the bubble that is left
+    # 1/shared_by of their own speed when all are busy, as calibrated; a stage idle in the bubble or waiting on
+    # the busiest stage lends its share to the busy ones, so the step is the longer of all ranks' work at the
+    # shared speed (the units never idle) and the pipeline at its own speed: the idle time that is left, split
+    # between the bubble and the imbalance in proportion
     share = max(1.0, acc.shared_by)
-    bubble_units = max(0.0, (M + bubble_units) / share - M) if share > 1 else bubble_units
-    t_pipe = tau * (M + bubble_units) + t_p2p_exposed
+    idle = tau * bubble_units + imbalance
+    if share > 1 and idle > 0:
+        left = max(0.0, (tau * (M + bubble_units) + imbalance) / share - tau * M)
+        bubble_units, imbalance = bubble_units * left / idle, imbalance * left / idle
+    t_pipe = tau * (M + bubble_units) + imbalance + t_p2p_exposed
     traffic.inter_bytes += M * mb_traffic.inter_bytes
     traffic.inter_messages += M * mb_traffic.inter_messages
 
@@ -579,6 +599,8 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
         "ep_comm": M * t_ep,
         "pp_p2p": t_p2p_exposed if training.overlap_p2p else M * t_p2p,
         "pp_bubble": tau * bubble_units,
+        "pp_imbalance": imbalance,
+        "grad_accumulation": t_accum,
         "fsdp_comm_exposed": M * t_fsdp_mb,
         "dp_comm_exposed": dp_exposed,
         "sync_exposed": sync_exposed,
@@ -614,6 +636,21 @@ def predict(cloud: CloudConfig, model: ModelSpec, layout: Layout, global_batch: 
         why = syncwise_refusal(layout, model, world, M)
         pred.runnable, pred.not_runnable = why is None, why or ""
     return pred
+
+
+def busiest_stage(layers: int, pp: int, head: float, end_layers: Optional[int]) -> float:
+    """The busiest pipeline rank's work, in layers, when ``layers`` equal layers are split over ``pp`` ranks and
+    the head's work (``head`` layers' worth) sits on the last: ``end_layers`` None balances by cost (the last
+    stage's layers k chosen to minimise max(k + head, the other stages' ceil((layers - k) / (pp - 1))), as
+    ``parallel.pipeline.split_layers``); k: the two end stages hold k fewer layers than the middle ones, the
+    rest split evenly (a middle stage's layers rounded up)."""
+    if pp <= 1:
+        return layers + head
+    if end_layers is None:
+        return min(max(k + head, math.ceil((layers - k) / (pp - 1))) for k in range(1, max(2, layers - pp + 2)))
+    middle = (layers + 2 * end_layers) / pp
+    last = layers / 2 if pp == 2 else max(middle - end_layers, 1.0)
+    return max(math.ceil(middle - 1e-9) if pp > 2 else 0.0, last + head)
 
 
 def gemms_per_forward(model: ModelSpec, pp: int = 1) -> float:

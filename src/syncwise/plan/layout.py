@@ -116,7 +116,8 @@ class Training:
     gradient all-reduce overlapped with backward bucket by bucket except under pp) and ``MEGATRON``
     (Megatron-LM style mixed precision: bf16/fp16 weights, fp32 main gradients, fp32 master weights and
     moments; no flash attention and attention dropout as in 2021; gradient all-reduce after backward; the 1F1B
-    schedule waits on its send/recv pairs between micro-batches)."""
+    schedule waits on its send/recv pairs between micro-batches; every micro-batch's gradients added into the
+    main gradients by a hook; L / pp layers on every stage)."""
 
     name: str = "syncwise"
     weight_bytes: float = 4
@@ -149,12 +150,25 @@ class Training:
     # autocast: upcast bf16 → fp32 (2 + 4), log_softmax (3 reads + 1 write of 4 B: max, sum of exp, output),
     # nll_loss's dense gradient (4), log_softmax backward (2 reads + 1 write: 12), downcast to bf16 (4 + 2)
     loss_bytes_per_logit: float = 44
+    # Gradient accumulation: each micro-batch's weight gradients (the parameter's dtype) are added into the step's
+    # sum (grad_bytes): weight_bytes + 2 × grad_bytes of HBM traffic per local parameter (read, read, write).
+    # Autograd accumulates into .grad from the second micro-batch on; a hook that adds every micro-batch's .grad
+    # into a separate main-gradient buffer does it from the first (Megatron-LM's local DDP: param_hook's
+    # ``param.main_grad.add_(param.grad.data)``, megatron/model/distributed.py)
+    main_grad_hooks: bool = False
+    # How the pipeline's layers are split over its stages (the head, the embedding on the end stages): None,
+    # balanced by cost (syncwise's parallel.pipeline.split_layers: the last stage holds fewer layers beside the
+    # head); an int k, the first and the last stage hold k fewer layers than the others and the layers are split
+    # evenly otherwise (0: Megatron-LM's --num-layers / pp on every stage; Llama 3 removes one layer from each
+    # end, Dubey et al. 2024 §3.3.2)
+    pp_end_layers: Optional[int] = None
 
 
 SYNCWISE = Training()
 MEGATRON = Training(name="megatron", weight_bytes=2, grad_bytes=4, optimizer_bytes=12, gather_bytes=2,
                     grad_reduce_bytes=4, activation_bytes=2, residual_bytes=2, ddp_bucket_copy=False,
-                    overlap_dp=False, overlap_p2p=False, fsdp_with_tp=False, flash_attention=False, dropout=True, optimizer_pass_bytes=40)
+                    overlap_dp=False, overlap_p2p=False, fsdp_with_tp=False, flash_attention=False, dropout=True,
+                    optimizer_pass_bytes=40, main_grad_hooks=True, pp_end_layers=0)
 
 LAYOUT_ACCEPTED = ("key=value options separated by commas: dp (= dp_replicate), dp_shard (or fsdp), tp, pp, ep, "
                    "microbatch (sequences per micro-batch), microbatches (per step), schedule (" + "|".join(SCHEDULES)

@@ -36,6 +36,13 @@ MEGATRON_SC21_TORCH_DDP = dataclasses.replace(MEGATRON_SC21, name="megatron-sc21
 #: tp ranks (PartitionedTensor: deepspeed/runtime/pipe/engine.py, is_pipe_partitioned / is_grad_partitioned =
 #: is_model_parallel); the rest as MEGATRON (fp32 gradient reduction: MT-NLG trained in bf16)
 MEGATRON_DEEPSPEED = dataclasses.replace(MEGATRON, name="megatron-deepspeed", pp_scatter_gather=True)
+#: Llama 3 405B's pipeline: "we reduce one Transformer layer each from the first and the last stages" (Dubey et al.
+#: 2024 §3.3.2), the embedding and the head balancing them
+LLAMA3 = dataclasses.replace(MODERN, name="llama3", pp_end_layers=1)
+#: BLOOM's Megatron-DeepSpeed: --pp-partition-method 'type:transformer|embedding' counts each tied embedding (the
+#: input one and the head) as one layer when DeepSpeed partitions the stages (bigscience-workshop/bigscience,
+#: train/tr11-176B-ml/README.md): the end stages hold one layer fewer
+BLOOM = dataclasses.replace(MEGATRON, name="bloom", pp_end_layers=1)
 #: llm-foundry / Composer with FSDP FULL_SHARD and amp_bf16 under the DEFAULT mixed precision: fp32 sharded
 #: weights and AdamW state, bf16 gathers, fp32 gradient reduce-scatter, flash attention, no dropout
 LLM_FOUNDRY = dataclasses.replace(SYNCWISE, name="llm-foundry", gather_bytes=2, flash_attention=True, dropout=False)
@@ -176,10 +183,11 @@ def _llama3() -> list[PublishedRun]:
             f"Llama 3 405B on {gpus} GPUs", "Dubey et al. 2024 (Llama 3)", "Table 4", llama405,
             cluster("h100-sxm", gpus // 8, 8, intra="nvlink4", inter="roce-400g", nics_per_node=8),
             Layout(dp_replicate=dp, tp=8, pp=16, pp_schedule="interleaved-1f1b", stages_per_rank=2, micro_batch=1,
-                   recompute="none", zero1=True), dp * per_dp, 8192, "tflops_per_gpu", tf, training=MODERN,
+                   recompute="none", zero1=True), dp * per_dp, 8192, "tflops_per_gpu", tf, training=LLAMA3,
             assumed="FLOP convention taken as 6N + full attention (Meta's own count is not given: a causal "
                     "discount would lower ours by ~4 %); interleaved 1F1B with 2 stages per rank, micro-batch 1, "
-                    "no recomputation; sharded optimizer state as ZeRO-1"))
+                    "no recomputation; sharded optimizer state as ZeRO-1; one layer fewer on the first and the "
+                    "last stage (§3.3.2)"))
     return out
 
 
@@ -194,7 +202,7 @@ def _bloom() -> list[PublishedRun]:
         cluster("a100-80gb", 48, 8, intra="nvlink3", inter="opa-100", nics_per_node=4),
         Layout(dp_replicate=8, tp=4, pp=12, micro_batch=2, recompute="full", sequence_parallel=False, zero1=True),
         2048, 2048, "tflops_per_gpu", 156, flops=lambda: megatron_flops(2048, 2048, 70, 14336, 250880),
-        confident=False,
+        training=BLOOM, confident=False,
         assumed="156 TFLOP/s quoted from memory (the BigScience project page says 'about 150'); Megatron's "
                 "eq. (3) assumed as their count; 4 Omni-Path 100 Gb/s links per node (Jean Zay), micro-batch 2, full recomputation assumed; ALiBi treated as RoPE-free MHA"))
     return out
@@ -412,7 +420,8 @@ def evaluate(run: PublishedRun, top_check: bool = True) -> dict[str, Any]:
         "global_batch": run.global_batch, "seq_len": run.seq_len, "metric": run.metric, "reported": run.reported,
         "predicted": value, "error": error, "predicted_without_overheads": run.predicted(before),
         "error_without_overheads": run.predicted(before) / run.reported - 1, "fits": pred.fits, "memory_gb_per_gpu": pred.memory_gb_per_gpu,
-        "mfu": pred.mfu, "breakdown": pred.breakdown, "dominant": pred.dominant}
+        "mfu": pred.mfu, "breakdown": pred.breakdown, "dominant": pred.dominant,
+        "compute_share": (pred.breakdown["compute"] + pred.breakdown["recompute"]) / pred.step_time_s}
     if top_check:
         lay = run.layout
         found = search(run.cloud, run.model, run.global_batch, run.seq_len, top=10, training=run.training,

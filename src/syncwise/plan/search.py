@@ -162,6 +162,7 @@ def rank(preds: list[Prediction], priority: str = "balanced") -> list[Prediction
 LABELS = {"compute": "compute", "kernel_overhead": "per-kernel launch overhead", "recompute": "recomputation",
           "tp_comm": "tensor-parallel communication",
           "ep_comm": "expert all-to-alls", "pp_p2p": "pipeline sends", "pp_bubble": "the pipeline bubble",
+          "pp_imbalance": "the busiest pipeline stage", "grad_accumulation": "gradient accumulation",
           "fsdp_comm_exposed": "exposed FSDP gathers", "dp_comm_exposed": "exposed gradient sync",
           "sync_exposed": "exposed replica averaging", "compress_compute": "compression compute",
           "optimizer": "the optimizer step"}
