@@ -225,9 +225,13 @@ NOTES = """\
   13 are is not found: not DeepSpeed's schedule, not the A100 (below).
 - **Llama 3 405B at 16,384 GPUs (−18 %; 8,192 GPUs −8 %)**: one layer fewer on the first and last stage, as
   the paper balanced them (§3.3.2); with 16 micro-batches per pipeline and interleaving at 2 stages
-  per rank (assumed: the paper does not give v), the modelled bubble is 32 % of the step; Meta's tuned
-  schedule evidently loses less. The layout also does not fit our memory model without recomputation, so the
-  publication's memory settings differ from ours.
+  per rank (assumed: the paper does not give v), the modelled bubble is 29 % of the step; Meta's tuned
+  schedule evidently loses less. The two rows hang on that v: at 3 / 4 / 6 stages per rank they would be
+  −2.6 / +0.1 / +2.5 % (8,192 GPUs) and −10.1 / −5.5 / −0.7 % (16,384). If the paper's remark (§3.3.2, as we read it) that the
+  first model chunk of the first stage then holds only the embedding means one layer per chunk, v is 8: 128 virtual
+  stages for 126 layers, which the planner cannot express. v stays at the 2 assumed before these rows were
+  seen. The layout also does not fit our memory model without recomputation, so the publication's memory
+  settings differ from ours.
 - **Megatron-LM Table 1, as its script ran it (issue 41)**: the rows assumed micro-batch 1 and a non-interleaved
   1F1B ("the table gives neither"); the paper's own script, examples/sc21/run_table_1.sh, gives both: micro-batch
   16 / 16 / 16 / 8 / 4 / 2 / 2 / 1 / 1 / 1, the interleaved schedule at 3 / 2 / 2 / 3 stages per rank for the
