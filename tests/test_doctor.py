@@ -42,16 +42,25 @@ PLANTED = {
 }
 
 
-def _entry(rank: int, world: int, jobs: list, results) -> None:
+def _entry(rank: int, world: int, jobs: list, ports, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", OMP_NUM_THREADS="1")
     import torch
 
     from syncwise.commands.worker import run_worker
+    from syncwise.launch import free_port
 
     torch.set_num_threads(1)
     try:
-        for cfg, port in jobs:
+        for cfg in jobs:
+            # each job's port is chosen as it starts, by rank 0, not all at once before the first job: a port
+            # left unbound for a minute is one any connection on the machine (other tests' workers) may take
+            if rank == 0:
+                port = free_port()
+                for _ in range(world - 1):
+                    ports.put(port)
+            else:
+                port = ports.get(timeout=120)
             os.environ["MASTER_PORT"] = str(port)
             run_worker(cfg)  # joins the job's gloo group, trains, destroys the group
         results.put((rank, None))
@@ -63,16 +72,15 @@ def train_runs(argvs: list[list[str]], world: int = 2, timeout: float = 300.0) -
     """`syncwise train` for each argv (config.json by the launcher's prepare_run_dir), on one pair of workers."""
     from syncwise.commands.train import prepare_run_dir
     from syncwise.config import config_from_argv
-    from syncwise.launch import free_port
 
     jobs = []
     for argv in argvs:
         cfg = config_from_argv(argv)
         prepare_run_dir(cfg).release()
-        jobs.append((cfg, free_port()))
+        jobs.append(cfg)
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=(r, world, jobs, results)) for r in range(world)]
+    results, ports = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_entry, args=(r, world, jobs, ports, results)) for r in range(world)]
     for p in procs:
         p.start()
     errors = []
