@@ -52,6 +52,11 @@ from .memory import Memory, activation_terms, memory_per_rank, stage_params
 from .model import ModelSpec
 
 GIB = 2**30
+#: the breakdown's parts the device spends computing (the busy time a run's measured compute holds), and those it
+#: spends idle in a pipeline (its bubble, waiting on the busiest stage): together the floor no communication
+#: strategy lowers
+COMPUTE_TERMS = ("compute", "kernel_overhead", "recompute", "grad_accumulation", "optimizer")
+PIPELINE_IDLE_TERMS = ("pp_bubble", "pp_imbalance")
 
 
 # ------------------------------------------------------------------------------------------------ collectives

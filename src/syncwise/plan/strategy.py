@@ -38,14 +38,14 @@ from ..layout import METHODS, SyncSpec, parse_compress, parse_sync
 from ..specs import spec_name
 from .cloud import CloudConfig
 from .convergence_model import MODEL_PATH, ConvergenceModel, _option, load_model as load_convergence_model, replicas_of
-from .cost import CODEC_COST, predict
+from .cost import CODEC_COST, COMPUTE_TERMS, PIPELINE_IDLE_TERMS, predict
 from .layout import SYNCWISE, Layout, Training
 from .model import ModelSpec
 from .search import human_time
 
 TABLE_PATH = Path(__file__).with_name("convergence.json")
 #: the step parts no communication strategy changes: the compute floor a step cannot beat
-FLOOR_TERMS = ("compute", "kernel_overhead", "recompute", "optimizer", "pp_bubble")
+FLOOR_TERMS = COMPUTE_TERMS + PIPELINE_IDLE_TERMS
 #: peers that run outside syncwise (their rows are measured, but syncwise cannot run them as a strategy)
 NOT_RUNNABLE = ("torchft-diloco",)
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from .cloud import CloudConfig, Fabric, cluster
-from .cost import Prediction, bus_factor, predict
+from .cost import COMPUTE_TERMS, Prediction, bus_factor, predict
 from .layout import SYNCWISE, Layout, Training
 from .model import ModelSpec
 from ..layout import BUCKET_CAP_MB
@@ -177,8 +177,7 @@ def bucket_bytes(model: ModelSpec, bucket_cap_mb: float) -> float:
 
 
 def _compute_part(p: Prediction) -> float:
-    b = p.breakdown
-    return b["compute"] + b["kernel_overhead"] + b["recompute"] + b["optimizer"]
+    return sum(p.breakdown[k] for k in COMPUTE_TERMS)
 
 
 def fitted_efficiency(m: Measured, cloud: CloudConfig, training: Training) -> float:
