@@ -213,7 +213,7 @@ NOTES = """\
   the same run as Megatron-LM's 529.6 B row. That row ran Megatron-LM's interleaved schedule with 3 stages per
   rank and fp16 gradients (examples/sc21/run_table_1.sh); MT-NLG ran Megatron's layers in DeepSpeed's pipeline
   engine — non-interleaved TrainSchedule, sends partitioned over the tp ranks — in bf16 with fp32 gradients. Two
-  terms now price what both rows pay: the last stage's head (3 layers of 20,480 a stage, the head worth 0.27 of
+  terms now price what both rows pay: the last stage's head (3 layers of 20,480 a stage, the head worth 0.14 of
   one: +3.5 % of MT-NLG's step) and each micro-batch's gradient accumulation (1.9 B parameters a rank, 10 B each
   into fp32 main gradients, 240 times: +4.7 %). DeepSpeed's "synchronous" 1F1B is not the rest:
   `benchmarks/deepspeed_schedule.py` runs its TrainSchedule (its step-to-micro-batch map, line for line) with
