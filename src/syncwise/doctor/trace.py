@@ -192,10 +192,7 @@ def event_bytes(event: dict) -> Optional[int]:
             continue
         shapes = shape if shape and all(isinstance(s, list) for s in shape) else [shape]  # a tensor list
         for s in shapes:
-            n = 1
-            for d in s:
-                n *= int(d)
-            total += n * size
+            total += math.prod(int(d) for d in s) * size
             seen = True
     return total if seen else None
 
@@ -207,10 +204,7 @@ def _entry_bytes(entry: dict) -> Optional[int]:
         size = _DTYPE_BYTES.get(str(dtype).lower())
         if size is None:
             return None
-        n = 1
-        for d in shape:
-            n *= int(d)
-        total += n * size
+        total += math.prod(int(d) for d in shape) * size
     return total
 
 
@@ -245,9 +239,9 @@ def recorded(data: dict, comm: list[tuple[dict, str]]) -> dict[int, tuple[Option
                       if r["kind"] == k]
             if len(inside) == 1:
                 out[id(e)] = (inside[0]["bytes"], inside[0]["pg"])
-    queues: dict[str, list[dict]] = {}
+    queues: dict[str, collections.deque] = {}
     for r in entries:
-        queues.setdefault(r["pg"], []).append(r)
+        queues.setdefault(r["pg"], collections.deque()).append(r)
     thread_of: dict[Any, str] = {}
     seen: dict[str, set] = {}
     for e, k in sorted(((e, k) for e, k in comm if not _is_issue(e)), key=lambda ek: float(ek[0]["ts"])):
@@ -258,7 +252,7 @@ def recorded(data: dict, comm: list[tuple[dict, str]]) -> dict[int, tuple[Option
         if not ready:
             continue
         g = min(ready, key=lambda g: (len(seen.get(g, ())), queues[g][0]["ts"]))
-        r = queues[g].pop(0)
+        r = queues[g].popleft()
         thread_of[where] = g
         seen.setdefault(g, set()).add(where)
         out[id(e)] = (r["bytes"], g)
